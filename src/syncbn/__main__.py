@@ -1,0 +1,5 @@
+"""``python -m syncbn``: see :mod:`syncbn.cli`."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""Command line: ``python -m syncbn <command>`` (also the ``syncbn`` console script).
+
+Each command lives in its own module with ``add_arguments(parser)`` and
+``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+
+COMMANDS = {
+    "demo": "Train a small conv net with SyncBatchNorm on 2 CPU ranks (scikit-learn digits).",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; return its exit code."""
+    parser = argparse.ArgumentParser(
+        prog="syncbn", description="Synchronized Batch Normalization for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f"{__name__}.{name}")
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    module = importlib.import_module(f"{__name__}.{args.command}")
+    return int(module.run(args))

@@ -1,0 +1,231 @@
+"""``SyncBatchNorm`` and its 1d/2d/3d classes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import groups
+from .functional import check_input, sync_batch_norm
+
+__all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d"]
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalization whose training statistics span every rank of a process group.
+
+    A drop-in for ``torch.nn.SyncBatchNorm`` that also runs on CPU (any
+    ``torch.distributed`` backend: gloo, NCCL, MPI) and is exactly
+    ``nn.BatchNorm`` without an initialised process group or in a group of one.
+
+    In training, mean and variance are computed per channel over the
+    concatenation of every rank's batch (uneven and empty per-rank batches
+    included):
+
+    .. math::
+        y = \\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}} * \\gamma + \\beta
+
+    Each rank packs its count ``n``, ``n * mean`` and ``M2 + n * mean^2`` (``M2``
+    the sum of squared deviations, computed two-pass locally) in float64, and
+    one ``all_reduce`` gives the global :math:`N, S, Q`; then
+    :math:`\\mu = S/N` and :math:`M_2 = Q - S\\mu`. Backward all-reduces
+    :math:`\\sum g` and :math:`\\sum g\\hat x`. That is one collective of
+    :math:`O(C)` float64 values each way, whatever the world size, and no
+    device-to-host synchronisation on GPU. The running variance is updated with
+    the unbiased global variance; the gradients of :math:`\\gamma` and
+    :math:`\\beta` stay local (DDP sums them).
+
+    Eval mode never communicates: it uses the running statistics or, with
+    ``track_running_stats=False``, the local batch's statistics (as
+    ``torch.nn.SyncBatchNorm`` does).
+
+    Args:
+        num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
+        eps: value added to the variance for numerical stability. Default: 1e-5.
+        momentum: running-statistics update factor, or ``None`` for a cumulative
+            moving average. Default: 0.1.
+        affine: learnable per-channel :math:`\\gamma` and :math:`\\beta`. Default: ``True``.
+        track_running_stats: keep running mean and variance for eval. Default: ``True``.
+        process_group: ``torch.distributed`` group whose ranks share statistics;
+            ``None`` is the default group, looked up at call time.
+        device: device of the parameters and buffers.
+        dtype: dtype of the parameters and buffers.
+        freeze: normalise with the running statistics in training too, never
+            update them, give :math:`\\gamma` and :math:`\\beta` no gradient and
+            never communicate (the input still gets its gradient). Default: ``False``.
+
+    Shape:
+        - Input: :math:`(N, C, *)`, at least 2 dimensions.
+        - Output: same shape, dtype and memory format as the input.
+
+    Example::
+
+        >>> import torch, syncbn
+        >>> bn = syncbn.SyncBatchNorm(16)
+        >>> y = bn(torch.randn(8, 16, 10, 10))   # plain BatchNorm outside torch.distributed
+        >>> # under torchrun: torch.distributed.init_process_group("gloo"), then the
+        >>> # same call normalises over every rank's batch together.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        freeze: bool = False,
+    ) -> None:
+        if freeze and not track_running_stats:
+            raise ValueError(
+                "freeze=True normalises with the running statistics, so it needs "
+                "track_running_stats=True (got track_running_stats=False)"
+            )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+        self.freeze = freeze
+
+    _input_dims: tuple[int, ...] | None = None
+    _input_dims_text = ""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        check_input(input, self.num_features, dims=self._input_dims, dims_text=self._input_dims_text)
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if self.freeze:
+            return F.batch_norm(
+                input,
+                self.running_mean,
+                self.running_var,
+                None if self.weight is None else self.weight.detach(),
+                None if self.bias is None else self.bias.detach(),
+                False,
+                0.0,
+                self.eps,
+            )
+
+        tracking = self.training and self.track_running_stats
+        if self.momentum is None:
+            # Cumulative moving average, as nn.BatchNorm: 1 / (batches seen, this one included).
+            seen = self.num_batches_tracked
+            factor = 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
+        else:
+            factor = self.momentum
+
+        if not self.training:
+            # Eval never communicates: running statistics, or the local batch's.
+            return F.batch_norm(
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                self.running_mean is None,
+                0.0,
+                self.eps,
+            )
+
+        if isinstance(self.process_group, groups.ProcessGroupRef) and groups.is_initialized():
+            self.process_group = self.process_group.lookup()
+        out = sync_batch_norm(
+            input,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
+            self.weight,
+            self.bias,
+            True,
+            factor,
+            self.eps,
+            self.process_group,
+        )
+        if tracking and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return out
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return text + ", freeze=True" if self.freeze else text
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if "process_group" in state:
+            state["process_group"] = groups.to_picklable(state["process_group"])
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            # A process group is a handle to live communicators: share it.
+            new.__dict__[key] = value if key == "process_group" else copy.deepcopy(value, memo)
+        return new
+
+
+class SyncBatchNorm1d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for 2D input ``(N, C)`` or 3D input ``(N, C, L)``.
+
+    Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
+    like ``nn.BatchNorm1d``.
+
+    Shape:
+        - Input: :math:`(N, C)` or :math:`(N, C, L)`
+        - Output: same as input.
+
+    Example::
+
+        >>> bn = syncbn.SyncBatchNorm1d(32)
+        >>> y = bn(torch.randn(20, 32))
+    """
+
+    _input_dims = (2, 3)
+    _input_dims_text = "2D or 3D"
+
+
+class SyncBatchNorm2d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for 4D input ``(N, C, H, W)``.
+
+    Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
+    like ``nn.BatchNorm2d``.
+
+    Shape:
+        - Input: :math:`(N, C, H, W)`
+        - Output: same as input (``channels_last`` is kept).
+
+    Example::
+
+        >>> bn = syncbn.SyncBatchNorm2d(64)
+        >>> y = bn(torch.randn(8, 64, 32, 32))
+    """
+
+    _input_dims = (4,)
+    _input_dims_text = "4D"
+
+
+class SyncBatchNorm3d(SyncBatchNorm):
+    """:class:`SyncBatchNorm` for 5D input ``(N, C, D, H, W)``.
+
+    Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
+    like ``nn.BatchNorm3d``.
+
+    Shape:
+        - Input: :math:`(N, C, D, H, W)`
+        - Output: same as input (``channels_last_3d`` is kept).
+
+    Example::
+
+        >>> bn = syncbn.SyncBatchNorm3d(16)
+        >>> y = bn(torch.randn(2, 16, 4, 8, 8))
+    """
+
+    _input_dims = (5,)
+    _input_dims_text = "5D"

@@ -1,0 +1,225 @@
+"""Single-process behaviour: the math, gradients, module semantics and errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import syncbn
+from syncbn import _math
+from syncbn._function import SyncBatchNormFunction
+
+CLASSES = [
+    (syncbn.SyncBatchNorm1d, nn.BatchNorm1d, (6, 4)),
+    (syncbn.SyncBatchNorm1d, nn.BatchNorm1d, (6, 4, 5)),
+    (syncbn.SyncBatchNorm2d, nn.BatchNorm2d, (6, 4, 3, 5)),
+    (syncbn.SyncBatchNorm3d, nn.BatchNorm3d, (6, 4, 2, 3, 5)),
+    (syncbn.SyncBatchNorm, nn.BatchNorm2d, (6, 4, 3, 5)),
+]
+
+
+class OneMember:
+    """The group of a single member: summing over it is the identity."""
+
+    size = 1
+    rank = 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+@pytest.mark.parametrize("ours_cls, ref_cls, shape", CLASSES)
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"momentum": None}, {"affine": False}, {"track_running_stats": False}]
+)
+def test_without_process_group_is_exactly_batchnorm(ours_cls, ref_cls, shape, kwargs) -> None:
+    torch.manual_seed(0)
+    ours, ref = ours_cls(4, **kwargs), ref_cls(4, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    for training in (True, True, False):
+        ours.train(training)
+        ref.train(training)
+        x = torch.randn(shape)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1, y2 = ours(x1), ref(x2)
+        assert torch.equal(y1, y2)
+        g = torch.randn(shape)
+        y1.backward(g)
+        y2.backward(g)
+        assert torch.equal(x1.grad, x2.grad)
+    for (k1, v1), (k2, v2) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("sizes", [[5], [3, 4], [1, 0, 7, 2], [0, 9, 1]])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_merging_chunk_moments_equals_full_batch(sizes, dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    full = (torch.randn(sum(sizes), 3, 4, 4, generator=gen, dtype=torch.float64) * 0.5 + 3).to(dtype)
+    packed = torch.zeros(7, dtype=torch.float64)
+    for chunk in torch.split(full, sizes):
+        n = chunk.numel() // 3
+        mean, m2 = _math.local_moments(chunk) if n else (None, None)
+        packed += _math.pack_moments(n, mean, m2, channels=3, device=chunk.device)
+    count, mean, var, unbiased = _math.unpack_moments(packed, 3)
+    ref_var, ref_mean = torch.var_mean(full.double(), dim=(0, 2, 3), correction=0)
+    tol = 1e-13 if dtype == torch.float64 else 1e-6
+    assert count.item() == full.numel() // 3
+    torch.testing.assert_close(mean, ref_mean, rtol=tol, atol=tol)
+    torch.testing.assert_close(var, ref_var, rtol=tol, atol=tol)
+    torch.testing.assert_close(unbiased, torch.var(full.double(), dim=(0, 2, 3)), rtol=tol, atol=tol)
+
+
+def test_local_moments_are_stable_for_large_means() -> None:
+    x = torch.randn(32, 4, 16, 16, dtype=torch.float64) * 1e-3 + 10.0  # mean/std = 1e4
+    for layout in (x, x.contiguous(memory_format=torch.channels_last), x[:, :, 0, 0]):
+        x32 = layout.float()
+        mean, m2 = _math.local_moments(x32)
+        ref_var, ref_mean = torch.var_mean(x32.double(), dim=[0, *range(2, x32.dim())], correction=0)
+        n = x32.numel() // 4
+        assert ((m2.double() / n - ref_var).abs() / ref_var).max() < 1e-3
+
+
+def test_empty_global_batch_gives_zeros_not_nan() -> None:
+    count, mean, var, unbiased = _math.unpack_moments(torch.zeros(9, dtype=torch.float64), 4)
+    assert count.item() == 0
+    for t in (mean, var, unbiased):
+        assert torch.equal(t, torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(5, 3), (4, 3, 5), (3, 3, 2, 4)])
+def test_gradcheck_float64(affine, shape) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_(affine)
+    b = torch.randn(3, dtype=torch.float64).requires_grad_(affine)
+    weight, bias = (w, b) if affine else (None, None)
+
+    def fn(x, *params):
+        return SyncBatchNormFunction.apply(x, *(params or (None, None)), None, None, 1e-5, 0.1, OneMember())
+
+    assert torch.autograd.gradcheck(fn, (x, *((weight, bias) if affine else ())))
+
+
+def test_function_with_group_of_one_equals_batch_norm() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    rm2, rv2 = rm.clone(), rv.clone()
+    y = SyncBatchNormFunction.apply(x, w, b, rm, rv, 1e-5, 0.1, OneMember())
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y2 = F.batch_norm(x2, rm2, rv2, w2, b2, True, 0.1, 1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    for a, c in ((y, y2), (x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad), (rm, rm2), (rv, rv2)):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+
+
+def test_state_dict_loads_strictly_both_ways() -> None:
+    for ours_cls, ref_cls, _ in CLASSES:
+        ours, ref = ours_cls(4), ref_cls(4)
+        assert list(ours.state_dict()) == list(ref.state_dict())
+        assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        assert [n for n, _ in ours.named_buffers()] == [n for n, _ in ref.named_buffers()]
+        ours.load_state_dict(ref.state_dict(), strict=True)
+        ref.load_state_dict(ours.state_dict(), strict=True)
+
+
+def test_constructor_matches_torch_sync_batchnorm() -> None:
+    bn = syncbn.SyncBatchNorm(8, 1e-3, 0.2, False, False, None, "cpu", torch.float64, freeze=False)
+    assert (bn.eps, bn.momentum, bn.affine, bn.track_running_stats) == (1e-3, 0.2, False, False)
+    assert bn.process_group is None and bn.weight is None and bn.running_mean is None
+    assert syncbn.SyncBatchNorm2d(4, dtype=torch.float64).weight.dtype == torch.float64
+
+
+def test_freeze_uses_and_keeps_running_stats() -> None:
+    torch.manual_seed(0)
+    bn = syncbn.SyncBatchNorm2d(4, freeze=True)
+    with torch.no_grad():
+        bn.running_mean.uniform_()
+        bn.running_var.uniform_(0.5, 1.5)
+    before = copy.deepcopy(bn.state_dict())
+    ref = nn.BatchNorm2d(4).eval()
+    ref.load_state_dict(before)
+    x = torch.randn(5, 4, 3, 3, requires_grad=True)
+    y = bn.train()(x)
+    y.backward(torch.randn_like(y))
+    assert torch.equal(y, ref(x))
+    assert bn.weight.grad is None and bn.bias.grad is None and x.grad is not None
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert "freeze=True" in repr(bn)
+    with pytest.raises(ValueError, match="track_running_stats"):
+        syncbn.SyncBatchNorm(4, track_running_stats=False, freeze=True)
+
+
+@pytest.mark.parametrize(
+    "cls, shape, exc, match",
+    [
+        (syncbn.SyncBatchNorm, (4,), ValueError, r"expected at least 2D input \(got 1D input\)"),
+        (syncbn.SyncBatchNorm1d, (2, 4, 3, 3), ValueError, r"expected 2D or 3D input \(got 4D input\)"),
+        (syncbn.SyncBatchNorm2d, (2, 4, 3), ValueError, r"expected 4D input \(got 3D input\)"),
+        (syncbn.SyncBatchNorm3d, (2, 4, 3, 3), ValueError, r"expected 5D input \(got 4D input\)"),
+        (
+            syncbn.SyncBatchNorm2d,
+            (2, 5, 3, 3),
+            ValueError,
+            r"expected input with 4 channels .*got 5 channels",
+        ),
+    ],
+)
+def test_bad_input_is_rejected_before_any_state_changes(cls, shape, exc, match) -> None:
+    bn = cls(4)
+    before = copy.deepcopy(bn.state_dict())
+    with pytest.raises(exc, match=match):
+        bn(torch.randn(shape))
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_non_floating_input_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"expected a floating-point input tensor \(got dtype torch.int64\)"):
+        syncbn.SyncBatchNorm2d(4)(torch.ones(2, 4, 3, 3, dtype=torch.long))
+
+
+def test_single_value_per_channel_raises_like_batchnorm() -> None:
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        syncbn.SyncBatchNorm1d(4)(torch.randn(1, 4))
+
+
+def test_module_pickles_and_deepcopies_without_group() -> None:
+    bn = syncbn.SyncBatchNorm2d(4)
+    bn(torch.randn(3, 4, 2, 2))
+    for clone in (copy.deepcopy(bn), pickle.loads(pickle.dumps(bn))):
+        for k, v in bn.state_dict().items():
+            assert torch.equal(v, clone.state_dict()[k])
+    buf = io.BytesIO()
+    torch.save(bn, buf)
+    buf.seek(0)
+    assert isinstance(torch.load(buf, weights_only=False), syncbn.SyncBatchNorm2d)
+
+
+def test_functional_without_group_is_functional_batch_norm() -> None:
+    x = torch.randn(5, 3, 4)
+    rm1, rv1, rm2, rv2 = torch.zeros(3), torch.ones(3), torch.zeros(3), torch.ones(3)
+    y1 = syncbn.functional.sync_batch_norm(x, rm1, rv1, training=True, momentum=0.3)
+    y2 = F.batch_norm(x, rm2, rv2, training=True, momentum=0.3)
+    assert torch.equal(y1, y2) and torch.equal(rm1, rm2) and torch.equal(rv1, rv2)
+    with pytest.raises(ValueError, match="expected input with 3 channels"):
+        syncbn.functional.sync_batch_norm(torch.randn(5, 4), rm1, rv1, training=True)
+
+
+def test_low_precision_input_to_float32_layer_keeps_input_dtype() -> None:
+    for dtype in (torch.float16, torch.bfloat16):
+        y = syncbn.SyncBatchNorm2d(4)(torch.randn(3, 4, 2, 2).to(dtype))
+        assert y.dtype == dtype
