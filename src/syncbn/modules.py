@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import groups
+from . import groups, parallel
 from .functional import check_input, sync_batch_norm
 
 __all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d"]
@@ -135,6 +135,12 @@ class SyncBatchNorm(_BatchNorm):
                 self.eps,
             )
 
+        replica = self.__dict__.get("_syncbn_replica")
+        if replica is not None:
+            # An nn.DataParallel replica: synchronise with the sibling replicas (syncbn.parallel).
+            out: Tensor = replica.forward(self, input, factor)
+            return out
+
         if isinstance(self.process_group, groups.ProcessGroupRef) and groups.is_initialized():
             self.process_group = self.process_group.lookup()
         out = sync_batch_norm(
@@ -151,6 +157,13 @@ class SyncBatchNorm(_BatchNorm):
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
+
+    def _replicate_for_data_parallel(self) -> SyncBatchNorm:
+        # nn.DataParallel (and syncbn.parallel.replicate) replication: enrol the replica so
+        # that the replicas of this layer synchronise with each other.
+        replica: SyncBatchNorm = super()._replicate_for_data_parallel()
+        parallel.attach_replica(self, replica)
+        return replica
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
