@@ -1,0 +1,473 @@
+"""nn.DataParallel: syncbn layers in replicas synchronise across the replicas' threads.
+
+CPU tests drive the replicas through :mod:`syncbn.parallel` (replicate, one thread
+per replica, gather), the code path ``nn.DataParallel`` takes, and compare with a
+float64 ``nn.BatchNorm`` on the whole batch. CUDA tests run ``nn.DataParallel``
+itself and are skipped without GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import syncbn
+from syncbn import parallel
+from syncbn._function import SyncBatchNormFunction
+from syncbn._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES = {
+    "1d-2D": (syncbn.SyncBatchNorm1d, nn.BatchNorm1d, (4,)),
+    "1d-3D": (syncbn.SyncBatchNorm1d, nn.BatchNorm1d, (4, 5)),
+    "2d": (syncbn.SyncBatchNorm2d, nn.BatchNorm2d, (4, 3, 5)),
+    "3d": (syncbn.SyncBatchNorm3d, nn.BatchNorm3d, (3, 2, 3, 4)),
+    "generic": (syncbn.SyncBatchNorm, nn.BatchNorm2d, (4, 3, 3)),
+}
+
+
+@pytest.fixture(autouse=True)
+def short_timeout():
+    old = parallel.set_replica_timeout(1.0)
+    yield
+    parallel.set_replica_timeout(old)
+
+
+class Scale(nn.Module):
+    """A per-channel learnable scale, so that gradients flow to parameters upstream of the BN."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def make_pair(bn_cls, ref_cls, channels, dtype=torch.float64, **kwargs):
+    """(ours, reference) models with equal parameters and buffers."""
+    gen = torch.Generator().manual_seed(1)
+    ours = nn.Sequential(Scale(channels), bn_cls(channels, **kwargs)).to(dtype)
+    ref = nn.Sequential(Scale(channels), ref_cls(channels, **kwargs)).double()
+    with torch.no_grad():
+        for m in (ours[1], ref[1]):
+            if m.weight is not None:
+                m.weight.copy_(torch.rand(channels, generator=gen.manual_seed(2)) + 0.5)
+                m.bias.copy_(torch.randn(channels, generator=gen.manual_seed(3)))
+            if m.running_mean is not None:
+                m.running_mean.copy_(torch.randn(channels, generator=gen.manual_seed(4)))
+                m.running_var.copy_(torch.rand(channels, generator=gen.manual_seed(5)) + 0.5)
+    return ours, ref
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-10) -> None:
+    scale = max(b.detach().abs().max().item(), 1.0) if b.numel() else 1.0
+    err = (a.detach().double() - b.detach().double()).abs().max().item() if b.numel() else 0.0
+    assert err <= tol * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+def check_step(ours, ref, x, grad, chunks, tol=1e-10) -> None:
+    """One training/eval step through the driver and through the reference; compare everything."""
+    ours.zero_grad()
+    ref.zero_grad()
+    x_ours = x.clone().requires_grad_()
+    x_ref = x.detach().double().requires_grad_()
+    y = parallel.data_parallel(ours, x_ours, chunks)
+    y_ref = ref(x_ref)
+    assert y.shape == y_ref.shape
+    assert_close(y, y_ref, "output", tol)
+    if not torch.is_grad_enabled():
+        return
+    y.backward(grad.to(y.dtype))
+    y_ref.backward(grad.double())
+    assert_close(x_ours.grad, x_ref.grad, "input grad", tol)
+    for (name, p), p_ref in zip(ours.named_parameters(), ref.parameters()):
+        if p_ref.grad is None:
+            continue
+        assert_close(p.grad, p_ref.grad, f"grad of {name}", tol)
+    for (name, b), b_ref in zip(ours.named_buffers(), ref.buffers()):
+        assert_close(b, b_ref, f"buffer {name}", tol)
+
+
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+@pytest.mark.parametrize("chunks", [[3, 4], [2, 0, 5], [1, 1, 1, 4], 3])
+def test_matches_batchnorm_on_the_whole_batch(shape_name, chunks) -> None:
+    bn_cls, ref_cls, inner = SHAPES[shape_name]
+    ours, ref = make_pair(bn_cls, ref_cls, inner[0])
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(7, *inner, generator=gen, dtype=torch.float64) * 2 + 1
+        grad = torch.randn(7, *inner, generator=gen, dtype=torch.float64)
+        check_step(ours, ref, x, grad, chunks)
+        opt.step()
+        opt_ref.step()
+    assert int(ours[1].num_batches_tracked) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"momentum": None}, {"affine": False}, {"track_running_stats": False}]
+)
+def test_layer_options(kwargs) -> None:
+    ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4, **kwargs)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(9, 4, 3, 3, generator=gen, dtype=torch.float64)
+        grad = torch.randn(9, 4, 3, 3, generator=gen, dtype=torch.float64)
+        check_step(ours, ref, x, grad, [5, 0, 4])
+
+
+def test_float32_and_a_large_mean() -> None:
+    # BN alone: the reference sees exactly the float32 values the replicas see.
+    ours, ref = syncbn.SyncBatchNorm2d(4), nn.BatchNorm2d(4).double()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x = (torch.randn(8, 4, 6, 6, generator=gen) * 0.01 + 10.0).float()
+        grad = torch.randn(8, 4, 6, 6, generator=gen)
+        check_step(ours, ref, x, grad, [3, 5], tol=3e-4)
+
+
+def test_train_eval_switching() -> None:
+    ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4)
+    gen = torch.Generator().manual_seed(0)
+    for training in (True, False, True, True, False):
+        ours.train(training)
+        ref.train(training)
+        x = torch.randn(6, 4, 3, 3, generator=gen, dtype=torch.float64)
+        grad = torch.randn(6, 4, 3, 3, generator=gen, dtype=torch.float64)
+        check_step(ours, ref, x, grad, [2, 4])
+
+
+def test_no_grad_forward_updates_running_stats() -> None:
+    ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4)
+    x = torch.randn(6, 4, 3, 3, dtype=torch.float64)
+    with torch.no_grad():
+        check_step(ours, ref, x, None, [2, 4])
+    assert_close(ours[1].running_var, ref[1].running_var, "running_var")
+
+
+def test_layer_called_twice_per_forward() -> None:
+    class Twice(nn.Module):
+        def __init__(self, bn: nn.Module) -> None:
+            super().__init__()
+            self.bn = bn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.bn(x) * 2.0 + 1.0)
+
+    ours, ref = Twice(syncbn.SyncBatchNorm1d(3)).double(), Twice(nn.BatchNorm1d(3)).double()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+        grad = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+        check_step(ours, ref, x, grad, [3, 5])
+    assert int(ours.bn.num_batches_tracked) == 4
+
+
+@pytest.mark.parametrize("share_buffers", [True, False])
+def test_running_stats_land_on_the_users_module(share_buffers) -> None:
+    ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4)
+    x = torch.randn(6, 4, 3, 3, dtype=torch.float64)
+    replicas = parallel.replicate(ours, 3, share_buffers=share_buffers)
+    assert (replicas[0][1].running_mean is ours[1].running_mean) == share_buffers
+    outs = parallel.parallel_apply(replicas, list(torch.split(x, [1, 2, 3])))
+    assert_close(torch.cat(outs), ref(x), "output")
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        assert_close(getattr(ours[1], key), getattr(ref[1], key), key)
+        for replica in replicas:  # every replica computed the same update, bit for bit
+            assert torch.equal(getattr(replica[1], key), getattr(ours[1], key))
+
+
+def test_reproducible_bit_for_bit() -> None:
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), syncbn.SyncBatchNorm2d(8), nn.ReLU())
+        x = torch.randn(13, 3, 7, 7, requires_grad=True)
+        y = parallel.data_parallel(model, x, [4, 1, 5, 3])
+        y.backward(torch.randn_like(y))
+        return [y, x.grad, model[1].running_var, model[1].weight.grad, model[0].weight.grad]
+
+    first = run()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(first, run()))
+
+
+def test_single_replica_is_exactly_batchnorm() -> None:
+    torch.manual_seed(0)
+    ours, ref = syncbn.SyncBatchNorm2d(4), nn.BatchNorm2d(4)
+    x = torch.randn(5, 4, 3, 3)
+    y = parallel.data_parallel(ours, x, 1)
+    assert torch.equal(y, ref(x))
+    assert torch.equal(ours.running_var, ref.running_var)
+
+
+def test_every_chunk_empty() -> None:
+    ours = syncbn.SyncBatchNorm2d(4)
+    x = torch.randn(0, 4, 3, 3, requires_grad=True)
+    y = parallel.data_parallel(ours, x, [0, 0])
+    y.backward(torch.randn_like(y))
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    assert torch.equal(ours.running_mean, torch.zeros(4))
+    assert torch.equal(ours.running_var, torch.ones(4))
+
+
+def test_one_value_per_channel_raises_in_every_replica() -> None:
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel.*2 replicas"):
+        parallel.data_parallel(syncbn.SyncBatchNorm1d(3), torch.randn(1, 3), [1, 0])
+
+
+def test_cpu_backward_runs_every_replica_in_one_thread() -> None:
+    """Why the replicas share ONE autograd node: CPU backward runs all branches in one thread."""
+    seen: set[int] = set()
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x * 1.0
+            x.register_hook(lambda g: seen.add(threading.get_ident()))
+            return x
+
+    model = nn.Sequential(nn.Linear(3, 4), syncbn.SyncBatchNorm1d(4), Probe())
+    y = parallel.data_parallel(model, torch.randn(8, 3), 4)
+    y.backward(torch.randn_like(y))
+    assert seen == {threading.get_ident()}
+
+
+def test_a_blocking_backward_would_fail_on_cpu_but_boundedly() -> None:
+    """A per-replica backward that waits for the others cannot complete on CPU; it errors, not hangs."""
+    parallel.set_replica_timeout(0.3)
+
+    class Naive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rendezvous: Rendezvous | None = None
+            self.rank = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            group = ThreadSumGroup(self.rendezvous, self.rank)
+            return SyncBatchNormFunction.apply(x, None, None, None, None, 1e-5, 0.1, group)
+
+    rendezvous = Rendezvous(2, timeout=0.3, label="naive")
+    replicas = [Naive(), Naive()]
+    for k, r in enumerate(replicas):
+        r.rendezvous, r.rank = rendezvous, k
+    x = torch.randn(6, 3, requires_grad=True)
+    outs = parallel.parallel_apply(replicas, [x[:3], x[3:]])
+    start = time.monotonic()
+    with pytest.raises(ReplicaSyncError, match="never reached"):
+        torch.cat(outs).backward(torch.randn(6, 3))
+    assert time.monotonic() - start < 5
+
+
+class Branchy(nn.Module):
+    """Runs its BN only on chunks with more than ``min_rows`` rows; raises on a chunk of ``boom`` rows."""
+
+    def __init__(self, min_rows: int = 0, boom: int = -1) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.norm = syncbn.SyncBatchNorm1d(4)
+        self.min_rows, self.boom = min_rows, boom
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == self.boom:
+            raise KeyError("replica failed before the layer")
+        x = self.lin(x)
+        return self.norm(x) if x.shape[0] > self.min_rows else x
+
+
+def test_replica_that_skips_the_layer_gives_a_bounded_error_naming_it() -> None:
+    model = Branchy(min_rows=2)
+    start = time.monotonic()
+    with pytest.raises(ReplicaSyncError, match=r"layer 'norm' \(SyncBatchNorm1d\(4\)\).*replica\(s\) \[1\]"):
+        parallel.data_parallel(model, torch.randn(6, 3), [4, 2])
+    assert time.monotonic() - start < 5
+    # The failed step leaves nothing behind: the next one synchronises normally.
+    ref = nn.BatchNorm1d(4)
+    x = torch.randn(6, 3)
+    y = parallel.data_parallel(model, x, [3, 3])
+    assert_close(y, ref(model.lin(x)), "output after a failed step", 1e-5)
+
+
+@pytest.mark.parametrize("failing_chunk, expected", [(1, ReplicaSyncError), (0, KeyError)])
+def test_replica_that_raises_ends_the_others_boundedly(failing_chunk, expected) -> None:
+    sizes = [3, 3]
+    sizes[failing_chunk] = 5
+    start = time.monotonic()
+    with pytest.raises(expected):
+        parallel.data_parallel(Branchy(boom=5), torch.randn(8, 3), sizes)
+    assert time.monotonic() - start < 5
+
+
+def test_eval_never_waits() -> None:
+    model = Branchy(min_rows=2).eval()
+    start = time.monotonic()
+    parallel.data_parallel(model, torch.randn(6, 3), [4, 2])
+    assert time.monotonic() - start < 0.9
+
+
+def test_torch_replicate_is_recognised(monkeypatch) -> None:
+    """torch.nn.parallel.replicate itself (its broadcast made CPU-only) enrols the replicas."""
+    torch_replicate = importlib.import_module("torch.nn.parallel.replicate")
+
+    def cpu_broadcast(tensors, devices, detach=False):
+        copies = [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in devices[1:]]
+        return copies
+
+    monkeypatch.setattr(torch_replicate, "_broadcast_coalesced_reshape", cpu_broadcast)
+    model = nn.Sequential(nn.Linear(3, 4), syncbn.SyncBatchNorm1d(4))
+    for _ in range(2):  # a second replicate call makes a second, separate replication
+        replicas = torch_replicate.replicate(model, [0, 1, 2])
+        slots = [r[1].__dict__["_syncbn_replica"] for r in replicas]
+        assert [s.index for s in slots] == [0, 1, 2]
+        assert slots[0].replication is slots[2].replication and slots[0].replication.expected == 3
+        x = torch.randn(9, 3)
+        with torch.no_grad():
+            y = torch.cat(parallel.parallel_apply(replicas, list(torch.split(x, [4, 4, 1]))))
+            ref = nn.functional.batch_norm(model[0](x), None, None, training=True)
+        assert_close(y, ref * model[1].weight + model[1].bias, "output", 1e-5)
+
+
+def test_replicas_made_without_replicate_join_until_the_first_forward() -> None:
+    bn = syncbn.SyncBatchNorm1d(2)
+    first = [bn._replicate_for_data_parallel() for _ in range(2)]
+    for replica in first:
+        replica.weight, replica.bias = bn.weight, bn.bias
+    x = torch.randn(8, 2)
+    outs = parallel.parallel_apply(first, [x[:5], x[5:]])
+    assert_close(torch.cat(outs), nn.functional.batch_norm(x, None, None, training=True), "output", 1e-5)
+    second = bn._replicate_for_data_parallel()
+    assert second.__dict__["_syncbn_replica"].replication is not first[0].__dict__["_syncbn_replica"].replication
+
+
+def test_ordered_sum_ignores_arrival_order() -> None:
+    values = [torch.tensor([1e16], dtype=torch.float64), torch.tensor([1.0]).double(), torch.tensor([-1e16]).double()]
+    rendezvous = Rendezvous(3, timeout=5.0)
+    results: dict[int, torch.Tensor] = {}
+
+    def member(k: int) -> None:
+        time.sleep(0.02 * (2 - k))  # arrive in reverse order
+        results[k] = ThreadSumGroup(rendezvous, k).all_reduce_sum(values[k].clone())
+
+    threads = [threading.Thread(target=member, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = ordered_sum(values)  # (1e16 + 1) - 1e16 == 0 in float64; another order gives 1
+    assert all(torch.equal(results[k], expected) for k in range(3))
+
+
+def test_rendezvous_errors() -> None:
+    rendezvous = Rendezvous(2, timeout=0.2, label="layer 'x'")
+    with pytest.raises(ReplicaSyncError, match=r"layer 'x': replica 0 of 2 waited 0.2 s .* \[1\]"):
+        rendezvous.exchange(0, 1, what="a")
+    with pytest.raises(ReplicaSyncError, match="never reached"):  # broken for good
+        rendezvous.exchange(1, 1, what="a")
+
+    mismatch = Rendezvous(2, timeout=2.0, label="layer 'y'")
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            mismatch.exchange(0, 1, what="forward")
+        except ReplicaSyncError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    time.sleep(0.05)
+    with pytest.raises(ReplicaSyncError, match="in different ways"):
+        mismatch.exchange(1, 1, what="backward")
+    t.join()
+    assert errors and "in different ways" in str(errors[0])
+    with pytest.raises(ValueError, match="positive timeout"):
+        Rendezvous(2, timeout=0)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        parallel.set_replica_timeout(-1)
+
+
+def test_driver_argument_errors() -> None:
+    model = syncbn.SyncBatchNorm1d(2)
+    with pytest.raises(ValueError, match=r"summing to the batch size 4 \(got \[1, 2\]\)"):
+        parallel.data_parallel(model, torch.randn(4, 2), [1, 2])
+    with pytest.raises(ValueError, match="one input per replica"):
+        parallel.parallel_apply([model], [torch.randn(2, 2), torch.randn(2, 2)])
+    with pytest.raises(ValueError, match="at least 1"):
+        parallel.replicate(model, 0)
+
+
+def test_plain_data_parallel_without_gpus_is_batchnorm() -> None:
+    torch.manual_seed(0)
+    ours, ref = syncbn.SyncBatchNorm2d(4), nn.BatchNorm2d(4)
+    x = torch.randn(6, 4, 3, 3)
+    assert torch.equal(nn.DataParallel(ours)(x), ref(x))
+    assert torch.equal(ours.running_var, ref.running_var)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: nn.DataParallel itself
+# ----------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices")
+
+
+def cuda_check(device_ids: list[int], chunks_rows: int) -> None:
+    torch.manual_seed(0)
+    ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4, dtype=torch.float32)
+    ours = ours.cuda(device_ids[0])
+    dp = nn.DataParallel(ours, device_ids=device_ids)
+    gen = torch.Generator().manual_seed(0)
+    for training in (True, True, False, True):
+        dp.train(training)
+        ref.train(training)
+        x = torch.randn(chunks_rows, 4, 5, 5, generator=gen)
+        grad = torch.randn(chunks_rows, 4, 5, 5, generator=gen)
+        ours.zero_grad()
+        ref.zero_grad()
+        x_ours = x.cuda(device_ids[0]).requires_grad_()
+        x_ref = x.double().requires_grad_()
+        y = dp(x_ours)
+        y_ref = ref(x_ref)
+        assert_close(y.cpu(), y_ref, "output", 1e-4)
+        y.backward(grad.cuda(device_ids[0]))
+        y_ref.backward(grad.double())
+        assert_close(x_ours.grad.cpu(), x_ref.grad, "input grad", 1e-4)
+        for p, p_ref in zip(ours.parameters(), ref.parameters()):
+            assert_close(p.grad.cpu(), p_ref.grad, "param grad", 1e-4)
+        for b, b_ref in zip(ours.buffers(), ref.buffers()):
+            assert_close(b.cpu(), b_ref, "buffer", 1e-4)
+
+
+@needs_cuda
+def test_cuda_data_parallel_single_replica() -> None:
+    cuda_check([0], 6)
+
+
+@needs_cuda
+def test_cuda_driver_replicas_on_one_gpu() -> None:
+    ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4, dtype=torch.float32)
+    ours = ours.cuda()
+    x = torch.randn(7, 4, 5, 5)
+    y = parallel.data_parallel(ours, x.cuda(), [3, 0, 4])
+    assert_close(y.cpu(), ref(x.double()), "output", 1e-4)
+
+
+@needs_2_gpus
+def test_cuda_data_parallel_all_devices() -> None:
+    n = torch.cuda.device_count()
+    cuda_check(list(range(n)), 3 * n + 1)  # uneven chunks
+
+
+@needs_2_gpus
+def test_cuda_data_parallel_missing_replica_is_bounded() -> None:
+    model = Branchy(min_rows=2).cuda()
+    dp = nn.DataParallel(model, device_ids=[0, 1])
+    with pytest.raises(ReplicaSyncError, match="layer 'norm'"):
+        dp(torch.randn(5, 3).cuda())  # chunks of 3 and 2 rows: replica 1 skips the layer
