@@ -112,9 +112,7 @@ def test_matches_batchnorm_on_the_whole_batch(shape_name, chunks) -> None:
     assert int(ours[1].num_batches_tracked) == 3
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"momentum": None}, {"affine": False}, {"track_running_stats": False}]
-)
+@pytest.mark.parametrize("kwargs", [{"momentum": None}, {"affine": False}, {"track_running_stats": False}])
 def test_layer_options(kwargs) -> None:
     ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4, **kwargs)
     gen = torch.Generator().manual_seed(0)
@@ -342,11 +340,17 @@ def test_replicas_made_without_replicate_join_until_the_first_forward() -> None:
     outs = parallel.parallel_apply(first, [x[:5], x[5:]])
     assert_close(torch.cat(outs), nn.functional.batch_norm(x, None, None, training=True), "output", 1e-5)
     second = bn._replicate_for_data_parallel()
-    assert second.__dict__["_syncbn_replica"].replication is not first[0].__dict__["_syncbn_replica"].replication
+    assert (
+        second.__dict__["_syncbn_replica"].replication is not first[0].__dict__["_syncbn_replica"].replication
+    )
 
 
 def test_ordered_sum_ignores_arrival_order() -> None:
-    values = [torch.tensor([1e16], dtype=torch.float64), torch.tensor([1.0]).double(), torch.tensor([-1e16]).double()]
+    values = [
+        torch.tensor([1e16], dtype=torch.float64),
+        torch.tensor([1.0]).double(),
+        torch.tensor([-1e16]).double(),
+    ]
     rendezvous = Rendezvous(3, timeout=5.0)
     results: dict[int, torch.Tensor] = {}
 

@@ -1,6 +1,6 @@
 """syncbn: exact Synchronized Batch Normalization for PyTorch, everywhere you train."""
 
-from . import functional
+from . import functional, parallel
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __version__ = "0.1.0"
@@ -11,5 +11,6 @@ __all__ = [
     "SyncBatchNorm2d",
     "SyncBatchNorm3d",
     "functional",
+    "parallel",
     "__version__",
 ]

@@ -54,11 +54,12 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _math
 from ._function import statistics_dtype
@@ -173,7 +174,7 @@ class _ReplicaSlot:
         self.replication = replication
         self.index = index
 
-    def forward(self, layer: nn.Module, input: Tensor, momentum: float) -> Tensor:
+    def forward(self, layer: _BatchNorm, input: Tensor, momentum: float) -> Tensor:
         return _replica_batch_norm(layer, input, momentum, self.replication, self.index)
 
 
@@ -236,18 +237,23 @@ def attach_replica(master: nn.Module, replica: nn.Module) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Record:
+class _Record(NamedTuple):
     """One replica's contribution to the joint autograd node."""
 
-    __slots__ = ("x", "weight", "bias", "y", "mean", "var", "total", "count", "eps", "needs_grad")
-
-    def __init__(self, **fields: Any) -> None:
-        for key, value in fields.items():
-            setattr(self, key, value)
+    x: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    y: Tensor
+    mean: Tensor
+    var: Tensor
+    total: Tensor
+    n: int  # values per channel in this replica
+    eps: float
+    needs_grad: bool
 
 
 def _replica_batch_norm(
-    layer: nn.Module, x: Tensor, momentum: float, replication: _Replication, rank: int
+    layer: _BatchNorm, x: Tensor, momentum: float, replication: _Replication, rank: int
 ) -> Tensor:
     """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings."""
     rendezvous = replication.rendezvous()
@@ -258,11 +264,11 @@ def _replica_batch_norm(
     batches = layer.num_batches_tracked if tracking else None
 
     if rendezvous.size == 1:
-        out = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+        single = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
         if batches is not None:
             batches.add_(1)
         replication.publish(layer)
-        return out
+        return single
 
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -299,9 +305,7 @@ def _replica_batch_norm(
     if rank == 0:
         replication.publish(layer)
 
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias)
-    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     record = _Record(
         x=x,
         weight=weight,
@@ -310,7 +314,7 @@ def _replica_batch_norm(
         mean=mean,
         var=var,
         total=total,
-        count=count,
+        n=count,
         eps=eps,
         needs_grad=needs_grad,
     )
@@ -340,7 +344,7 @@ class _JointBatchNorm(torch.autograd.Function):
     def forward(ctx: Any, records: list[_Record], *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
         size = len(records)
         ctx.size = size
-        ctx.meta = [(r.mean, r.var, r.total, r.count) for r in records]
+        ctx.meta = [(r.mean, r.var, r.total, r.n) for r in records]
         ctx.eps = records[0].eps
         ctx.param_dtype = [
             r.weight.dtype if r.weight is not None else (r.bias.dtype if r.bias is not None else r.mean.dtype)
@@ -381,9 +385,7 @@ class _JointBatchNorm(torch.autograd.Function):
                         grads[k], xs[k], weights[k], mean, var, eps, total, here[:channels], here[channels:]
                     )
                 )
-        grad_weights = [
-            sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)
-        ]
+        grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
         grad_biases = [
             sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)
         ]
@@ -570,7 +572,9 @@ def data_parallel(module: nn.Module, input: Tensor, chunks: int | Sequence[int] 
     """
     if not isinstance(input, Tensor) or input.dim() == 0:
         raise TypeError(f"expected a tensor input with a batch dimension (got {type(input).__name__})")
-    if isinstance(chunks, int) and not isinstance(chunks, bool):
+    if isinstance(chunks, bool):
+        raise TypeError(f"expected an int or a sequence of chunk sizes (got {chunks!r})")
+    if isinstance(chunks, int):
         if chunks < 1:
             raise ValueError(f"expected at least 1 chunk (got chunks={chunks})")
         parts = list(torch.tensor_split(input, chunks))
@@ -578,8 +582,7 @@ def data_parallel(module: nn.Module, input: Tensor, chunks: int | Sequence[int] 
         sizes = [int(s) for s in chunks]
         if not sizes or min(sizes) < 0 or sum(sizes) != input.shape[0]:
             raise ValueError(
-                f"expected non-negative chunk sizes summing to the batch size {input.shape[0]} "
-                f"(got {sizes})"
+                f"expected non-negative chunk sizes summing to the batch size {input.shape[0]} (got {sizes})"
             )
         parts = list(torch.split(input, sizes))
     replicas = replicate(module, len(parts))
