@@ -73,7 +73,12 @@ def test_convert_swaps_classes_and_keeps_the_very_same_state() -> None:
 
     assert out is net
     kinds = [type(m) for m in out.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    assert kinds == [syncbn.SyncBatchNorm2d, syncbn.SyncBatchNorm3d, syncbn.SyncBatchNorm1d, syncbn.SyncBatchNorm1d]
+    assert kinds == [
+        syncbn.SyncBatchNorm2d,
+        syncbn.SyncBatchNorm3d,
+        syncbn.SyncBatchNorm1d,
+        syncbn.SyncBatchNorm1d,
+    ]
     for n, p in out.named_parameters():
         assert p is params[n], n
     for n, b in out.named_buffers():
@@ -252,7 +257,9 @@ def test_revert_gives_plain_batchnorm_classes() -> None:
         assert not hasattr(m, "process_group") and not hasattr(m, "freeze")
     x = torch.randn(4, 3, 2, 2, 2, 2)  # 6D: the generic plain class accepts it
     bn = back[3].eval()
-    assert torch.equal(bn(x), nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias))
+    assert torch.equal(
+        bn(x), nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias)
+    )
     with pytest.raises(ValueError, match=r"expected at least 2D input \(got 1D input\)"):
         back[3](torch.randn(3))
 

@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..convert import _convert
-from ..modules import SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __all__ = [
     "SynchronizedBatchNorm1d",
@@ -191,7 +192,7 @@ class SynchronizedBatchNorm3d(SyncBatchNorm3d):
         )
 
 
-_TO_SYNCHRONIZED: list[tuple[type[nn.modules.batchnorm._BatchNorm], type[SyncBatchNorm1d]]] = [
+_TO_SYNCHRONIZED: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
     (nn.BatchNorm1d, SynchronizedBatchNorm1d),
     (nn.BatchNorm2d, SynchronizedBatchNorm2d),
     (nn.BatchNorm3d, SynchronizedBatchNorm3d),
