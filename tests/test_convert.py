@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import pickle
 import warnings
@@ -335,6 +336,22 @@ def test_whole_model_checkpoints_load_strictly_both_ways() -> None:
         assert torch.equal(plain.state_dict()[k], v), k
 
 
+HAS_BIAS_FLAG = "bias" in inspect.signature(nn.BatchNorm2d).parameters
+
+
+@pytest.mark.skipif(not HAS_BIAS_FLAG, reason="nn.BatchNorm*d(bias=False) needs a newer torch")
+def test_weight_without_bias_survives_the_round_trip() -> None:
+    bn = nn.BatchNorm2d(3, bias=False)  # type: ignore[call-arg]
+    conv = syncbn.convert_sync_batchnorm(bn)
+    assert conv.bias is None and conv.weight is bn.weight
+    assert list(conv.state_dict()) == ["weight", "running_mean", "running_var", "num_batches_tracked"]
+    x = torch.randn(4, 3, 2, 2, requires_grad=True)
+    conv(x).backward(torch.randn(4, 3, 2, 2))
+    assert conv.weight.grad is not None
+    back = syncbn.revert_sync_batchnorm(conv)
+    assert type(back) is nn.BatchNorm2d and back.bias is None and "bias=False" in repr(back)
+
+
 def test_errors_name_what_was_expected() -> None:
     with pytest.raises(TypeError, match=r"expected a torch.nn.Module \(got int\)"):
         syncbn.convert_sync_batchnorm(3)  # type: ignore[arg-type]
@@ -375,6 +392,20 @@ def _converted_training(rank: int, world_size: int) -> dict[str, float]:
         errors["state:" + k] = (v.double() - v_ref.double()).abs().max().item()
     back = syncbn.revert_sync_batchnorm(conv).eval()
     errors["reverted_eval"] = (back(full) - ref.eval()(full)).abs().max().item()
+    if HAS_BIAS_FLAG:  # a weight without bias synchronises too
+        plain = nn.BatchNorm1d(4, bias=False).double()  # type: ignore[call-arg]
+        sync = syncbn.convert_sync_batchnorm(copy.deepcopy(plain))
+        full = torch.randn(8, 4, dtype=torch.float64, generator=gen)
+        x_ref = full.clone().requires_grad_()
+        x = full[start:stop].clone().requires_grad_()
+        grad = torch.randn(8, 4, dtype=torch.float64, generator=gen)
+        y_ref = plain(x_ref)
+        y_ref.backward(grad)
+        y = sync(x)
+        y.backward(grad[start:stop])
+        errors["no_bias_output"] = (y - y_ref[start:stop]).abs().max().item()
+        errors["no_bias_grad_input"] = (x.grad - x_ref.grad[start:stop]).abs().max().item()
+        errors["no_bias_running_var"] = (sync.running_var - plain.running_var).abs().max().item()
     return errors
 
 
