@@ -193,13 +193,14 @@ def test_shared_layers_stay_shared() -> None:
 
 
 def test_uninitialised_lazy_batchnorm_is_a_clear_error_and_initialised_one_converts() -> None:
-    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())
-    with pytest.raises(ValueError, match=r"uninitialised LazyBatchNorm2d at '1'.*forward pass"):
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match=r"uninitialised LazyBatchNorm2d at '2'.*forward pass"):
         syncbn.convert_sync_batchnorm(model)
-    assert isinstance(model[1], nn.LazyBatchNorm2d)  # nothing half-done at that layer
+    assert type(model[0]) is nn.BatchNorm2d  # an error leaves the model untouched
+    assert isinstance(model[2], nn.LazyBatchNorm2d)
     model(torch.randn(2, 3, 4, 4))
     conv = syncbn.convert_sync_batchnorm(model)
-    assert type(conv[1]) is syncbn.SyncBatchNorm2d and conv[1].num_features == 4
+    assert type(conv[2]) is syncbn.SyncBatchNorm2d and conv[2].num_features == 4
 
 
 class BNReLU(nn.BatchNorm2d):

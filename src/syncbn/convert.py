@@ -150,13 +150,6 @@ def _to_sync(
 ) -> nn.Module:
     if isinstance(layer, SyncBatchNorm):
         return layer  # already synchronised
-    if isinstance(layer, _LazyNormBase) and layer.has_uninitialized_params():
-        raise ValueError(
-            f"syncbn: cannot convert the uninitialised {type(layer).__name__} at {_path(prefix)}: "
-            "its number of features is not known yet; run one forward pass (or build the model "
-            "with nn.BatchNorm*d) before converting (expected an initialised layer, got one with "
-            "uninitialised parameters)"
-        )
     if not _keeps_behaviour(layer, prefix):
         return layer
     target: type[SyncBatchNorm] = SyncBatchNorm
@@ -278,6 +271,15 @@ def _convert(
     module: nn.Module, process_group: Any, classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]]
 ) -> nn.Module:
     """:func:`convert_sync_batchnorm` with a chosen plain-to-sync class table."""
+    # Check everything first, so that an error leaves the model untouched.
+    for name, mod in module.named_modules():
+        if isinstance(mod, _LazyNormBase) and mod.has_uninitialized_params():
+            raise ValueError(
+                f"syncbn: cannot convert the uninitialised {type(mod).__name__} at {_path(name)}: "
+                "its number of features is not known yet; run one forward pass (or build the model "
+                "with nn.BatchNorm*d) before converting (expected an initialised layer, got one with "
+                "uninitialised parameters)"
+            )
 
     def swap(mod: nn.Module, prefix: str) -> nn.Module:
         if isinstance(mod, _BatchNorm):
