@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any, Callable
 
 import pytest
@@ -414,3 +415,12 @@ def test_compat_layers_on_two_ranks_equal_batchnorm_on_the_global_batch(name: st
         assert errors, f"rank {rank}: nothing compared"
         for key, value in errors.items():
             assert value <= 1e-12, f"rank {rank} {name} {key}: {value}"
+
+
+def test_compat_layers_copy_and_pickle() -> None:
+    for layer in (sb.SynchronizedBatchNorm2d(3), mge.SyncBatchNorm(3, momentum=0.8, freeze=True)):
+        for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            assert type(clone) is type(layer)
+            assert clone.momentum == layer.momentum and clone.freeze == layer.freeze
+            for k, v in layer.state_dict().items():
+                assert torch.equal(clone.state_dict()[k], v)
