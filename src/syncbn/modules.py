@@ -183,6 +183,18 @@ class SyncBatchNorm(_BatchNorm):
             new.__dict__[key] = value if key == "process_group" else copy.deepcopy(value, memo)
         return new
 
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None) -> torch.nn.Module:
+        """Same as :func:`syncbn.convert_sync_batchnorm` (the ``torch.nn.SyncBatchNorm`` spelling).
+
+        Example::
+
+            >>> model = syncbn.SyncBatchNorm.convert_sync_batchnorm(model)
+        """
+        from .convert import convert_sync_batchnorm
+
+        return convert_sync_batchnorm(module, process_group)
+
 
 class SyncBatchNorm1d(SyncBatchNorm):
     """:class:`SyncBatchNorm` for 2D input ``(N, C)`` or 3D input ``(N, C, L)``.

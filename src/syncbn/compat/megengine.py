@@ -1,0 +1,130 @@
+"""Drop-in for MegEngine's ``SyncBatchNorm`` (``megengine.module.SyncBatchNorm``).
+
+Change only the import line (and keep MegEngine's arguments)::
+
+    # from megengine.module import SyncBatchNorm
+    from syncbn.compat.megengine import SyncBatchNorm
+
+    bn = SyncBatchNorm(64, momentum=0.9, freeze=False, group=None)
+
+It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics:
+
+* ``momentum`` is the fraction of the *old* running value kept:
+  ``running = momentum * running + (1 - momentum) * batch``. MegEngine's 0.9 is
+  PyTorch's 0.1; the layer stores the PyTorch-convention factor
+  ``1 - momentum`` in its ``momentum`` attribute, so its ``state_dict`` and
+  :func:`syncbn.revert_sync_batchnorm` give an ``nn.BatchNorm`` that behaves
+  the same.
+* ``freeze=True`` normalises with the running statistics in training too,
+  never updates them, gives weight and bias no gradient, and never communicates.
+* Input of 2, 3 or 4 dimensions, ``(N, C)``, ``(N, C, L)`` or ``(N, C, H, W)``.
+* ``track_running_stats=False`` normalises with the batch statistics in eval too.
+* ``group=None`` is the default ``torch.distributed`` group.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from ..modules import SyncBatchNorm as _SyncBatchNorm
+
+__all__ = ["SyncBatchNorm"]
+
+
+class SyncBatchNorm(_SyncBatchNorm):
+    """Synchronized batch norm with MegEngine's constructor and momentum convention.
+
+    Training statistics span every rank of ``group``; the result equals
+    ``nn.BatchNorm`` with ``momentum = 1 - momentum`` on the concatenation of
+    all ranks' batches.
+
+    .. math::
+        \\text{running} = \\text{momentum} \\cdot \\text{running}
+        + (1 - \\text{momentum}) \\cdot \\text{batch statistic}
+
+    Args:
+        num_features: number of channels :math:`C`.
+        eps: added to the variance for numerical stability. Default: 1e-5.
+        momentum: fraction of the old running statistics kept at each training
+            step (MegEngine convention; PyTorch's ``momentum`` is ``1 - momentum``).
+            Default: 0.9.
+        affine: learnable per-channel scale and shift. Default: ``True``.
+        track_running_stats: keep running statistics; without them eval uses the
+            batch statistics. Default: ``True``.
+        freeze: normalise with the running statistics, never update them and do
+            not train weight and bias. Default: ``False``.
+        group: ``torch.distributed`` group to synchronise over; ``None`` is the
+            default group. Also readable and settable as ``process_group``.
+        device: keyword-only; device of the parameters and buffers.
+        dtype: keyword-only; dtype of the parameters and buffers.
+
+    Shape:
+        - Input: :math:`(N, C)`, :math:`(N, C, L)` or :math:`(N, C, H, W)`.
+        - Output: same as input.
+
+    Raises:
+        TypeError: ``momentum`` is not a real number.
+        ValueError: ``freeze=True`` with ``track_running_stats=False``; in
+            forward, input that is not 2D, 3D or 4D
+            ("expected 2D, 3D or 4D input (got 5D input)").
+
+    Example::
+
+        >>> bn = SyncBatchNorm(16, momentum=0.9)
+        >>> y = bn(torch.randn(8, 16, 10, 10))
+        >>> bn.momentum   # stored in PyTorch's convention
+        0.09999999999999998
+    """
+
+    _input_dims = (2, 3, 4)
+    _input_dims_text = "2D, 3D or 4D"
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float = 0.9,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        freeze: bool = False,
+        group: Any = None,
+        *,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if not isinstance(momentum, numbers.Real) or isinstance(momentum, bool):
+            raise TypeError(
+                f"expected momentum to be a float in [0, 1] (MegEngine convention), "
+                f"got {type(momentum).__name__}"
+            )
+        super().__init__(
+            num_features,
+            eps,
+            1.0 - float(momentum),
+            affine,
+            track_running_stats,
+            process_group=group,
+            device=device,
+            dtype=dtype,
+            freeze=freeze,
+        )
+
+    @property
+    def group(self) -> Any:
+        """The ``torch.distributed`` group (``None``: the default group); same as ``process_group``."""
+        return self.process_group
+
+    @group.setter
+    def group(self, value: Any) -> None:
+        self.process_group = value
+
+    def extra_repr(self) -> str:
+        momentum = 1.0 - (self.momentum or 0.0)
+        text = (
+            f"{self.num_features}, eps={self.eps}, momentum={momentum:.6g} (MegEngine convention), "
+            f"affine={self.affine}, track_running_stats={self.track_running_stats}"
+        )
+        return text + ", freeze=True" if self.freeze else text

@@ -1,0 +1,329 @@
+"""Drop-in for the ``sync_batchnorm`` package (Synchronized-BatchNorm-PyTorch).
+
+Change only the import line::
+
+    # from sync_batchnorm import SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model
+    from syncbn.compat.sync_batchnorm import (
+        SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model,
+    )
+
+The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d`` under that
+package's constructor ``(num_features, eps=1e-5, momentum=0.1, affine=True)``.
+They synchronise across the replicas of a plain ``nn.DataParallel`` and, unlike
+the original, across the processes of ``torch.distributed`` too. No
+replication callback is needed for either, so :class:`DataParallelWithCallback`
+is a plain ``nn.DataParallel`` and :func:`patch_replication_callback` only
+checks its argument.
+
+Numerics follow ``nn.BatchNorm`` exactly where the original did not: the
+variance gets ``eps`` added (the original clamps it at ``eps``), and sums are
+accumulated in float64 from locally centred moments (the original sums ``x``
+and ``x**2`` in the input dtype, which cancels catastrophically when
+``|mean| >> std``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..convert import _convert
+from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+
+__all__ = [
+    "SynchronizedBatchNorm1d",
+    "SynchronizedBatchNorm2d",
+    "SynchronizedBatchNorm3d",
+    "DataParallelWithCallback",
+    "patch_replication_callback",
+    "convert_model",
+    "patch_sync_batchnorm",
+    "set_sbn_eps_mode",
+]
+
+
+class SynchronizedBatchNorm1d(SyncBatchNorm1d):
+    """:class:`syncbn.SyncBatchNorm1d` with the ``sync_batchnorm`` package's constructor.
+
+    Args:
+        num_features: number of channels :math:`C`.
+        eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
+        momentum: running-statistics update factor. Default: 0.1.
+        affine: learnable per-channel scale and shift. Default: ``True``.
+        track_running_stats: keyword-only; keep running statistics. Default: ``True``.
+        process_group: keyword-only; ``torch.distributed`` group to synchronise
+            over, ``None`` for the default group.
+        device: keyword-only; device of the parameters and buffers.
+        dtype: keyword-only; dtype of the parameters and buffers.
+
+    Shape:
+        - Input: :math:`(N, C)` or :math:`(N, C, L)`
+        - Output: same as input.
+
+    Example::
+
+        >>> bn = SynchronizedBatchNorm1d(32)
+        >>> y = bn(torch.randn(20, 32))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        *,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            process_group=process_group,
+            device=device,
+            dtype=dtype,
+        )
+
+
+class SynchronizedBatchNorm2d(SyncBatchNorm2d):
+    """:class:`syncbn.SyncBatchNorm2d` with the ``sync_batchnorm`` package's constructor.
+
+    Args:
+        num_features: number of channels :math:`C`.
+        eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
+        momentum: running-statistics update factor. Default: 0.1.
+        affine: learnable per-channel scale and shift. Default: ``True``.
+        track_running_stats: keyword-only; keep running statistics. Default: ``True``.
+        process_group: keyword-only; ``torch.distributed`` group to synchronise
+            over, ``None`` for the default group.
+        device: keyword-only; device of the parameters and buffers.
+        dtype: keyword-only; dtype of the parameters and buffers.
+
+    Shape:
+        - Input: :math:`(N, C, H, W)`
+        - Output: same as input.
+
+    Example::
+
+        >>> bn = SynchronizedBatchNorm2d(64)
+        >>> y = bn(torch.randn(8, 64, 32, 32))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        *,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            process_group=process_group,
+            device=device,
+            dtype=dtype,
+        )
+
+
+class SynchronizedBatchNorm3d(SyncBatchNorm3d):
+    """:class:`syncbn.SyncBatchNorm3d` with the ``sync_batchnorm`` package's constructor.
+
+    Args:
+        num_features: number of channels :math:`C`.
+        eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
+        momentum: running-statistics update factor. Default: 0.1.
+        affine: learnable per-channel scale and shift. Default: ``True``.
+        track_running_stats: keyword-only; keep running statistics. Default: ``True``.
+        process_group: keyword-only; ``torch.distributed`` group to synchronise
+            over, ``None`` for the default group.
+        device: keyword-only; device of the parameters and buffers.
+        dtype: keyword-only; dtype of the parameters and buffers.
+
+    Shape:
+        - Input: :math:`(N, C, D, H, W)`
+        - Output: same as input.
+
+    Example::
+
+        >>> bn = SynchronizedBatchNorm3d(16)
+        >>> y = bn(torch.randn(2, 16, 4, 8, 8))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        *,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            process_group=process_group,
+            device=device,
+            dtype=dtype,
+        )
+
+
+_TO_SYNCHRONIZED: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
+    (nn.BatchNorm1d, SynchronizedBatchNorm1d),
+    (nn.BatchNorm2d, SynchronizedBatchNorm2d),
+    (nn.BatchNorm3d, SynchronizedBatchNorm3d),
+]
+
+
+class DataParallelWithCallback(nn.DataParallel):
+    """``nn.DataParallel``, kept under this name so existing code runs unchanged.
+
+    syncbn layers synchronise across the replicas of a plain ``nn.DataParallel``
+    without any replication callback, so this class adds nothing to it.
+
+    Args:
+        module: the module to replicate.
+        device_ids: CUDA devices to replicate on (default: all).
+        output_device: device the outputs are gathered on (default: ``device_ids[0]``).
+        dim: dimension the inputs are scattered along. Default: 0.
+
+    Example::
+
+        >>> model = DataParallelWithCallback(model, device_ids=[0, 1])
+    """
+
+
+def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
+    """Accept an ``nn.DataParallel`` and do nothing: syncbn needs no replication callback.
+
+    Kept so that existing code runs unchanged.
+
+    Args:
+        data_parallel: the ``nn.DataParallel`` the original would have patched.
+
+    Raises:
+        TypeError: ``data_parallel`` is not an ``nn.DataParallel``.
+
+    Example::
+
+        >>> model = nn.DataParallel(model, device_ids=[0, 1])
+        >>> patch_replication_callback(model)   # no effect, no harm
+    """
+    if not isinstance(data_parallel, nn.DataParallel):
+        raise TypeError(
+            "patch_replication_callback expected a torch.nn.DataParallel "
+            f"(got {type(data_parallel).__name__})"
+        )
+
+
+def convert_model(module: nn.Module) -> nn.Module:
+    """Swap a model's BatchNorm layers for ``SynchronizedBatchNorm*d`` layers.
+
+    ``nn.BatchNorm1d/2d/3d`` become :class:`SynchronizedBatchNorm1d`/``2d``/``3d``
+    and other BatchNorm layers the generic :class:`syncbn.SyncBatchNorm`,
+    keeping the very same parameters, buffers, modes and hooks (see
+    :func:`syncbn.convert_sync_batchnorm`, which this is, with these classes).
+    An ``nn.DataParallel`` root comes back as a :class:`DataParallelWithCallback`
+    around the converted module, with the same ``device_ids``,
+    ``output_device`` and ``dim``.
+
+    Args:
+        module: the model, possibly wrapped in ``nn.DataParallel``.
+
+    Returns:
+        The converted model (a new object when the root is a BatchNorm layer
+        or an ``nn.DataParallel``).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example::
+
+        >>> model = convert_model(nn.DataParallel(model, device_ids=[0, 1]))
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_model expected a torch.nn.Module (got {type(module).__name__})")
+    if isinstance(module, nn.DataParallel):
+        inner = convert_model(module.module)
+        # Without GPUs nn.DataParallel sets neither output_device nor dim.
+        return DataParallelWithCallback(
+            inner,
+            device_ids=list(module.device_ids),
+            output_device=getattr(module, "output_device", None),
+            dim=getattr(module, "dim", 0),
+        )
+    return _convert(module, None, _TO_SYNCHRONIZED)
+
+
+@contextlib.contextmanager
+def patch_sync_batchnorm() -> Iterator[None]:
+    """Within the block, ``torch.nn.BatchNorm1d/2d/3d`` build ``SynchronizedBatchNorm1d/2d/3d``.
+
+    For models whose construction code cannot be edited. The original
+    ``torch.nn`` classes are restored on exit, also on error.
+
+    Example::
+
+        >>> with patch_sync_batchnorm():
+        ...     model = build_model()   # its nn.BatchNorm2d(...) calls make synchronised layers
+    """
+    saved = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    nn.BatchNorm1d = SynchronizedBatchNorm1d  # type: ignore[misc,assignment]
+    nn.BatchNorm2d = SynchronizedBatchNorm2d  # type: ignore[misc,assignment]
+    nn.BatchNorm3d = SynchronizedBatchNorm3d  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d = saved  # type: ignore[misc]
+
+
+def set_sbn_eps_mode(mode: str) -> None:
+    """Accept the original's eps-mode switch; syncbn always adds eps to the variance.
+
+    ``"plus"`` (add eps, as ``nn.BatchNorm``) is what syncbn does anyway.
+    ``"clip"`` (clamp the variance at eps) is not implemented: it warns and
+    syncbn keeps adding eps, so results equal ``nn.BatchNorm``.
+
+    Args:
+        mode: ``"plus"`` or ``"clip"``.
+
+    Raises:
+        ValueError: ``mode`` is neither.
+
+    Example::
+
+        >>> set_sbn_eps_mode("plus")
+    """
+    if mode not in ("plus", "clip"):
+        raise ValueError(f"set_sbn_eps_mode expected 'plus' or 'clip' (got {mode!r})")
+    if mode == "clip":
+        warnings.warn(
+            "syncbn always adds eps to the variance, as nn.BatchNorm does; "
+            "set_sbn_eps_mode('clip') has no effect",
+            UserWarning,
+            stacklevel=2,
+        )

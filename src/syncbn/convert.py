@@ -1,0 +1,327 @@
+"""Swap BatchNorm layers for syncbn layers in a model, and back.
+
+:func:`convert_sync_batchnorm` turns a model's ``nn.BatchNorm*d`` (and
+``torch.nn.SyncBatchNorm``) layers into :class:`syncbn.SyncBatchNorm` layers
+for training; :func:`revert_sync_batchnorm` turns syncbn layers into plain
+BatchNorm for inference, TorchScript and export.
+
+Both *move* the layer's state into the new layer instead of copying it: the
+very same ``Parameter`` objects (an optimizer built before the swap keeps
+working), the same buffers, ``requires_grad``, the layer's training/eval mode,
+device and dtype, every hook registered on the layer (the handles still
+remove them), and any attribute the user set on the layer. Only the class
+changes, and with it the behaviour in training.
+
+A BatchNorm subclass with a ``forward`` of its own (say, norm plus
+activation), or a parametrized layer, cannot be swapped without losing that
+behaviour: it is left as it is and a :class:`ConversionWarning` names it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
+from torch.nn.utils import parametrize
+
+from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+
+__all__ = ["BatchNorm", "ConversionWarning", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+
+
+class ConversionWarning(UserWarning):
+    """A layer was left unconverted because swapping its class would change its behaviour."""
+
+
+class BatchNorm(_BatchNorm):
+    """Plain (unsynchronised) batch normalization for input of any rank of at least 2.
+
+    What :func:`revert_sync_batchnorm` turns the generic
+    :class:`syncbn.SyncBatchNorm` and ``torch.nn.SyncBatchNorm`` into: exactly
+    ``nn.BatchNorm1d/2d/3d`` (same kernels, parameters, buffers and
+    ``state_dict`` keys) without their check on the number of dimensions.
+    Scriptable with ``torch.jit.script``.
+
+    Args:
+        num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
+        eps: value added to the variance for numerical stability. Default: 1e-5.
+        momentum: running-statistics update factor, or ``None`` for a cumulative
+            moving average. Default: 0.1.
+        affine: learnable per-channel scale and shift. Default: ``True``.
+        track_running_stats: keep running mean and variance for eval. Default: ``True``.
+        device: device of the parameters and buffers.
+        dtype: dtype of the parameters and buffers.
+
+    Shape:
+        - Input: :math:`(N, C, *)`, at least 2 dimensions.
+        - Output: same shape as the input.
+
+    Example::
+
+        >>> bn = syncbn.convert.BatchNorm(3).eval()
+        >>> y = bn(torch.randn(2, 3, 4, 4, 4, 4))   # 6D input
+    """
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+# Forwards that carry no behaviour beyond batch norm itself.
+_PLAIN_FORWARDS = frozenset(
+    {
+        _BatchNorm.forward,
+        nn.SyncBatchNorm.forward,
+        SyncBatchNorm.forward,
+        SyncBatchNorm1d.forward,
+        SyncBatchNorm2d.forward,
+        SyncBatchNorm3d.forward,
+    }
+)
+
+_TO_SYNC: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
+    (nn.BatchNorm1d, SyncBatchNorm1d),
+    (nn.BatchNorm2d, SyncBatchNorm2d),
+    (nn.BatchNorm3d, SyncBatchNorm3d),
+]
+_TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [
+    (SyncBatchNorm1d, nn.BatchNorm1d),
+    (SyncBatchNorm2d, nn.BatchNorm2d),
+    (SyncBatchNorm3d, nn.BatchNorm3d),
+]
+
+_sync_only_keys: frozenset[str] | None = None
+
+
+def _syncbn_only_keys() -> frozenset[str]:
+    """Instance attributes a syncbn layer has and a plain BatchNorm has not (``process_group``, ...)."""
+    global _sync_only_keys
+    if _sync_only_keys is None:
+        sync = SyncBatchNorm(1, device="meta").__dict__
+        plain = BatchNorm(1, device="meta").__dict__
+        _sync_only_keys = frozenset(set(sync) - set(plain))
+    return _sync_only_keys
+
+
+def _path(prefix: str) -> str:
+    return f"'{prefix}'" if prefix else "the root module"
+
+
+def _keeps_behaviour(layer: _BatchNorm, prefix: str) -> bool:
+    """Whether swapping ``layer``'s class keeps its behaviour; warn when it does not."""
+    reason = ""
+    if parametrize.is_parametrized(layer):
+        reason = "it is parametrized (torch.nn.utils.parametrize)"
+    elif type(layer).forward not in _PLAIN_FORWARDS:
+        reason = f"{type(layer).__qualname__} defines its own forward"
+    if reason:
+        warnings.warn(
+            f"syncbn: left {_path(prefix)} ({type(layer).__qualname__}) as it is because {reason}; "
+            "swapping its class would drop that behaviour. Convert it by hand if needed.",
+            ConversionWarning,
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
+def _transplant(old: _BatchNorm, new: _BatchNorm, keep_new: frozenset[str], drop: frozenset[str]) -> None:
+    """Move ``old``'s whole state into ``new``, which was built on the meta device.
+
+    Every instance attribute of ``old`` (parameters, buffers, hook dictionaries,
+    ``training``, the hyper-parameters, user-set attributes) replaces ``new``'s,
+    except the keys in ``keep_new``; keys in ``drop`` are not carried over.
+    The containers themselves are moved, not copied, so hook handles taken on
+    ``old`` still remove the hooks from ``new``.
+    """
+    for key, value in old.__dict__.items():
+        if key in keep_new or key in drop:
+            continue
+        new.__dict__[key] = value
+
+
+def _to_sync(
+    layer: _BatchNorm,
+    prefix: str,
+    process_group: Any,
+    classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]],
+) -> nn.Module:
+    if isinstance(layer, SyncBatchNorm):
+        return layer  # already synchronised
+    if not _keeps_behaviour(layer, prefix):
+        return layer
+    target: type[SyncBatchNorm] = SyncBatchNorm
+    for plain, sync in classes:
+        if isinstance(layer, plain) and type(layer)._check_input_dim is plain._check_input_dim:
+            target = sync
+            break
+    group = process_group
+    if group is None and isinstance(layer, nn.SyncBatchNorm):
+        group = layer.process_group  # keep the group the layer was built with
+    new = target(
+        layer.num_features,
+        layer.eps,
+        layer.momentum,
+        layer.affine,
+        track_running_stats=layer.track_running_stats,
+        process_group=group,
+        device="meta",
+    )
+    _transplant(layer, new, keep_new=_syncbn_only_keys(), drop=frozenset())
+    return new
+
+
+def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
+    if not isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)):
+        return layer
+    if not _keeps_behaviour(layer, prefix):
+        return layer
+    target: type[_BatchNorm] = BatchNorm
+    for sync, plain in _TO_PLAIN:
+        if (
+            isinstance(layer, sync)
+            and type(layer)._check_input_dim is sync._check_input_dim
+            and getattr(type(layer), "_input_dims", None) == getattr(sync, "_input_dims", None)
+        ):
+            target = plain
+            break
+    new = target(
+        layer.num_features,
+        layer.eps,
+        layer.momentum,
+        layer.affine,
+        layer.track_running_stats,
+        device="meta",
+    )
+    _transplant(layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group"})
+    return new
+
+
+def _replace(module: nn.Module, swap: Callable[[nn.Module, str], nn.Module]) -> nn.Module:
+    """Apply ``swap`` to every module, depth first, keeping shared modules shared."""
+    done: dict[int, nn.Module] = {}
+
+    def visit(mod: nn.Module, prefix: str) -> nn.Module:
+        key = id(mod)
+        if key in done:
+            return done[key]
+        new = swap(mod, prefix)
+        done[key] = new
+        for name, child in list(new._modules.items()):
+            if child is not None:
+                new._modules[name] = visit(child, f"{prefix}.{name}" if prefix else name)
+        return new
+
+    return visit(module, "")
+
+
+def _check_module(module: Any, function: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{function} expected a torch.nn.Module (got {type(module).__name__})")
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
+    """Replace every BatchNorm layer of ``module`` by a syncbn layer.
+
+    ``nn.BatchNorm1d/2d/3d`` become :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``
+    (same input checks); ``torch.nn.SyncBatchNorm`` and any other BatchNorm
+    (a ``torch.nn.modules.batchnorm._BatchNorm`` subclass) become the generic
+    :class:`~syncbn.SyncBatchNorm`. The swap keeps each layer's ``Parameter``
+    objects (optimizers built before it keep working), buffers,
+    ``requires_grad``, training/eval mode, device, dtype, hooks and user-set
+    attributes. Layers that already are syncbn layers are left alone; a layer
+    used at several places in the model stays one shared layer.
+
+    Left unconverted, with a :class:`ConversionWarning`: BatchNorm subclasses
+    that define their own ``forward`` and parametrized layers (swapping the
+    class would drop their behaviour).
+
+    Args:
+        module: the model (or a single BatchNorm layer, which is converted and
+            returned). Converted in place, except for a root that is itself a
+            BatchNorm layer.
+        process_group: ``torch.distributed`` group the new layers synchronise
+            over; ``None`` is the default group, looked up at call time. A
+            ``torch.nn.SyncBatchNorm`` keeps the group it was built with when
+            this is ``None``.
+
+    Returns:
+        ``module`` with its BatchNorm layers swapped, or the new layer when
+        ``module`` is itself a BatchNorm layer.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: the model holds an uninitialised ``nn.LazyBatchNorm*d``
+            (run one forward pass first).
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+        >>> model = syncbn.convert_sync_batchnorm(model)
+        >>> type(model[1]).__name__
+        'SyncBatchNorm2d'
+    """
+    _check_module(module, "convert_sync_batchnorm")
+    return _convert(module, process_group, _TO_SYNC)
+
+
+def _convert(
+    module: nn.Module, process_group: Any, classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]]
+) -> nn.Module:
+    """:func:`convert_sync_batchnorm` with a chosen plain-to-sync class table."""
+    # Check everything first, so that an error leaves the model untouched.
+    for name, mod in module.named_modules():
+        if isinstance(mod, _LazyNormBase) and mod.has_uninitialized_params():
+            raise ValueError(
+                f"syncbn: cannot convert the uninitialised {type(mod).__name__} at {_path(name)}: "
+                "its number of features is not known yet; run one forward pass (or build the model "
+                "with nn.BatchNorm*d) before converting (expected an initialised layer, got one with "
+                "uninitialised parameters)"
+            )
+
+    def swap(mod: nn.Module, prefix: str) -> nn.Module:
+        if isinstance(mod, _BatchNorm):
+            return _to_sync(mod, prefix, process_group, classes)
+        return mod
+
+    return _replace(module, swap)
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every syncbn layer (and ``torch.nn.SyncBatchNorm``) of ``module`` by plain BatchNorm.
+
+    For CPU inference, ``torch.jit.script``/``torch.export``/ONNX export and
+    deployment without ``torch.distributed``.
+    :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d`` (and subclasses that only
+    add constructor conveniences, such as the ``syncbn.compat`` classes)
+    become ``nn.BatchNorm1d/2d/3d``; the generic :class:`~syncbn.SyncBatchNorm`,
+    ``torch.nn.SyncBatchNorm`` and other syncbn subclasses become
+    :class:`syncbn.convert.BatchNorm`, which accepts any input of at least 2
+    dimensions. Parameters, buffers, mode, hooks and user-set attributes are
+    kept as by :func:`convert_sync_batchnorm`; ``process_group`` and ``freeze``
+    are dropped (a reverted layer in training mode updates its running stats
+    and trains its weight and bias even if the syncbn layer was frozen; in eval
+    it computes the same). ``convert_sync_batchnorm`` then
+    ``revert_sync_batchnorm`` leaves ``state_dict`` and eval outputs
+    bit-identical.
+
+    Args:
+        module: the model, or a single syncbn layer (which is reverted and returned).
+
+    Returns:
+        ``module`` with its synchronised layers swapped, or the new layer when
+        ``module`` is itself one.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), syncbn.SyncBatchNorm2d(8))
+        >>> plain = syncbn.revert_sync_batchnorm(model).eval()
+        >>> scripted = torch.jit.script(plain)
+    """
+    _check_module(module, "revert_sync_batchnorm")
+    return _replace(module, _to_plain)

@@ -1,0 +1,426 @@
+"""syncbn.compat: the sync_batchnorm package's API and MegEngine's SyncBatchNorm."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import syncbn
+from dist_harness import launch
+from syncbn.compat import megengine as mge
+from syncbn.compat import sync_batchnorm as sb
+from syncbn.convert import BatchNorm
+
+SYNCHRONIZED = [
+    (sb.SynchronizedBatchNorm1d, nn.BatchNorm1d, syncbn.SyncBatchNorm1d, (6, 4)),
+    (sb.SynchronizedBatchNorm1d, nn.BatchNorm1d, syncbn.SyncBatchNorm1d, (6, 4, 3)),
+    (sb.SynchronizedBatchNorm2d, nn.BatchNorm2d, syncbn.SyncBatchNorm2d, (6, 4, 3, 2)),
+    (sb.SynchronizedBatchNorm3d, nn.BatchNorm3d, syncbn.SyncBatchNorm3d, (6, 4, 2, 3, 2)),
+]
+
+
+# ---------------------------------------------------------------- sync_batchnorm, one process
+
+
+def test_public_names_match_the_package() -> None:
+    for name in (
+        "SynchronizedBatchNorm1d",
+        "SynchronizedBatchNorm2d",
+        "SynchronizedBatchNorm3d",
+        "DataParallelWithCallback",
+        "patch_replication_callback",
+        "convert_model",
+        "patch_sync_batchnorm",
+        "set_sbn_eps_mode",
+    ):
+        assert name in sb.__all__ and hasattr(sb, name)
+
+
+@pytest.mark.parametrize("ours_cls, ref_cls, base, shape", SYNCHRONIZED)
+def test_synchronized_classes_take_the_package_constructor_and_are_batchnorm(
+    ours_cls: Any, ref_cls: Any, base: Any, shape: tuple[int, ...]
+) -> None:
+    bn = ours_cls(4, 1e-3, 0.2, False)  # positional, as in the package
+    assert (bn.num_features, bn.eps, bn.momentum, bn.affine) == (4, 1e-3, 0.2, False)
+    assert isinstance(bn, base) and bn.process_group is None
+
+    torch.manual_seed(0)
+    ours, ref = ours_cls(4), ref_cls(4)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    for training in (True, True, False):
+        ours.train(training)
+        ref.train(training)
+        x = torch.randn(shape) * 2 + 3
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1, y2 = ours(x1), ref(x2)
+        assert torch.equal(y1, y2)
+        g = torch.randn(shape)
+        y1.backward(g)
+        y2.backward(g)
+        assert torch.equal(x1.grad, x2.grad)
+        assert torch.equal(ours.weight.grad, ref.weight.grad)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+
+
+def test_eps_is_added_to_the_variance_not_a_clamp() -> None:
+    # Per-channel variance about eps: the package divides by sqrt(max(var, eps)),
+    # BatchNorm by sqrt(var + eps).
+    x = torch.randn(8, 3, 4, 4, dtype=torch.float64) * 3e-3
+    ours = sb.SynchronizedBatchNorm2d(3).double()
+    ref = nn.BatchNorm2d(3).double()
+    assert torch.equal(ours(x), ref(x))
+    var = x.var((0, 2, 3), unbiased=False).view(1, 3, 1, 1)
+    clamped = (x - x.mean((0, 2, 3), keepdim=True)) / var.clamp(min=1e-5).sqrt()
+    assert (ours(x) - clamped).abs().max() > 0.1 * clamped.abs().max()
+
+
+def test_convert_model_swaps_batchnorms_and_keeps_parameters() -> None:
+    model = nn.Sequential(nn.Conv1d(3, 4, 1), nn.BatchNorm1d(4), nn.Unflatten(2, (1, 5)), nn.BatchNorm2d(4))
+    weight = model[1].weight
+    conv = sb.convert_model(model)
+    assert type(conv[1]) is sb.SynchronizedBatchNorm1d and conv[1].weight is weight
+    assert type(conv[3]) is sb.SynchronizedBatchNorm2d
+    assert conv(torch.randn(2, 3, 5)).shape == (2, 4, 1, 5)
+    back = syncbn.revert_sync_batchnorm(conv)
+    assert [type(back[1]), type(back[3])] == [nn.BatchNorm1d, nn.BatchNorm2d]
+    root = sb.convert_model(nn.BatchNorm3d(2))
+    assert type(root) is sb.SynchronizedBatchNorm3d
+    with pytest.raises(TypeError, match=r"expected a torch.nn.Module \(got list\)"):
+        sb.convert_model([nn.BatchNorm1d(2)])  # type: ignore[arg-type]
+
+
+def test_convert_model_rewraps_data_parallel_without_gpus() -> None:
+    inner = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    dp = nn.DataParallel(inner)  # without GPUs: device_ids == [], forward calls the module
+    out = sb.convert_model(dp)
+    assert type(out) is sb.DataParallelWithCallback and isinstance(out, nn.DataParallel)
+    assert out.device_ids == dp.device_ids
+    assert out.module is inner and type(inner[1]) is sb.SynchronizedBatchNorm1d
+    assert out(torch.randn(5, 3)).shape == (5, 4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="nn.DataParallel with device_ids needs a CUDA GPU")
+def test_convert_model_keeps_device_ids_output_device_and_dim() -> None:
+    inner = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).cuda()
+    dp = nn.DataParallel(inner, device_ids=[0], output_device=0, dim=0)
+    out = sb.convert_model(dp)
+    assert type(out) is sb.DataParallelWithCallback
+    assert (out.device_ids, out.output_device, out.dim) == ([0], 0, 0)
+    assert out(torch.randn(5, 3, device="cuda")).shape == (5, 4)
+
+
+def test_patch_replication_callback_checks_its_argument_and_does_nothing() -> None:
+    dp = nn.DataParallel(nn.Linear(2, 2))
+    before = dict(dp.__dict__)
+    assert sb.patch_replication_callback(dp) is None
+    assert dp.__dict__ == before
+    sb.patch_replication_callback(sb.DataParallelWithCallback(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match=r"expected a torch.nn.DataParallel \(got Linear\)"):
+        sb.patch_replication_callback(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_patch_sync_batchnorm_builds_synchronized_layers_inside_only() -> None:
+    original = nn.BatchNorm2d
+    with sb.patch_sync_batchnorm():
+        layer = nn.BatchNorm2d(3)
+    assert type(layer) is sb.SynchronizedBatchNorm2d
+    assert nn.BatchNorm2d is original and type(nn.BatchNorm1d(2)) is nn.BatchNorm1d
+    with pytest.raises(RuntimeError, match="boom"), sb.patch_sync_batchnorm():
+        raise RuntimeError("boom")
+    assert nn.BatchNorm2d is original
+
+
+def test_set_sbn_eps_mode() -> None:
+    sb.set_sbn_eps_mode("plus")
+    with pytest.warns(UserWarning, match="always adds eps"):
+        sb.set_sbn_eps_mode("clip")
+    with pytest.raises(ValueError, match=r"expected 'plus' or 'clip' \(got 'add'\)"):
+        sb.set_sbn_eps_mode("add")
+
+
+# ---------------------------------------------------------------- MegEngine, one process
+
+
+def test_megengine_constructor_and_momentum_convention() -> None:
+    bn = mge.SyncBatchNorm(4, 1e-3, 0.8, False, True, False, None)  # MegEngine's positional order
+    assert (bn.eps, bn.affine, bn.freeze, bn.group, bn.process_group) == (1e-3, False, False, None, None)
+    assert bn.momentum == pytest.approx(0.2)
+    assert "momentum=0.8 (MegEngine convention)" in repr(bn)
+    sentinel = object()
+    bn.group = sentinel
+    assert bn.process_group is sentinel
+
+    torch.manual_seed(0)
+    ours = mge.SyncBatchNorm(4, momentum=0.9).double()
+    x = torch.randn(16, 4, 3, 3, dtype=torch.float64) * 2 + 1
+    ours(x)
+    mean = x.mean((0, 2, 3))
+    var = x.var((0, 2, 3), unbiased=True)
+    assert torch.allclose(ours.running_mean, 0.9 * torch.zeros(4, dtype=torch.float64) + 0.1 * mean)
+    assert torch.allclose(ours.running_var, 0.9 * torch.ones(4, dtype=torch.float64) + 0.1 * var)
+    ref = nn.BatchNorm2d(4, momentum=1 - 0.9).double()
+    ref(x)
+    assert torch.equal(ours.running_mean, ref.running_mean)
+    assert torch.equal(ours.running_var, ref.running_var)
+    with pytest.raises(TypeError, match="expected momentum to be a float"):
+        mge.SyncBatchNorm(4, momentum=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (6, 3, 5), (6, 3, 4, 2)])
+def test_megengine_accepts_2d_3d_4d(shape: tuple[int, ...]) -> None:
+    bn = mge.SyncBatchNorm(3)
+    ref = nn.BatchNorm1d(3, momentum=1 - 0.9) if len(shape) < 4 else nn.BatchNorm2d(3, momentum=1 - 0.9)
+    x = torch.randn(shape)
+    assert torch.equal(bn(x), ref(x))
+    assert torch.equal(bn.running_var, ref.running_var)
+
+
+@pytest.mark.parametrize("dims", [1, 5])
+def test_megengine_rejects_other_ranks(dims: int) -> None:
+    bn = mge.SyncBatchNorm(3)
+    with pytest.raises(ValueError, match=rf"^expected 2D, 3D or 4D input \(got {dims}D input\)$"):
+        bn(torch.randn(*([3] * dims)))
+
+
+def test_megengine_freeze_uses_and_keeps_running_stats_and_trains_nothing() -> None:
+    torch.manual_seed(0)
+    bn = mge.SyncBatchNorm(4, freeze=True).double()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.uniform_(0.5, 2)
+        bn.bias.uniform_(-1, 1)
+    ref = nn.BatchNorm2d(4).double()
+    ref.load_state_dict(bn.state_dict())
+    ref.eval()
+    before = copy.deepcopy(bn.state_dict())
+    x = torch.randn(5, 4, 3, 3, dtype=torch.float64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    bn.train()
+    y1, y2 = bn(x1), ref(x2)
+    assert torch.equal(y1, y2)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    assert torch.equal(x1.grad, x2.grad)
+    assert bn.weight.grad is None and bn.bias.grad is None
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with pytest.raises(ValueError, match="track_running_stats=True"):
+        mge.SyncBatchNorm(4, track_running_stats=False, freeze=True)
+
+
+def test_megengine_without_running_stats_uses_batch_statistics_in_eval() -> None:
+    bn = mge.SyncBatchNorm(3, track_running_stats=False).eval()
+    x = torch.randn(6, 3, 4) * 3 + 2
+    assert bn.running_mean is None
+    assert torch.equal(bn(x), F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps))
+
+
+def test_megengine_reverts_to_an_equivalent_plain_batchnorm() -> None:
+    bn = mge.SyncBatchNorm(3, momentum=0.9)
+    bn(torch.randn(8, 3, 2, 2))
+    bn.eval()
+    x = torch.randn(4, 3, 2, 2)
+    want = bn(x)
+    back = syncbn.revert_sync_batchnorm(bn)
+    assert type(back) is BatchNorm and back.momentum == bn.momentum
+    assert not hasattr(back, "process_group")
+    assert torch.equal(back(x), want)
+    state = back.state_dict()
+    plain = nn.BatchNorm2d(3)
+    plain.load_state_dict(state, strict=True)
+    assert torch.equal(plain.eval()(x), want)
+
+
+# ---------------------------------------------------------------- 2 gloo ranks vs the global batch
+
+Factory = Callable[[], nn.Module]
+
+
+def _compare(
+    rank: int,
+    make_ours: Factory,
+    make_ref: Factory,
+    sizes: list[int],
+    inner: tuple[int, ...],
+    *,
+    ref_eval: bool = False,
+    frozen: bool = False,
+    steps: int = 2,
+) -> dict[str, float]:
+    """Run ``make_ours()`` on this rank's shard and ``make_ref()`` (float64) on the global batch."""
+    gen = torch.Generator().manual_seed(3)
+    ours, ref = make_ours().double(), make_ref().double()
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                c = m.num_features
+                if m.weight is not None:
+                    m.weight.copy_(torch.rand(c, generator=gen, dtype=torch.float64) + 0.5)
+                    m.bias.copy_(torch.randn(c, generator=gen, dtype=torch.float64))
+                if m.running_mean is not None:
+                    m.running_mean.copy_(torch.randn(c, generator=gen, dtype=torch.float64))
+                    m.running_var.copy_(torch.rand(c, generator=gen, dtype=torch.float64) + 0.5)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    if ref_eval:
+        ref.eval()
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    errors: dict[str, float] = {}
+
+    def note(key: str, value: float) -> None:
+        errors[key] = max(errors.get(key, 0.0), value)
+
+    for _ in range(steps):
+        full = torch.randn(sum(sizes), *inner, generator=gen, dtype=torch.float64) * 2 + 1
+        x_ref = full.clone().requires_grad_()
+        y_ref = ref(x_ref)
+        grad = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
+        ref.zero_grad()
+        y_ref.backward(grad)
+        x = full[start:stop].clone().requires_grad_()
+        ours.zero_grad()
+        y = ours(x)
+        y.backward(grad[start:stop])
+        if stop > start:
+            note("output", (y - y_ref[start:stop]).abs().max().item())
+            note("grad_input", (x.grad - x_ref.grad[start:stop]).abs().max().item())
+        for (name, p), p_ref in zip(ours.named_parameters(), ref.parameters()):
+            if frozen:  # a frozen layer trains neither weight nor bias
+                note("grad_present:" + name, float(p.grad is not None))
+                continue
+            g = p.grad.clone() if p.grad is not None else torch.full_like(p, float("nan"))
+            dist.all_reduce(g)  # weight/bias gradients are per rank: their sum is the global one
+            note("grad:" + name, (g - p_ref.grad).abs().max().item())
+        for (k, v), v_ref in zip(ours.state_dict().items(), ref.state_dict().values()):
+            note("state:" + k, (v.double() - v_ref.double()).abs().max().item())
+    return errors
+
+
+def _dist_cases(rank: int, world_size: int) -> dict[str, Any]:
+    momentum = 1 - 0.9  # MegEngine's 0.9 is PyTorch's 0.1, to the last bit of 1 - 0.9
+    cases: dict[str, Callable[[], dict[str, float]]] = {
+        "synchronized-1d-2D": lambda: _compare(
+            rank, lambda: sb.SynchronizedBatchNorm1d(5), lambda: nn.BatchNorm1d(5), [3, 6], (5,)
+        ),
+        "synchronized-1d-3D": lambda: _compare(
+            rank, lambda: sb.SynchronizedBatchNorm1d(4), lambda: nn.BatchNorm1d(4), [2, 3], (4, 6)
+        ),
+        "synchronized-2d": lambda: _compare(
+            rank, lambda: sb.SynchronizedBatchNorm2d(4), lambda: nn.BatchNorm2d(4), [1, 4], (4, 3, 5)
+        ),
+        "synchronized-3d-one-empty": lambda: _compare(
+            rank, lambda: sb.SynchronizedBatchNorm3d(3), lambda: nn.BatchNorm3d(3), [0, 3], (3, 2, 3, 2)
+        ),
+        "synchronized-momentum-none": lambda: _compare(
+            rank,
+            lambda: sb.SynchronizedBatchNorm2d(4, momentum=None),
+            lambda: nn.BatchNorm2d(4, momentum=None),
+            [2, 5],
+            (4, 3, 3),
+            steps=3,
+        ),
+        "megengine-2D": lambda: _compare(
+            rank, lambda: mge.SyncBatchNorm(5), lambda: nn.BatchNorm1d(5, momentum=momentum), [4, 2], (5,)
+        ),
+        "megengine-3D": lambda: _compare(
+            rank, lambda: mge.SyncBatchNorm(3), lambda: nn.BatchNorm1d(3, momentum=momentum), [2, 3], (3, 7)
+        ),
+        "megengine-4D": lambda: _compare(
+            rank,
+            lambda: mge.SyncBatchNorm(4),
+            lambda: nn.BatchNorm2d(4, momentum=momentum),
+            [3, 1],
+            (4, 3, 3),
+        ),
+        "megengine-momentum-0.7": lambda: _compare(
+            rank,
+            lambda: mge.SyncBatchNorm(4, momentum=0.7),
+            lambda: nn.BatchNorm2d(4, momentum=1 - 0.7),
+            [2, 3],
+            (4, 2, 2),
+            steps=3,
+        ),
+        "megengine-freeze": lambda: _compare(
+            rank,
+            lambda: mge.SyncBatchNorm(4, freeze=True),
+            lambda: nn.BatchNorm2d(4),
+            [2, 3],
+            (4, 3, 3),
+            ref_eval=True,
+            frozen=True,
+        ),
+        "megengine-no-running-stats": lambda: _compare(
+            rank,
+            lambda: mge.SyncBatchNorm(4, track_running_stats=False),
+            lambda: nn.BatchNorm2d(4, track_running_stats=False),
+            [3, 2],
+            (4, 2, 3),
+        ),
+        "convert-model": lambda: _compare(
+            rank,
+            lambda: sb.convert_model(_conv_net()),
+            _conv_net,
+            [2, 4],
+            (3, 4, 4),
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, run in cases.items():
+        try:
+            out[name] = run()
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+
+
+_results: list[dict[str, Any]] = []
+
+CASE_NAMES = [
+    "synchronized-1d-2D",
+    "synchronized-1d-3D",
+    "synchronized-2d",
+    "synchronized-3d-one-empty",
+    "synchronized-momentum-none",
+    "megengine-2D",
+    "megengine-3D",
+    "megengine-4D",
+    "megengine-momentum-0.7",
+    "megengine-freeze",
+    "megengine-no-running-stats",
+    "convert-model",
+]
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_compat_layers_on_two_ranks_equal_batchnorm_on_the_global_batch(name: str) -> None:
+    if not _results:
+        _results.extend(launch(_dist_cases, 2, timeout=120))
+    for rank, result in enumerate(_results):
+        errors = result[name]
+        assert isinstance(errors, dict), f"rank {rank}: {errors}"
+        assert errors, f"rank {rank}: nothing compared"
+        for key, value in errors.items():
+            assert value <= 1e-12, f"rank {rank} {name} {key}: {value}"
+
+
+def test_compat_layers_copy_and_pickle() -> None:
+    for layer in (sb.SynchronizedBatchNorm2d(3), mge.SyncBatchNorm(3, momentum=0.8, freeze=True)):
+        for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            assert type(clone) is type(layer)
+            assert clone.momentum == layer.momentum and clone.freeze == layer.freeze
+            for k, v in layer.state_dict().items():
+                assert torch.equal(clone.state_dict()[k], v)
