@@ -1,6 +1,9 @@
 """syncbn: exact Synchronized Batch Normalization for PyTorch, everywhere you train."""
 
 from . import functional
+from ._checks import name_layers
+from ._config import debug_enabled, get_timeout, set_debug, set_timeout
+from .groups import CollectiveError
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __version__ = "0.1.0"
@@ -11,5 +14,11 @@ __all__ = [
     "SyncBatchNorm2d",
     "SyncBatchNorm3d",
     "functional",
+    "set_timeout",
+    "get_timeout",
+    "set_debug",
+    "debug_enabled",
+    "name_layers",
+    "CollectiveError",
     "__version__",
 ]
