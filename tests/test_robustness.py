@@ -72,12 +72,23 @@ class _Net(nn.Module):
 # --------------------------------------------------------------------------- settings
 
 
+@pytest.fixture(autouse=True)
+def _fresh_settings() -> Any:
+    """Re-read the environment after each test (autouse: torn down after monkeypatch)."""
+    yield
+    syncbn.set_timeout("default")
+    syncbn.set_debug(None)
+
+
 def test_timeout_setting_env_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SYNCBN_TIMEOUT", raising=False)
+    syncbn.set_timeout("default")  # re-reads the environment
     assert syncbn.get_timeout() == 300.0
     monkeypatch.setenv("SYNCBN_TIMEOUT", "7.5")
+    syncbn.set_timeout("default")
     assert syncbn.get_timeout() == 7.5
     monkeypatch.setenv("SYNCBN_TIMEOUT", "none")
+    syncbn.set_timeout("default")
     assert syncbn.get_timeout() is None
     try:
         syncbn.set_timeout(3)
@@ -89,14 +100,17 @@ def test_timeout_setting_env_and_override(monkeypatch: pytest.MonkeyPatch) -> No
     finally:
         syncbn.set_timeout("default")
     monkeypatch.setenv("SYNCBN_TIMEOUT", "soon")
+    syncbn.set_timeout("default")
     with pytest.raises(ValueError, match="got 'soon'"):
         syncbn.get_timeout()
 
 
 def test_debug_setting_env_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SYNCBN_DEBUG", raising=False)
+    syncbn.set_debug(None)
     assert not syncbn.debug_enabled()
     monkeypatch.setenv("SYNCBN_DEBUG", "1")
+    syncbn.set_debug(None)
     assert syncbn.debug_enabled()
     try:
         syncbn.set_debug(False)
@@ -254,7 +268,7 @@ def _peer_exits(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_a_peer_that_exits_gives_a_prompt_error_naming_group_and_layer() -> None:
-    survivor, dead = launch(_peer_exits, 2, timeout=60, allow_failures=True)
+    survivor, dead = launch(_peer_exits, 2, timeout=60, allow_failures=True, finish_wait=0.5)
     assert dead[0] == "error" and "exit code 17" in dead[1]
     assert survivor["type"] == "CollectiveError" and not survivor["timed_out"], survivor
     assert survivor["step"] == 2 and survivor["s"] < 5.0

@@ -66,13 +66,13 @@ class LayerState:
         self.index = next(_counter)
         self.name: str | None = None
         self.calls = 0
-        self._verified: list[Any] = []  # process groups, compared by identity
+        self._verified: dict[int, Any] = {}  # id -> process group (held, so ids stay unique)
 
     def is_verified(self, process_group: Any) -> bool:
-        return any(g is process_group for g in self._verified)
+        return id(process_group) in self._verified
 
     def mark_verified(self, process_group: Any) -> None:
-        self._verified.append(process_group)
+        self._verified[id(process_group)] = process_group
 
     @property
     def identity(self) -> str:
@@ -85,7 +85,7 @@ class LayerState:
         self.index = state.get("index", -1)
         self.name = state.get("name")
         self.calls = 0
-        self._verified = []
+        self._verified = {}
 
 
 def state_of(layer: nn.Module) -> LayerState:
@@ -145,7 +145,7 @@ def _search_name(layer: nn.Module) -> str | None:
     """
     parents: dict[int, tuple[nn.Module, str]] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, nn.Module):
+        if issubclass(type(obj), nn.Module):  # type(), not isinstance: no __class__ lookups
             children = obj.__dict__.get("_modules") or {}
             for key, child in children.items():
                 if child is not None:
@@ -241,7 +241,6 @@ def _compare(
         "dtype": "the input dtype",
         "config": "the layer configuration",
     }
-    here = layer_name(layer)
     for name in fields:
         i = FIELDS.index(name)
         if all(row[i] == rows[0][i] for row in rows):
@@ -254,18 +253,18 @@ def _compare(
                 for r, row in enumerate(rows)
             )
             raise ValueError(
-                f"syncbn: layer {here}: the {len(rows)} ranks of the group are not calling the same "
-                f"SyncBatchNorm layer (the layer order differs between ranks): {listing}"
+                f"syncbn: layer {layer_name(layer)}: the {len(rows)} ranks of the group are not "
+                f"calling the same SyncBatchNorm layer (the layer order differs between ranks): {listing}"
             )
         raise ValueError(
-            f"syncbn: layer {here}: the {len(rows)} ranks of the group disagree on {what[name]}: "
-            f"{_grouped(rows, i, shows[name])}"
+            f"syncbn: layer {layer_name(layer)}: the {len(rows)} ranks of the group disagree on "
+            f"{what[name]}: {_grouped(rows, i, shows[name])}"
         )
     if debug:
         bad = [r for r, row in enumerate(rows) if row[FIELDS.index("nonfinite")]]
         if bad:
             raise ValueError(
-                f"syncbn: layer {here}: the input of rank(s) {bad} contains NaN or Inf "
+                f"syncbn: layer {layer_name(layer)}: the input of rank(s) {bad} contains NaN or Inf "
                 f"({_PHASES.get(rows[0][2], '?')}); the statistics of every rank would be "
                 "poisoned (detected by SYNCBN_DEBUG)"
             )
@@ -305,7 +304,7 @@ def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
         ValueError: on every rank, when the ranks disagree.
         CollectiveError: the check's collective timed out or failed.
     """
-    if type(group) is not ProcessGroupSum and not isinstance(group, ProcessGroupSum):
+    if not isinstance(group, ProcessGroupSum):
         return 0
     if _config.debug_enabled():
         call = 0
@@ -318,7 +317,7 @@ def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
     if layer is None:
         return 0
     known = layer.__dict__.get("_syncbn_state")
-    key = group.process_group if group.process_group is not None else _default_group()
+    key = group.key
     if known is not None and known.is_verified(key):
         return 0
     _check(group, layer, x, 1.0, 0, False)
@@ -331,9 +330,3 @@ def before_backward(group: Any, layer: nn.Module | None, grad_output: Tensor, ca
     if not isinstance(group, ProcessGroupSum) or not _config.debug_enabled():
         return
     _check(group, layer, grad_output, 2.0, call, True)
-
-
-def _default_group() -> Any:
-    import torch.distributed as dist
-
-    return dist.group.WORLD

@@ -1,8 +1,9 @@
 """Process-wide settings: the collective timeout and debug mode.
 
 Each setting has an environment variable and a Python-level override; the
-override wins. Both are read on every training call (a dictionary lookup), so
-changing them takes effect at the next call.
+override wins. The environment is read once, at the first training call (a
+process's environment is fixed at launch); ``set_timeout("default")`` and
+``set_debug(None)`` read it again. Training calls read two module globals.
 
 * ``SYNCBN_TIMEOUT`` / :func:`set_timeout`: seconds any SyncBatchNorm waits for
   its peers in one collective. Default :data:`DEFAULT_TIMEOUT_S`. ``0``, ``none``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 
 __all__ = ["DEFAULT_TIMEOUT_S", "set_timeout", "get_timeout", "set_debug", "debug_enabled"]
 
@@ -26,6 +28,10 @@ DEFAULT_TIMEOUT_S = 300.0
 _UNSET = object()
 _timeout_override: object = _UNSET
 _debug_override: bool | None = None
+# Resolved values, the fast path of training calls; _UNSET until first read.
+_timeout_resolved: object = _UNSET
+_timeout_delta: timedelta | None = None
+_debug_resolved: bool | None = None
 
 
 def _parse_timeout(value: object, source: str) -> float | None:
@@ -70,11 +76,12 @@ def set_timeout(seconds: float | None | str = "default") -> None:
         60.0
         >>> syncbn.set_timeout("default")
     """
-    global _timeout_override
+    global _timeout_override, _timeout_resolved
     if isinstance(seconds, str) and seconds == "default":
         _timeout_override = _UNSET
-        return
-    _timeout_override = _parse_timeout(seconds, "syncbn.set_timeout")
+    else:
+        _timeout_override = _parse_timeout(seconds, "syncbn.set_timeout")
+    _timeout_resolved = _UNSET
 
 
 def get_timeout() -> float | None:
@@ -90,12 +97,27 @@ def get_timeout() -> float | None:
         >>> syncbn.get_timeout()
         300.0
     """
+    if _timeout_resolved is _UNSET:
+        _resolve_timeout()
+    return _timeout_resolved  # type: ignore[return-value]
+
+
+def timeout_delta() -> timedelta | None:
+    """:func:`get_timeout` as a ``timedelta`` (made once, not per call)."""
+    if _timeout_resolved is _UNSET:
+        _resolve_timeout()
+    return _timeout_delta
+
+
+def _resolve_timeout() -> None:
+    global _timeout_resolved, _timeout_delta
     if _timeout_override is not _UNSET:
-        return _timeout_override  # type: ignore[return-value]
-    env = os.environ.get("SYNCBN_TIMEOUT")
-    if env is None:
-        return DEFAULT_TIMEOUT_S
-    return _parse_timeout(env, "SYNCBN_TIMEOUT")
+        value: float | None = _timeout_override  # type: ignore[assignment]
+    else:
+        env = os.environ.get("SYNCBN_TIMEOUT")
+        value = DEFAULT_TIMEOUT_S if env is None else _parse_timeout(env, "SYNCBN_TIMEOUT")
+    _timeout_delta = None if value is None else timedelta(seconds=value)
+    _timeout_resolved = value
 
 
 def set_debug(enabled: bool | None) -> None:
@@ -115,8 +137,9 @@ def set_debug(enabled: bool | None) -> None:
         True
         >>> syncbn.set_debug(None)
     """
-    global _debug_override
+    global _debug_override, _debug_resolved
     _debug_override = None if enabled is None else bool(enabled)
+    _debug_resolved = None
 
 
 def debug_enabled() -> bool:
@@ -128,7 +151,11 @@ def debug_enabled() -> bool:
         >>> syncbn.debug_enabled()
         False
     """
-    if _debug_override is not None:
-        return _debug_override
-    value = os.environ.get("SYNCBN_DEBUG")
-    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+    global _debug_resolved
+    if _debug_resolved is None:
+        if _debug_override is not None:
+            _debug_resolved = _debug_override
+        else:
+            value = os.environ.get("SYNCBN_DEBUG")
+            _debug_resolved = value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+    return _debug_resolved

@@ -39,7 +39,6 @@ first use after loading.
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
@@ -138,6 +137,9 @@ class ProcessGroupSum:
         self.process_group = process_group
         self._size = dist.get_world_size(process_group)
         self._rank = dist.get_rank(process_group)
+        # The live group, for "already verified" bookkeeping: a re-initialised
+        # default group is a new object.
+        self.key: Any = dist.group.WORLD if process_group is None else process_group
 
     @property
     def size(self) -> int:
@@ -177,8 +179,8 @@ class ProcessGroupSum:
         Returns:
             ``tensor``, now holding the sum.
         """
-        timeout = _config.get_timeout()
-        if timeout is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
+        delta = _config.timeout_delta()
+        if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
             start = time.monotonic()
             try:
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
@@ -188,11 +190,11 @@ class ProcessGroupSum:
         start = time.monotonic()
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
-            finished = work.wait(timeout=timedelta(seconds=timeout))
+            finished = work.wait(timeout=delta)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise self._error(exc, time.monotonic() - start, timeout) from exc
+            raise self._error(exc, time.monotonic() - start, _config.get_timeout()) from exc
         if finished is False:  # some backends report a timeout by returning False
-            raise self._error(None, time.monotonic() - start, timeout)
+            raise self._error(None, time.monotonic() - start, _config.get_timeout())
         return tensor
 
     def describe(self) -> str:
@@ -301,15 +303,25 @@ def resolve(process_group: Any) -> SumGroup | None:
         or the group has a single member: plain batch norm is then exact.
         Otherwise a :class:`SumGroup`.
     """
-    if isinstance(process_group, SumGroup):
-        return process_group if process_group.size > 1 else None
+    # Concrete types first: a runtime Protocol check costs tens of microseconds.
+    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, ProcessGroupRef)):
+        if isinstance(process_group, SumGroup):
+            return process_group if process_group.size > 1 else None
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if isinstance(process_group, ProcessGroupRef):
         process_group = process_group.lookup()
-    if dist.get_world_size(process_group) <= 1:
-        return None
-    return ProcessGroupSum(process_group)
+    live = dist.group.WORLD if process_group is None else process_group
+    hit = _resolved.get(id(live))
+    if hit is not None and hit[0] is live:
+        return hit[1]
+    group = ProcessGroupSum(process_group) if dist.get_world_size(process_group) > 1 else None
+    _resolved[id(live)] = (live, group)  # holds ``live``: its id cannot be reused
+    return group
+
+
+# Live process group's id -> (the group, its ProcessGroupSum or None for a group of one).
+_resolved: dict[int, tuple[Any, ProcessGroupSum | None]] = {}
 
 
 def to_picklable(process_group: Any) -> Any:
