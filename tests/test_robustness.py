@@ -327,8 +327,8 @@ def test_bad_dtypes_and_shapes_are_rejected_before_any_collective() -> None:
         assert good["type"] is None, good
 
 
-def _non_finite(rank: int, world_size: int) -> dict[str, Any]:
-    syncbn.set_debug(True)
+def _non_finite(rank: int, world_size: int, debug: bool) -> dict[str, Any]:
+    syncbn.set_debug(debug)
     syncbn.set_timeout(SHORT)
     net = _Net()
     syncbn.name_layers(net)
@@ -336,13 +336,25 @@ def _non_finite(rank: int, world_size: int) -> dict[str, Any]:
     if rank == 1:
         x[0, 0, 0, 0] = float("nan")
     before = _snapshot(net)
-    result = _attempt(lambda: net(x))
+    bn = net.layer1[0].bn1
+    out: list[torch.Tensor] = []
+    result = _attempt(lambda: out.append(bn(x)))
     result["unchanged"] = _unchanged(net, before)
+    if out:  # outside debug mode: the channel is poisoned on every rank, the others are not
+        result["nan_channels"] = [bool(out[0][:, c].isnan().all()) for c in range(4)]
+        result["nan_running_mean"] = bn.running_mean.isnan().tolist()
     return _plain(result)
 
 
+def test_non_finite_input_poisons_its_channel_on_every_rank_by_default() -> None:
+    for result in launch(_non_finite, 2, False, timeout=60):
+        assert result["type"] is None, result
+        assert result["nan_channels"] == [True, False, False, False]
+        assert result["nan_running_mean"] == [True, False, False, False]
+
+
 def test_non_finite_input_is_detected_in_debug_mode() -> None:
-    for result in launch(_non_finite, 2, timeout=60):
+    for result in launch(_non_finite, 2, True, timeout=60):
         assert result["type"] == "ValueError", result
         assert "rank(s) [1]" in result["msg"] and "NaN" in result["msg"]
         assert "'layer1.0.bn1'" in result["msg"]
