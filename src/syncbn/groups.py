@@ -68,12 +68,29 @@ _LIKELY_CAUSES = (
 class CollectiveError(RuntimeError):
     """A SyncBatchNorm collective timed out or failed; the process group is unusable.
 
+    Args:
+        message: the full explanation (layer, group, time waited, likely causes).
+        timed_out: see below.
+        waited: see below.
+        group_size: see below.
+        detail: the transport's own error text, if any.
+        layer: see below.
+
     Attributes:
         timed_out: whether the bound on the wait was reached (else the transport
             failed, typically because a peer process died).
         waited: seconds this rank waited.
         group_size: number of ranks in the group.
         layer: the layer's name, or ``None`` before the layer is known.
+
+    Example::
+
+        >>> try:
+        ...     loss = criterion(model(x), y)      # a peer skipped a SyncBatchNorm layer
+        ... except syncbn.CollectiveError as exc:
+        ...     print(exc.layer, exc.timed_out, f"{exc.waited:.0f} s")
+        ...     torch.distributed.destroy_process_group()
+        ...     raise
     """
 
     def __init__(
