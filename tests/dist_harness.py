@@ -21,7 +21,14 @@ from typing import Any, Callable
 COLLECTIVE_TIMEOUT_S = 30.0
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: tuple[Any, ...]) -> None:
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    tmp: str,
+    args: tuple[Any, ...],
+    finish_wait: float = 10.0,
+) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -47,7 +54,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: t
         # Leave only once every peer is done, so no socket closes under a collective.
         try:
             store.add("finished", 1)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + finish_wait
             while int(store.add("finished", 0)) < world_size and time.monotonic() < deadline:
                 time.sleep(0.005)
         except Exception:  # noqa: BLE001
@@ -56,7 +63,12 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: t
 
 
 def launch(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, allow_failures: bool = False
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    allow_failures: bool = False,
+    finish_wait: float = 10.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -66,6 +78,8 @@ def launch(
         *args: extra arguments (inherited through fork, need not pickle).
         timeout: seconds before every child is killed.
         allow_failures: return tracebacks (as ``("error", text)``) instead of raising.
+        finish_wait: seconds a successful rank waits for its peers to finish before
+            exiting (lower it in tests where a peer is expected to die).
 
     Returns:
         Each rank's return value, in rank order.
@@ -73,7 +87,7 @@ def launch(
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="syncbn-test-") as tmp:
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, tmp, args), daemon=True)
+            ctx.Process(target=_child, args=(fn, r, world_size, tmp, args, finish_wait), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

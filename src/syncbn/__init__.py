@@ -1,7 +1,10 @@
 """syncbn: exact Synchronized Batch Normalization for PyTorch, everywhere you train."""
 
 from . import functional, parallel
+from ._checks import name_layers
+from ._config import debug_enabled, get_timeout, set_debug, set_timeout
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
+from .groups import CollectiveError
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __version__ = "0.1.0"
@@ -15,5 +18,11 @@ __all__ = [
     "revert_sync_batchnorm",
     "functional",
     "parallel",
+    "set_timeout",
+    "get_timeout",
+    "set_debug",
+    "debug_enabled",
+    "name_layers",
+    "CollectiveError",
     "__version__",
 ]

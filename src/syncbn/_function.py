@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _math
-from .groups import SumGroup
+from . import _checks, _math
+from .groups import CollectiveError, SumGroup
 
 __all__ = ["SyncBatchNormFunction", "statistics_dtype"]
 
@@ -38,11 +38,20 @@ def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | No
     return _math.accumulation_dtype(x.dtype)
 
 
-def _expected_more_than_one(x: Tensor, group: SumGroup) -> ValueError:
+def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueError:
     return ValueError(
         "Expected more than 1 value per channel when training, got 1 value per channel "
-        f"across the {group.size} ranks of the group (this rank's input size {list(x.shape)})"
+        f"across the {group.size} ranks of the group ("
+        + ("" if layer is None else f"layer {_checks.layer_name(layer)}; ")
+        + f"this rank's input size {list(x.shape)})"
     )
+
+
+def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
+    try:
+        return group.all_reduce_sum(tensor)
+    except CollectiveError as exc:
+        raise exc.for_layer(_checks.layer_name(layer), phase) from exc.__cause__
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -59,7 +68,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
         eps: float,
         momentum: float,
         group: SumGroup,
+        layer: Any = None,
     ) -> Tensor:
+        call = _checks.before_forward(group, layer, x)
         channels = x.shape[1]
         count = x.numel() // channels if channels else 0
         if count > 0:
@@ -67,14 +78,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
             packed = _math.pack_moments(count, mean_l, m2_l, channels=channels, device=x.device)
         else:
             packed = _math.pack_moments(0, None, None, channels=channels, device=x.device)
-        packed = group.all_reduce_sum(packed)
+        packed = _all_reduce(group, packed, layer, "forward")
         total, mean64, var64, unbiased64 = _math.unpack_moments(packed, channels)
 
         global_count = 2  # a lower bound is all that is needed when count >= 2
         if count < 2:
             global_count = int(total.item())
             if global_count == 1:
-                raise _expected_more_than_one(x, group)
+                raise _expected_more_than_one(x, group, layer)
 
         stat_dtype = statistics_dtype(x, weight, running_mean)
         mean = mean64.to(stat_dtype)
@@ -97,6 +108,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             weight.dtype if weight is not None else (bias.dtype if bias is not None else stat_dtype)
         )
         ctx.group = group
+        ctx.layer = layer
+        ctx.call = call
         return out
 
     @staticmethod
@@ -112,7 +125,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
         grad_input = None
         if need_input:
-            reduced = ctx.group.all_reduce_sum(torch.cat([sum_dy, sum_dy_xhat]).double())
+            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+            reduced = _all_reduce(ctx.group, torch.cat([sum_dy, sum_dy_xhat]).double(), ctx.layer, "backward")
             if ctx.count > 0:
                 grad_input = _math.input_grad(
                     grad_output,
@@ -130,4 +144,4 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None

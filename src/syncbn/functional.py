@@ -61,6 +61,8 @@ def sync_batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
     process_group: Any = None,
+    *,
+    layer: Any = None,
 ) -> Tensor:
     """Batch normalization whose training statistics span a process group.
 
@@ -89,6 +91,10 @@ def sync_batch_norm(
         eps: added to the variance for numerical stability.
         process_group: ``torch.distributed`` group to synchronise over; ``None``
             is the default group, looked up at call time.
+        layer: the module this call belongs to (``SyncBatchNorm`` passes itself):
+            errors name it, and it carries the once-per-layer handshake state.
+            Functional calls without one skip the handshake (debug mode still
+            checks them).
 
     Shape:
         - Input: :math:`(N, C, *)`
@@ -123,6 +129,6 @@ def sync_batch_norm(
     if group is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
     out: Tensor = SyncBatchNormFunction.apply(
-        input, weight, bias, running_mean, running_var, eps, momentum, group
+        input, weight, bias, running_mean, running_var, eps, momentum, group, layer
     )
     return out

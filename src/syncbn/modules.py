@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import groups, parallel
+from . import _checks, groups, parallel
 from .functional import check_input, sync_batch_norm
 
 __all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d"]
@@ -93,6 +93,7 @@ class SyncBatchNorm(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
         self.freeze = freeze
+        self._syncbn_state = _checks.LayerState()  # name, index, handshake state
 
     _input_dims: tuple[int, ...] | None = None
     _input_dims_text = ""
@@ -153,6 +154,7 @@ class SyncBatchNorm(_BatchNorm):
             factor,
             self.eps,
             self.process_group,
+            layer=self,
         )
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)

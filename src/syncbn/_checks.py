@@ -1,0 +1,332 @@
+"""Cross-rank consistency checks and layer names for error messages.
+
+Two kinds of check run as one small, fixed-size collective: every rank writes a
+row of :data:`FIELDS` into its slot of a ``(W, len(FIELDS))`` float64 zero tensor
+and the group sums it, so each rank sees every rank's row. The size depends on
+the group size only, never on the layer, so a disagreement is reported as a
+``ValueError`` on every rank instead of reaching the transport's size check
+(which aborts the process in gloo).
+
+* The first-use handshake, once per layer and process group: ranks must agree
+  on the channel count and the input dtype.
+* Debug mode (``SYNCBN_DEBUG=1``), before every training forward and backward
+  collective: ranks must also agree on the layer (an identity equal across
+  ranks when models are built the same way: the qualified name from
+  :func:`name_layers`, else the layer's construction index), how many times it
+  has been called, the phase (forward/backward), the layer's configuration,
+  and every rank's input must be finite.
+
+Checks run only over ``torch.distributed`` groups (:class:`~syncbn.groups.ProcessGroupSum`):
+the replicas of one process share one module and cannot disagree.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _config
+from .groups import CollectiveError, ProcessGroupSum
+
+__all__ = ["LayerState", "name_layers", "layer_name", "before_forward", "before_backward"]
+
+FIELDS = ("identity", "call", "phase", "channels", "dtype", "config", "nonfinite", "index")
+_PHASES = {1.0: "forward", 2.0: "backward"}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_counter = itertools.count()
+_known_names: dict[float, str] = {}  # identity hash -> name, from name_layers (names other ranks')
+
+
+def _identity_hash(text: str) -> float:
+    return float(zlib.crc32(text.encode()))
+
+
+def _dtype_code(dtype: torch.dtype) -> float:
+    return float(_DTYPES.index(dtype) + 1) if dtype in _DTYPES else 99.0
+
+
+def _dtype_from_code(code: float) -> str:
+    i = int(code) - 1
+    return str(_DTYPES[i]) if 0 <= i < len(_DTYPES) else "another dtype"
+
+
+class LayerState:
+    """Per-layer bookkeeping: its name, construction index, call count, verified groups.
+
+    Pickling and deep copies keep the name and index and drop the rest (a loaded
+    or copied layer handshakes again on first use).
+    """
+
+    def __init__(self) -> None:
+        self.index = next(_counter)
+        self.name: str | None = None
+        self.calls = 0
+        self._verified: dict[int, Any] = {}  # id -> process group (held, so ids stay unique)
+
+    def is_verified(self, process_group: Any) -> bool:
+        return id(process_group) in self._verified
+
+    def mark_verified(self, process_group: Any) -> None:
+        self._verified[id(process_group)] = process_group
+
+    @property
+    def identity(self) -> str:
+        return self.name if self.name is not None else f"#{self.index}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.index = state.get("index", -1)
+        self.name = state.get("name")
+        self.calls = 0
+        self._verified = {}
+
+
+def state_of(layer: nn.Module) -> LayerState:
+    """The layer's :class:`LayerState`, created on first use for layers built without one."""
+    state = layer.__dict__.get("_syncbn_state")
+    if state is None:
+        state = LayerState()
+        state.index = -1
+        layer.__dict__["_syncbn_state"] = state
+    return state
+
+
+def name_layers(model: nn.Module, prefix: str = "") -> int:
+    """Record each SyncBatchNorm layer's qualified name in ``model`` for error messages.
+
+    syncbn finds names by itself when an error occurs (by looking for the
+    models that hold the layer); calling this once after building the model
+    makes the names certain and gives debug mode an identity for each layer
+    that is equal on every rank. Wrappers (``DistributedDataParallel``,
+    ``DataParallel``) are looked through, so names read as in the bare model.
+
+    Args:
+        model: the model, or a wrapper around it.
+        prefix: prepended to every name, e.g. ``"student"``.
+
+    Returns:
+        The number of SyncBatchNorm layers named.
+
+    Example::
+
+        >>> import torch, syncbn
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), syncbn.SyncBatchNorm2d(8))
+        >>> syncbn.name_layers(model)
+        1
+        >>> syncbn.name_layers(model, prefix="backbone")
+        1
+    """
+    from .modules import SyncBatchNorm
+
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, SyncBatchNorm):
+            full = ".".join(p for p in (prefix, name) if p)
+            state_of(module).name = full or type(module).__name__
+            _known_names[_identity_hash(state_of(module).name or "")] = repr(state_of(module).name)
+            count += 1
+    return count
+
+
+def _search_name(layer: nn.Module) -> str | None:
+    """The layer's qualified name in the outermost model holding it, found through ``gc``.
+
+    Runs only on an error path: one pass over the objects the garbage collector
+    tracks.
+    """
+    parents: dict[int, tuple[nn.Module, str]] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn.Module):  # type(), not isinstance: no __class__ lookups
+            children = obj.__dict__.get("_modules") or {}
+            for key, child in children.items():
+                if child is not None:
+                    parents.setdefault(id(child), (obj, key))
+    parts: list[str] = []
+    current: nn.Module = layer
+    for _ in range(256):
+        entry = parents.get(id(current))
+        if entry is None:
+            break
+        parent, key = entry
+        if key == "module" and isinstance(parent, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            break
+        parts.append(key)
+        current = parent
+    return ".".join(reversed(parts)) if parts else None
+
+
+def layer_name(layer: nn.Module | None) -> str:
+    """The layer as error messages name it: ``'layer2.0.bn1' (SyncBatchNorm2d(64))``."""
+    if layer is None:
+        return "(functional call)"
+    state = state_of(layer)
+    if state.name is None:
+        try:
+            found = _search_name(layer)
+        except Exception:  # noqa: BLE001 - best effort in an error path
+            found = None
+        if found is not None:
+            state.name = found
+    shape = f"{type(layer).__name__}({getattr(layer, 'num_features', '?')})"
+    if state.name is None:
+        return f"#{state.index} {shape} (call syncbn.name_layers(model) for names)"
+    return f"'{state.name}' {shape}"
+
+
+def _config_code(layer: nn.Module | None, ndim: int) -> float:
+    if layer is None:
+        return float(ndim)
+    bits = (
+        int(getattr(layer, "affine", False))
+        | int(getattr(layer, "track_running_stats", False)) << 1
+        | int(getattr(layer, "momentum", 0.1) is None) << 2
+    )
+    return float(ndim * 8 + bits)
+
+
+def _describe_config(code: float) -> str:
+    c = int(code)
+    ndim, bits = divmod(c, 8)
+    return (
+        f"{ndim}D input, affine={bool(bits & 1)}, track_running_stats={bool(bits & 2)}, "
+        f"momentum={'None' if bits & 4 else 'set'}"
+    )
+
+
+def _exchange(group: ProcessGroupSum, row: list[float], device: torch.device) -> list[list[float]]:
+    table = torch.zeros(group.size, len(FIELDS), dtype=torch.float64, device=device)
+    table[group.rank] = torch.tensor(row, dtype=torch.float64, device=device)
+    group.all_reduce_sum_bounded(table, host_wait=True)
+    rows: list[list[float]] = table.tolist()
+    return rows
+
+
+def _grouped(rows: list[list[float]], field: int, show: Any) -> str:
+    by_value: dict[float, list[int]] = {}
+    for rank, row in enumerate(rows):
+        by_value.setdefault(row[field], []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {r}: {show(v)}" for v, r in by_value.items())
+
+
+def _compare(
+    rows: list[list[float]], debug: bool, layer: nn.Module | None, identities: dict[float, str]
+) -> None:
+    """Raise the same ``ValueError`` on every rank when the rows disagree."""
+    fields: tuple[str, ...] = ("identity", "call", "phase", "config", "channels", "dtype")
+    if not debug:
+        fields = ("phase", "channels", "dtype")
+    shows: dict[str, Any] = {
+        "identity": None,
+        "call": lambda v: f"call {int(v)}",
+        "phase": lambda v: _PHASES.get(v, "?"),
+        "channels": lambda v: f"{int(v)} channels",
+        "dtype": _dtype_from_code,
+        "config": _describe_config,
+        "nonfinite": lambda v: "non-finite values (NaN or Inf)" if v else "finite",
+    }
+    what = {
+        "identity": "which layer they are calling (the layer order differs between ranks)",
+        "call": "how many times this layer has been called (a rank skipped or repeated a call)",
+        "phase": "the phase (one rank is in forward, another in backward)",
+        "channels": "the channel count",
+        "dtype": "the input dtype",
+        "config": "the layer configuration",
+    }
+    for name in fields:
+        i = FIELDS.index(name)
+        if all(row[i] == rows[0][i] for row in rows):
+            continue
+        if name == "identity":
+            index = FIELDS.index("index")
+            call = FIELDS.index("call")
+            listing = "; ".join(
+                f"rank {r}: {identities.get(row[i], f'layer #{int(row[index])}')} (call {int(row[call])})"
+                for r, row in enumerate(rows)
+            )
+            raise ValueError(
+                f"syncbn: layer {layer_name(layer)}: the {len(rows)} ranks of the group are not "
+                f"calling the same SyncBatchNorm layer (the layer order differs between ranks): {listing}"
+            )
+        raise ValueError(
+            f"syncbn: layer {layer_name(layer)}: the {len(rows)} ranks of the group disagree on "
+            f"{what[name]}: {_grouped(rows, i, shows[name])}"
+        )
+    if debug:
+        bad = [r for r, row in enumerate(rows) if row[FIELDS.index("nonfinite")]]
+        if bad:
+            raise ValueError(
+                f"syncbn: layer {layer_name(layer)}: the input of rank(s) {bad} contains NaN or Inf "
+                f"({_PHASES.get(rows[0][2], '?')}); the statistics of every rank would be "
+                "poisoned (detected by SYNCBN_DEBUG)"
+            )
+
+
+def _check(
+    group: ProcessGroupSum, layer: nn.Module | None, x: Tensor, phase: float, call: int, debug: bool
+) -> None:
+    state = state_of(layer) if layer is not None else None
+    identity_text = state.identity if state is not None else "(functional call)"
+    identity = _identity_hash(identity_text)
+    index = float(state.index) if state is not None else -1.0
+    nonfinite = 0.0
+    if debug and x.numel() > 0:
+        nonfinite = float(not bool(torch.isfinite(x).all()))
+    row = [identity, float(call), phase, float(x.shape[1]), _dtype_code(x.dtype)]
+    row += [_config_code(layer, x.dim()), nonfinite, index]
+    try:
+        rows = _exchange(group, row, x.device)
+    except CollectiveError as exc:
+        raise exc.for_layer(layer_name(layer), f"{_PHASES[phase]} consistency check") from exc.__cause__
+    _compare(rows, debug, layer, {**_known_names, identity: repr(identity_text)})
+
+
+def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
+    """Run the handshake (first use) or the debug check before a forward collective.
+
+    Args:
+        group: the group about to be used.
+        layer: the calling module, or ``None`` for a functional call.
+        x: this rank's input.
+
+    Returns:
+        The call number recorded for debug mode (0 outside it).
+
+    Raises:
+        ValueError: on every rank, when the ranks disagree.
+        CollectiveError: the check's collective timed out or failed.
+    """
+    if not isinstance(group, ProcessGroupSum):
+        return 0
+    if _config.debug_enabled():
+        call = 0
+        if layer is not None:
+            state = state_of(layer)
+            state.calls += 1
+            call = state.calls
+        _check(group, layer, x, 1.0, call, True)
+        return call
+    if layer is None:
+        return 0
+    known = layer.__dict__.get("_syncbn_state")
+    key = group.key
+    if known is not None and known.is_verified(key):
+        return 0
+    _check(group, layer, x, 1.0, 0, False)
+    state_of(layer).mark_verified(key)
+    return 0
+
+
+def before_backward(group: Any, layer: nn.Module | None, grad_output: Tensor, call: int) -> None:
+    """In debug mode, check the ranks agree before a backward collective (see :func:`before_forward`)."""
+    if not isinstance(group, ProcessGroupSum) or not _config.debug_enabled():
+        return
+    _check(group, layer, grad_output, 2.0, call, True)

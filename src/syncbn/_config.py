@@ -1,0 +1,161 @@
+"""Process-wide settings: the collective timeout and debug mode.
+
+Each setting has an environment variable and a Python-level override; the
+override wins. The environment is read once, at the first training call (a
+process's environment is fixed at launch); ``set_timeout("default")`` and
+``set_debug(None)`` read it again. Training calls read two module globals.
+
+* ``SYNCBN_TIMEOUT`` / :func:`set_timeout`: seconds any SyncBatchNorm waits for
+  its peers in one collective. Default :data:`DEFAULT_TIMEOUT_S`. ``0``, ``none``
+  or ``inf`` disable syncbn's own bound (the process group's timeout still applies).
+* ``SYNCBN_DEBUG`` / :func:`set_debug`: ``1`` turns on the per-call cross-rank
+  consistency checks (see ``docs/robustness.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+__all__ = ["DEFAULT_TIMEOUT_S", "set_timeout", "get_timeout", "set_debug", "debug_enabled"]
+
+#: Default bound, in seconds, on one SyncBatchNorm collective. Long enough for a
+#: slow data loader, a checkpoint write or a first-step warm-up on one rank;
+#: short next to ``torch.distributed``'s 30-minute default.
+DEFAULT_TIMEOUT_S = 300.0
+
+_UNSET = object()
+_timeout_override: object = _UNSET
+_debug_override: bool | None = None
+# Resolved values, the fast path of training calls; _UNSET until first read.
+_timeout_resolved: object = _UNSET
+_timeout_delta: timedelta | None = None
+_debug_resolved: bool | None = None
+
+
+def _parse_timeout(value: object, source: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "none", "inf", "infinity", "off"):
+            return None
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ValueError(f"{source}: expected a number of seconds, 0 or 'none' (got {value!r})") from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"{source}: expected a number of seconds or None (got {type(value).__name__})")
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"{source}: expected a non-negative number of seconds (got {value!r})")
+    if seconds == 0 or math.isinf(seconds):
+        return None
+    return seconds
+
+
+def set_timeout(seconds: float | None | str = "default") -> None:
+    """Bound every wait of a SyncBatchNorm collective in this process.
+
+    Overrides the ``SYNCBN_TIMEOUT`` environment variable. When a peer does not
+    arrive within the bound, the waiting rank raises a ``RuntimeError`` naming
+    the layer, the group, the time waited and the likely causes.
+
+    Args:
+        seconds: the bound in seconds; ``None`` or ``0`` for no bound of syncbn's
+            own (the process group's timeout still applies); ``"default"`` to
+            drop the override and use ``SYNCBN_TIMEOUT`` or the default again.
+
+    Example::
+
+        >>> import syncbn
+        >>> syncbn.set_timeout(60)        # fail within a minute instead of five
+        >>> syncbn.get_timeout()
+        60.0
+        >>> syncbn.set_timeout("default")
+    """
+    global _timeout_override, _timeout_resolved
+    if isinstance(seconds, str) and seconds == "default":
+        _timeout_override = _UNSET
+    else:
+        _timeout_override = _parse_timeout(seconds, "syncbn.set_timeout")
+    _timeout_resolved = _UNSET
+
+
+def get_timeout() -> float | None:
+    """The bound, in seconds, on one SyncBatchNorm collective, or ``None`` for none.
+
+    Returns:
+        The value of :func:`set_timeout` if set, else ``SYNCBN_TIMEOUT`` if set,
+        else :data:`DEFAULT_TIMEOUT_S`.
+
+    Example::
+
+        >>> import syncbn
+        >>> syncbn.get_timeout()
+        300.0
+    """
+    if _timeout_resolved is _UNSET:
+        _resolve_timeout()
+    return _timeout_resolved  # type: ignore[return-value]
+
+
+def timeout_delta() -> timedelta | None:
+    """:func:`get_timeout` as a ``timedelta`` (made once, not per call)."""
+    if _timeout_resolved is _UNSET:
+        _resolve_timeout()
+    return _timeout_delta
+
+
+def _resolve_timeout() -> None:
+    global _timeout_resolved, _timeout_delta
+    if _timeout_override is not _UNSET:
+        value: float | None = _timeout_override  # type: ignore[assignment]
+    else:
+        env = os.environ.get("SYNCBN_TIMEOUT")
+        value = DEFAULT_TIMEOUT_S if env is None else _parse_timeout(env, "SYNCBN_TIMEOUT")
+    _timeout_delta = None if value is None else timedelta(seconds=value)
+    _timeout_resolved = value
+
+
+def set_debug(enabled: bool | None) -> None:
+    """Turn the per-call cross-rank consistency checks on or off in this process.
+
+    Overrides the ``SYNCBN_DEBUG`` environment variable. Every rank of a group
+    must use the same setting (the checks are collectives).
+
+    Args:
+        enabled: ``True`` or ``False``; ``None`` drops the override.
+
+    Example::
+
+        >>> import syncbn
+        >>> syncbn.set_debug(True)
+        >>> syncbn.debug_enabled()
+        True
+        >>> syncbn.set_debug(None)
+    """
+    global _debug_override, _debug_resolved
+    _debug_override = None if enabled is None else bool(enabled)
+    _debug_resolved = None
+
+
+def debug_enabled() -> bool:
+    """Whether debug mode is on: :func:`set_debug`, else ``SYNCBN_DEBUG`` (``1``, ``true``, ``yes``, ``on``).
+
+    Example::
+
+        >>> import syncbn
+        >>> syncbn.debug_enabled()
+        False
+    """
+    global _debug_resolved
+    if _debug_resolved is None:
+        if _debug_override is not None:
+            _debug_resolved = _debug_override
+        else:
+            value = os.environ.get("SYNCBN_DEBUG")
+            _debug_resolved = value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+    return _debug_resolved
