@@ -223,3 +223,25 @@ def test_low_precision_input_to_float32_layer_keeps_input_dtype() -> None:
     for dtype in (torch.float16, torch.bfloat16):
         y = syncbn.SyncBatchNorm2d(4)(torch.randn(3, 4, 2, 2).to(dtype))
         assert y.dtype == dtype
+
+
+def test_bias_false_matches_batchnorm_without_bias() -> None:
+    torch.manual_seed(0)
+    ours = syncbn.SyncBatchNorm2d(4, bias=False)
+    assert ours.bias is None and ours.weight is not None
+    assert "bias" not in ours.state_dict()
+    ref = nn.BatchNorm2d(4, bias=False)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(5, 4, 3, 3)
+    assert torch.equal(ours(x), ref(x))
+    ours.reset_parameters()
+
+
+def test_bias_false_through_the_synchronised_function() -> None:
+    x = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(3, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, w):
+        return SyncBatchNormFunction.apply(x, w, None, None, None, 1e-5, 0.1, OneMember())
+
+    assert torch.autograd.gradcheck(fn, (x, w))

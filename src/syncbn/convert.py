@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 from torch.nn.utils import parametrize
 
+from ._checks import name_layers
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __all__ = ["BatchNorm", "ConversionWarning", "convert_sync_batchnorm", "revert_sync_batchnorm"]
@@ -232,7 +233,9 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
     objects (optimizers built before it keep working), buffers,
     ``requires_grad``, training/eval mode, device, dtype, hooks and user-set
     attributes. Layers that already are syncbn layers are left alone; a layer
-    used at several places in the model stays one shared layer.
+    used at several places in the model stays one shared layer. Each syncbn
+    layer records its qualified name in ``module`` (see :func:`syncbn.name_layers`)
+    for error messages.
 
     Left unconverted, with a :class:`ConversionWarning`: BatchNorm subclasses
     that define their own ``forward`` and parametrized layers (swapping the
@@ -286,7 +289,9 @@ def _convert(
             return _to_sync(mod, prefix, process_group, classes)
         return mod
 
-    return _replace(module, swap)
+    converted = _replace(module, swap)
+    name_layers(converted)  # error messages and debug mode name layers as in this model
+    return converted
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -12,6 +13,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _checks, groups, parallel
 from .functional import check_input, sync_batch_norm
+
+# torch >= 2.13 BatchNorm layers take a keyword-only ``bias``.
+_BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 __all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d"]
 
@@ -55,6 +59,8 @@ class SyncBatchNorm(_BatchNorm):
             ``None`` is the default group, looked up at call time.
         device: device of the parameters and buffers.
         dtype: dtype of the parameters and buffers.
+        bias: with ``affine=True``, learn :math:`\\beta` too (``False``: scale only,
+            as ``nn.BatchNorm``'s ``bias=False`` in torch 2.13). Default: ``True``.
         freeze: normalise with the running statistics in training too, never
             update them, give :math:`\\gamma` and :math:`\\beta` no gradient and
             never communicate (the input still gets its gradient). Default: ``False``.
@@ -83,6 +89,7 @@ class SyncBatchNorm(_BatchNorm):
         device: Any = None,
         dtype: torch.dtype | None = None,
         *,
+        bias: bool = True,
         freeze: bool = False,
     ) -> None:
         if freeze and not track_running_stats:
@@ -90,7 +97,15 @@ class SyncBatchNorm(_BatchNorm):
                 "freeze=True normalises with the running statistics, so it needs "
                 "track_running_stats=True (got track_running_stats=False)"
             )
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        if bias or not affine:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        elif _BATCHNORM_TAKES_BIAS:
+            super().__init__(
+                num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=False
+            )
+        else:  # torch < 2.13: emulate ``bias=False`` as nn.BatchNorm does there
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+            self.register_parameter("bias", None)
         self.process_group = process_group
         self.freeze = freeze
         self._syncbn_state = _checks.LayerState()  # name, index, handshake state
