@@ -124,14 +124,20 @@ def run_case(
     cls = SyncBatchNorm if case.generic else _OURS[ndim]
     ours = cls(channels, process_group=group, **kwargs).to(device=device, dtype=_layer_dtype(case))
     with torch.no_grad():
-        if ref.weight is not None and ours.weight is not None and ours.bias is not None:
+        if (
+            ref.weight is not None
+            and ref.bias is not None
+            and ours.weight is not None
+            and ours.bias is not None
+        ):
             w = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
             b = torch.randn(channels, generator=gen, dtype=torch.float64)
             ref.weight.copy_(w)
             ref.bias.copy_(b)
             ours.weight.copy_(w)
             ours.bias.copy_(b)
-        if ref.running_mean is not None and ours.running_mean is not None and ours.running_var is not None:
+        if ref.running_mean is not None and ref.running_var is not None and ours.running_mean is not None:
+            assert ours.running_var is not None
             rm = torch.randn(channels, generator=gen, dtype=torch.float64)
             rv = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
             ref.running_mean.copy_(rm)
