@@ -336,8 +336,21 @@ def run(args: argparse.Namespace) -> int:
             f"{args.steps} steps, {args.dtype}, {backend} on {args.device}",
             flush=True,
         )
+    if args.device == "cuda" and not launched_by_torchrun() and world_size > torch.cuda.device_count():
+        if main:
+            print(
+                f"syncbn demo: {world_size} ranks need {world_size} GPUs, "
+                f"{torch.cuda.device_count()} visible",
+                file=sys.stderr,
+            )
+        return 2
     start = time.perf_counter()
-    result = run_ranks(_demo_rank, world_size, backend, config, timeout_s=600.0)
+    try:
+        result = run_ranks(_demo_rank, world_size, backend, config, timeout_s=600.0)
+    except Exception as exc:  # noqa: BLE001 - a rank failed: say so briefly
+        if main:
+            print(f"syncbn demo: a rank failed: {exc}", file=sys.stderr)
+        return 1
     if not main or result is None:
         return 0
     report = {

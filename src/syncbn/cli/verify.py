@@ -116,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
     backend = args.backend or default_backend(args.device)
     main = is_main_process()
     world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
+    if args.device == "cuda" and not launched_by_torchrun() and world_size > torch.cuda.device_count():
+        print(
+            f"syncbn verify: {world_size} ranks need {world_size} GPUs, {torch.cuda.device_count()} visible",
+            file=sys.stderr,
+        )
+        return 2
     if main:
         print(
             f"syncbn {__version__} verify: {world_size} ranks, backend {backend}, device {args.device}, "
