@@ -148,3 +148,33 @@ def test_verify_and_demo_under_torchrun(tmp_path: Path) -> None:
     assert "2 ranks x 2 images = global batch 4" in proc.stdout
     assert proc.stdout.count("(reference)") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_table_and_progress_bar_helpers() -> None:
+    import io
+
+    from syncbn.cli._output import ProgressBar, format_error, format_table
+
+    table = format_table(["name", "error"], [["a", "1.00e-03"], ["long name", "0"]], right=[False, True])
+    expected = ["name          error", "---------  --------", "a          1.00e-03", "long name         0"]
+    assert table.splitlines() == expected
+    assert format_error(0.0) == "0" and format_error(1.234e-7) == "1.23e-07"
+    stream = io.StringIO()
+    bar = ProgressBar(8, "run", stream=stream)
+    for step in range(1, 9):
+        bar.update(step, f"loss {step}")
+    printed = stream.getvalue().splitlines()
+    assert len(printed) == 4 and printed[-1].startswith("run [" + "#" * 24 + "] 8/8 loss 8")
+    quiet = io.StringIO()
+    ProgressBar(8, "run", stream=quiet, enabled=False).update(8)
+    assert quiet.getvalue() == ""
+
+
+def test_demo_schedule_walks_through_shuffled_epochs() -> None:
+    from syncbn.cli.demo import schedule
+
+    order = schedule(10, steps=7, global_batch=3, seed=0)
+    assert order.shape == (7, 3)
+    flat = order.flatten().tolist()
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+    assert order.equal(schedule(10, steps=7, global_batch=3, seed=0))

@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     start = time.perf_counter()
     try:
-        result = run_ranks(_demo_rank, world_size, backend, config, timeout_s=600.0)
+        result = run_ranks(_demo_rank, world_size, backend, config)
     except Exception as exc:  # noqa: BLE001 - a rank failed: say so briefly
         if main:
             print(f"syncbn demo: a rank failed: {exc}", file=sys.stderr)
