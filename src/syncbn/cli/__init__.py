@@ -11,7 +11,8 @@ import importlib
 from collections.abc import Sequence
 
 COMMANDS = {
-    "demo": "Train a small conv net with SyncBatchNorm on 2 CPU ranks (scikit-learn digits).",
+    "demo": "Train a small conv net three ways (per-rank BatchNorm, syncbn, one process) on real digits.",
+    "verify": "Check syncbn against nn.BatchNorm on the global batch on this machine's ranks and backend.",
 }
 
 

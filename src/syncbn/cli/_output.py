@@ -1,0 +1,87 @@
+"""Terminal output shared by the commands: aligned tables and a small progress bar."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+__all__ = ["format_table", "ProgressBar", "format_error"]
+
+
+def format_error(value: float) -> str:
+    """An error magnitude in 3 significant digits (``0`` for exact zero)."""
+    return "0" if value == 0 else f"{value:.2e}"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] = ()) -> str:
+    """Rows of strings as an aligned text table with a rule under the header.
+
+    Args:
+        headers: column titles.
+        rows: cells, one sequence per row, as many as ``headers``.
+        right: per column, whether to right-align (numbers); left by default.
+    """
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    align = list(right) + [False] * (len(headers) - len(right))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [c.rjust(w) if a else c.ljust(w) for c, w, a in zip(cells, widths, align)]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule] + [line(r) for r in rows])
+
+
+class ProgressBar:
+    """A one-line progress bar on ``stream`` (stderr by default).
+
+    On a terminal the line is redrawn in place at most ten times a second; on
+    anything else (a pipe, a log file) a line is printed at every quarter, so
+    logs stay short.
+
+    Args:
+        total: number of steps.
+        label: text before the bar.
+        stream: where to draw.
+        width: characters of the bar itself.
+        enabled: ``False`` draws nothing (non-zero ranks).
+    """
+
+    def __init__(
+        self, total: int, label: str, stream: TextIO | None = None, width: int = 24, enabled: bool = True
+    ) -> None:
+        self.total = max(1, total)
+        self.label = label
+        self.stream = sys.stderr if stream is None else stream
+        self.width = width
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self._last_draw = 0.0
+        self._next_quarter = 1
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def _text(self, step: int, info: str) -> str:
+        filled = int(self.width * step / self.total)
+        bar = "#" * filled + "-" * (self.width - filled)
+        elapsed = time.perf_counter() - self.start
+        return f"{self.label} [{bar}] {step:>{len(str(self.total))}}/{self.total} {info} {elapsed:5.1f}s"
+
+    def update(self, step: int, info: str = "") -> None:
+        """Show that ``step`` of ``total`` steps are done, with ``info`` (e.g. the loss)."""
+        if not self.enabled:
+            return
+        if self._tty:
+            now = time.perf_counter()
+            if now - self._last_draw >= 0.1 or step >= self.total:
+                self._last_draw = now
+                self.stream.write("\r" + self._text(step, info))
+                if step >= self.total:
+                    self.stream.write("\n")
+                self.stream.flush()
+        elif step * 4 >= self._next_quarter * self.total:
+            while step * 4 >= self._next_quarter * self.total:
+                self._next_quarter += 1
+            self.stream.write(self._text(step, info) + "\n")
+            self.stream.flush()

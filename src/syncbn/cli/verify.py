@@ -1,0 +1,180 @@
+"""``python -m syncbn verify``: run the equivalence checks on this machine and backend.
+
+Each rank runs the test suite's equivalence matrix (:mod:`syncbn.cli._checks`):
+1d to 6d inputs, uneven and empty per-rank batches, momentum/affine/running-stat
+options, float64/float32/float16/bfloat16, large means, ``channels_last``. Every
+case compares syncbn's output, input gradient, summed weight/bias gradients and
+running statistics with ``nn.BatchNorm`` on the whole global batch in float64.
+The command prints a pass/fail table with the worst measured error of each case
+over all ranks, and exits 0 only when every case passes (1 otherwise, 2 for a
+usage error). Under ``torchrun`` it checks the launcher's ranks, across nodes
+too; rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
+from ._launch import default_backend, is_main_process, launched_by_torchrun, rank_device, run_ranks
+from ._output import format_error, format_table
+
+_DTYPE_NAMES = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``verify``'s flags to ``parser``."""
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="ranks to spawn (default 2; ignored under torchrun)"
+    )
+    parser.add_argument(
+        "--backend", default=None, help="torch.distributed backend: gloo, nccl, ... (default: by device)"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where syncbn runs")
+    parser.add_argument(
+        "--tolerance-scale",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="multiply every tolerance by FACTOR (below 1 is stricter; default 1)",
+    )
+    parser.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+
+
+def _check_rank(rank: int, world_size: int, device_name: str) -> list[dict[str, Any]]:
+    """Run the matrix on this rank; return every rank's results (gathered on all)."""
+    device = rank_device(device_name)
+    mine: dict[str, Any] = {}
+    for case in standard_cases(world_size):
+        try:
+            mine[case.name] = run_case(case, rank, device=device)
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            mine[case.name] = f"{type(exc).__name__}: {exc}"
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def _summarise(case: Case, per_rank: list[Any], scale: float) -> dict[str, Any]:
+    tol = tolerance(case) * scale
+    failures: list[str] = []
+    worst_key, worst = "", 0.0
+    errors: dict[str, float] = {}
+    for rank, result in enumerate(per_rank):
+        if not isinstance(result, dict):
+            failures.append(f"rank {rank}: {result}")
+            continue
+        for key, value in result.items():
+            errors[key] = max(errors.get(key, 0.0), value)
+            if key in EXACT_KEYS:
+                if value != 0:
+                    failures.append(f"rank {rank}: {key} = {value:g}")
+                continue
+            if not value <= tol:  # NaN fails too
+                failures.append(f"rank {rank}: {key} error {value:.3g} > {tol:.3g}")
+            if value > worst:
+                worst_key, worst = key, value
+    return {
+        "case": case.name,
+        "sizes": list(case.sizes),
+        "shape": [sum(case.sizes), *case.inner],
+        "dtype": _DTYPE_NAMES.get(case.dtype, str(case.dtype)),
+        "layer_dtype": _DTYPE_NAMES.get(case.layer_dtype, "") if case.layer_dtype else "",
+        "memory_format": str(case.memory_format).replace("torch.", "") if case.memory_format else "",
+        "errors": errors,
+        "worst_key": worst_key,
+        "worst_error": worst,
+        "tolerance": tol,
+        "passed": not failures,
+        "failures": failures,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the checks; print the table on the main process; 0 when all pass."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("syncbn verify: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    if args.world_size < 1:
+        print(f"syncbn verify: --world-size must be at least 1 (got {args.world_size})", file=sys.stderr)
+        return 2
+    backend = args.backend or default_backend(args.device)
+    main = is_main_process()
+    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
+    if args.device == "cuda" and not launched_by_torchrun() and world_size > torch.cuda.device_count():
+        print(
+            f"syncbn verify: {world_size} ranks need {world_size} GPUs, {torch.cuda.device_count()} visible",
+            file=sys.stderr,
+        )
+        return 2
+    if main:
+        print(
+            f"syncbn {__version__} verify: {world_size} ranks, backend {backend}, device {args.device}, "
+            f"torch {torch.__version__}",
+            flush=True,
+        )
+    start = time.perf_counter()
+    try:
+        per_rank = run_ranks(_check_rank, world_size, backend, args.device, timeout_s=args.timeout)
+    except Exception as exc:  # noqa: BLE001 - a rank died or timed out: that is a failed check
+        if main:
+            print(f"syncbn verify: FAILED, a rank did not finish: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - start
+    cases = standard_cases(world_size)
+    summaries = [_summarise(c, [r[c.name] for r in per_rank], args.tolerance_scale) for c in cases]
+    passed = sum(s["passed"] for s in summaries)
+    if main:
+        rows = []
+        for s in summaries:
+            layout = s["dtype"] + (f" ({s['layer_dtype']} layer)" if s["layer_dtype"] else "")
+            layout += f" {s['memory_format']}" if s["memory_format"] else ""
+            rows.append(
+                [
+                    s["case"],
+                    "x".join(map(str, s["shape"])),
+                    ",".join(map(str, s["sizes"])),
+                    layout,
+                    format_error(s["worst_error"]),
+                    s["worst_key"] or "-",
+                    format_error(s["tolerance"]),
+                    "PASS" if s["passed"] else "FAIL",
+                ]
+            )
+        headers = ["case", "global shape", "per rank", "dtype", "max error", "where", "tolerance", "result"]
+        print(format_table(headers, rows, right=[False, False, False, False, True, False, True, False]))
+        for s in summaries:
+            for failure in s["failures"]:
+                print(f"FAIL {s['case']}: {failure}")
+        verdict = "all passed" if passed == len(summaries) else f"{len(summaries) - passed} FAILED"
+        print(f"{passed}/{len(summaries)} cases passed ({verdict}) in {elapsed:.1f}s", flush=True)
+        if args.json:
+            report = {
+                "syncbn_version": __version__,
+                "torch_version": torch.__version__,
+                "world_size": world_size,
+                "backend": backend,
+                "device": args.device,
+                "tolerance_scale": args.tolerance_scale,
+                "seconds": elapsed,
+                "passed": passed == len(summaries),
+                "cases": summaries,
+            }
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+    return 0 if passed == len(summaries) else 1

@@ -1,0 +1,180 @@
+"""The command line, run as a user runs it: ``python -m syncbn <command>`` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(extra_path: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(ROOT / "src")] + ([extra_path] if extra_path else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _syncbn(*args: str, cwd: Path, timeout: float = 150, extra_path: str | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "syncbn", *args],
+        cwd=cwd,
+        env=_env(extra_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("demo")
+    out = tmp / "out"
+    proc = _syncbn("demo", "--steps", "30", "--batch", "3", "--seed", "1", "--out", str(out), cwd=tmp)
+    return proc, out
+
+
+def test_demo_prints_the_table_and_a_progress_bar(demo_run) -> None:
+    proc, _ = demo_run
+    assert proc.returncode == 0, proc.stderr
+    for text in ("train loss", "test accuracy", "max |param - global|", "(reference)"):
+        assert text in proc.stdout
+    for name in ("local", "syncbn", "global"):
+        assert any(line.startswith(name) for line in proc.stdout.splitlines()), proc.stdout
+    assert "30/30" in proc.stderr and "[#" in proc.stderr  # the progress bar, drawn per quarter off a tty
+
+
+def test_demo_writes_png_and_json_with_every_number(demo_run) -> None:
+    proc, out = demo_run
+    assert proc.returncode == 0, proc.stderr
+    png = out / "loss_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((out / "results.json").read_text())
+    assert report["config"]["steps"] == 30 and report["config"]["batch"] == 3
+    assert report["config"]["dtype"] == "float64" and report["world_size"] == 2
+    assert set(report["runs"]) == {"local", "syncbn", "global"}
+    for run in report["runs"].values():
+        assert len(run["losses"]) == 30
+        for key in ("final_train_loss", "test_accuracy", "test_loss", "max_param_diff", "seconds"):
+            assert isinstance(run[key], float), key
+        assert 0.0 <= run["test_accuracy"] <= 1.0
+
+
+def test_demo_syncbn_matches_the_single_process_run(demo_run) -> None:
+    proc, out = demo_run
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    # float64: syncbn on 2 ranks is the one-process global-batch run up to rounding ...
+    assert runs["syncbn"]["max_param_diff"] < 1e-10
+    assert runs["syncbn"]["max_buffer_diff"] < 1e-10
+    assert runs["global"]["max_param_diff"] == 0.0
+    for a, b in zip(runs["syncbn"]["losses"], runs["global"]["losses"]):
+        assert abs(a - b) < 1e-10
+    assert runs["syncbn"]["test_accuracy"] == runs["global"]["test_accuracy"]
+    # ... and per-rank BatchNorm is not.
+    assert runs["local"]["max_param_diff"] > 1e-4
+
+
+def test_demo_without_extras_names_the_extra(tmp_path: Path) -> None:
+    fake = tmp_path / "fake"
+    (fake / "sklearn").mkdir(parents=True)
+    (fake / "sklearn" / "__init__.py").write_text("raise ImportError('no sklearn here')\n")
+    proc = _syncbn("demo", "--steps", "1", cwd=tmp_path, extra_path=str(fake), timeout=60)
+    assert proc.returncode == 2
+    assert "syncbn[demo]" in proc.stderr and "scikit-learn" in proc.stderr
+    assert not (tmp_path / "syncbn-demo").exists()
+
+
+@pytest.fixture(scope="module")
+def verify_run(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("verify")
+    proc = _syncbn("verify", "--world-size", "2", "--json", str(tmp / "verify.json"), cwd=tmp)
+    return proc, tmp / "verify.json"
+
+
+def test_verify_passes_and_prints_a_table(verify_run) -> None:
+    proc, path = verify_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = ("4d-one-empty", "all-empty", "3d-uneven", "float16-input", "channels-last", "bfloat16-input")
+    for name in names:
+        assert any(line.startswith(name) and line.endswith("PASS") for line in proc.stdout.splitlines()), name
+    assert "FAIL" not in proc.stdout
+    assert "cases passed (all passed)" in proc.stdout
+    report = json.loads(path.read_text())
+    assert report["passed"] is True and report["world_size"] == 2 and report["backend"] == "gloo"
+    for case in report["cases"]:
+        assert case["passed"] and case["worst_error"] <= case["tolerance"]
+        assert set(case) >= {"case", "sizes", "dtype", "errors", "tolerance"}
+
+
+def _torchrun() -> str | None:
+    beside = Path(sys.executable).parent / "torchrun"
+    return str(beside) if beside.exists() else shutil.which("torchrun")
+
+
+@pytest.mark.skipif(_torchrun() is None, reason="torchrun not installed")
+def test_verify_and_demo_under_torchrun(tmp_path: Path) -> None:
+    torchrun = _torchrun()
+    assert torchrun is not None
+    base = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "syncbn"]
+
+    def launch(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            base + list(args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=150
+        )
+
+    # A zero tolerance fails every case with any rounding error: the exit code says so.
+    proc = launch("verify", "--tolerance-scale", "0")
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("FAILED") == 1, proc.stdout  # rank 0 prints, once
+    assert any(line.startswith("all-empty") and line.endswith("PASS") for line in proc.stdout.splitlines())
+    assert any(line.startswith("2d-even") and line.endswith("FAIL") for line in proc.stdout.splitlines())
+
+    # --world-size is the launcher's; --no-out writes nothing.
+    proc = launch("demo", "--steps", "5", "--batch", "2", "--world-size", "5", "--no-out")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 ranks x 2 images = global batch 4" in proc.stdout
+    assert proc.stdout.count("(reference)") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_table_and_progress_bar_helpers() -> None:
+    import io
+
+    from syncbn.cli._output import ProgressBar, format_error, format_table
+
+    table = format_table(["name", "error"], [["a", "1.00e-03"], ["long name", "0"]], right=[False, True])
+    expected = ["name          error", "---------  --------", "a          1.00e-03", "long name         0"]
+    assert table.splitlines() == expected
+    assert format_error(0.0) == "0" and format_error(1.234e-7) == "1.23e-07"
+    stream = io.StringIO()
+    bar = ProgressBar(8, "run", stream=stream)
+    for step in range(1, 9):
+        bar.update(step, f"loss {step}")
+    printed = stream.getvalue().splitlines()
+    assert len(printed) == 4 and printed[-1].startswith("run [" + "#" * 24 + "] 8/8 loss 8")
+    quiet = io.StringIO()
+    ProgressBar(8, "run", stream=quiet, enabled=False).update(8)
+    assert quiet.getvalue() == ""
+
+
+def test_demo_schedule_walks_through_shuffled_epochs() -> None:
+    from syncbn.cli.demo import schedule
+
+    order = schedule(10, steps=7, global_batch=3, seed=0)
+    assert order.shape == (7, 3)
+    flat = order.flatten().tolist()
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+    assert order.equal(schedule(10, steps=7, global_batch=3, seed=0))
