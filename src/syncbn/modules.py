@@ -97,14 +97,12 @@ class SyncBatchNorm(_BatchNorm):
                 "freeze=True normalises with the running statistics, so it needs "
                 "track_running_stats=True (got track_running_stats=False)"
             )
-        if bias or not affine:
-            super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        elif _BATCHNORM_TAKES_BIAS:
-            super().__init__(
-                num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=False
-            )
-        else:  # torch < 2.13: emulate ``bias=False`` as nn.BatchNorm does there
-            super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        drop_bias = affine and not bias
+        extra = {"bias": False} if drop_bias and _BATCHNORM_TAKES_BIAS else {}
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra
+        )
+        if drop_bias and not _BATCHNORM_TAKES_BIAS:  # torch < 2.13: what its BatchNorm(bias=False) does
             self.register_parameter("bias", None)
         self.process_group = process_group
         self.freeze = freeze
