@@ -25,17 +25,7 @@ from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
 from syncbn import SyncBatchNorm
-from syncbn.cli.bench import DEFAULT_SHAPES, NaiveSyncBatchNorm, parse_shapes
-
-
-class LoopbackGroup:
-    """A two-member :class:`syncbn.groups.SumGroup` whose sum is the identity (one process)."""
-
-    size = 2
-    rank = 0
-
-    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        return tensor
+from syncbn.cli.bench import DEFAULT_SHAPES, LoopbackGroup, NaiveSyncBatchNorm, parse_shapes
 
 
 def _local_bn(dim: int, channels: int) -> nn.Module:

@@ -39,6 +39,7 @@ from ._launch import run_ranks
 
 __all__ = [
     "DEFAULT_SHAPES",
+    "LoopbackGroup",
     "NaiveSyncBatchNorm",
     "add_arguments",
     "bench_layers",
@@ -96,6 +97,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- methods
 
 
+class LoopbackGroup:
+    """A two-member :class:`~syncbn.groups.SumGroup` whose sum is the identity.
+
+    Runs syncbn's whole synchronised code path in one process (for memory
+    measurements and device-synchronisation checks); the statistics are then the
+    local batch's, so the result equals ``nn.BatchNorm``'s.
+    """
+
+    size = 2
+    rank = 0
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+
+class _AllReduceMean(torch.autograd.Function):
+    """``all_reduce`` average whose backward averages the gradient the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, world: int) -> Tensor:  # type: ignore[override]
+        out = tensor.clone()
+        dist.all_reduce(out)
+        ctx.world = world
+        return out.div_(world)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad.div_(ctx.world), None
+
+
 class NaiveSyncBatchNorm(nn.Module):
     """The common naive synchronised batch norm, for comparison only.
 
@@ -115,8 +148,6 @@ class NaiveSyncBatchNorm(nn.Module):
         self.register_buffer("running_var", torch.ones(num_features))
 
     def forward(self, x: Tensor) -> Tensor:
-        from torch.distributed.nn.functional import all_reduce
-
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
         shape = [1, channels] + [1] * (x.dim() - 2)
@@ -125,7 +156,7 @@ class NaiveSyncBatchNorm(nn.Module):
         meansq = (x * x).mean(dims)
         stats = torch.cat([mean, meansq])
         if world > 1:
-            stats = all_reduce(stats) * (1.0 / world)
+            stats = _AllReduceMean.apply(stats, world)
         mean, meansq = stats.split(channels)
         var = meansq - mean * mean
         invstd = torch.rsqrt(var + self.eps)
@@ -133,9 +164,10 @@ class NaiveSyncBatchNorm(nn.Module):
         shift = self.bias - mean * scale
         with torch.no_grad():
             n = x.numel() // channels * world
-            self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
+            running_mean, running_var = self.get_buffer("running_mean"), self.get_buffer("running_var")
+            running_mean.lerp_(mean.detach().to(running_mean.dtype), self.momentum)
             unbiased = var.detach() * (n / max(n - 1, 1))
-            self.running_var.lerp_(unbiased.to(self.running_var.dtype), self.momentum)
+            running_var.lerp_(unbiased.to(running_var.dtype), self.momentum)
         return x * scale.view(shape) + shift.view(shape)
 
 
