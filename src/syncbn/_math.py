@@ -82,9 +82,9 @@ def _is_channels_last(x: Tensor) -> bool:
 # Contiguous inputs at least this large are centred block by block (see
 # :func:`_blocked_m2`); smaller ones in one full-size temporary, which is cheaper
 # than the Python loop over blocks.
-_BLOCKED_MIN_NUMEL = 1 << 22
-# Values per block: a few MiB, so a block's centred copy stays in cache.
-_BLOCK_NUMEL = 1 << 20
+_BLOCKED_MIN_NUMEL = 1 << 21
+# Values per block (2 MiB of float32), so a block's centred copy stays in cache.
+_BLOCK_NUMEL = 1 << 19
 
 
 def local_moments(x: Tensor) -> tuple[Tensor, Tensor]:
