@@ -223,12 +223,20 @@ def _build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
 
 
 def time_interleaved(
-    steps: dict[str, Callable[[], Any]], iters: int, warmup: int, *, barrier: bool, cuda: bool
+    steps: dict[str, Callable[[], Any]],
+    iters: int,
+    warmup: int,
+    *,
+    barrier: bool,
+    cuda: bool,
+    cpu_times: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
-    """Time each callable ``warmup + iters`` times, interleaved; seconds of the timed ones.
+    """Time each callable ``warmup + iters`` times, interleaved; wall seconds of the timed ones.
 
     With ``barrier``, every call starts after a ``dist.barrier()`` (untimed), so
-    ranks start each measurement together.
+    ranks start each measurement together. ``cpu_times``, when given, receives
+    the calling thread's CPU seconds per call: the compute cost, which time spent
+    waiting for peers or for a busy machine's scheduler does not inflate.
     """
     times: dict[str, list[float]] = {name: [] for name in steps}
     for it in range(warmup + iters):
@@ -237,13 +245,17 @@ def time_interleaved(
                 dist.barrier()
             if cuda:
                 torch.cuda.synchronize()
+            cpu_start = time.thread_time()
             start = time.perf_counter()
             step()
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
+            cpu = time.thread_time() - cpu_start
             if it >= warmup:
                 times[name].append(elapsed)
+                if cpu_times is not None:
+                    cpu_times.setdefault(name, []).append(cpu)
     return times
 
 
@@ -306,26 +318,36 @@ def bench_layers(
     records = []
     for shape in shapes:
         steps = _layer_steps(shape, dtype, device, rank, force_sync)
+        cuda = device.type == "cuda"
+        cpu: dict[str, list[float]] = {}
         try:
-            times = time_interleaved(steps, iters, warmup, barrier=distributed, cuda=device.type == "cuda")
+            times = time_interleaved(steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu)
             error = None
         except Exception as exc:  # e.g. a backend without the collective torch's SyncBN needs
             steps.pop("torch", None)
-            times = time_interleaved(steps, iters, warmup, barrier=distributed, cuda=device.type == "cuda")
+            cpu = {}
+            times = time_interleaved(steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu)
             error = f"torch.nn.SyncBatchNorm failed: {type(exc).__name__}: {exc}"
-        mine = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        mine = {
+            "wall": {name: statistics.median(ts) * 1e3 for name, ts in times.items()},
+            "cpu": {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()},
+        }
         if distributed:
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, mine)
         else:
             gathered = [mine]
-        slowest = {name: max(r[name] for r in gathered) for name in mine}
+        slowest = {name: max(r["wall"][name] for r in gathered) for name in mine["wall"]}
+        slowest_cpu = {name: max(r["cpu"][name] for r in gathered) for name in mine["cpu"]}
         records.append(
             {
                 "shape": list(shape),
                 "median_ms": slowest,
-                "per_rank_median_ms": gathered,
+                "cpu_median_ms": slowest_cpu,
+                "per_rank_median_ms": [r["wall"] for r in gathered],
+                "per_rank_cpu_median_ms": [r["cpu"] for r in gathered],
                 "ratios": ratios(slowest),
+                "cpu_ratios": ratios(slowest_cpu),
                 "error": error,
             }
         )
@@ -346,8 +368,12 @@ def ratios(ms: dict[str, float]) -> dict[str, float | None]:
     return out
 
 
-def format_table(records: list[dict[str, Any]]) -> str:
-    """A plain-text table of slowest-rank medians (ms) and ratios."""
+def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:
+    """A plain-text table of slowest-rank medians (ms) and ratios.
+
+    ``kind`` is ``"median_ms"`` (wall clock) or ``"cpu_median_ms"`` (thread CPU time).
+    """
+    ratio_key = "ratios" if kind == "median_ms" else "cpu_ratios"
     head = (
         f"{'shape':>18} {'local':>8} {'2xAR':>7} {'floor':>8} {'syncbn':>8} {'naive':>8} {'torch':>8}"
         f" {'sync/floor':>10} {'sync/naive':>10} {'sync/torch':>10}"
@@ -358,7 +384,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
 
     for rec in records:
-        ms, r = rec["median_ms"], rec["ratios"]
+        ms, r = rec[kind], rec[ratio_key]
         shape = "x".join(str(d) for d in rec["shape"])
         lines.append(
             f"{shape:>18} {ms['local']:>8.3f} {ms.get('2xAR', 0.0):>7.3f} {r['floor_ms']:>8.3f}"
@@ -380,6 +406,7 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
     return info
 
@@ -422,6 +449,11 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         "slowest rank's median forward+backward, ms"
     )
     print(format_table(records))
+    print(
+        "\nthread CPU time of the same calls (compute cost without waiting: steadier on a busy machine;"
+        " '2xAR' here is only the CPU side of the collectives)"
+    )
+    print(format_table(records, "cpu_median_ms"))
     if args.json:
         payload = {"config": config, "machine": machine_info(), "results": records}
         with open(args.json, "w") as fh:
