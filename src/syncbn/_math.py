@@ -155,7 +155,7 @@ def pack_moments(
     mean64 = mean.to(torch.float64)
     total = mean64 * count
     head = torch.full((1,), float(count), dtype=torch.float64, device=device)
-    return torch.cat([head, total, torch.addcmul(m2.to(torch.float64), total, mean64)])
+    return torch.cat([head, total, torch.addcmul(m2, total, mean64)])  # float64 by promotion
 
 
 def unpack_moments(packed: Tensor, channels: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -241,8 +241,8 @@ def input_grad(
     """
     invstd = (var.to(torch.float64) + eps).rsqrt_()
     scale = invstd if weight is None else invstd * weight  # float64
-    per_value = scale / count
-    corr_weight = (per_value * sum_dy_xhat).neg_().to(mean.dtype)
-    corr_bias = (per_value * sum_dy).neg_().to(mean.dtype)
+    minus_per_value = torch.div(scale, count).neg_()
+    corr_weight = (minus_per_value * sum_dy_xhat).to(mean.dtype)
+    corr_bias = (minus_per_value * sum_dy).to(mean.dtype)
     grad_input = torch.batch_norm(x, corr_weight, corr_bias, mean, var, False, 0.0, eps, False)
     return grad_input.addcmul_(grad_output, scale.to(mean.dtype).view(broadcast_shape(x)))
