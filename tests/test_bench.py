@@ -108,3 +108,23 @@ def test_memory_per_layer_saves_at_most_one_extra_activation() -> None:
     assert rec["local"]["saved_activations"] >= 1.0
     assert rec["syncbn_extra_saved_activations"] <= 1.0
     assert rec["syncbn"]["peak_activations"] <= rec["local"]["peak_activations"] + 1.0
+
+
+@pytest.mark.timeout(120)
+def test_bench_force_sync_on_one_rank(tmp_path) -> None:
+    out = tmp_path / "forced.json"
+    proc = _run(
+        ["-m", "syncbn", "bench", "--world-size", "1", "--force-sync", "--shapes", "4x3x4x4"]
+        + ["--iters", "1", "--warmup", "0", "--json", str(out)]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["force_sync"] is True
+    assert data["results"][0]["median_ms"]["syncbn"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_bench_cuda_without_a_gpu_says_so() -> None:
+    proc = _run(["-m", "syncbn", "bench", "--device", "cuda", "--shapes", "4x3"])
+    assert proc.returncode == 2
+    assert "CUDA is not available" in proc.stdout
