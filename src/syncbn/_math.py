@@ -79,6 +79,14 @@ def _is_channels_last(x: Tensor) -> bool:
     return False
 
 
+# Contiguous inputs at least this large are centred block by block (see
+# :func:`_blocked_m2`); smaller ones in one full-size temporary, which is cheaper
+# than the Python loop over blocks.
+_BLOCKED_MIN_NUMEL = 1 << 21
+# Values per block (2 MiB of float32), so a block's centred copy stays in cache.
+_BLOCK_NUMEL = 1 << 19
+
+
 def local_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel mean and sum of squared deviations of a non-empty batch.
 
@@ -91,8 +99,11 @@ def local_moments(x: Tensor) -> tuple[Tensor, Tensor]:
 
     The reduction runs on PyTorch's native kernels: Welford on CUDA and the
     channels-last/2D CPU kernels (``batch_norm_update_stats``); elsewhere a
-    two-pass sum, which on contiguous CPU input is about 2.5x faster than the
-    native kernel. float16/bfloat16 input is reduced in float32.
+    two-pass sum (one ``sum``, then the centred squares), which on contiguous
+    CPU input is 2-3x faster than the native kernel. Large contiguous inputs are
+    centred a block of samples at a time into one small reused buffer, so no
+    temporary the size of the activation is made (and the block stays in cache).
+    float16/bfloat16 input is reduced in float32.
     """
     n = x.numel() // x.shape[1]
     acc = accumulation_dtype(x.dtype)
@@ -101,8 +112,25 @@ def local_moments(x: Tensor) -> tuple[Tensor, Tensor]:
         return mean.to(acc), var.to(acc) * n
     dims = _reduce_dims(x)
     mean = x.sum(dims, dtype=acc) / n
+    if x.numel() >= _BLOCKED_MIN_NUMEL and x.is_contiguous() and x.shape[0] > 1:
+        return mean, _blocked_m2(x, mean, acc)
     centred = x - mean.view(broadcast_shape(x))  # promoted to ``acc``
     return mean, centred.square_().sum(dims)
+
+
+def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype) -> Tensor:
+    """``sum((x - mean)**2)`` per channel of a contiguous ``x``, a block of samples at a time."""
+    batch, channels = x.shape[0], x.shape[1]
+    x3 = x.view(batch, channels, -1)
+    rows = max(1, _BLOCK_NUMEL // max(1, x3[0].numel()))
+    buf = torch.empty((min(rows, batch),) + tuple(x3.shape[1:]), dtype=acc, device=x.device)
+    centre = mean.view(1, channels, 1)
+    m2 = torch.zeros_like(mean)
+    for start in range(0, batch, rows):
+        block = x3[start : start + rows]
+        tmp = torch.sub(block, centre, out=buf[: block.shape[0]])
+        m2 += tmp.square_().sum((0, 2))
+    return m2
 
 
 def pack_moments(
@@ -121,15 +149,13 @@ def pack_moments(
         A float64 tensor of shape ``(2 * C + 1,)``; summing these over ranks gives
         the global ``[N, S, Q]``.
     """
-    packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-    if count > 0:
-        assert mean is not None and m2 is not None
-        packed[0] = count
-        mean64 = mean.double()
-        total = mean64 * count
-        packed[1 : channels + 1] = total
-        packed[channels + 1 :] = m2.double() + total * mean64
-    return packed
+    if count == 0:
+        return torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+    assert mean is not None and m2 is not None
+    mean64 = mean.to(torch.float64)
+    total = mean64 * count
+    head = torch.full((1,), float(count), dtype=torch.float64, device=device)
+    return torch.cat([head, total, torch.addcmul(m2, total, mean64)])  # float64 by promotion
 
 
 def unpack_moments(packed: Tensor, channels: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -147,6 +173,13 @@ def unpack_moments(packed: Tensor, channels: int) -> tuple[Tensor, Tensor, Tenso
     count = packed[0]
     total = packed[1 : channels + 1]
     sq = packed[channels + 1 :]
+    if packed.device.type == "cpu":
+        # Reading a CPU scalar costs no device synchronisation; it saves three small kernels.
+        n = float(count)
+        safe_n = max(n, 1.0)
+        mean = total / safe_n
+        m2 = torch.addcmul(sq, total, mean, value=-1.0).clamp_(min=0.0)
+        return count, mean, m2 / safe_n, m2 / max(n - 1.0, 1.0)
     safe = count.clamp(min=1.0)
     mean = total / safe
     m2 = (sq - total * mean).clamp_(min=0.0)
@@ -206,9 +239,10 @@ def input_grad(
     Returns:
         The input gradient, shaped and typed like ``x``.
     """
-    invstd = torch.rsqrt(var.double() + eps)
-    scale = invstd if weight is None else weight.double() * invstd
-    corr_weight = (-scale * sum_dy_xhat / count).to(mean.dtype)
-    corr_bias = (-scale * sum_dy / count).to(mean.dtype)
+    invstd = (var.to(torch.float64) + eps).rsqrt_()
+    scale = invstd if weight is None else invstd * weight  # float64
+    minus_per_value = torch.div(scale, count).neg_()
+    corr_weight = (minus_per_value * sum_dy_xhat).to(mean.dtype)
+    corr_bias = (minus_per_value * sum_dy).to(mean.dtype)
     grad_input = torch.batch_norm(x, corr_weight, corr_bias, mean, var, False, 0.0, eps, False)
     return grad_input.addcmul_(grad_output, scale.to(mean.dtype).view(broadcast_shape(x)))

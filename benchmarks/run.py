@@ -1,0 +1,80 @@
+"""All CPU benchmarks in one command; JSON and text land in ``benchmarks/results/``.
+
+    python benchmarks/run.py            # full run (about 5-10 minutes on 2 cores)
+    python benchmarks/run.py --quick    # small settings, a smoke test
+
+1. per-layer timing on 2 gloo ranks: ``python -m syncbn bench`` (the same code);
+2. memory per layer (``benchmarks/memory.py``);
+3. end-to-end ResNet-style training step on 2 ranks (``benchmarks/e2e.py``);
+4. traffic/latency table for W = 2..1024 (``benchmarks/scaling.py``).
+
+The GPU checks are separate: ``bash benchmarks/gpu_check.sh`` on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import e2e  # noqa: E402
+import memory  # noqa: E402
+import scaling  # noqa: E402
+
+from syncbn.cli import main as syncbn_main  # noqa: E402
+
+
+def _tee(path: str, fn: object, *args: object) -> int:
+    """Run ``fn(*args)``, print its output and save it to ``path``."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = fn(*args)  # type: ignore[operator]
+    text = buf.getvalue()
+    print(text, end="")
+    with open(path, "w") as fh:
+        fh.write(text)
+    return int(code or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small settings (smoke test)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: layers,memory,e2e,scaling")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    out = args.out
+    code = 0
+    if "layers" not in skip:
+        bench = ["bench", "--json", os.path.join(out, "layers.json")]
+        if args.quick:
+            bench += ["--shapes", "4x8x6x6,64x16", "--iters", "5", "--warmup", "1"]
+        # bench's ranks print from child processes: their output goes straight to stdout.
+        code |= syncbn_main(bench)
+    if "memory" not in skip:
+        shapes = ["--shapes", "4x8x6x6,64x16"] if args.quick else []
+        code |= _tee(
+            os.path.join(out, "memory.txt"),
+            memory.main,
+            shapes + ["--json", os.path.join(out, "memory.json")],
+        )
+    if "e2e" not in skip:
+        e2e_args = ["--json", os.path.join(out, "e2e.json")]
+        if args.quick:
+            e2e_args += ["--batch", "2", "--steps", "2", "--warmup", "1"]
+        code |= e2e.main(e2e_args)
+    if "scaling" not in skip:
+        code |= _tee(
+            os.path.join(out, "scaling.md"), scaling.main, ["--json", os.path.join(out, "scaling.json")]
+        )
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

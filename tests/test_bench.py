@@ -1,0 +1,130 @@
+"""The bench command and the benchmark scripts run and report what they promise (never timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from syncbn.cli.bench import NaiveSyncBatchNorm, parse_shapes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT
+    )
+
+
+@pytest.mark.timeout(240)
+def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    shapes = "4x3x5x5,16x4,2x3x2x3x4"
+    proc = _run(
+        ["-m", "syncbn", "bench", "--world-size", "2", "--shapes", shapes, "--iters", "2", "--warmup", "1"]
+        + ["--json", str(out)]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for column in ("local", "2xAR", "floor", "syncbn", "naive", "torch", "sync/floor", "sync/naive"):
+        assert column in proc.stdout
+    for shape in shapes.split(","):
+        assert shape in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["config"]["world_size"] == 2
+    assert data["machine"]["torch"] == torch.__version__
+    assert [r["shape"] for r in data["results"]] == [list(s) for s in parse_shapes(shapes)]
+    for rec in data["results"]:
+        assert set(rec["median_ms"]) == {"local", "2xAR", "syncbn", "naive"}  # no torch SyncBN on CPU
+        assert all(v > 0 for v in rec["median_ms"].values())
+        assert len(rec["per_rank_median_ms"]) == 2
+        ratios = rec["ratios"]
+        assert ratios["syncbn_over_floor"] > 0 and ratios["syncbn_over_naive"] > 0
+        assert ratios["syncbn_over_torch"] is None
+
+
+def test_bench_single_process_runs_without_a_group() -> None:
+    proc = _run(
+        ["-m", "syncbn", "bench", "--world-size", "1", "--shapes", "8x2", "--iters", "1", "--warmup", "0"]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "8x2" in proc.stdout
+
+
+def test_bench_rejects_bad_shapes() -> None:
+    proc = _run(["-m", "syncbn", "bench", "--shapes", "16"])
+    assert proc.returncode != 0
+    assert "bad shape" in proc.stderr
+
+
+def test_scaling_table(tmp_path) -> None:
+    out = tmp_path / "scaling.json"
+    proc = _run([os.path.join(BENCHMARKS, "scaling.py"), "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert "| 1024 | 2048 |" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["world_size"] for r in rows} == {2, 8, 64, 256, 1024}
+    assert {r["channels"] for r in rows} == {64, 256, 512, 2048}
+    for r in rows:
+        c, w = r["channels"], r["world_size"]
+        assert r["syncbn"]["collectives"] == 2 and r["torch"]["collectives"] == 2
+        # syncbn: a float64 all_reduce of 2C+1 values, then one of 2C; held bytes never grow with W.
+        assert r["syncbn"]["result_bytes_held"] == 8 * (4 * c + 1)
+        assert r["syncbn"]["sent_bytes"] == pytest.approx(2 * (w - 1) / w * 8 * (4 * c + 1))
+        # torch: everyone's float32 [mean, invstd, count] lands on every rank.
+        assert r["torch"]["result_bytes_held"] == w * 4 * (2 * c + 1) + 4 * 2 * c
+        assert 0 < r["best_syncbn_us"] <= r["syncbn_ring_us"]
+    big = [r for r in rows if r["world_size"] == 1024]
+    assert all(r["sent_ratio_torch_over_syncbn"] > 100 for r in big)
+
+
+def test_naive_reference_is_batchnorm_in_one_process() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, 4, 4, generator=gen, dtype=torch.float64)
+    dy = torch.randn(6, 3, 4, 4, generator=gen, dtype=torch.float64)
+    naive, ref = NaiveSyncBatchNorm(3).double(), nn.BatchNorm2d(3).double()
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    naive(x1).backward(dy)
+    ref(x2).backward(dy)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch.testing.assert_close(naive.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(naive.running_var, ref.running_var)
+
+
+def test_memory_per_layer_saves_at_most_one_extra_activation() -> None:
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import memory
+    finally:
+        sys.path.remove(BENCHMARKS)
+    rec = memory.run_memory([(4, 8, 6, 6)])[0]
+    assert rec["local"]["saved_activations"] >= 1.0
+    assert rec["syncbn_extra_saved_activations"] <= 1.0
+    assert rec["syncbn"]["peak_activations"] <= rec["local"]["peak_activations"] + 1.0
+
+
+@pytest.mark.timeout(120)
+def test_bench_force_sync_on_one_rank(tmp_path) -> None:
+    out = tmp_path / "forced.json"
+    proc = _run(
+        ["-m", "syncbn", "bench", "--world-size", "1", "--force-sync", "--shapes", "4x3x4x4"]
+        + ["--iters", "1", "--warmup", "0", "--json", str(out)]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["force_sync"] is True
+    assert data["results"][0]["median_ms"]["syncbn"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_bench_cuda_without_a_gpu_says_so() -> None:
+    proc = _run(["-m", "syncbn", "bench", "--device", "cuda", "--shapes", "4x3"])
+    assert proc.returncode == 2
+    assert "CUDA is not available" in proc.stdout
