@@ -33,7 +33,18 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         + ["--json", str(out)]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for column in ("local", "2xAR", "floor", "syncbn", "naive", "torch", "sync/floor", "sync/naive"):
+    for column in (
+        "local",
+        "2xAR",
+        "floor",
+        "local+AR",
+        "syncbn",
+        "naive",
+        "torch",
+        "sync/floor",
+        "sync/l+AR",
+        "sync/naive",
+    ):
         assert column in proc.stdout
     for shape in shapes.split(","):
         assert shape in proc.stdout

@@ -13,7 +13,7 @@ below two is such a rank, so all of them take the same decision.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,7 +21,14 @@ from torch import Tensor
 from . import _checks, _math
 from .groups import CollectiveError, SumGroup
 
-__all__ = ["SyncBatchNormFunction", "statistics_dtype"]
+__all__ = [
+    "ForwardResult",
+    "SyncBatchNormFunction",
+    "finish_input_grad",
+    "local_grad_sums",
+    "statistics_dtype",
+    "synchronized_forward",
+]
 
 
 def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
@@ -54,6 +61,111 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
         raise exc.for_layer(_checks.layer_name(layer), phase) from exc.__cause__
 
 
+class ForwardResult(NamedTuple):
+    """What a synchronised training forward produced, and what its backward needs."""
+
+    out: Tensor
+    mean: Tensor  # global mean, statistics dtype
+    var: Tensor  # global biased variance, statistics dtype
+    total: Tensor  # global count, float64 scalar tensor
+    local_count: int  # this member's values per channel
+
+
+def synchronized_forward(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    eps: float,
+    momentum: float,
+    reduce: Callable[[Tensor], Tensor],
+    one_value_error: Callable[[], Exception],
+) -> ForwardResult:
+    """Training-mode batch norm of ``x`` with statistics summed by ``reduce``.
+
+    The transport-independent forward shared by the process-group path
+    (:class:`SyncBatchNormFunction`) and the ``nn.DataParallel`` replicas
+    (:mod:`syncbn.parallel`): local moments, one ``reduce`` of the packed
+    moments, normalisation into a freshly allocated output (which also served
+    as the scratch buffer for the moments) and the running-statistics update.
+
+    Args:
+        x: the local input ``(N, C, *)``.
+        weight: affine scale or ``None``.
+        bias: affine shift or ``None``.
+        running_mean: updated in place unless ``None``.
+        running_var: updated in place (unbiased variance) unless ``None``.
+        eps: added to the variance.
+        momentum: running-statistics update factor.
+        reduce: sums a float64 vector over every member, returning the sum.
+        one_value_error: builds the error raised when the global count is one.
+
+    Returns:
+        The output and the statistics backward needs.
+    """
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    out = torch.empty_like(x)
+    if count > 0:
+        mean_l, m2_l = _math.local_moments(x, scratch=out)
+        packed = _math.pack_moments(count, mean_l, m2_l, channels=channels, device=x.device)
+    else:
+        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device)
+    packed = reduce(packed)
+    total, mean64, var64, unbiased64 = _math.unpack_moments(packed, channels)
+
+    global_count = 2  # a lower bound is all that is needed when count >= 2
+    if count < 2:
+        global_count = int(total.item())
+        if global_count == 1:
+            raise one_value_error()
+
+    stat_dtype = statistics_dtype(x, weight, running_mean)
+    mean = mean64.to(stat_dtype)
+    var = var64.to(stat_dtype)
+    if count > 0:
+        _math.normalize_into(out, x, weight, bias, mean, var, eps)
+    if global_count > 0:
+        if running_mean is not None:
+            running_mean.copy_(running_mean * (1.0 - momentum) + mean64 * momentum)
+        if running_var is not None:
+            running_var.copy_(running_var * (1.0 - momentum) + unbiased64 * momentum)
+    return ForwardResult(out, mean, var, total, local_count=count)
+
+
+def local_grad_sums(
+    grad_output: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, eps: float, count: int
+) -> tuple[Tensor, Tensor]:
+    """This member's ``(sum(dy), sum(dy * xhat))``; zeros for an empty local batch (``count == 0``)."""
+    if count > 0:
+        return _math.backward_sums(grad_output, x, weight, mean, var, eps)
+    zeros = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
+    return zeros, zeros.clone()
+
+
+def finish_input_grad(
+    grad_output: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    total: Tensor,
+    count: int,
+    reduced: Tensor,
+) -> Tensor:
+    """Input gradient from the group-summed ``[sum(dy), sum(dy * xhat)]`` (``reduced``).
+
+    ``total`` is the global count, ``count`` this member's; an empty local batch
+    gets an empty (all-zero) gradient.
+    """
+    if count == 0:
+        return torch.zeros_like(x)
+    sum_dy, sum_dy_xhat = reduced.to(x.device).split(x.shape[1])
+    return _math.input_grad(grad_output, x, weight, mean, var, eps, total, sum_dy, sum_dy_xhat)
+
+
 class SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm whose statistics span every member of ``group``."""
 
@@ -71,76 +183,41 @@ class SyncBatchNormFunction(torch.autograd.Function):
         layer: Any = None,
     ) -> Tensor:
         call = _checks.before_forward(group, layer, x)
-        channels = x.shape[1]
-        count = x.numel() // channels if channels else 0
-        if count > 0:
-            mean_l, m2_l = _math.local_moments(x)
-            packed = _math.pack_moments(count, mean_l, m2_l, channels=channels, device=x.device)
-        else:
-            packed = _math.pack_moments(0, None, None, channels=channels, device=x.device)
-        packed = _all_reduce(group, packed, layer, "forward")
-        total, mean64, var64, unbiased64 = _math.unpack_moments(packed, channels)
-
-        global_count = 2  # a lower bound is all that is needed when count >= 2
-        if count < 2:
-            global_count = int(total.item())
-            if global_count == 1:
-                raise _expected_more_than_one(x, group, layer)
-
-        stat_dtype = statistics_dtype(x, weight, running_mean)
-        mean = mean64.to(stat_dtype)
-        var = var64.to(stat_dtype)
-        if count > 0:
-            out = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-        else:
-            out = torch.empty_like(x)
-
-        if global_count > 0:
-            if running_mean is not None:
-                running_mean.copy_(running_mean * (1.0 - momentum) + mean64 * momentum)
-            if running_var is not None:
-                running_var.copy_(running_var * (1.0 - momentum) + unbiased64 * momentum)
-
-        ctx.save_for_backward(x, weight, mean, var, total)
-        ctx.eps = eps
-        ctx.count = count
-        ctx.param_dtype = (
-            weight.dtype if weight is not None else (bias.dtype if bias is not None else stat_dtype)
+        result = synchronized_forward(
+            x,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            eps,
+            momentum,
+            lambda packed: _all_reduce(group, packed, layer, "forward"),
+            lambda: _expected_more_than_one(x, group, layer),
         )
+        ctx.save_for_backward(x, weight, result.mean, result.var, result.total)
+        ctx.count = result.local_count
+        ctx.param_dtype = (
+            weight.dtype if weight is not None else (bias.dtype if bias is not None else result.mean.dtype)
+        )
+        ctx.eps = eps
         ctx.group = group
         ctx.layer = layer
         ctx.call = call
-        return out
+        return result.out
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, mean, var, total = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        channels = x.shape[1]
-        if ctx.count > 0:
-            sum_dy, sum_dy_xhat = _math.backward_sums(grad_output, x, weight, mean, var, ctx.eps)
-        else:
-            sum_dy = torch.zeros(channels, dtype=mean.dtype, device=x.device)
-            sum_dy_xhat = torch.zeros_like(sum_dy)
+        sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
 
         grad_input = None
         if need_input:
             _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
             reduced = _all_reduce(ctx.group, torch.cat([sum_dy, sum_dy_xhat]).double(), ctx.layer, "backward")
-            if ctx.count > 0:
-                grad_input = _math.input_grad(
-                    grad_output,
-                    x,
-                    weight,
-                    mean,
-                    var,
-                    ctx.eps,
-                    total,
-                    reduced[:channels],
-                    reduced[channels:],
-                )
-            else:
-                grad_input = torch.zeros_like(x)
+            grad_input = finish_input_grad(
+                grad_output, x, weight, mean, var, ctx.eps, total, ctx.count, reduced
+            )
 
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None

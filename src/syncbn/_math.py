@@ -87,11 +87,16 @@ _BLOCKED_MIN_NUMEL = 1 << 21
 _BLOCK_NUMEL = 1 << 19
 
 
-def local_moments(x: Tensor) -> tuple[Tensor, Tensor]:
+def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per-channel mean and sum of squared deviations of a non-empty batch.
 
     Args:
         x: input of shape ``(N, C, *)`` with at least one value per channel.
+        scratch: optional tensor like ``x`` (same shape, dtype and layout) whose
+            contents may be overwritten; the two-pass path centres ``x`` into it
+            instead of allocating (the caller's output buffer, about to be
+            written anyway). Allocating and releasing activation-sized
+            temporaries costs page faults on every call.
 
     Returns:
         ``(mean, m2)``, each of shape ``(C,)`` in :func:`accumulation_dtype`, with
@@ -112,10 +117,37 @@ def local_moments(x: Tensor) -> tuple[Tensor, Tensor]:
         return mean.to(acc), var.to(acc) * n
     dims = _reduce_dims(x)
     mean = x.sum(dims, dtype=acc) / n
+    if scratch is not None and scratch.dtype == acc:
+        centred = torch.sub(x, mean.view(broadcast_shape(x)), out=scratch)
+        return mean, centred.square_().sum(dims)
     if x.numel() >= _BLOCKED_MIN_NUMEL and x.is_contiguous() and x.shape[0] > 1:
         return mean, _blocked_m2(x, mean, acc)
     centred = x - mean.view(broadcast_shape(x))  # promoted to ``acc``
     return mean, centred.square_().sum(dims)
+
+
+def normalize_into(
+    out: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
+) -> Tensor:
+    """Write ``(x - mean) / sqrt(var + eps) * weight + bias`` into ``out`` in one native pass.
+
+    Args:
+        out: destination shaped like ``x`` (its memory format is kept).
+        x: the input.
+        weight: per-channel scale or ``None``.
+        bias: per-channel shift or ``None``.
+        mean: per-channel mean (statistics dtype).
+        var: per-channel biased variance (statistics dtype).
+        eps: added to the variance.
+
+    Returns:
+        ``out``.
+    """
+    empty = mean.new_empty(0)
+    torch.ops.aten.native_batch_norm.out(
+        x, weight, bias, mean, var, False, 0.0, eps, out=out, save_mean=empty, save_invstd=empty.clone()
+    )
+    return out
 
 
 def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype) -> Tensor:

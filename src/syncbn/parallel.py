@@ -61,8 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _math
-from ._function import statistics_dtype
+from ._function import finish_input_grad, local_grad_sums, synchronized_forward
 from ._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 
 __all__ = [
@@ -270,36 +269,25 @@ def _replica_batch_norm(
         replication.publish(layer)
         return single
 
-    channels = x.shape[1]
-    count = x.numel() // channels if channels else 0
-    with torch.no_grad():
-        if count > 0:
-            mean_l, m2_l = _math.local_moments(x)
-            packed = _math.pack_moments(count, mean_l, m2_l, channels=channels, device=x.device)
-        else:
-            packed = _math.pack_moments(0, None, None, channels=channels, device=x.device)
-    ThreadSumGroup(rendezvous, rank).all_reduce_sum(packed)
-    total, mean64, var64, unbiased64 = _math.unpack_moments(packed, channels)
-    global_count = 2 if count >= 2 else int(total.item())  # no host sync when count >= 2
-    if global_count == 1:
-        raise ValueError(
+    def one_value_error() -> ValueError:
+        return ValueError(
             "Expected more than 1 value per channel when training, got 1 value per channel "
             f"across the {rendezvous.size} replicas of {replication.describe()} "
             f"(this replica's input size {list(x.shape)})"
         )
 
-    stat_dtype = statistics_dtype(x, weight, running_mean)
-    mean, var = mean64.to(stat_dtype), var64.to(stat_dtype)
     with torch.no_grad():
-        if count > 0:
-            y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-        else:
-            y = torch.empty_like(x)
-        if global_count > 0:
-            if running_mean is not None:
-                running_mean.copy_(running_mean * (1.0 - momentum) + mean64 * momentum)
-            if running_var is not None:
-                running_var.copy_(running_var * (1.0 - momentum) + unbiased64 * momentum)
+        result = synchronized_forward(
+            x,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            eps,
+            momentum,
+            ThreadSumGroup(rendezvous, rank).all_reduce_sum,
+            one_value_error,
+        )
         if batches is not None:
             batches.add_(1)
     if rank == 0:
@@ -310,11 +298,11 @@ def _replica_batch_norm(
         x=x,
         weight=weight,
         bias=bias,
-        y=y,
-        mean=mean,
-        var=var,
-        total=total,
-        n=count,
+        y=result.out,
+        mean=result.mean,
+        var=result.var,
+        total=result.total,
+        n=result.local_count,
         eps=eps,
         needs_grad=needs_grad,
     )
@@ -360,31 +348,19 @@ class _JointBatchNorm(torch.autograd.Function):
         xs, weights = saved[:size], saved[size:]
         eps = ctx.eps
         needs = ctx.needs_input_grad[1:]
-        sums: list[tuple[Tensor, Tensor]] = []
-        for k in range(size):
-            mean, var, _, count = ctx.meta[k]
-            if count > 0:
-                sums.append(_math.backward_sums(grads[k], xs[k], weights[k], mean, var, eps))
-            else:
-                zeros = torch.zeros(mean.shape[0], dtype=mean.dtype, device=mean.device)
-                sums.append((zeros, zeros.clone()))
+        sums = [
+            local_grad_sums(grads[k], xs[k], weights[k], ctx.meta[k][0], ctx.meta[k][1], eps, ctx.meta[k][3])
+            for k in range(size)
+        ]
         reduced = ordered_sum([torch.cat(s).double() for s in sums])  # replica order: reproducible
-
         grad_inputs: list[Tensor | None] = []
         for k in range(size):
             mean, var, total, count = ctx.meta[k]
-            if not needs[k]:
-                grad_inputs.append(None)
-            elif count == 0:
-                grad_inputs.append(torch.zeros_like(xs[k]))
-            else:
-                channels = mean.shape[0]
-                here = reduced.to(xs[k].device)
-                grad_inputs.append(
-                    _math.input_grad(
-                        grads[k], xs[k], weights[k], mean, var, eps, total, here[:channels], here[channels:]
-                    )
-                )
+            grad_inputs.append(
+                finish_input_grad(grads[k], xs[k], weights[k], mean, var, eps, total, count, reduced)
+                if needs[k]
+                else None
+            )
         grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
         grad_biases = [
             sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)

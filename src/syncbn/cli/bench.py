@@ -6,6 +6,10 @@ them alike, one training forward + backward (random upstream gradient) of:
 * ``local``: ``nn.BatchNorm`` with no synchronisation (the floor's compute part);
 * ``2xAR``: two small ``all_reduce`` calls of ``2C + 1`` and ``2C`` float64
   values (the floor's communication part: what syncbn must send anyway);
+* ``local+AR``: ``nn.BatchNorm`` with those two ``all_reduce`` calls made where
+  syncbn makes them, one after its forward and one inside its backward. This
+  is the floor as a real step meets it: each collective also waits for the
+  slower rank's compute, which back-to-back ``2xAR`` never does;
 * ``syncbn``: :class:`syncbn.SyncBatchNorm`;
 * ``naive``: the common naive algorithm (per-channel mean and mean of squares,
   all-reduced with autograd, normalisation by broadcasting arithmetic);
@@ -13,7 +17,8 @@ them alike, one training forward + backward (random upstream gradient) of:
 
 Each rank's median is taken over the timed iterations, and the table shows the
 slowest rank's median for each method, with the ratios
-``syncbn / (local + 2xAR)``, ``syncbn / naive`` and ``syncbn / torch``.
+``syncbn / (local + 2xAR)``, ``syncbn / (local+AR)``, ``syncbn / naive`` and
+``syncbn / torch``.
 ``--json PATH`` writes every number. The ``benchmarks/`` scripts call the same
 code (:func:`bench_layers`, :func:`time_interleaved`).
 """
@@ -58,7 +63,7 @@ DEFAULT_SHAPES: list[tuple[int, ...]] = [
     (32, 64, 56, 56),
 ]
 
-METHODS = ("local", "2xAR", "syncbn", "naive", "torch")
+METHODS = ("local", "2xAR", "local+AR", "syncbn", "naive", "torch")
 
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:
@@ -171,6 +176,37 @@ class NaiveSyncBatchNorm(nn.Module):
         return x * scale.view(shape) + shift.view(shape)
 
 
+class _CollectivesAround(torch.autograd.Function):
+    """Identity that all-reduces ``fwd`` in forward and ``bwd`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, fwd: Tensor, bwd: Tensor) -> Tensor:  # type: ignore[override]
+        if dist.is_initialized():
+            dist.all_reduce(fwd)
+        ctx.bwd = bwd
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        if dist.is_initialized():
+            dist.all_reduce(ctx.bwd)
+        return grad, None, None
+
+
+class LocalWithCollectives(nn.Module):
+    """Local ``nn.BatchNorm`` plus syncbn's two all-reduces at the same points (the real floor)."""
+
+    def __init__(self, bn: nn.Module, channels: int, device: torch.device) -> None:
+        super().__init__()
+        self.bn = bn
+        self.fwd = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+        self.bwd = torch.zeros(2 * channels, dtype=torch.float64, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = _CollectivesAround.apply(self.bn(x), self.fwd, self.bwd)
+        return out
+
+
 def _local_bn(dim: int, channels: int) -> nn.Module:
     if dim == 2 or dim == 3:
         return nn.BatchNorm1d(channels)
@@ -205,6 +241,8 @@ def _build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
     channels = x.shape[1]
     if method == "local":
         mod: nn.Module = _local_bn(x.dim(), channels)
+    elif method == "local+AR":
+        mod = LocalWithCollectives(_local_bn(x.dim(), channels), channels, x.device)
     elif method == "syncbn":
         mod = SyncBatchNorm(channels)
         if force_sync:
@@ -361,6 +399,7 @@ def ratios(ms: dict[str, float]) -> dict[str, float | None]:
     out: dict[str, float | None] = {
         "floor_ms": floor,
         "syncbn_over_floor": sync / floor,
+        "syncbn_over_interleaved_floor": sync / ms["local+AR"] if "local+AR" in ms else None,
         "syncbn_over_naive": sync / ms["naive"] if "naive" in ms else None,
         "syncbn_over_torch": sync / ms["torch"] if "torch" in ms else None,
         "naive_over_local": ms["naive"] / ms["local"] if "naive" in ms else None,
@@ -375,8 +414,8 @@ def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:
     """
     ratio_key = "ratios" if kind == "median_ms" else "cpu_ratios"
     head = (
-        f"{'shape':>18} {'local':>8} {'2xAR':>7} {'floor':>8} {'syncbn':>8} {'naive':>8} {'torch':>8}"
-        f" {'sync/floor':>10} {'sync/naive':>10} {'sync/torch':>10}"
+        f"{'shape':>18} {'local':>8} {'2xAR':>7} {'floor':>8} {'local+AR':>8} {'syncbn':>8} {'naive':>8}"
+        f" {'torch':>8} {'sync/floor':>10} {'sync/l+AR':>10} {'sync/naive':>10} {'sync/torch':>10}"
     )
     lines = [head, "-" * len(head)]
 
@@ -388,8 +427,10 @@ def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:
         shape = "x".join(str(d) for d in rec["shape"])
         lines.append(
             f"{shape:>18} {ms['local']:>8.3f} {ms.get('2xAR', 0.0):>7.3f} {r['floor_ms']:>8.3f}"
+            f" {cell(ms.get('local+AR'), 8, '.3f')}"
             f" {ms['syncbn']:>8.3f} {cell(ms.get('naive'), 8, '.3f')} {cell(ms.get('torch'), 8, '.3f')}"
-            f" {r['syncbn_over_floor']:>10.3f} {cell(r['syncbn_over_naive'], 10, '.3f')}"
+            f" {r['syncbn_over_floor']:>10.3f} {cell(r.get('syncbn_over_interleaved_floor'), 10, '.3f')}"
+            f" {cell(r['syncbn_over_naive'], 10, '.3f')}"
             f" {cell(r['syncbn_over_torch'], 10, '.3f')}"
         )
         if rec.get("error"):
