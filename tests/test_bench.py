@@ -53,7 +53,7 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     assert data["machine"]["torch"] == torch.__version__
     assert [r["shape"] for r in data["results"]] == [list(s) for s in parse_shapes(shapes)]
     for rec in data["results"]:
-        assert set(rec["median_ms"]) == {"local", "2xAR", "syncbn", "naive"}  # no torch SyncBN on CPU
+        assert set(rec["median_ms"]) == {"local", "2xAR", "local+AR", "syncbn", "naive"}  # no torch on CPU
         assert all(v > 0 for v in rec["median_ms"].values())
         assert len(rec["per_rank_median_ms"]) == 2
         ratios = rec["ratios"]
