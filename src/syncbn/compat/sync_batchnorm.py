@@ -48,7 +48,37 @@ __all__ = [
 ]
 
 
-class SynchronizedBatchNorm1d(SyncBatchNorm1d):
+class _PackageConstructor(SyncBatchNorm):
+    """The ``sync_batchnorm`` package's constructor: ``(num_features, eps, momentum, affine)``.
+
+    The remaining syncbn arguments are keyword-only here.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        *,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            process_group=process_group,
+            device=device,
+            dtype=dtype,
+        )
+
+
+class SynchronizedBatchNorm1d(_PackageConstructor, SyncBatchNorm1d):
     """:class:`syncbn.SyncBatchNorm1d` with the ``sync_batchnorm`` package's constructor.
 
     Args:
@@ -72,31 +102,8 @@ class SynchronizedBatchNorm1d(SyncBatchNorm1d):
         >>> y = bn(torch.randn(20, 32))
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        *,
-        track_running_stats: bool = True,
-        process_group: Any = None,
-        device: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            num_features,
-            eps,
-            momentum,
-            affine,
-            track_running_stats,
-            process_group=process_group,
-            device=device,
-            dtype=dtype,
-        )
 
-
-class SynchronizedBatchNorm2d(SyncBatchNorm2d):
+class SynchronizedBatchNorm2d(_PackageConstructor, SyncBatchNorm2d):
     """:class:`syncbn.SyncBatchNorm2d` with the ``sync_batchnorm`` package's constructor.
 
     Args:
@@ -120,31 +127,8 @@ class SynchronizedBatchNorm2d(SyncBatchNorm2d):
         >>> y = bn(torch.randn(8, 64, 32, 32))
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        *,
-        track_running_stats: bool = True,
-        process_group: Any = None,
-        device: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            num_features,
-            eps,
-            momentum,
-            affine,
-            track_running_stats,
-            process_group=process_group,
-            device=device,
-            dtype=dtype,
-        )
 
-
-class SynchronizedBatchNorm3d(SyncBatchNorm3d):
+class SynchronizedBatchNorm3d(_PackageConstructor, SyncBatchNorm3d):
     """:class:`syncbn.SyncBatchNorm3d` with the ``sync_batchnorm`` package's constructor.
 
     Args:
@@ -167,29 +151,6 @@ class SynchronizedBatchNorm3d(SyncBatchNorm3d):
         >>> bn = SynchronizedBatchNorm3d(16)
         >>> y = bn(torch.randn(2, 16, 4, 8, 8))
     """
-
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        *,
-        track_running_stats: bool = True,
-        process_group: Any = None,
-        device: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            num_features,
-            eps,
-            momentum,
-            affine,
-            track_running_stats,
-            process_group=process_group,
-            device=device,
-            dtype=dtype,
-        )
 
 
 _TO_SYNCHRONIZED: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
