@@ -106,7 +106,9 @@ def synchronized_forward(
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
-    out = torch.empty_like(x)
+    # On CPU the output buffer doubles as the moments' scratch space (see local_moments);
+    # CUDA takes the Welford kernel, which needs none.
+    out = None if x.is_cuda else torch.empty_like(x)
     if count > 0:
         mean_l, m2_l = _math.local_moments(x, scratch=out)
         packed = _math.pack_moments(count, mean_l, m2_l, channels=channels, device=x.device)
@@ -125,7 +127,9 @@ def synchronized_forward(
     mean = mean64.to(stat_dtype)
     var = var64.to(stat_dtype)
     if count > 0:
-        _math.normalize_into(out, x, weight, bias, mean, var, eps)
+        out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
+    elif out is None:
+        out = torch.empty_like(x)
     if global_count > 0:
         if running_mean is not None:
             running_mean.copy_(running_mean * (1.0 - momentum) + mean64 * momentum)

@@ -126,23 +126,31 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
     return mean, centred.square_().sum(dims)
 
 
-def normalize_into(
-    out: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
+def normalize(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """Write ``(x - mean) / sqrt(var + eps) * weight + bias`` into ``out`` in one native pass.
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` in one native inference-mode pass.
 
     Args:
-        out: destination shaped like ``x`` (its memory format is kept).
         x: the input.
         weight: per-channel scale or ``None``.
         bias: per-channel shift or ``None``.
         mean: per-channel mean (statistics dtype).
         var: per-channel biased variance (statistics dtype).
         eps: added to the variance.
+        out: optional destination shaped like ``x`` (CPU); its memory format is kept.
 
     Returns:
-        ``out``.
+        ``out`` when given, else a new tensor in ``x``'s dtype and memory format.
     """
+    if out is None:
+        return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
     empty = mean.new_empty(0)
     torch.ops.aten.native_batch_norm.out(
         x, weight, bias, mean, var, False, 0.0, eps, out=out, save_mean=empty, save_invstd=empty.clone()
