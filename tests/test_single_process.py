@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import syncbn
+from compare import assert_same_step
 from syncbn import _math
 from syncbn._function import SyncBatchNormFunction
 
@@ -45,14 +46,7 @@ def test_without_process_group_is_exactly_batchnorm(ours_cls, ref_cls, shape, kw
     for training in (True, True, False):
         ours.train(training)
         ref.train(training)
-        x = torch.randn(shape)
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        y1, y2 = ours(x1), ref(x2)
-        assert torch.equal(y1, y2)
-        g = torch.randn(shape)
-        y1.backward(g)
-        y2.backward(g)
-        assert torch.equal(x1.grad, x2.grad)
+        assert_same_step(ours, ref, torch.randn(shape))
     for (k1, v1), (k2, v2) in zip(ours.state_dict().items(), ref.state_dict().items()):
         assert k1 == k2 and torch.equal(v1, v2)
 
