@@ -1,7 +1,8 @@
 """The autograd function that joins the math (:mod:`syncbn._math`) to a group.
 
 One ``all_reduce`` in forward (packed moments, ``2C + 1`` float64 values) and
-one in backward (``2C`` float64 values) per call, whatever the world size.
+one in backward (``2C`` values in the statistics dtype, at least float32) per
+call, whatever the world size.
 
 Device-to-host synchronisation: none when this rank holds at least two values
 per channel, because the global count is then known to be at least two without
@@ -67,7 +68,7 @@ class ForwardResult(NamedTuple):
     out: Tensor
     mean: Tensor  # global mean, statistics dtype
     var: Tensor  # global biased variance, statistics dtype
-    total: Tensor  # global count, float64 scalar tensor
+    total: float | Tensor  # global count: a float on CPU, a 0-dim float64 tensor on a device
     local_count: int  # this member's values per channel
 
 
@@ -89,6 +90,9 @@ def synchronized_forward(
     (:mod:`syncbn.parallel`): local moments, one ``reduce`` of the packed
     moments, normalisation into a freshly allocated output (which also served
     as the scratch buffer for the moments) and the running-statistics update.
+    Every per-channel step is a single tensor operation on all channels at
+    once: on small layers the number of operations, not the bytes, sets the
+    time.
 
     Args:
         x: the local input ``(N, C, *)``.
@@ -110,31 +114,25 @@ def synchronized_forward(
     # CUDA takes the Welford kernel, which needs none.
     out = None if x.is_cuda else torch.empty_like(x)
     if count > 0:
-        mean_l, m2_l = _math.local_moments(x, scratch=out)
-        packed = _math.pack_moments(count, mean_l, m2_l, channels=channels, device=x.device)
+        mean_l, var_l = _math.local_moments(x, scratch=out)
+        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device)
     else:
         packed = _math.pack_moments(0, None, None, channels=channels, device=x.device)
-    packed = reduce(packed)
-    total, mean64, var64, unbiased64 = _math.unpack_moments(packed, channels)
+    total, stats64 = _math.unpack_moments(reduce(packed), channels)
 
-    global_count = 2  # a lower bound is all that is needed when count >= 2
+    global_count = 2.0  # a lower bound is all that is needed when count >= 2
     if count < 2:
-        global_count = int(total.item())
+        global_count = total if isinstance(total, float) else float(total.item())
         if global_count == 1:
             raise one_value_error()
 
-    stat_dtype = statistics_dtype(x, weight, running_mean)
-    mean = mean64.to(stat_dtype)
-    var = var64.to(stat_dtype)
+    mean, var, unbiased = stats64.to(statistics_dtype(x, weight, running_mean)).unbind(0)
     if count > 0:
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:
         out = torch.empty_like(x)
     if global_count > 0:
-        if running_mean is not None:
-            running_mean.copy_(running_mean * (1.0 - momentum) + mean64 * momentum)
-        if running_var is not None:
-            running_var.copy_(running_var * (1.0 - momentum) + unbiased64 * momentum)
+        _math.update_running(running_mean, running_var, mean, unbiased, momentum)
     return ForwardResult(out, mean, var, total, local_count=count)
 
 
@@ -155,19 +153,18 @@ def finish_input_grad(
     mean: Tensor,
     var: Tensor,
     eps: float,
-    total: Tensor,
+    total: float | Tensor,
     count: int,
     reduced: Tensor,
 ) -> Tensor:
-    """Input gradient from the group-summed ``[sum(dy), sum(dy * xhat)]`` (``reduced``).
+    """Input gradient from the group-summed ``[[sum(dy)], [sum(dy * xhat)]]`` (``reduced``, ``(2, C)``).
 
     ``total`` is the global count, ``count`` this member's; an empty local batch
     gets an empty (all-zero) gradient.
     """
     if count == 0:
         return torch.zeros_like(x)
-    sum_dy, sum_dy_xhat = reduced.to(x.device).split(x.shape[1])
-    return _math.input_grad(grad_output, x, weight, mean, var, eps, total, sum_dy, sum_dy_xhat)
+    return _math.input_grad(grad_output, x, weight, mean, var, eps, total, reduced.to(x.device))
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -198,7 +195,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             lambda packed: _all_reduce(group, packed, layer, "forward"),
             lambda: _expected_more_than_one(x, group, layer),
         )
-        ctx.save_for_backward(x, weight, result.mean, result.var, result.total)
+        ctx.save_for_backward(x, weight, result.mean, result.var)
+        ctx.total = result.total
         ctx.count = result.local_count
         ctx.param_dtype = (
             weight.dtype if weight is not None else (bias.dtype if bias is not None else result.mean.dtype)
@@ -211,16 +209,16 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, weight, mean, var, total = ctx.saved_tensors
+        x, weight, mean, var = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
 
         grad_input = None
         if need_input:
             _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-            reduced = _all_reduce(ctx.group, torch.cat([sum_dy, sum_dy_xhat]).double(), ctx.layer, "backward")
+            reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
             grad_input = finish_input_grad(
-                grad_output, x, weight, mean, var, ctx.eps, total, ctx.count, reduced
+                grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
             )
 
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None

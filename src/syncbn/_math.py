@@ -50,7 +50,9 @@ __all__ = [
     "local_moments",
     "pack_moments",
     "unpack_moments",
+    "update_running",
     "backward_sums",
+    "pack_grad_sums",
     "input_grad",
 ]
 
@@ -85,10 +87,13 @@ def _is_channels_last(x: Tensor) -> bool:
 _BLOCKED_MIN_NUMEL = 1 << 21
 # Values per block (2 MiB of float32), so a block's centred copy stays in cache.
 _BLOCK_NUMEL = 1 << 19
+# Below this many values the native statistics kernel (one call) beats the
+# two-pass sum (five calls) on contiguous CPU input: per-call overhead dominates.
+_NATIVE_STATS_MAX_NUMEL = 1 << 15
 
 
 def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and sum of squared deviations of a non-empty batch.
+    """Per-channel mean and biased variance of a non-empty batch.
 
     Args:
         x: input of shape ``(N, C, *)`` with at least one value per channel.
@@ -99,31 +104,34 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
             temporaries costs page faults on every call.
 
     Returns:
-        ``(mean, m2)``, each of shape ``(C,)`` in :func:`accumulation_dtype`, with
-        ``m2 = sum((x - mean) ** 2)`` over every dimension but 1.
+        ``(mean, var)``, each of shape ``(C,)`` in :func:`accumulation_dtype`, with
+        ``var = mean((x - mean) ** 2)`` over every dimension but 1.
 
-    The reduction runs on PyTorch's native kernels: Welford on CUDA and the
-    channels-last/2D CPU kernels (``batch_norm_update_stats``); elsewhere a
-    two-pass sum (one ``sum``, then the centred squares), which on contiguous
-    CPU input is 2-3x faster than the native kernel. Large contiguous inputs are
-    centred a block of samples at a time into one small reused buffer, so no
-    temporary the size of the activation is made (and the block stays in cache).
-    float16/bfloat16 input is reduced in float32.
+    The reduction runs on PyTorch's native kernels: the native statistics kernel
+    (``batch_norm_update_stats``) on CUDA, on channels-last and 2D input and on
+    small inputs; elsewhere a two-pass sum (one ``sum``, then the centred
+    squares), which on large contiguous CPU input is 2-3x faster than the native
+    kernel. Large contiguous inputs without scratch space are centred a block of
+    samples at a time into one small reused buffer, so no temporary the size of
+    the activation is made (and the block stays in cache). float16/bfloat16 input
+    is reduced in float32.
     """
     n = x.numel() // x.shape[1]
     acc = accumulation_dtype(x.dtype)
-    if x.dtype not in _LOW_PRECISION and (x.is_cuda or x.dim() == 2 or _is_channels_last(x)):
+    if x.dtype not in _LOW_PRECISION and (
+        x.is_cuda or x.dim() == 2 or x.numel() < _NATIVE_STATS_MAX_NUMEL or _is_channels_last(x)
+    ):
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-        return mean.to(acc), var.to(acc) * n
+        return mean.to(acc), var.to(acc)
     dims = _reduce_dims(x)
-    mean = x.sum(dims, dtype=acc) / n
+    mean = x.sum(dims, dtype=acc).div_(n)
     if scratch is not None and scratch.dtype == acc:
         centred = torch.sub(x, mean.view(broadcast_shape(x)), out=scratch)
-        return mean, centred.square_().sum(dims)
+        return mean, centred.square_().sum(dims).div_(n)
     if x.numel() >= _BLOCKED_MIN_NUMEL and x.is_contiguous() and x.shape[0] > 1:
-        return mean, _blocked_m2(x, mean, acc)
+        return mean, _blocked_m2(x, mean, acc).div_(n)
     centred = x - mean.view(broadcast_shape(x))  # promoted to ``acc``
-    return mean, centred.square_().sum(dims)
+    return mean, centred.square_().sum(dims).div_(n)
 
 
 def normalize(
@@ -151,9 +159,9 @@ def normalize(
     """
     if out is None:
         return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-    empty = mean.new_empty(0)
+    empty = mean.new_empty(0)  # inference mode leaves the saved statistics empty
     torch.ops.aten.native_batch_norm.out(
-        x, weight, bias, mean, var, False, 0.0, eps, out=out, save_mean=empty, save_invstd=empty.clone()
+        x, weight, bias, mean, var, False, 0.0, eps, out=out, save_mean=empty, save_invstd=empty
     )
     return out
 
@@ -174,14 +182,16 @@ def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype) -> Tensor:
 
 
 def pack_moments(
-    count: int, mean: Tensor | None, m2: Tensor | None, *, channels: int, device: torch.device
+    count: int, mean: Tensor | None, var: Tensor | None, *, channels: int, device: torch.device
 ) -> Tensor:
-    """Pack local moments into the additive float64 vector ``[n, n*mean, m2 + n*mean^2]``.
+    """Pack local moments into the additive float64 vector ``[n, n*mean, n*(var + mean^2)]``.
+
+    The last part is :math:`M_2 + n m^2` with :math:`M_2 = n\\,\\text{var}`.
 
     Args:
         count: number of values per channel on this rank (may be 0).
         mean: local per-channel mean, or ``None`` when ``count == 0``.
-        m2: local per-channel sum of squared deviations, or ``None`` when ``count == 0``.
+        var: local per-channel biased variance, or ``None`` when ``count == 0``.
         channels: number of channels ``C``.
         device: where the packed vector lives (the input's device).
 
@@ -191,14 +201,16 @@ def pack_moments(
     """
     if count == 0:
         return torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-    assert mean is not None and m2 is not None
-    mean64 = mean.to(torch.float64)
-    total = mean64 * count
-    head = torch.full((1,), float(count), dtype=torch.float64, device=device)
-    return torch.cat([head, total, torch.addcmul(m2, total, mean64)])  # float64 by promotion
+    assert mean is not None and var is not None
+    packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=device)
+    torch.cat([mean.new_ones(1), mean, var], out=packed)  # converted to float64 on the way
+    packed.mul_(count)  # [n, n*mean, n*var]
+    # n*var + (n*mean)*mean, the float32 mean widened exactly: S and Q describe the same mean.
+    packed[channels + 1 :].addcmul_(packed[1 : channels + 1], mean)
+    return packed
 
 
-def unpack_moments(packed: Tensor, channels: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def unpack_moments(packed: Tensor, channels: int) -> tuple[float | Tensor, Tensor]:
     """Global statistics from the summed packed vector.
 
     Args:
@@ -206,24 +218,44 @@ def unpack_moments(packed: Tensor, channels: int) -> tuple[Tensor, Tensor, Tenso
         channels: number of channels ``C``.
 
     Returns:
-        ``(count, mean, biased_var, unbiased_var)`` in float64: ``count`` of shape
-        ``()``, the others ``(C,)``. A zero count gives zeros (never NaN), a count
-        of one gives an unbiased variance of zero; the caller decides what those mean.
+        ``(count, stats)``: the global count (a Python float for a CPU tensor,
+        read without any device synchronisation; else a 0-dim float64 tensor on
+        the device), and a ``(3, C)`` float64 tensor whose rows are the mean,
+        the biased variance and the unbiased variance. A zero count gives zeros
+        (never NaN), a count of one gives an unbiased variance of zero; the
+        caller decides what those mean.
     """
-    count = packed[0]
-    total = packed[1 : channels + 1]
-    sq = packed[channels + 1 :]
+    sums = packed[1:].view(2, channels)  # [S, Q]
+    stats = torch.empty(3, channels, dtype=torch.float64, device=packed.device)
+    count: float | Tensor
     if packed.device.type == "cpu":
-        # Reading a CPU scalar costs no device synchronisation; it saves three small kernels.
-        n = float(count)
-        safe_n = max(n, 1.0)
-        mean = total / safe_n
-        m2 = torch.addcmul(sq, total, mean, value=-1.0).clamp_(min=0.0)
-        return count, mean, m2 / safe_n, m2 / max(n - 1.0, 1.0)
-    safe = count.clamp(min=1.0)
-    mean = total / safe
-    m2 = (sq - total * mean).clamp_(min=0.0)
-    return count, mean, m2 / safe, m2 / (count - 1.0).clamp(min=1.0)
+        count = float(packed[0])
+        torch.div(sums, max(count, 1.0), out=stats[:2])
+        unbias: float | Tensor = count / max(count - 1.0, 1.0)
+    else:
+        count = packed[0]
+        torch.div(sums, count.clamp(min=1.0), out=stats[:2])
+        unbias = count / (count - 1.0).clamp(min=1.0)
+    # Q/N - mean^2 in float64: the cancellation costs ~1e-16 (mean^2 + var) / var, relative.
+    stats[1].addcmul_(stats[0], stats[0], value=-1.0).clamp_(min=0.0)
+    torch.mul(stats[1], unbias, out=stats[2])
+    return count, stats
+
+
+def update_running(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    mean: Tensor,
+    unbiased_var: Tensor,
+    momentum: float,
+) -> None:
+    """``running = (1 - momentum) * running + momentum * batch`` for the buffers that exist."""
+    pairs = [(r, s) for r, s in ((running_mean, mean), (running_var, unbiased_var)) if r is not None]
+    if len(pairs) == 2 and all(r.dtype == s.dtype for r, s in pairs):
+        torch._foreach_lerp_([r for r, _ in pairs], [s for _, s in pairs], momentum)
+        return
+    for r, s in pairs:
+        r.lerp_(s.to(r.dtype), momentum)
 
 
 def backward_sums(
@@ -240,12 +272,23 @@ def backward_sums(
         eps: the layer's epsilon; ``xhat = (x - mean) / sqrt(var + eps)``.
 
     Returns:
-        ``(sum_dy, sum_dy_xhat)``, each of shape ``(C,)``.
+        ``(sum_dy, sum_dy_xhat)``, each of shape ``(C,)`` in the statistics dtype.
     """
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         grad_output, x, weight, mean, var, None, None, False, eps, [False, True, True]
     )
     return sum_dy, sum_dy_xhat
+
+
+def pack_grad_sums(sum_dy: Tensor, sum_dy_xhat: Tensor) -> Tensor:
+    """The backward's all_reduce buffer ``[[sum_dy], [sum_dy_xhat]]``, ``(2, C)``, at least float32.
+
+    float32 and float64 layers sum in their own dtype (the local sums already
+    carry that dtype's rounding); float16/bfloat16 layers in float32, which does
+    not overflow.
+    """
+    packed = torch.stack([sum_dy, sum_dy_xhat])
+    return packed.float() if packed.dtype in _LOW_PRECISION else packed
 
 
 def input_grad(
@@ -255,9 +298,8 @@ def input_grad(
     mean: Tensor,
     var: Tensor,
     eps: float,
-    count: Tensor,
-    sum_dy: Tensor,
-    sum_dy_xhat: Tensor,
+    count: float | Tensor,
+    sums: Tensor,
 ) -> Tensor:
     """Input gradient of batch normalization given the global sums.
 
@@ -272,17 +314,15 @@ def input_grad(
         mean: global mean (statistics dtype).
         var: global biased variance (statistics dtype).
         eps: the layer's epsilon.
-        count: global count ``N`` (float64 scalar tensor, positive).
-        sum_dy: global ``sum(g)`` per channel (float64).
-        sum_dy_xhat: global ``sum(g * xhat)`` per channel (float64).
+        count: global count ``N`` (positive; a float, or a 0-dim tensor on ``x``'s device).
+        sums: global ``[[sum(g)], [sum(g * xhat)]]``, shape ``(2, C)``, see :func:`pack_grad_sums`.
 
     Returns:
         The input gradient, shaped and typed like ``x``.
     """
-    invstd = (var.to(torch.float64) + eps).rsqrt_()
-    scale = invstd if weight is None else invstd * weight  # float64
-    minus_per_value = torch.div(scale, count).neg_()
-    corr_weight = (minus_per_value * sum_dy_xhat).to(mean.dtype)
-    corr_bias = (minus_per_value * sum_dy).to(mean.dtype)
-    grad_input = torch.batch_norm(x, corr_weight, corr_bias, mean, var, False, 0.0, eps, False)
-    return grad_input.addcmul_(grad_output, scale.to(mean.dtype).view(broadcast_shape(x)))
+    scale = (var + eps).rsqrt_()  # invstd, statistics dtype
+    if weight is not None:
+        scale.mul_(weight)
+    corrections = torch.mul(sums, scale * (-1.0 / count)).to(mean.dtype)  # [bias, weight] per channel
+    grad_input = torch.batch_norm(x, corrections[1], corrections[0], mean, var, False, 0.0, eps, False)
+    return grad_input.addcmul_(grad_output, scale.view(broadcast_shape(x)))

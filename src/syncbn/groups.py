@@ -322,7 +322,8 @@ def resolve(process_group: Any) -> SumGroup | None:
     """
     # Concrete types first: a runtime Protocol check costs tens of microseconds.
     if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, ProcessGroupRef)):
-        if isinstance(process_group, SumGroup):
+        if type(process_group) in _sum_group_types or isinstance(process_group, SumGroup):
+            _sum_group_types.add(type(process_group))
             return process_group if process_group.size > 1 else None
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -336,6 +337,9 @@ def resolve(process_group: Any) -> SumGroup | None:
     _resolved[id(live)] = (live, group)  # holds ``live``: its id cannot be reused
     return group
 
+
+# Classes whose instances passed the SumGroup protocol check once.
+_sum_group_types: set[type] = set()
 
 # Live process group's id -> (the group, its ProcessGroupSum or None for a group of one).
 _resolved: dict[int, tuple[Any, ProcessGroupSum | None]] = {}

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import _math
 from ._function import finish_input_grad, local_grad_sums, synchronized_forward
 from ._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 
@@ -352,7 +353,7 @@ class _JointBatchNorm(torch.autograd.Function):
             local_grad_sums(grads[k], xs[k], weights[k], ctx.meta[k][0], ctx.meta[k][1], eps, ctx.meta[k][3])
             for k in range(size)
         ]
-        reduced = ordered_sum([torch.cat(s).double() for s in sums])  # replica order: reproducible
+        reduced = ordered_sum([_math.pack_grad_sums(*s) for s in sums])  # replica order: reproducible
         grad_inputs: list[Tensor | None] = []
         for k in range(size):
             mean, var, total, count = ctx.meta[k]
