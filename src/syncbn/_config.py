@@ -1,4 +1,4 @@
-"""Process-wide settings: the collective timeout and debug mode.
+"""Process-wide settings: the collective timeout, debug mode and shared memory.
 
 Each setting has an environment variable and a Python-level override; the
 override wins. The environment is read once, at the first training call (a
@@ -10,6 +10,10 @@ process's environment is fixed at launch); ``set_timeout("default")`` and
   or ``inf`` disable syncbn's own bound (the process group's timeout still applies).
 * ``SYNCBN_DEBUG`` / :func:`set_debug`: ``1`` turns on the per-call cross-rank
   consistency checks (see ``docs/robustness.md``).
+* ``SYNCBN_SHM`` / :func:`set_shared_memory`: ``0`` keeps CPU collectives on the
+  process group even when every rank runs on one machine (by default they go
+  through shared memory there, see :mod:`syncbn._shm`). Read when a group is
+  first used.
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ import math
 import os
 from datetime import timedelta
 
-__all__ = ["DEFAULT_TIMEOUT_S", "set_timeout", "get_timeout", "set_debug", "debug_enabled"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "set_timeout",
+    "get_timeout",
+    "set_debug",
+    "debug_enabled",
+    "set_shared_memory",
+    "shared_memory_enabled",
+]
 
 #: Default bound, in seconds, on one SyncBatchNorm collective. Long enough for a
 #: slow data loader, a checkpoint write or a first-step warm-up on one rank;
@@ -32,6 +44,7 @@ _debug_override: bool | None = None
 _timeout_resolved: object = _UNSET
 _timeout_delta: timedelta | None = None
 _debug_resolved: bool | None = None
+_shm_override: bool | None = None
 
 
 def _parse_timeout(value: object, source: str) -> float | None:
@@ -159,3 +172,40 @@ def debug_enabled() -> bool:
             value = os.environ.get("SYNCBN_DEBUG")
             _debug_resolved = value is not None and value.strip().lower() in ("1", "true", "yes", "on")
     return _debug_resolved
+
+
+def set_shared_memory(enabled: bool | None) -> None:
+    """Allow or forbid the same-machine shared-memory path for CPU collectives.
+
+    By default, when every rank of a group runs on one machine (x86-64 Linux),
+    SyncBatchNorm's CPU collectives go through a shared-memory segment instead
+    of the process group's transport: about 40 us instead of 1-2 ms for gloo
+    on a small machine. Set it the same way on every rank before a group's
+    first training call; the ranks agree when the group is first used (any rank
+    saying no means the process group for all), and the choice then holds for
+    that group.
+
+    Args:
+        enabled: ``True``/``False`` to override, ``None`` to follow
+            ``SYNCBN_SHM`` again (unset means on; ``0``, ``false``, ``no``,
+            ``off`` mean off).
+
+    Example::
+
+        >>> import syncbn
+        >>> syncbn.set_shared_memory(False)   # e.g. to compare with gloo
+        >>> syncbn.shared_memory_enabled()
+        False
+        >>> syncbn.set_shared_memory(None)
+    """
+    global _shm_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_shared_memory: expected True, False or None (got {type(enabled).__name__})")
+    _shm_override = enabled
+
+
+def shared_memory_enabled() -> bool:
+    """Whether this rank allows the shared-memory path (:func:`set_shared_memory`, else ``SYNCBN_SHM``)."""
+    if _shm_override is not None:
+        return _shm_override
+    return os.environ.get("SYNCBN_SHM", "1").strip().lower() not in ("0", "false", "no", "off")

@@ -44,7 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _config
+from . import _config, _shm
 
 __all__ = [
     "SumGroup",
@@ -157,6 +157,9 @@ class ProcessGroupSum:
         # The live group, for "already verified" bookkeeping: a re-initialised
         # default group is a new object.
         self.key: Any = dist.group.WORLD if process_group is None else process_group
+        # Same-machine shared-memory path for CPU tensors: connected on the first CPU collective.
+        self._shared: _shm.SharedMemorySum | None = None
+        self._shared_ready = False
 
     @property
     def size(self) -> int:
@@ -196,6 +199,33 @@ class ProcessGroupSum:
         Returns:
             ``tensor``, now holding the sum.
         """
+        if tensor.device.type == "cpu":
+            shared = self._shared if self._shared_ready else self._connect_shared()
+            if shared is not None and shared.fits(tensor):
+                try:
+                    return shared.all_reduce_sum(tensor, _config.get_timeout())
+                except _shm.SharedMemoryError as exc:
+                    cause = None if exc.timed_out else exc
+                    raise self._error(cause, exc.waited, _config.get_timeout()) from exc
+        return self._all_reduce_process_group(tensor, host_wait=host_wait)
+
+    def _connect_shared(self) -> _shm.SharedMemorySum | None:
+        """Set up the shared-memory path (collective: every rank's first CPU collective on this group)."""
+        self._shared = _shm.connect(
+            self._rank,
+            self._size,
+            _config.shared_memory_enabled(),
+            lambda t: self._all_reduce_process_group(t, host_wait=True),
+        )
+        self._shared_ready = True
+        return self._shared
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether this group's CPU collectives go through shared memory (known after its first one)."""
+        return self._shared is not None
+
+    def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
         delta = _config.timeout_delta()
         if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
             start = time.monotonic()
@@ -223,7 +253,8 @@ class ProcessGroupSum:
         except Exception:  # noqa: BLE001 - best effort in an error path
             ranks = "unknown"
         which = "the default group" if self.process_group is None else "process group"
-        return f"{which} of {self._size} ranks (global ranks {ranks}; this is group rank {self._rank})"
+        via = ", through shared memory" if self._shared is not None else ""
+        return f"{which} of {self._size} ranks (global ranks {ranks}; this is group rank {self._rank}{via})"
 
     def _error(self, exc: BaseException | None, waited: float, timeout: float | None) -> CollectiveError:
         text = "" if exc is None else f"{type(exc).__name__}: {exc}".strip()
