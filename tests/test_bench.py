@@ -36,14 +36,16 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     for column in (
         "local",
         "2xAR",
-        "floor",
+        "2xAR-shm",
         "local+AR",
         "syncbn",
+        "sync-pg",
         "naive",
         "torch",
-        "sync/floor",
-        "sync/l+AR",
-        "sync/naive",
+        "s/floor",
+        "s/floor-shm",
+        "pg/l+AR",
+        "s/naive",
     ):
         assert column in proc.stdout
     for shape in shapes.split(","):
@@ -53,11 +55,13 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     assert data["machine"]["torch"] == torch.__version__
     assert [r["shape"] for r in data["results"]] == [list(s) for s in parse_shapes(shapes)]
     for rec in data["results"]:
-        assert set(rec["median_ms"]) == {"local", "2xAR", "local+AR", "syncbn", "naive"}  # no torch on CPU
+        # no torch on CPU
+        assert set(rec["median_ms"]) == {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "syncbn-pg", "naive"}
         assert all(v > 0 for v in rec["median_ms"].values())
         assert len(rec["per_rank_median_ms"]) == 2
         ratios = rec["ratios"]
         assert ratios["syncbn_over_floor"] > 0 and ratios["syncbn_over_naive"] > 0
+        assert ratios["syncbn_over_own_floor"] > 0 and ratios["syncbn_pg_over_interleaved_floor"] > 0
         assert ratios["syncbn_over_torch"] is None
 
 

@@ -2,7 +2,14 @@
 
 from . import functional, parallel
 from ._checks import name_layers
-from ._config import debug_enabled, get_timeout, set_debug, set_shared_memory, set_timeout, shared_memory_enabled
+from ._config import (
+    debug_enabled,
+    get_timeout,
+    set_debug,
+    set_shared_memory,
+    set_timeout,
+    shared_memory_enabled,
+)
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .groups import CollectiveError
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d

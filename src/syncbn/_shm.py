@@ -217,8 +217,9 @@ class SharedMemorySum:
                 dead = [r for r in range(self._size) if flags[index[r]] < seq and not _alive(self._pids[r])]
                 if dead:
                     self.broken = True
+                    pids = [self._pids[r] for r in dead]
                     raise SharedMemoryError(
-                        f"the process of rank(s) {dead} of the group died (pid {[self._pids[r] for r in dead]})",
+                        f"the process of rank(s) {dead} of the group died (pid {pids})",
                         timed_out=False,
                         waited=now - start,
                     )

@@ -148,10 +148,15 @@ class ProcessGroupSum:
 
     Args:
         process_group: the group, or ``None`` for the default (world) group.
+        shared_memory: ``False`` keeps CPU collectives on the process group's
+            transport even where every rank is on one machine; ``None`` follows
+            :func:`syncbn.set_shared_memory` / ``SYNCBN_SHM`` (on by default).
+            Either way the ranks agree collectively at the first CPU collective.
     """
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: Any = None, *, shared_memory: bool | None = None) -> None:
         self.process_group = process_group
+        self._shared_memory_choice = shared_memory
         self._size = dist.get_world_size(process_group)
         self._rank = dist.get_rank(process_group)
         # The live group, for "already verified" bookkeeping: a re-initialised
@@ -211,10 +216,11 @@ class ProcessGroupSum:
 
     def _connect_shared(self) -> _shm.SharedMemorySum | None:
         """Set up the shared-memory path (collective: every rank's first CPU collective on this group)."""
+        choice = self._shared_memory_choice
         self._shared = _shm.connect(
             self._rank,
             self._size,
-            _config.shared_memory_enabled(),
+            _config.shared_memory_enabled() if choice is None else choice,
             lambda t: self._all_reduce_process_group(t, host_wait=True),
         )
         self._shared_ready = True

@@ -246,7 +246,7 @@ class _Record(NamedTuple):
     y: Tensor
     mean: Tensor
     var: Tensor
-    total: Tensor
+    total: float | Tensor
     n: int  # values per channel in this replica
     eps: float
     needs_grad: bool

@@ -4,21 +4,28 @@ Every rank times, interleaved in one loop so that machine noise hits all of
 them alike, one training forward + backward (random upstream gradient) of:
 
 * ``local``: ``nn.BatchNorm`` with no synchronisation (the floor's compute part);
-* ``2xAR``: two small ``all_reduce`` calls of ``2C + 1`` and ``2C`` float64
-  values (the floor's communication part: what syncbn must send anyway);
+* ``2xAR``: two small ``torch.distributed.all_reduce`` calls of ``2C + 1`` and
+  ``2C`` float64 values (the floor's communication part: what syncbn must send
+  anyway), through the process group's transport (gloo on CPU);
+* ``2xAR-shm``: the same two sums through syncbn's own collective path, which
+  on CPU with every rank on one machine is the shared-memory all_reduce;
 * ``local+AR``: ``nn.BatchNorm`` with those two ``all_reduce`` calls made where
   syncbn makes them, one after its forward and one inside its backward. This
   is the floor as a real step meets it: each collective also waits for the
   slower rank's compute, which back-to-back ``2xAR`` never does;
-* ``syncbn``: :class:`syncbn.SyncBatchNorm`;
+* ``syncbn``: :class:`syncbn.SyncBatchNorm` (shared memory where available);
+* ``syncbn-pg``: :class:`syncbn.SyncBatchNorm` with shared memory off, so its
+  collectives take the same transport as ``2xAR`` (CPU only);
 * ``naive``: the common naive algorithm (per-channel mean and mean of squares,
   all-reduced with autograd, normalisation by broadcasting arithmetic);
 * ``torch``: ``torch.nn.SyncBatchNorm`` where it runs (CUDA input only).
 
 Each rank's median is taken over the timed iterations, and the table shows the
 slowest rank's median for each method, with the ratios
-``syncbn / (local + 2xAR)``, ``syncbn / (local+AR)``, ``syncbn / naive`` and
-``syncbn / torch``.
+``syncbn / (local + 2xAR)`` (the floor), ``syncbn / (local + 2xAR-shm)`` (the
+floor on syncbn's own transport), ``syncbn-pg / (local+AR)`` (the algorithm
+against the floor on the same transport, collectives in place),
+``syncbn / naive`` and ``syncbn / torch``.
 ``--json PATH`` writes every number. The ``benchmarks/`` scripts call the same
 code (:func:`bench_layers`, :func:`time_interleaved`).
 """
@@ -63,7 +70,7 @@ DEFAULT_SHAPES: list[tuple[int, ...]] = [
     (32, 64, 56, 56),
 ]
 
-METHODS = ("local", "2xAR", "local+AR", "syncbn", "naive", "torch")
+METHODS = ("local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "syncbn-pg", "naive", "torch")
 
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:
@@ -247,6 +254,10 @@ def _build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
         mod = SyncBatchNorm(channels)
         if force_sync:
             mod = _ForcedSync(mod, "syncbn")
+    elif method == "syncbn-pg":
+        if x.is_cuda or not dist.is_initialized() or force_sync:
+            return None  # only CPU collectives have the shared-memory path to turn off
+        mod = SyncBatchNorm(channels, process_group=ProcessGroupSum(None, shared_memory=False))
     elif method == "naive":
         mod = NaiveSyncBatchNorm(channels)
     elif method == "torch":
@@ -317,6 +328,19 @@ def _layer_steps(
                     dist.all_reduce(b)
 
             steps[method] = two_all_reduces
+            continue
+        if method == "2xAR-shm":
+            if not dist.is_initialized() or device.type != "cpu" or force_sync:
+                continue
+            group = ProcessGroupSum(None)
+            fwd_own = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+            bwd_own = torch.zeros(2 * channels, dtype=torch.float64, device=device)
+
+            def own_all_reduces(a: Tensor = fwd_own, b: Tensor = bwd_own, g: ProcessGroupSum = group) -> None:
+                g.all_reduce_sum(a)
+                g.all_reduce_sum(b)
+
+            steps[method] = own_all_reduces
             continue
         mod = _build(method, x_data, force_sync)
         if mod is None:
@@ -396,10 +420,16 @@ def ratios(ms: dict[str, float]) -> dict[str, float | None]:
     """The headline ratios from one shape's medians (``None`` where a method did not run)."""
     floor = ms["local"] + ms.get("2xAR", 0.0)
     sync = ms["syncbn"]
+    own_floor = ms["local"] + ms["2xAR-shm"] if "2xAR-shm" in ms else None
     out: dict[str, float | None] = {
         "floor_ms": floor,
         "syncbn_over_floor": sync / floor,
+        "own_floor_ms": own_floor,
+        "syncbn_over_own_floor": sync / own_floor if own_floor else None,
         "syncbn_over_interleaved_floor": sync / ms["local+AR"] if "local+AR" in ms else None,
+        "syncbn_pg_over_interleaved_floor": (
+            ms["syncbn-pg"] / ms["local+AR"] if "syncbn-pg" in ms and "local+AR" in ms else None
+        ),
         "syncbn_over_naive": sync / ms["naive"] if "naive" in ms else None,
         "syncbn_over_torch": sync / ms["torch"] if "torch" in ms else None,
         "naive_over_local": ms["naive"] / ms["local"] if "naive" in ms else None,
@@ -414,8 +444,9 @@ def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:
     """
     ratio_key = "ratios" if kind == "median_ms" else "cpu_ratios"
     head = (
-        f"{'shape':>18} {'local':>8} {'2xAR':>7} {'floor':>8} {'local+AR':>8} {'syncbn':>8} {'naive':>8}"
-        f" {'torch':>8} {'sync/floor':>10} {'sync/l+AR':>10} {'sync/naive':>10} {'sync/torch':>10}"
+        f"{'shape':>16} {'local':>7} {'2xAR':>6} {'2xAR-shm':>8} {'local+AR':>8} {'syncbn':>7} {'sync-pg':>7}"
+        f" {'naive':>7} {'torch':>7} {'s/floor':>7} {'s/floor-shm':>11} {'pg/l+AR':>7} {'s/naive':>7}"
+        f" {'s/torch':>7}"
     )
     lines = [head, "-" * len(head)]
 
@@ -426,12 +457,13 @@ def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:
         ms, r = rec[kind], rec[ratio_key]
         shape = "x".join(str(d) for d in rec["shape"])
         lines.append(
-            f"{shape:>18} {ms['local']:>8.3f} {ms.get('2xAR', 0.0):>7.3f} {r['floor_ms']:>8.3f}"
-            f" {cell(ms.get('local+AR'), 8, '.3f')}"
-            f" {ms['syncbn']:>8.3f} {cell(ms.get('naive'), 8, '.3f')} {cell(ms.get('torch'), 8, '.3f')}"
-            f" {r['syncbn_over_floor']:>10.3f} {cell(r.get('syncbn_over_interleaved_floor'), 10, '.3f')}"
-            f" {cell(r['syncbn_over_naive'], 10, '.3f')}"
-            f" {cell(r['syncbn_over_torch'], 10, '.3f')}"
+            f"{shape:>16} {ms['local']:>7.3f} {ms.get('2xAR', 0.0):>6.3f}"
+            f" {cell(ms.get('2xAR-shm'), 8, '.3f')} {cell(ms.get('local+AR'), 8, '.3f')}"
+            f" {ms['syncbn']:>7.3f} {cell(ms.get('syncbn-pg'), 7, '.3f')}"
+            f" {cell(ms.get('naive'), 7, '.3f')} {cell(ms.get('torch'), 7, '.3f')}"
+            f" {r['syncbn_over_floor']:>7.3f} {cell(r.get('syncbn_over_own_floor'), 11, '.3f')}"
+            f" {cell(r.get('syncbn_pg_over_interleaved_floor'), 7, '.3f')}"
+            f" {cell(r['syncbn_over_naive'], 7, '.3f')} {cell(r['syncbn_over_torch'], 7, '.3f')}"
         )
         if rec.get("error"):
             lines.append(f"    note: {rec['error']}")
