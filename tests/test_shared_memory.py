@@ -1,0 +1,213 @@
+"""The same-machine shared-memory all_reduce: used where it can be, exact, agreed, bounded.
+
+Every multi-process test elsewhere runs through it too (it is the default on
+this machine); these tests pin down what is specific to it, and keep the
+process-group path (gloo) covered with it turned off.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import syncbn
+from dist_harness import launch
+from equivalence import run_case, standard_cases, tolerance
+from syncbn import _shm, groups
+
+pytestmark = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
+
+SHORT = 2.0
+
+
+def _group() -> groups.ProcessGroupSum:
+    group = groups.resolve(None)
+    assert isinstance(group, groups.ProcessGroupSum)
+    return group
+
+
+def _steps(rank: int, layer: torch.nn.Module, steps: int = 3) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + rank)
+    grads = []
+    for _ in range(steps):
+        x = torch.randn(3 + rank, 5, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+        layer(x).backward(torch.randn(x.shape, generator=gen, dtype=torch.float64))
+        grads.append(x.grad.flatten())
+    return torch.cat(grads)
+
+
+def _same_bits_and_same_as_gloo(rank: int, world_size: int) -> dict[str, Any]:
+    shared = syncbn.SyncBatchNorm2d(5).double()
+    on_gloo = syncbn.SyncBatchNorm2d(
+        5, process_group=groups.ProcessGroupSum(None, shared_memory=False)
+    ).double()
+    grad_shared = _steps(rank, shared)
+    grad_gloo = _steps(rank, on_gloo)
+    stats = torch.cat([shared.running_mean, shared.running_var])
+    table = torch.zeros(world_size, stats.numel(), dtype=torch.float64)
+    table[rank] = stats
+    dist.all_reduce(table)
+    return {
+        "shared": _group().uses_shared_memory,
+        "gloo_layer_shared": on_gloo.process_group.uses_shared_memory,
+        "stats_equal_on_every_rank": all(torch.equal(table[0], row) for row in table),
+        "vs_gloo": max(
+            (grad_shared - grad_gloo).abs().max().item(),
+            (shared.running_var - on_gloo.running_var).abs().max().item(),
+        ),
+    }
+
+
+def test_used_by_default_every_rank_gets_the_same_bits_and_equals_gloo() -> None:
+    for result in launch(_same_bits_and_same_as_gloo, 3, timeout=90):
+        assert result["shared"] is True
+        assert result["gloo_layer_shared"] is False
+        assert result["stats_equal_on_every_rank"]
+        assert result["vs_gloo"] < 1e-12
+
+
+def _process_group_path(rank: int, world_size: int) -> dict[str, Any]:
+    syncbn.set_shared_memory(False)
+    out: dict[str, Any] = {}
+    for case in standard_cases(world_size):
+        try:
+            out[case.name] = run_case(case, rank)
+        except Exception as exc:  # noqa: BLE001 - reported per case
+            out[case.name] = f"{type(exc).__name__}: {exc}"
+    out["shared"] = _group().uses_shared_memory
+    return out
+
+
+def test_process_group_path_still_matches_global_batchnorm() -> None:
+    for rank, result in enumerate(launch(_process_group_path, 2, timeout=180)):
+        assert result.pop("shared") is False
+        for case in standard_cases(2):
+            errors = result[case.name]
+            assert isinstance(errors, dict), f"rank {rank} {case.name}: {errors}"
+            tol = tolerance(case)
+            for key, value in errors.items():
+                assert value <= tol, f"rank {rank} {case.name} {key}: {value:.3g} > {tol:.3g}"
+
+
+def _disagree(rank: int, world_size: int) -> dict[str, Any]:
+    if rank == 0:
+        syncbn.set_shared_memory(False)  # rank 1 keeps the default (on)
+    layer = syncbn.SyncBatchNorm1d(3).double()
+    x = torch.arange(6.0, dtype=torch.float64).view(2, 3) + 10 * rank
+    layer(x)
+    return {"shared": _group().uses_shared_memory, "mean": layer.running_mean.tolist()}
+
+
+def test_ranks_that_disagree_all_use_the_process_group() -> None:
+    results = launch(_disagree, 2, timeout=60)
+    full = torch.cat([torch.arange(6.0, dtype=torch.float64).view(2, 3) + 10 * r for r in range(2)])
+    expected = (0.1 * full.mean(0)).tolist()
+    for result in results:
+        assert result["shared"] is False
+        assert result["mean"] == pytest.approx(expected, abs=1e-12)
+
+
+def _sizes(rank: int, world_size: int) -> dict[str, Any]:
+    group = _group()
+    small = torch.full((7,), float(rank + 1), dtype=torch.float64)
+    big = torch.full((20_000,), float(rank + 1), dtype=torch.float64)  # more than one slot holds
+    half = torch.full((3, 5), float(rank + 1), dtype=torch.float32)
+    group.all_reduce_sum(small)
+    group.all_reduce_sum(big)
+    group.all_reduce_sum(half)
+    mine = f"/dev/shm/syncbn-{os.getpid()}-*"
+    return {
+        "shared": group.uses_shared_memory,
+        "small": small.unique().tolist(),
+        "big": big.unique().tolist(),
+        "half": half.unique().tolist(),
+        "dtype": str(half.dtype),
+        "left_in_dev_shm": glob.glob(mine),
+    }
+
+
+def test_any_size_and_dtype_is_summed_and_the_segment_is_unlinked() -> None:
+    for result in launch(_sizes, 3, timeout=60):
+        assert result["shared"] is True
+        assert result["small"] == result["big"] == result["half"] == [6.0]
+        assert result["dtype"] == "torch.float32"
+        assert result["left_in_dev_shm"] == []
+
+
+def _late_peer(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
+    syncbn.set_shared_memory(shared)
+    syncbn.set_timeout(SHORT)
+    layer = syncbn.SyncBatchNorm1d(4)
+    layer(torch.randn(3, 4))  # set-up and the handshake succeed on both ranks
+    if rank == 1:
+        time.sleep(SHORT + 3)  # never joins the second call in time
+        return {"type": None}
+    start = time.monotonic()
+    try:
+        layer(torch.randn(3, 4))
+    except syncbn.CollectiveError as exc:
+        return {
+            "type": "CollectiveError",
+            "timed_out": exc.timed_out,
+            "s": time.monotonic() - start,
+            "msg": str(exc),
+        }
+    return {"type": None}
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "process-group"])
+def test_a_late_peer_gives_a_bounded_timeout_error(shared: bool) -> None:
+    result, _ = launch(_late_peer, 2, shared, timeout=60)
+    assert result["type"] == "CollectiveError", result
+    assert result["timed_out"] and SHORT * 0.9 < result["s"] < SHORT + 2.5, result
+    assert "did not" in result["msg"] or "not every rank arrived" in result["msg"]
+    assert ("shared memory" in result["msg"]) is shared
+
+
+def _dead_peer(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
+    syncbn.set_shared_memory(shared)
+    syncbn.set_timeout(20.0)
+    layer = syncbn.SyncBatchNorm1d(4)
+    layer(torch.randn(3, 4))
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        layer(torch.randn(3, 4))
+    except syncbn.CollectiveError as exc:
+        return {
+            "type": "CollectiveError",
+            "timed_out": exc.timed_out,
+            "s": time.monotonic() - start,
+            "msg": str(exc),
+        }
+    return {"type": None}
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "process-group"])
+def test_a_dead_peer_gives_a_prompt_error(shared: bool) -> None:
+    survivor, dead = launch(_dead_peer, 2, shared, timeout=60, allow_failures=True, finish_wait=0.5)
+    assert dead[0] == "error"
+    assert survivor["type"] == "CollectiveError" and not survivor["timed_out"], survivor
+    assert survivor["s"] < 5.0 and "died" in survivor["msg"], survivor
+
+
+def test_setting_validation_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv("SYNCBN_SHM", "0")
+        syncbn.set_shared_memory(None)
+        assert syncbn.shared_memory_enabled() is False
+        monkeypatch.setenv("SYNCBN_SHM", "1")
+        assert syncbn.shared_memory_enabled() is True
+        syncbn.set_shared_memory(False)
+        assert syncbn.shared_memory_enabled() is False
+        with pytest.raises(TypeError, match="expected True, False or None"):
+            syncbn.set_shared_memory("yes")  # type: ignore[arg-type]
+    finally:
+        syncbn.set_shared_memory(None)
