@@ -55,8 +55,8 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     assert data["machine"]["torch"] == torch.__version__
     assert [r["shape"] for r in data["results"]] == [list(s) for s in parse_shapes(shapes)]
     for rec in data["results"]:
-        # no torch on CPU
-        assert set(rec["median_ms"]) == {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "syncbn-pg", "naive"}
+        methods = {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "syncbn-pg", "naive"}
+        assert set(rec["median_ms"]) == methods  # no torch on CPU
         assert all(v > 0 for v in rec["median_ms"].values())
         assert len(rec["per_rank_median_ms"]) == 2
         ratios = rec["ratios"]

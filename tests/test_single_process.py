@@ -51,9 +51,10 @@ def test_without_process_group_is_exactly_batchnorm(ours_cls, ref_cls, shape, kw
         assert k1 == k2 and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("read_count", [True, False], ids=["host-count", "device-count"])
 @pytest.mark.parametrize("sizes", [[5], [3, 4], [1, 0, 7, 2], [0, 9, 1]])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_merging_chunk_moments_equals_full_batch(sizes, dtype) -> None:
+def test_merging_chunk_moments_equals_full_batch(sizes, dtype, read_count) -> None:
     gen = torch.Generator().manual_seed(1)
     full = (torch.randn(sum(sizes), 3, 4, 4, generator=gen, dtype=torch.float64) * 0.5 + 3).to(dtype)
     packed = torch.zeros(7, dtype=torch.float64)
@@ -61,10 +62,12 @@ def test_merging_chunk_moments_equals_full_batch(sizes, dtype) -> None:
         n = chunk.numel() // 3
         mean, var = _math.local_moments(chunk) if n else (None, None)
         packed += _math.pack_moments(n, mean, var, channels=3, device=chunk.device)
-    count, (mean, var, unbiased) = _math.unpack_moments(packed, 3)
+    # read_count=False takes the accelerator path (the count stays a tensor: no host sync).
+    count, (mean, var, unbiased) = _math.unpack_moments(packed, 3, read_count=read_count)
     ref_var, ref_mean = torch.var_mean(full.double(), dim=(0, 2, 3), correction=0)
     tol = 1e-13 if dtype == torch.float64 else 1e-6
-    assert count == full.numel() // 3
+    assert isinstance(count, float) is read_count
+    assert float(count) == full.numel() // 3
     torch.testing.assert_close(mean, ref_mean, rtol=tol, atol=tol)
     torch.testing.assert_close(var, ref_var, rtol=tol, atol=tol)
     torch.testing.assert_close(unbiased, torch.var(full.double(), dim=(0, 2, 3)), rtol=tol, atol=tol)
@@ -238,3 +241,18 @@ def test_bias_false_through_the_synchronised_function() -> None:
         return SyncBatchNormFunction.apply(x, w, None, None, None, 1e-5, 0.1, OneMember())
 
     assert torch.autograd.gradcheck(fn, (x, w))
+
+
+def test_input_grad_takes_the_count_as_a_float_or_a_device_tensor() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4, 3, generator=gen, dtype=torch.float64)
+    g = torch.randn(6, 4, 3, generator=gen, dtype=torch.float64)
+    weight = torch.rand(4, generator=gen, dtype=torch.float64) + 0.5
+    mean, var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
+    sums = torch.stack(_math.backward_sums(g, x, weight, mean, var, 1e-5))
+    host = _math.input_grad(g, x, weight, mean, var, 1e-5, 18.0, sums)
+    device = _math.input_grad(g, x, weight, mean, var, 1e-5, torch.tensor(18.0, dtype=torch.float64), sums)
+    torch.testing.assert_close(host, device, rtol=1e-15, atol=1e-15)
+    xr = x.clone().requires_grad_()
+    F.batch_norm(xr, None, None, weight, None, True, 0.0, 1e-5).backward(g)
+    torch.testing.assert_close(host, xr.grad, rtol=1e-12, atol=1e-12)

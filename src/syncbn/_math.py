@@ -213,19 +213,28 @@ def pack_moments(
         return torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
     assert mean is not None and var is not None
     packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=device)
-    torch.cat([mean.new_ones(1), mean, var], out=packed)  # converted to float64 on the way
+    one = _ONES.get(mean.dtype) if mean.device.type == "cpu" else None
+    torch.cat([mean.new_ones(1) if one is None else one, mean, var], out=packed)  # widened to float64
     packed.mul_(count)  # [n, n*mean, n*var]
     # n*var + (n*mean)*mean, the float32 mean widened exactly: S and Q describe the same mean.
     packed[channels + 1 :].addcmul_(packed[1 : channels + 1], mean)
     return packed
 
 
-def unpack_moments(packed: Tensor, channels: int) -> tuple[float | Tensor, Tensor]:
+# Read-only one-element tensors for the head of the packed vector (saves a call per layer).
+_ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.float64)}
+
+
+def unpack_moments(
+    packed: Tensor, channels: int, *, read_count: bool | None = None
+) -> tuple[float | Tensor, Tensor]:
     """Global statistics from the summed packed vector.
 
     Args:
         packed: the sum over ranks of :func:`pack_moments` outputs.
         channels: number of channels ``C``.
+        read_count: read the count on the host (default: only for a CPU tensor,
+            where it costs no device synchronisation).
 
     Returns:
         ``(count, stats)``: the global count (a Python float for a CPU tensor,
@@ -237,8 +246,9 @@ def unpack_moments(packed: Tensor, channels: int) -> tuple[float | Tensor, Tenso
     """
     sums = packed[1:].view(2, channels)  # [S, Q]
     stats = torch.empty(3, channels, dtype=torch.float64, device=packed.device)
+    mean, var, unbiased = stats.unbind(0)
     count: float | Tensor
-    if packed.device.type == "cpu":
+    if packed.device.type == "cpu" if read_count is None else read_count:
         count = float(packed[0])
         torch.div(sums, max(count, 1.0), out=stats[:2])
         unbias: float | Tensor = count / max(count - 1.0, 1.0)
@@ -247,8 +257,8 @@ def unpack_moments(packed: Tensor, channels: int) -> tuple[float | Tensor, Tenso
         torch.div(sums, count.clamp(min=1.0), out=stats[:2])
         unbias = count / (count - 1.0).clamp(min=1.0)
     # Q/N - mean^2 in float64: the cancellation costs ~1e-16 (mean^2 + var) / var, relative.
-    stats[1].addcmul_(stats[0], stats[0], value=-1.0).clamp_(min=0.0)
-    torch.mul(stats[1], unbias, out=stats[2])
+    var.addcmul_(mean, mean, value=-1.0).clamp_(min=0.0)
+    torch.mul(var, unbias, out=unbiased)
     return count, stats
 
 
