@@ -1,10 +1,13 @@
 """End to end: one training step of a ResNet-style CIFAR model on W gloo ranks.
 
 The same model (stem, three stages of two basic blocks, 15 BatchNorm layers)
-twice under ``DistributedDataParallel``: with ``syncbn.SyncBatchNorm2d`` and
-with plain ``nn.BatchNorm2d`` (unsynchronised: what DDP gives by default). Steps
-of the two alternate in one loop; each rank's median step time is taken and the
-slowest rank reported, with the ratio syncbn / plain (target <= 1.15).
+three times under ``DistributedDataParallel``: with ``syncbn.SyncBatchNorm2d``
+(its CPU collectives through shared memory where every rank is on one machine,
+the default), with ``syncbn.SyncBatchNorm2d`` on the process group's own
+transport (``syncbn-pg``: shared memory off, so gloo), and with plain
+``nn.BatchNorm2d`` (unsynchronised: what DDP gives by default). Steps of the
+three alternate in one loop; each rank's median step time is taken and the
+slowest rank reported, with the ratios to plain (target <= 1.15).
 
     python benchmarks/e2e.py [--world-size 2] [--batch 16] [--steps 10] [--json PATH]
 """
@@ -25,6 +28,7 @@ from torch import nn
 from syncbn import SyncBatchNorm2d
 from syncbn.cli._launch import run_ranks
 from syncbn.cli.bench import machine_info, time_interleaved
+from syncbn.groups import ProcessGroupSum
 
 
 class BasicBlock(nn.Module):
@@ -60,7 +64,13 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, 3, 32, 32, generator=gen)
     y = torch.randint(10, (args.batch,), generator=gen)
     steps: dict[str, Callable[[], Any]] = {}
-    for name, norm in (("syncbn", SyncBatchNorm2d), ("plain", nn.BatchNorm2d)):
+    on_gloo = ProcessGroupSum(None, shared_memory=False)
+    norms: tuple[tuple[str, Callable[[int], nn.Module]], ...] = (
+        ("syncbn", SyncBatchNorm2d),
+        ("syncbn-pg", lambda c: SyncBatchNorm2d(c, process_group=on_gloo)),
+        ("plain", nn.BatchNorm2d),
+    )
+    for name, norm in norms:
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(resnet(norm))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -79,12 +89,14 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
         return
     slowest = {k: max(g[k] for g in gathered) for k in mine}
     ratio = slowest["syncbn"] / slowest["plain"]
+    ratio_pg = slowest["syncbn-pg"] / slowest["plain"]
     print(
         f"e2e ResNet-style training step, W={world_size} gloo, batch {args.batch}/rank 3x32x32, "
         f"{args.threads} thread(s)/rank, {args.steps} steps: slowest rank's median ms"
     )
     print(
-        f"  plain BatchNorm2d {slowest['plain']:8.2f}   syncbn {slowest['syncbn']:8.2f}   ratio {ratio:.3f}"
+        f"  plain BatchNorm2d {slowest['plain']:8.2f}   syncbn {slowest['syncbn']:8.2f} (ratio {ratio:.3f})"
+        f"   syncbn-pg {slowest['syncbn-pg']:8.2f} (ratio {ratio_pg:.3f})"
     )
     if args.json:
         payload = {
@@ -93,6 +105,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
             "median_ms": slowest,
             "per_rank_median_ms": gathered,
             "syncbn_over_plain": ratio,
+            "syncbn_pg_over_plain": ratio_pg,
         }
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2, default=str)
@@ -103,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16, help="images per rank (default 16)")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", metavar="PATH")

@@ -36,20 +36,24 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 def layers_table(runs: list[Any], kind: str = "median_ms") -> str:
     ratio_key = "ratios" if kind == "median_ms" else "cpu_ratios"
     lines = [
-        "| shape (per rank) | local BN | 2xAR | floor | syncbn | naive | syncbn/floor | syncbn/naive |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape (per rank) | local BN | 2xAR (gloo) | 2xAR (shm) | syncbn | syncbn-pg | naive"
+        " | syncbn / floor | syncbn / shm floor | syncbn-pg / (local+AR) | syncbn / naive |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    methods = ("local", "2xAR", "2xAR-shm", "syncbn", "syncbn-pg", "naive")
+    ratio_names = (
+        "syncbn_over_floor",
+        "syncbn_over_own_floor",
+        "syncbn_pg_over_interleaved_floor",
+        "syncbn_over_naive",
+    )
     for i, rec in enumerate(runs[0]["results"]):
         recs = [run["results"][i] for run in runs]
-        ms = {k: _med([r[kind].get(k) for r in recs]) for k in ("local", "2xAR", "syncbn", "naive")}
-        floor = _med([r[ratio_key]["floor_ms"] for r in recs])
-        over_floor = _med([r[ratio_key]["syncbn_over_floor"] for r in recs])
-        over_naive = _med([r[ratio_key]["syncbn_over_naive"] for r in recs])
+        ms = {k: _med([r[kind].get(k) for r in recs]) for k in methods}
+        ratio = {k: _med([r[ratio_key].get(k) for r in recs]) for k in ratio_names}
         shape = "x".join(str(d) for d in rec["shape"])
-        lines.append(
-            f"| {shape} | {_fmt(ms['local'])} | {_fmt(ms['2xAR'])} | {_fmt(floor)} | {_fmt(ms['syncbn'])} |"
-            f" {_fmt(ms['naive'])} | **{_fmt(over_floor)}** | **{_fmt(over_naive)}** |"
-        )
+        cells = [_fmt(ms[k]) for k in methods] + [f"**{_fmt(ratio[k])}**" for k in ratio_names]
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -58,10 +62,14 @@ def e2e_line(runs: list[Any]) -> str:
     sync = _med([r["median_ms"]["syncbn"] for r in runs])
     ratio = _med([r["syncbn_over_plain"] for r in runs])
     each = ", ".join(f"{r['syncbn_over_plain']:.3f}" for r in runs)
-    return (
+    line = (
         f"plain BatchNorm2d {_fmt(plain, '.1f')} ms, syncbn {_fmt(sync, '.1f')} ms per step:"
-        f" **{_fmt(ratio, '.3f')}x** (median of runs: {each})"
+        f" **{_fmt(ratio, '.3f')}x** (runs: {each})"
     )
+    pg = [r["syncbn_pg_over_plain"] for r in runs if "syncbn_pg_over_plain" in r]
+    if pg:
+        line += f"; syncbn on gloo (shared memory off) **{_fmt(_med(pg), '.3f')}x**"
+    return line
 
 
 def main(folders: list[str]) -> int:
