@@ -15,6 +15,7 @@ import syncbn
 from compare import assert_same_step
 from syncbn import _math
 from syncbn._function import SyncBatchNormFunction
+from syncbn.cli.bench import LoopbackGroup
 
 CLASSES = [
     (syncbn.SyncBatchNorm1d, nn.BatchNorm1d, (6, 4)),
@@ -256,3 +257,11 @@ def test_input_grad_takes_the_count_as_a_float_or_a_device_tensor() -> None:
     xr = x.clone().requires_grad_()
     F.batch_norm(xr, None, None, weight, None, True, 0.0, 1e-5).backward(g)
     torch.testing.assert_close(host, xr.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_shared_empty_and_one_tensors_are_never_written() -> None:
+    layer = syncbn.SyncBatchNorm(3, process_group=LoopbackGroup())
+    for dtype in (torch.float32, torch.float64):
+        layer.to(dtype)(torch.randn(4, 3, 5, dtype=dtype)).sum().backward()
+    assert all(t.numel() == 0 for t in _math._EMPTY.values())
+    assert all(t.tolist() == [1.0] for t in _math._ONES.values())

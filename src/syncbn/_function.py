@@ -126,7 +126,8 @@ def synchronized_forward(
         if global_count == 1:
             raise one_value_error()
 
-    mean, var, unbiased = stats64.to(statistics_dtype(x, weight, running_mean)).unbind(0)
+    stat_dtype = statistics_dtype(x, weight, running_mean)
+    mean, var, unbiased = (stats64 if stat_dtype == torch.float64 else stats64.to(stat_dtype)).unbind(0)
     if count > 0:
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:
@@ -164,7 +165,9 @@ def finish_input_grad(
     """
     if count == 0:
         return torch.zeros_like(x)
-    return _math.input_grad(grad_output, x, weight, mean, var, eps, total, reduced.to(x.device))
+    if reduced.device != x.device:  # nn.DataParallel: summed on the first replica's device
+        reduced = reduced.to(x.device)
+    return _math.input_grad(grad_output, x, weight, mean, var, eps, total, reduced)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -221,6 +224,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
             )
 
-        grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
-        grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
+        param_dtype = ctx.param_dtype
+        grad_weight = grad_bias = None
+        if need_weight:
+            grad_weight = sum_dy_xhat if sum_dy_xhat.dtype == param_dtype else sum_dy_xhat.to(param_dtype)
+        if need_bias:
+            grad_bias = sum_dy if sum_dy.dtype == param_dtype else sum_dy.to(param_dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None

@@ -122,7 +122,7 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
         x.is_cuda or x.dim() == 2 or x.numel() < _NATIVE_STATS_MAX_NUMEL or _is_channels_last(x)
     ):
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-        return mean.to(acc), var.to(acc)
+        return (mean, var) if mean.dtype == acc else (mean.to(acc), var.to(acc))
     dims = _reduce_dims(x)
     mean = x.sum(dims, dtype=acc).div_(n)
     usable = scratch if scratch is not None and scratch.dtype == acc and scratch.is_contiguous() else None
@@ -160,7 +160,9 @@ def normalize(
     """
     if out is None:
         return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-    empty = mean.new_empty(0)  # inference mode leaves the saved statistics empty
+    empty = _EMPTY.get(mean.dtype) if mean.device.type == "cpu" else None
+    if empty is None:
+        empty = mean.new_empty(0)  # inference mode leaves the saved statistics empty
     torch.ops.aten.native_batch_norm.out(
         x, weight, bias, mean, var, False, 0.0, eps, out=out, save_mean=empty, save_invstd=empty
     )
@@ -221,8 +223,13 @@ def pack_moments(
     return packed
 
 
-# Read-only one-element tensors for the head of the packed vector (saves a call per layer).
+# Read-only one-element tensors for the head of the packed vector, and empty ones for the
+# statistics an inference-mode native_batch_norm.out leaves empty (each saves a call per layer).
 _ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.float64)}
+_EMPTY = {
+    dtype: torch.empty(0, dtype=dtype)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
 
 
 def unpack_moments(
@@ -345,6 +352,9 @@ def input_grad(
     scale = (var + eps).rsqrt_()  # invstd, statistics dtype
     if weight is not None:
         scale.mul_(weight)
-    corrections = torch.mul(sums, scale * (-1.0 / count)).to(mean.dtype)  # [bias, weight] per channel
-    grad_input = torch.batch_norm(x, corrections[1], corrections[0], mean, var, False, 0.0, eps, False)
+    corrections = torch.mul(sums, scale * (-1.0 / count))
+    if corrections.dtype != mean.dtype:
+        corrections = corrections.to(mean.dtype)
+    shift, slope = corrections.unbind(0)  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
+    grad_input = torch.batch_norm(x, slope, shift, mean, var, False, 0.0, eps, False)
     return grad_input.addcmul_(grad_output, scale.view(broadcast_shape(x)))
