@@ -198,6 +198,28 @@ def test_a_dead_peer_gives_a_prompt_error(shared: bool) -> None:
     assert survivor["s"] < 5.0 and "died" in survivor["msg"], survivor
 
 
+def _swapped_order(rank: int, world_size: int) -> dict[str, Any]:
+    syncbn.set_timeout(SHORT)
+    first, second = syncbn.SyncBatchNorm1d(3), syncbn.SyncBatchNorm1d(5)
+    first(torch.randn(4, 3))
+    second(torch.randn(4, 5))  # both handshakes done: no check runs on later calls
+    layers = (first, second) if rank == 0 else (second, first)
+    start = time.monotonic()
+    try:
+        layers[0](torch.randn(4, layers[0].num_features))
+    except syncbn.CollectiveError as exc:
+        return {"type": "CollectiveError", "s": time.monotonic() - start, "msg": str(exc)}
+    return {"type": None}
+
+
+def test_ranks_calling_layers_in_different_orders_get_an_error_not_wrong_numbers() -> None:
+    for result in launch(_swapped_order, 2, timeout=60):
+        assert result["type"] == "CollectiveError", result
+        assert result["s"] < 1.0
+        assert "did not make the same collective" in result["msg"]
+        assert "rank 0: 7 float64 values, rank 1: 11 float64 values" in result["msg"], result["msg"]
+
+
 def test_setting_validation_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         monkeypatch.setenv("SYNCBN_SHM", "0")

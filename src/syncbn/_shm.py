@@ -11,8 +11,13 @@ SyncBatchNorm makes two per layer and step.
 The segment (``/dev/shm``, unlinked as soon as every rank has mapped it)::
 
     header     token (int64) | one 64-byte line per rank: its sequence number
-    buffer 0   world_size slots of ``capacity`` bytes
-    buffer 1   world_size slots of ``capacity`` bytes
+    buffer 0   world_size slots: 64 bytes of metadata (sequence, size, dtype), then the data
+    buffer 1   the same
+
+Every rank checks, after the wait, that every rank sent the same number of
+values of the same dtype: ranks that called different collectives (a layer
+order that differs between ranks) get an error on every rank, where a transport
+would hang or abort.
 
 Call ``k`` uses buffer ``k % 2``. A rank writes buffer ``k % 2`` for call ``k``
 only after every rank has raised its flag to ``k - 1``, which each did after
@@ -59,17 +64,21 @@ _LIVENESS_EVERY_S = 0.1
 
 
 class SharedMemoryError(RuntimeError):
-    """The shared-memory all_reduce failed: a timeout or a peer that died.
+    """The shared-memory all_reduce failed: a timeout, a peer that died, or mismatched calls.
 
     Attributes:
-        timed_out: the bound was reached (else a peer process no longer exists).
+        timed_out: the bound was reached (else a peer process no longer exists,
+            or the ranks made different collectives).
         waited: seconds this rank waited.
+        mismatch: the ranks sent different sizes or dtypes (every rank raises;
+            the segment stays usable).
     """
 
-    def __init__(self, message: str, *, timed_out: bool, waited: float) -> None:
+    def __init__(self, message: str, *, timed_out: bool, waited: float, mismatch: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
         self.waited = waited
+        self.mismatch = mismatch
 
 
 def supported() -> bool:
@@ -109,10 +118,16 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+_SLOT = _LINE + _CAPACITY  # metadata line + data
+_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+
+
+def _header_size(world_size: int) -> int:
+    return (_LINE * (world_size + 1) + 4095) // 4096 * 4096
+
+
 def _segment_size(world_size: int) -> int:
-    header = _LINE * (world_size + 1)
-    header = (header + 4095) // 4096 * 4096
-    return header + 2 * world_size * _CAPACITY
+    return _header_size(world_size) + 2 * world_size * _SLOT
 
 
 class SharedMemorySum:
@@ -135,7 +150,7 @@ class SharedMemorySum:
         self._raw = memoryview(segment)
         self._flags = self._raw.cast("q")  # int64 words; rank r's flag at word (r + 1) * 8
         self._flag_index = [(r + 1) * (_LINE // 8) for r in range(world_size)]
-        self._data_offset = _segment_size(world_size) - 2 * world_size * _CAPACITY
+        self._data_offset = _header_size(world_size)
         self._views: dict[tuple[int, torch.dtype], Tensor] = {}
         self._seq = 0
         self.broken = False
@@ -145,12 +160,20 @@ class SharedMemorySum:
         view = self._views.get(key)
         if view is None:
             item = torch.empty((), dtype=dtype).element_size()
-            per_slot = _CAPACITY // item
-            offset = self._data_offset + buffer * self._size * _CAPACITY
-            view = torch.frombuffer(self._segment, dtype=dtype, offset=offset, count=self._size * per_slot)
-            view = view.view(self._size, per_slot)
+            offset = self._buffer_offset(buffer)
+            flat = torch.frombuffer(
+                self._segment, dtype=dtype, offset=offset, count=self._size * _SLOT // item
+            )
+            view = flat.as_strided((self._size, _CAPACITY // item), (_SLOT // item, 1), _LINE // item)
             self._views[key] = view
         return view
+
+    def _buffer_offset(self, buffer: int) -> int:
+        return self._data_offset + buffer * self._size * _SLOT
+
+    def _meta_index(self, buffer: int, rank: int) -> int:
+        """Word index of the metadata line of ``rank``'s slot in ``buffer``."""
+        return (self._buffer_offset(buffer) + rank * _SLOT) // 8
 
     def fits(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` fits a slot (the same answer on every rank for the same shape)."""
@@ -167,8 +190,9 @@ class SharedMemorySum:
             ``tensor``, now holding the sum (identical bits on every rank).
 
         Raises:
-            SharedMemoryError: the wait exceeded ``timeout`` or a peer died; the
-                segment is unusable afterwards (``broken``).
+            SharedMemoryError: the wait exceeded ``timeout`` or a peer died (the
+                segment is unusable afterwards: ``broken``), or the ranks sent
+                different sizes or dtypes (on every rank; still usable).
         """
         if self.broken:
             raise SharedMemoryError(
@@ -177,16 +201,44 @@ class SharedMemorySum:
         self._seq += 1
         seq = self._seq
         n = tensor.numel()
-        slots = self._slots(seq & 1, tensor.dtype)
+        buffer = seq & 1
+        code = _DTYPE_CODES.get(tensor.dtype, 9)
+        slots = self._slots(buffer, tensor.dtype)
         flat = tensor.reshape(-1)
+        words = self._flags
+        meta = self._meta_index(buffer, self._rank)
+        words[meta + 1] = n
+        words[meta + 2] = code
+        words[meta] = seq
         slots[self._rank, :n].copy_(flat)
-        self._flags[self._flag_index[self._rank]] = seq
+        words[self._flag_index[self._rank]] = seq
         self._wait(seq, timeout)
+        self._check_same_call(buffer, seq, n, code, tensor.dtype)
         if flat.data_ptr() == tensor.data_ptr() and tensor.is_contiguous():
             torch.sum(slots[:, :n], 0, out=flat)
         else:
             tensor.copy_(slots[:, :n].sum(0).view_as(tensor))
         return tensor
+
+    def _check_same_call(self, buffer: int, seq: int, n: int, code: int, dtype: torch.dtype) -> None:
+        """Raise on every rank alike when the ranks did not send the same size and dtype."""
+        words = self._flags
+        sent = []
+        for rank in range(self._size):
+            meta = self._meta_index(buffer, rank)
+            sent.append((words[meta], words[meta + 1], words[meta + 2]))
+        if all(entry == (seq, n, code) for entry in sent):
+            return
+        names = {c: str(d).replace("torch.", "") for d, c in _DTYPE_CODES.items()}
+        described = ", ".join(
+            f"rank {r}: {count} {names.get(kind, 'other')} values" for r, (_, count, kind) in enumerate(sent)
+        )
+        raise SharedMemoryError(
+            f"the ranks made different collectives at the same point ({described})",
+            timed_out=False,
+            waited=0.0,
+            mismatch=True,
+        )
 
     def _wait(self, seq: int, timeout: float | None) -> None:
         flags, index = self._flags, self._flag_index

@@ -210,6 +210,8 @@ class ProcessGroupSum:
                 try:
                     return shared.all_reduce_sum(tensor, _config.get_timeout())
                 except _shm.SharedMemoryError as exc:
+                    if exc.mismatch:
+                        raise self._mismatch(exc) from exc
                     cause = None if exc.timed_out else exc
                     raise self._error(cause, exc.waited, _config.get_timeout()) from exc
         return self._all_reduce_process_group(tensor, host_wait=host_wait)
@@ -289,6 +291,14 @@ class ProcessGroupSum:
         return CollectiveError(
             message, timed_out=timed_out, waited=waited, group_size=self._size, detail=text
         )
+
+    def _mismatch(self, exc: BaseException) -> CollectiveError:
+        message = (
+            f"the ranks of {self.describe()} did not make the same collective: {exc}. Every rank must "
+            "call the SyncBatchNorm layers in training in the same order; run every rank with "
+            "SYNCBN_DEBUG=1 to find the first layer where they differ."
+        )
+        return CollectiveError(message, timed_out=False, waited=0.0, group_size=self._size, detail=str(exc))
 
     def __repr__(self) -> str:
         return f"ProcessGroupSum(rank={self._rank}, size={self._size})"
