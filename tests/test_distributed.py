@@ -14,25 +14,15 @@ from torch import nn
 
 import syncbn
 from dist_harness import launch
-from equivalence import Case, run_case, standard_cases, tolerance
+from equivalence import Case, run_case, run_standard_cases, standard_cases, tolerance
 from syncbn import groups
 
 _cache: dict[Any, Any] = {}
 
 
-def _all_cases(rank: int, world_size: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for case in standard_cases(world_size):
-        try:
-            out[case.name] = run_case(case, rank)
-        except Exception as exc:  # noqa: BLE001 - reported per case
-            out[case.name] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
 def _results(world_size: int) -> list[dict[str, Any]]:
     if world_size not in _cache:
-        _cache[world_size] = launch(_all_cases, world_size, timeout=240)
+        _cache[world_size] = launch(run_standard_cases, world_size, timeout=240)
     return _cache[world_size]
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import syncbn
 from dist_harness import launch
-from equivalence import run_case, standard_cases, tolerance
+from equivalence import run_standard_cases, standard_cases, tolerance
 from syncbn import _shm, groups
 
 pytestmark = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
@@ -74,12 +74,7 @@ def test_used_by_default_every_rank_gets_the_same_bits_and_equals_gloo() -> None
 
 def _process_group_path(rank: int, world_size: int) -> dict[str, Any]:
     syncbn.set_shared_memory(False)
-    out: dict[str, Any] = {}
-    for case in standard_cases(world_size):
-        try:
-            out[case.name] = run_case(case, rank)
-        except Exception as exc:  # noqa: BLE001 - reported per case
-            out[case.name] = f"{type(exc).__name__}: {exc}"
+    out = run_standard_cases(rank, world_size)
     out["shared"] = _group().uses_shared_memory
     return out
 
@@ -140,12 +135,15 @@ def test_any_size_and_dtype_is_summed_and_the_segment_is_unlinked() -> None:
         assert result["left_in_dev_shm"] == []
 
 
-def _late_peer(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
+def _peer_misses_second_call(rank: int, world_size: int, shared: bool, how: str) -> dict[str, Any]:
+    """Both ranks make one training call; rank 1 then sleeps past the bound or exits."""
     syncbn.set_shared_memory(shared)
-    syncbn.set_timeout(SHORT)
+    syncbn.set_timeout(SHORT if how == "late" else 20.0)
     layer = syncbn.SyncBatchNorm1d(4)
     layer(torch.randn(3, 4))  # set-up and the handshake succeed on both ranks
     if rank == 1:
+        if how == "dead":
+            os._exit(3)
         time.sleep(SHORT + 3)  # never joins the second call in time
         return {"type": None}
     start = time.monotonic()
@@ -163,36 +161,18 @@ def _late_peer(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "process-group"])
 def test_a_late_peer_gives_a_bounded_timeout_error(shared: bool) -> None:
-    result, _ = launch(_late_peer, 2, shared, timeout=60)
+    result, _ = launch(_peer_misses_second_call, 2, shared, "late", timeout=60)
     assert result["type"] == "CollectiveError", result
     assert result["timed_out"] and SHORT * 0.9 < result["s"] < SHORT + 2.5, result
     assert "did not" in result["msg"] or "not every rank arrived" in result["msg"]
     assert ("shared memory" in result["msg"]) is shared
 
 
-def _dead_peer(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
-    syncbn.set_shared_memory(shared)
-    syncbn.set_timeout(20.0)
-    layer = syncbn.SyncBatchNorm1d(4)
-    layer(torch.randn(3, 4))
-    if rank == 1:
-        os._exit(3)
-    start = time.monotonic()
-    try:
-        layer(torch.randn(3, 4))
-    except syncbn.CollectiveError as exc:
-        return {
-            "type": "CollectiveError",
-            "timed_out": exc.timed_out,
-            "s": time.monotonic() - start,
-            "msg": str(exc),
-        }
-    return {"type": None}
-
-
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "process-group"])
 def test_a_dead_peer_gives_a_prompt_error(shared: bool) -> None:
-    survivor, dead = launch(_dead_peer, 2, shared, timeout=60, allow_failures=True, finish_wait=0.5)
+    survivor, dead = launch(
+        _peer_misses_second_call, 2, shared, "dead", timeout=60, allow_failures=True, finish_wait=0.5
+    )
     assert dead[0] == "error"
     assert survivor["type"] == "CollectiveError" and not survivor["timed_out"], survivor
     assert survivor["s"] < 5.0 and "died" in survivor["msg"], survivor
