@@ -265,3 +265,24 @@ def test_shared_empty_and_one_tensors_are_never_written() -> None:
         layer.to(dtype)(torch.randn(4, 3, 5, dtype=dtype)).sum().backward()
     assert all(t.numel() == 0 for t in _math._EMPTY.values())
     assert all(t.tolist() == [1.0] for t in _math._ONES.values())
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (4, 3, 5), (3, 3, 4, 4), (40, 3, 100, 100)])
+def test_accelerator_flow_on_cpu_matches_batchnorm(monkeypatch: pytest.MonkeyPatch, shape) -> None:
+    """The flow CUDA takes (no host reads: the count stays a tensor; a fresh output), run on CPU."""
+    from syncbn import _function
+
+    monkeypatch.setattr(_function, "_host_side", lambda x: False)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    ours = syncbn.SyncBatchNorm(3, process_group=LoopbackGroup()).double()
+    ref = nn.BatchNorm1d(3).double() if len(shape) < 4 else nn.BatchNorm2d(3).double()
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours(xs).backward(dy)
+    ref(xr).backward(dy)
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-10, atol=1e-10)
+    for a, b in [(ours.weight.grad, ref.weight.grad), (ours.running_var, ref.running_var)]:
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        ours(torch.randn(1, 3, dtype=torch.float64))

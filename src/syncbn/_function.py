@@ -62,6 +62,16 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
         raise exc.for_layer(_checks.layer_name(layer), phase) from exc.__cause__
 
 
+def _host_side(x: Tensor) -> bool:
+    """Whether ``x`` lives in host memory: reading a value back then costs no device synchronisation.
+
+    The one switch between the CPU flow (output buffer as scratch, count read on
+    the host) and the accelerator flow (no host reads); tests flip it to run the
+    accelerator flow on CPU.
+    """
+    return x.device.type == "cpu"
+
+
 class ForwardResult(NamedTuple):
     """What a synchronised training forward produced, and what its backward needs."""
 
@@ -110,15 +120,16 @@ def synchronized_forward(
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
+    host = _host_side(x)
     # On CPU the output buffer doubles as the moments' scratch space (see local_moments);
     # CUDA takes the Welford kernel, which needs none.
-    out = None if x.is_cuda else torch.empty_like(x)
+    out = torch.empty_like(x) if host else None
     if count > 0:
         mean_l, var_l = _math.local_moments(x, scratch=out)
         packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device)
     else:
         packed = _math.pack_moments(0, None, None, channels=channels, device=x.device)
-    total, stats64 = _math.unpack_moments(reduce(packed), channels)
+    total, stats64 = _math.unpack_moments(reduce(packed), channels, read_count=host)
 
     global_count = 2.0  # a lower bound is all that is needed when count >= 2
     if count < 2:
