@@ -90,22 +90,32 @@ def test_process_group_path_still_matches_global_batchnorm() -> None:
                 assert value <= tol, f"rank {rank} {case.name} {key}: {value:.3g} > {tol:.3g}"
 
 
-def _disagree(rank: int, world_size: int) -> dict[str, Any]:
-    if rank == 0:
-        syncbn.set_shared_memory(False)  # rank 1 keeps the default (on)
+def _refused(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    """One rank cannot or will not use shared memory; the other is willing."""
+    if rank == 1 and how == "disabled":
+        syncbn.set_shared_memory(False)
+    if rank == 1 and how == "other-machine":
+        _shm._host_key = lambda: 12345.0  # type: ignore[assignment]
+    if rank == 0 and how == "no-segment":
+        _shm._create = lambda *args: None  # type: ignore[assignment]
+    if rank == 1 and how == "no-attach":
+        _shm._attach = lambda *args: None  # type: ignore[assignment]
     layer = syncbn.SyncBatchNorm1d(3).double()
     x = torch.arange(6.0, dtype=torch.float64).view(2, 3) + 10 * rank
     layer(x)
-    return {"shared": _group().uses_shared_memory, "mean": layer.running_mean.tolist()}
+    leftovers = glob.glob(f"/dev/shm/syncbn-{os.getpid()}-*") if rank == 0 else []
+    return {"shared": _group().uses_shared_memory, "mean": layer.running_mean.tolist(), "left": leftovers}
 
 
-def test_ranks_that_disagree_all_use_the_process_group() -> None:
-    results = launch(_disagree, 2, timeout=60)
+@pytest.mark.parametrize("how", ["disabled", "other-machine", "no-segment", "no-attach"])
+def test_a_rank_that_cannot_or_will_not_use_it_keeps_every_rank_on_the_process_group(how: str) -> None:
+    results = launch(_refused, 2, how, timeout=60)
     full = torch.cat([torch.arange(6.0, dtype=torch.float64).view(2, 3) + 10 * r for r in range(2)])
     expected = (0.1 * full.mean(0)).tolist()
     for result in results:
         assert result["shared"] is False
         assert result["mean"] == pytest.approx(expected, abs=1e-12)
+        assert result["left"] == []
 
 
 def _sizes(rank: int, world_size: int) -> dict[str, Any]:
@@ -198,6 +208,26 @@ def test_ranks_calling_layers_in_different_orders_get_an_error_not_wrong_numbers
         assert result["s"] < 1.0
         assert "did not make the same collective" in result["msg"]
         assert "rank 0: 7 float64 values, rank 1: 11 float64 values" in result["msg"], result["msg"]
+
+
+def _rebuilt_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
+    syncbn.set_timeout(SHORT)
+    layer = syncbn.SyncBatchNorm1d(4)
+    layer(torch.randn(3, 4))  # handshake done on both ranks
+    if rank == 1:
+        layer = syncbn.SyncBatchNorm1d(4)  # a new, unverified layer: its next call is a handshake
+    try:
+        layer(torch.randn(3, 4))
+    except syncbn.CollectiveError as exc:
+        return {"type": "CollectiveError", "msg": str(exc)}
+    return {"type": None}
+
+
+def test_a_layer_rebuilt_on_one_rank_gives_an_error_on_every_rank_not_an_abort() -> None:
+    # On gloo the two ranks' collectives differ in size (moments vs the handshake table): an abort.
+    for result in launch(_rebuilt_on_one_rank, 2, timeout=60):
+        assert result["type"] == "CollectiveError", result
+        assert "did not make the same collective" in result["msg"]
 
 
 def test_setting_validation_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
