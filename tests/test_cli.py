@@ -114,6 +114,11 @@ def test_verify_passes_and_prints_a_table(verify_run) -> None:
     assert "cases passed (all passed)" in proc.stdout
     report = json.loads(path.read_text())
     assert report["passed"] is True and report["world_size"] == 2 and report["backend"] == "gloo"
+    from syncbn import _shm
+
+    expected = "shared memory (same machine)" if _shm.supported() else "the gloo process group"
+    assert report["collectives"] == expected
+    assert f"collectives went through {expected}" in proc.stdout
     for case in report["cases"]:
         assert case["passed"] and case["worst_error"] <= case["tolerance"]
         assert set(case) >= {"case", "sizes", "dtype", "errors", "tolerance"}

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import __version__
+from .. import __version__, groups
 from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
 from ._launch import default_backend, is_main_process, launched_by_torchrun, rank_device, run_ranks
 from ._output import format_error, format_table
@@ -65,9 +65,18 @@ def _check_rank(rank: int, world_size: int, device_name: str) -> list[dict[str, 
             mine[case.name] = run_case(case, rank, device=device)
         except Exception as exc:  # noqa: BLE001 - reported per case
             mine[case.name] = f"{type(exc).__name__}: {exc}"
+    group = groups.resolve(None)
+    mine[_TRANSPORT] = (
+        "shared memory (same machine)"
+        if isinstance(group, groups.ProcessGroupSum) and group.uses_shared_memory
+        else f"the {dist.get_backend()} process group"
+    )
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     return gathered
+
+
+_TRANSPORT = "_transport"  # not a case name: how this rank's collectives travelled
 
 
 def _summarise(case: Case, per_rank: list[Any], scale: float) -> dict[str, Any]:
@@ -162,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
             for failure in s["failures"]:
                 print(f"FAIL {s['case']}: {failure}")
         verdict = "all passed" if passed == len(summaries) else f"{len(summaries) - passed} FAILED"
+        transport = per_rank[0].get(_TRANSPORT, "-")
         print(f"{passed}/{len(summaries)} cases passed ({verdict}) in {elapsed:.1f}s", flush=True)
+        print(f"collectives went through {transport}", flush=True)
         if args.json:
             report = {
                 "syncbn_version": __version__,
@@ -171,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
                 "backend": backend,
                 "device": args.device,
                 "tolerance_scale": args.tolerance_scale,
+                "collectives": transport,
                 "seconds": elapsed,
                 "passed": passed == len(summaries),
                 "cases": summaries,
