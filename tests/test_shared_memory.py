@@ -243,3 +243,13 @@ def test_setting_validation_and_environment(monkeypatch: pytest.MonkeyPatch) -> 
             syncbn.set_shared_memory("yes")  # type: ignore[arg-type]
     finally:
         syncbn.set_shared_memory(None)
+
+
+def test_a_full_dev_shm_means_no_segment_and_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    path = f"/dev/shm/syncbn-test-{os.getpid()}"
+    assert _shm._create(path, 1 << 20, 7) is None
+    assert not os.path.exists(path)

@@ -359,7 +359,9 @@ def _create(path: str, size: int, token: int) -> mmap.mmap | None:
     except OSError:
         return None
     try:
-        os.ftruncate(fd, size)
+        # Reserve every page now: a full /dev/shm (64 MiB in a default container) then fails
+        # here with ENOSPC, not later with SIGBUS on the first write to a missing page.
+        os.posix_fallocate(fd, 0, size)
         segment = mmap.mmap(fd, size)
     except OSError:
         _unlink(path)
