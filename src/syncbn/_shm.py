@@ -57,7 +57,7 @@ from torch import Tensor
 __all__ = ["SharedMemorySum", "SharedMemoryError", "connect", "supported"]
 
 _LINE = 64  # bytes per rank's flag: one cache line each
-_CAPACITY = 128 * 1024  # bytes per slot: float64 vectors of up to 16,384 values
+_CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (C <= 4095)
 _SPIN_S = 0.005  # busy-wait (yielding) this long before sleeping
 _MAX_SLEEP_S = 0.001
 _LIVENESS_EVERY_S = 0.1
