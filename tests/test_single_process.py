@@ -262,7 +262,8 @@ def test_input_grad_takes_the_count_as_a_float_or_a_device_tensor() -> None:
 def test_shared_empty_and_one_tensors_are_never_written() -> None:
     layer = syncbn.SyncBatchNorm(3, process_group=LoopbackGroup())
     for dtype in (torch.float32, torch.float64):
-        layer.to(dtype)(torch.randn(4, 3, 5, dtype=dtype)).sum().backward()
+        for shape in [(4, 3, 5), (8, 3, 64, 64)]:  # the native-statistics path and the scratch path
+            layer.to(dtype)(torch.randn(shape, dtype=dtype)).sum().backward()
     assert all(t.numel() == 0 for t in _math._EMPTY.values())
     assert all(t.tolist() == [1.0] for t in _math._ONES.values())
 

@@ -121,9 +121,10 @@ def synchronized_forward(
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     host = _host_side(x)
-    # On CPU the output buffer doubles as the moments' scratch space (see local_moments);
-    # CUDA takes the Welford kernel, which needs none.
-    out = torch.empty_like(x) if host else None
+    # On CPU the output buffer doubles as the moments' scratch space of the two-pass
+    # statistics (see local_moments); the native kernel (CUDA, small inputs) needs none,
+    # and the normalisation then allocates its own output.
+    out = torch.empty_like(x) if host and not _math.uses_native_statistics(x) else None
     if count > 0:
         mean_l, var_l = _math.local_moments(x, scratch=out)
         packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device)

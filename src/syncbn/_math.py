@@ -48,6 +48,7 @@ __all__ = [
     "accumulation_dtype",
     "broadcast_shape",
     "local_moments",
+    "uses_native_statistics",
     "pack_moments",
     "unpack_moments",
     "update_running",
@@ -92,6 +93,13 @@ _BLOCK_NUMEL = 1 << 19
 _NATIVE_STATS_MAX_NUMEL = 1 << 15
 
 
+def uses_native_statistics(x: Tensor) -> bool:
+    """Whether :func:`local_moments` takes the one-call native kernel for ``x`` (then it needs no scratch)."""
+    return x.dtype not in _LOW_PRECISION and (
+        x.is_cuda or x.dim() == 2 or x.numel() < _NATIVE_STATS_MAX_NUMEL or _is_channels_last(x)
+    )
+
+
 def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per-channel mean and biased variance of a non-empty batch.
 
@@ -118,9 +126,7 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
     """
     n = x.numel() // x.shape[1]
     acc = accumulation_dtype(x.dtype)
-    if x.dtype not in _LOW_PRECISION and (
-        x.is_cuda or x.dim() == 2 or x.numel() < _NATIVE_STATS_MAX_NUMEL or _is_channels_last(x)
-    ):
+    if uses_native_statistics(x):
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
         return (mean, var) if mean.dtype == acc else (mean.to(acc), var.to(acc))
     dims = _reduce_dims(x)
