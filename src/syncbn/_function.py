@@ -139,7 +139,7 @@ def synchronized_forward(
             raise one_value_error()
 
     stat_dtype = statistics_dtype(x, weight, running_mean)
-    mean, var, unbiased = (stats64 if stat_dtype == torch.float64 else stats64.to(stat_dtype)).unbind(0)
+    mean, var, unbiased = _math.cast(stats64, stat_dtype).unbind(0)
     if count > 0:
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:
@@ -236,10 +236,6 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
             )
 
-        param_dtype = ctx.param_dtype
-        grad_weight = grad_bias = None
-        if need_weight:
-            grad_weight = sum_dy_xhat if sum_dy_xhat.dtype == param_dtype else sum_dy_xhat.to(param_dtype)
-        if need_bias:
-            grad_bias = sum_dy if sum_dy.dtype == param_dtype else sum_dy.to(param_dtype)
+        grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
+        grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None

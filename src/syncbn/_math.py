@@ -47,6 +47,7 @@ from torch import Tensor
 __all__ = [
     "accumulation_dtype",
     "broadcast_shape",
+    "cast",
     "local_moments",
     "uses_native_statistics",
     "pack_moments",
@@ -63,6 +64,11 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype local statistics are accumulated in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``; ``t`` itself when it already is (a same-dtype ``.to`` still costs a call)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def broadcast_shape(x: Tensor) -> list[int]:
@@ -128,7 +134,7 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
     acc = accumulation_dtype(x.dtype)
     if uses_native_statistics(x):
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-        return (mean, var) if mean.dtype == acc else (mean.to(acc), var.to(acc))
+        return cast(mean, acc), cast(var, acc)
     dims = _reduce_dims(x)
     mean = x.sum(dims, dtype=acc).div_(n)
     usable = scratch if scratch is not None and scratch.dtype == acc and scratch.is_contiguous() else None
@@ -358,9 +364,7 @@ def input_grad(
     scale = (var + eps).rsqrt_()  # invstd, statistics dtype
     if weight is not None:
         scale.mul_(weight)
-    corrections = torch.mul(sums, scale * (-1.0 / count))
-    if corrections.dtype != mean.dtype:
-        corrections = corrections.to(mean.dtype)
+    corrections = cast(torch.mul(sums, scale * (-1.0 / count)), mean.dtype)
     shift, slope = corrections.unbind(0)  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
     grad_input = torch.batch_norm(x, slope, shift, mean, var, False, 0.0, eps, False)
     return grad_input.addcmul_(grad_output, scale.view(broadcast_shape(x)))

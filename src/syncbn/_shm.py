@@ -214,7 +214,7 @@ class SharedMemorySum:
         words[self._flag_index[self._rank]] = seq
         self._wait(seq, timeout)
         self._check_same_call(buffer, seq, n, code, tensor.dtype)
-        if flat.data_ptr() == tensor.data_ptr() and tensor.is_contiguous():
+        if tensor.is_contiguous():  # then ``flat`` is a view of it
             torch.sum(slots[:, :n], 0, out=flat)
         else:
             tensor.copy_(slots[:, :n].sum(0).view_as(tensor))
@@ -242,11 +242,7 @@ class SharedMemorySum:
 
     def _wait(self, seq: int, timeout: float | None) -> None:
         flags, index = self._flags, self._flag_index
-        pending = 0
-        while pending < self._size and flags[index[pending]] >= seq:
-            pending += 1
-        if pending == self._size:
-            return
+        pending = 0  # ranks below this one have arrived
         start = time.monotonic()
         next_check = start + _LIVENESS_EVERY_S
         sleep = 5e-5

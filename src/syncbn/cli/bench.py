@@ -308,6 +308,21 @@ def time_interleaved(
     return times
 
 
+def _two_sums(
+    channels: int, device: torch.device, reduce: Callable[[Tensor], Any] | None
+) -> Callable[[], None]:
+    """One step of the two sums syncbn makes (``2C + 1`` and ``2C`` float64 values) through ``reduce``."""
+    fwd = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+    bwd = torch.zeros(2 * channels, dtype=torch.float64, device=device)
+
+    def step() -> None:
+        if reduce is not None:
+            reduce(fwd)
+            reduce(bwd)
+
+    return step
+
+
 def _layer_steps(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, rank: int, force_sync: bool
 ) -> dict[str, Callable[[], Any]]:
@@ -318,29 +333,12 @@ def _layer_steps(
     steps: dict[str, Callable[[], Any]] = {}
     for method in METHODS:
         if method == "2xAR":
-            fwd_buf = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-            bwd_buf = torch.zeros(2 * channels, dtype=torch.float64, device=device)
-            distributed = dist.is_initialized()
-
-            def two_all_reduces(a: Tensor = fwd_buf, b: Tensor = bwd_buf, on: bool = distributed) -> None:
-                if on:
-                    dist.all_reduce(a)
-                    dist.all_reduce(b)
-
-            steps[method] = two_all_reduces
+            steps[method] = _two_sums(channels, device, dist.all_reduce if dist.is_initialized() else None)
             continue
         if method == "2xAR-shm":
             if not dist.is_initialized() or device.type != "cpu" or force_sync:
                 continue
-            group = ProcessGroupSum(None)
-            fwd_own = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-            bwd_own = torch.zeros(2 * channels, dtype=torch.float64, device=device)
-
-            def own_all_reduces(a: Tensor = fwd_own, b: Tensor = bwd_own, g: ProcessGroupSum = group) -> None:
-                g.all_reduce_sum(a)
-                g.all_reduce_sum(b)
-
-            steps[method] = own_all_reduces
+            steps[method] = _two_sums(channels, device, ProcessGroupSum(None).all_reduce_sum)
             continue
         mod = _build(method, x_data, force_sync)
         if mod is None:
