@@ -331,6 +331,52 @@ def test_torch_replicate_is_recognised(monkeypatch) -> None:
         assert_close(y, ref * model[1].weight + model[1].bias, "output", 1e-5)
 
 
+def _cpu_torch_replicate(monkeypatch):
+    """torch.nn.parallel.replicate with its device broadcast made CPU-only."""
+    torch_replicate = importlib.import_module("torch.nn.parallel.replicate")
+
+    def cpu_broadcast(tensors, devices, detach=False):
+        return [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in devices[1:]]
+
+    monkeypatch.setattr(torch_replicate, "_broadcast_coalesced_reshape", cpu_broadcast)
+    return torch_replicate.replicate
+
+
+def test_torch_replicate_after_forwards_that_never_synchronised(monkeypatch) -> None:
+    """Replicas of earlier forwards (eval, or the layer skipped) are freed: they never join the next ones."""
+    torch_replicate = _cpu_torch_replicate(monkeypatch)
+    model = nn.Sequential(nn.Linear(3, 4), syncbn.SyncBatchNorm1d(4)).eval()
+    x = torch.randn(9, 3)
+    for _ in range(2):  # as nn.DataParallel in eval: replicate, run, drop the replicas
+        with torch.no_grad():
+            parallel.parallel_apply(torch_replicate(model, [0, 1]), [x[:4], x[4:]])
+    model.train()
+    replicas = torch_replicate(model, [0, 1, 2])
+    slots = [r[1].__dict__["_syncbn_replica"] for r in replicas]
+    assert [s.index for s in slots] == [0, 1, 2] and slots[0].replication.expected == 3
+    with torch.no_grad():
+        y = torch.cat(parallel.parallel_apply(replicas, list(torch.split(x, [4, 4, 1]))))
+        ref = nn.functional.batch_norm(model[0](x), None, None, training=True)
+    assert_close(y, ref * model[1].weight + model[1].bias, "output", 1e-5)
+
+
+def test_torch_replicate_twice_without_a_forward_keeps_the_calls_apart(monkeypatch) -> None:
+    """Two live replica sets of a model with two layers: each layer's replicas of one call stay together."""
+    torch_replicate = _cpu_torch_replicate(monkeypatch)
+    model = nn.Sequential(syncbn.SyncBatchNorm1d(3), nn.Linear(3, 3), syncbn.SyncBatchNorm1d(3))
+    first = torch_replicate(model, [0, 1])
+    second = torch_replicate(model, [0, 1])
+    for layer in (0, 2):
+        a = [r[layer].__dict__["_syncbn_replica"] for r in first]
+        b = [r[layer].__dict__["_syncbn_replica"] for r in second]
+        assert a[0].replication is a[1].replication and b[0].replication is b[1].replication
+        assert a[0].replication is not b[0].replication and b[0].replication.expected == 2
+    x = torch.randn(8, 3)
+    with torch.no_grad():
+        y = torch.cat(parallel.parallel_apply(second, [x[:5], x[5:]]))
+    assert_close(y, model(x), "output", 1e-5)
+
+
 def test_replicas_made_without_replicate_join_until_the_first_forward() -> None:
     bn = syncbn.SyncBatchNorm1d(2)
     first = [bn._replicate_for_data_parallel() for _ in range(2)]

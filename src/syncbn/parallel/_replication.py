@@ -1,0 +1,206 @@
+"""Which replicas of a layer belong together: one *replication* per ``replicate`` call.
+
+A replica is enrolled by :func:`attach_replica` when it is made. Its
+replication is decided then, from what the library can see without looking
+into torch's internals:
+
+* :func:`syncbn.parallel.replicate` states the call explicitly
+  (:func:`replicate_call`): network, replica index ``j`` and number of replicas.
+* Otherwise (``torch.nn.parallel.replicate``, which ``nn.DataParallel`` uses,
+  or hand-made replicas) the replicas of one layer are a run of back-to-back
+  enrolments: ``replicate`` makes every replica of a module, in replica order,
+  before it moves on to the next module. A replica joins the layer's open
+  replication only while that replication has not run a forward yet, the
+  previous enrolment made in this thread was into it, and all its replicas are
+  still alive (``nn.DataParallel`` drops its replicas when its forward returns,
+  so a replication whose layer was skipped or ran in eval never absorbs the
+  next forward's replicas). Its size is then the number of replicas enrolled
+  when the first of them reaches the layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import _checks
+from .._threads import Rendezvous
+from ._joint import replica_batch_norm
+
+__all__ = ["attach_replica", "get_replica_timeout", "replicate_call", "set_replica_timeout"]
+
+_timeout = 120.0
+
+
+def get_replica_timeout() -> float:
+    """Seconds a replica waits for the other replicas at a synchronized layer.
+
+    Returns:
+        The current value (default 120).
+
+    Example::
+
+        >>> syncbn.parallel.get_replica_timeout()
+        120.0
+    """
+    return _timeout
+
+
+def set_replica_timeout(seconds: float) -> float:
+    """Set how long a replica waits for the others at a synchronized layer.
+
+    Applies to replications made from now on (each ``nn.DataParallel`` forward
+    makes a new one). When the wait runs out, the waiting replicas raise
+    :class:`~syncbn.parallel.ReplicaSyncError` naming the layer.
+
+    Args:
+        seconds: a positive number of seconds. Default: 120.
+
+    Returns:
+        The previous value.
+
+    Example::
+
+        >>> old = syncbn.parallel.set_replica_timeout(10.0)
+    """
+    global _timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"expected a positive number of seconds (got {seconds!r})")
+    old, _timeout = _timeout, float(seconds)
+    return old
+
+
+class _Replication:
+    """The replicas of one layer made by one ``replicate`` call."""
+
+    def __init__(self, master: nn.Module, declared: int | None, root: nn.Module | None) -> None:
+        self.master = master
+        self._declared = declared  # number of replicas, when syncbn.parallel.replicate said so
+        self._members: list[weakref.ref[nn.Module]] = []
+        self._root = None if root is None else weakref.ref(root)
+        self._rendezvous: Rendezvous | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def expected(self) -> int:
+        """Number of replicas: as declared by :func:`syncbn.parallel.replicate`, else enrolled so far."""
+        return self._declared if self._declared is not None else len(self._members)
+
+    @property
+    def declared(self) -> int | None:
+        return self._declared
+
+    @property
+    def count(self) -> int:
+        return len(self._members)
+
+    @property
+    def started(self) -> bool:
+        return self._rendezvous is not None
+
+    def all_alive(self) -> bool:
+        return all(ref() is not None for ref in self._members)
+
+    def add(self, replica: nn.Module) -> int:
+        self._members.append(weakref.ref(replica))
+        return len(self._members) - 1
+
+    def rendezvous(self) -> Rendezvous:
+        """The replicas' rendezvous; the first call fixes its size."""
+        with self._lock:
+            if self._rendezvous is None:
+                self._rendezvous = Rendezvous(self.expected, _timeout, label=self.describe)
+            return self._rendezvous
+
+    def describe(self) -> str:
+        """The layer's name in the replicated model, when known, and its shape."""
+        master = self.master
+        root = None if self._root is None else self._root()
+        if root is not None:
+            text = f"{type(master).__name__}({getattr(master, 'num_features', '?')})"
+            for name, module in root.named_modules():
+                if module is master:
+                    return f"layer '{name or type(root).__name__}' ({text})"
+        return f"layer {_checks.layer_name(master)}"
+
+    def publish(self, replica: nn.Module) -> None:
+        """Copy the replica's running statistics into the layer the user holds."""
+        with torch.no_grad():
+            for key in ("running_mean", "running_var", "num_batches_tracked"):
+                mine = replica._buffers.get(key)
+                theirs = self.master._buffers.get(key)
+                if mine is None or theirs is None or mine is theirs:
+                    continue
+                if mine.device == theirs.device and mine.data_ptr() == theirs.data_ptr():
+                    continue
+                theirs.copy_(mine)
+
+
+class _ReplicaSlot:
+    """What a replica holds: its replication and its index in it."""
+
+    __slots__ = ("replication", "index")
+
+    def __init__(self, replication: _Replication, index: int) -> None:
+        self.replication = replication
+        self.index = index
+
+    def forward(self, layer: _BatchNorm, input: Tensor, momentum: float) -> Tensor:
+        return replica_batch_norm(layer, input, momentum, self.replication, self.index)
+
+
+_open: weakref.WeakKeyDictionary[nn.Module, _Replication] = weakref.WeakKeyDictionary()
+_open_lock = threading.Lock()
+_local = threading.local()  # .call: the explicit replicate call; .last: the last replication enrolled into
+
+
+@contextlib.contextmanager
+def replicate_call(network: nn.Module, j: int, num_replicas: int) -> Iterator[None]:
+    """Within this block, replicas made in this thread are replica ``j`` of ``num_replicas`` of ``network``.
+
+    Used by :func:`syncbn.parallel.replicate` around each module's
+    ``_replicate_for_data_parallel()`` call.
+    """
+    _local.call = (network, j, num_replicas)
+    try:
+        yield
+    finally:
+        _local.call = None
+
+
+def attach_replica(master: nn.Module, replica: nn.Module) -> None:
+    """Enrol ``replica`` (a fresh replica of ``master``) in its replication.
+
+    Called by :meth:`syncbn.SyncBatchNorm._replicate_for_data_parallel`; users
+    do not call it. The replicas of ``master`` made by one ``replicate`` call
+    share one rendezvous, replica ``j`` being member ``j``.
+
+    Args:
+        master: the layer being replicated (the one the user holds).
+        replica: the new replica.
+
+    Example::
+
+        >>> bn = syncbn.SyncBatchNorm1d(4)
+        >>> replica = bn._replicate_for_data_parallel()   # calls attach_replica(bn, replica)
+    """
+    call = getattr(_local, "call", None)
+    with _open_lock:
+        current = _open.get(master)
+        if call is not None:
+            root, j, n = call
+            joins = current is not None and j > 0 and current.declared == n and current.count == j
+        else:
+            root, n = None, None
+            joins = current is not None and current.all_alive() and getattr(_local, "last", None) is current
+        if current is None or current.started or not joins:
+            current = _open[master] = _Replication(master, n, root)
+        index = current.add(replica)
+        _local.last = current
+    replica.__dict__["_syncbn_replica"] = _ReplicaSlot(current, index)
