@@ -1,0 +1,61 @@
+"""Reporting of ``syncbn bench``: the headline ratios and the plain-text table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["format_table", "ratios"]
+
+
+def ratios(ms: dict[str, float]) -> dict[str, float | None]:
+    """The headline ratios from one shape's medians (``None`` where a method did not run)."""
+    floor = ms["local"] + ms.get("2xAR", 0.0)
+    sync = ms["syncbn"]
+    own_floor = ms["local"] + ms["2xAR-shm"] if "2xAR-shm" in ms else None
+    out: dict[str, float | None] = {
+        "floor_ms": floor,
+        "syncbn_over_floor": sync / floor,
+        "own_floor_ms": own_floor,
+        "syncbn_over_own_floor": sync / own_floor if own_floor else None,
+        "syncbn_over_interleaved_floor": sync / ms["local+AR"] if "local+AR" in ms else None,
+        "syncbn_pg_over_interleaved_floor": (
+            ms["syncbn-pg"] / ms["local+AR"] if "syncbn-pg" in ms and "local+AR" in ms else None
+        ),
+        "syncbn_over_naive": sync / ms["naive"] if "naive" in ms else None,
+        "syncbn_over_torch": sync / ms["torch"] if "torch" in ms else None,
+        "naive_over_local": ms["naive"] / ms["local"] if "naive" in ms else None,
+    }
+    return out
+
+
+def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:
+    """A plain-text table of slowest-rank medians (ms) and ratios.
+
+    ``kind`` is ``"median_ms"`` (wall clock) or ``"cpu_median_ms"`` (thread CPU time).
+    """
+    ratio_key = "ratios" if kind == "median_ms" else "cpu_ratios"
+    head = (
+        f"{'shape':>16} {'local':>7} {'2xAR':>6} {'2xAR-shm':>8} {'local+AR':>8} {'syncbn':>7} {'sync-pg':>7}"
+        f" {'naive':>7} {'torch':>7} {'s/floor':>7} {'s/floor-shm':>11} {'pg/l+AR':>7} {'s/naive':>7}"
+        f" {'s/torch':>7}"
+    )
+    lines = [head, "-" * len(head)]
+
+    def cell(value: float | None, width: int, fmt: str) -> str:
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
+
+    for rec in records:
+        ms, r = rec[kind], rec[ratio_key]
+        shape = "x".join(str(d) for d in rec["shape"])
+        lines.append(
+            f"{shape:>16} {ms['local']:>7.3f} {ms.get('2xAR', 0.0):>6.3f}"
+            f" {cell(ms.get('2xAR-shm'), 8, '.3f')} {cell(ms.get('local+AR'), 8, '.3f')}"
+            f" {ms['syncbn']:>7.3f} {cell(ms.get('syncbn-pg'), 7, '.3f')}"
+            f" {cell(ms.get('naive'), 7, '.3f')} {cell(ms.get('torch'), 7, '.3f')}"
+            f" {r['syncbn_over_floor']:>7.3f} {cell(r.get('syncbn_over_own_floor'), 11, '.3f')}"
+            f" {cell(r.get('syncbn_pg_over_interleaved_floor'), 7, '.3f')}"
+            f" {cell(r['syncbn_over_naive'], 7, '.3f')} {cell(r['syncbn_over_torch'], 7, '.3f')}"
+        )
+        if rec.get("error"):
+            lines.append(f"    note: {rec['error']}")
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""Timing loop of ``syncbn bench``: interleaved methods, per-rank medians, the slowest rank.
+
+Shared with the ``benchmarks/`` scripts (:func:`time_interleaved`,
+:func:`bench_layers`, :func:`machine_info`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..groups import ProcessGroupSum
+from ._bench_methods import METHODS, build
+from ._bench_report import ratios
+
+__all__ = ["bench_layers", "machine_info", "time_interleaved"]
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[], Any]],
+    iters: int,
+    warmup: int,
+    *,
+    barrier: bool,
+    cuda: bool,
+    cpu_times: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
+    """Time each callable ``warmup + iters`` times, interleaved; wall seconds of the timed ones.
+
+    With ``barrier``, every call starts after a ``dist.barrier()`` (untimed), so
+    ranks start each measurement together. ``cpu_times``, when given, receives
+    the calling thread's CPU seconds per call: the compute cost, which time spent
+    waiting for peers or for a busy machine's scheduler does not inflate.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for it in range(warmup + iters):
+        for name, step in steps.items():
+            if barrier:
+                dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+            cpu_start = time.thread_time()
+            start = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            cpu = time.thread_time() - cpu_start
+            if it >= warmup:
+                times[name].append(elapsed)
+                if cpu_times is not None:
+                    cpu_times.setdefault(name, []).append(cpu)
+    return times
+
+
+def _two_sums(
+    channels: int, device: torch.device, reduce: Callable[[Tensor], Any] | None
+) -> Callable[[], None]:
+    """One step of the two sums syncbn makes (``2C + 1`` and ``2C`` float64 values) through ``reduce``."""
+    fwd = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+    bwd = torch.zeros(2 * channels, dtype=torch.float64, device=device)
+
+    def step() -> None:
+        if reduce is not None:
+            reduce(fwd)
+            reduce(bwd)
+
+    return step
+
+
+def _layer_steps(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, rank: int, force_sync: bool
+) -> dict[str, Callable[[], Any]]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x_data = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    dy = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    channels = shape[1]
+    steps: dict[str, Callable[[], Any]] = {}
+    for method in METHODS:
+        if method == "2xAR":
+            steps[method] = _two_sums(channels, device, dist.all_reduce if dist.is_initialized() else None)
+            continue
+        if method == "2xAR-shm":
+            if not dist.is_initialized() or device.type != "cpu" or force_sync:
+                continue
+            steps[method] = _two_sums(channels, device, ProcessGroupSum(None).all_reduce_sum)
+            continue
+        mod = build(method, x_data, force_sync)
+        if mod is None:
+            continue
+        if dtype in (torch.float16, torch.bfloat16) and not x_data.is_cuda and method == "naive":
+            mod = mod.to(dtype)
+        x = x_data.clone().requires_grad_(True)
+
+        def step(mod: nn.Module = mod, x: Tensor = x) -> None:
+            x.grad = None
+            mod.zero_grad(set_to_none=True)
+            mod(x).backward(dy)
+
+        steps[method] = step
+    return steps
+
+
+def bench_layers(
+    rank: int,
+    world_size: int,
+    shapes: list[tuple[int, ...]],
+    *,
+    iters: int,
+    warmup: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    force_sync: bool = False,
+) -> list[dict[str, Any]]:
+    """Time every method on every shape on this rank; every rank returns the slowest-rank medians.
+
+    Must run on every rank of an initialised default group (or in a single
+    process without one). Returns one record per shape with ``median_ms`` per
+    method (the largest over ranks), ``per_rank_median_ms`` and ``ratios``.
+    """
+    device = device or torch.device("cpu")
+    distributed = dist.is_initialized()
+    records = []
+    for shape in shapes:
+        steps = _layer_steps(shape, dtype, device, rank, force_sync)
+        cuda = device.type == "cuda"
+        cpu: dict[str, list[float]] = {}
+        try:
+            times = time_interleaved(steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu)
+            error = None
+        except Exception as exc:  # e.g. a backend without the collective torch's SyncBN needs
+            steps.pop("torch", None)
+            cpu = {}
+            times = time_interleaved(steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu)
+            error = f"torch.nn.SyncBatchNorm failed: {type(exc).__name__}: {exc}"
+        mine = {
+            "wall": {name: statistics.median(ts) * 1e3 for name, ts in times.items()},
+            "cpu": {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()},
+        }
+        if distributed:
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        slowest = {name: max(r["wall"][name] for r in gathered) for name in mine["wall"]}
+        slowest_cpu = {name: max(r["cpu"][name] for r in gathered) for name in mine["cpu"]}
+        records.append(
+            {
+                "shape": list(shape),
+                "median_ms": slowest,
+                "cpu_median_ms": slowest_cpu,
+                "per_rank_median_ms": [r["wall"] for r in gathered],
+                "per_rank_cpu_median_ms": [r["cpu"] for r in gathered],
+                "ratios": ratios(slowest),
+                "cpu_ratios": ratios(slowest_cpu),
+                "error": error,
+            }
+        )
+    return records
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+    return info
