@@ -22,7 +22,6 @@ the replicas of one process share one module and cannot disagree.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import zlib
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _config
+from . import _config, _names
 from .groups import CollectiveError, ProcessGroupSum
 
 __all__ = ["LayerState", "name_layers", "layer_name", "before_forward", "before_backward"]
@@ -63,6 +62,7 @@ class LayerState:
     """
 
     def __init__(self) -> None:
+        _names.install(on_wrap=_name_unnamed)  # parent links, for names in error messages
         self.index = next(_counter)
         self.name: str | None = None
         self.calls = 0
@@ -88,6 +88,11 @@ class LayerState:
         self._verified = {}
 
 
+def is_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a syncbn layer: one that carries a :class:`LayerState`."""
+    return isinstance(module.__dict__.get("_syncbn_state"), LayerState)
+
+
 def state_of(layer: nn.Module) -> LayerState:
     """The layer's :class:`LayerState`, created on first use for layers built without one."""
     state = layer.__dict__.get("_syncbn_state")
@@ -101,11 +106,13 @@ def state_of(layer: nn.Module) -> LayerState:
 def name_layers(model: nn.Module, prefix: str = "") -> int:
     """Record each SyncBatchNorm layer's qualified name in ``model`` for error messages.
 
-    syncbn finds names by itself when an error occurs (by looking for the
-    models that hold the layer); calling this once after building the model
-    makes the names certain and gives debug mode an identity for each layer
-    that is equal on every rank. Wrappers (``DistributedDataParallel``,
-    ``DataParallel``) are looked through, so names read as in the bare model.
+    syncbn finds names by itself when an error occurs (from the parents the
+    layer was placed into as the model was built), and names the layers of a
+    model when it is converted or wrapped in ``DistributedDataParallel`` or
+    ``DataParallel``; calling this once after building the model makes the
+    names certain and gives debug mode an identity for each layer that is
+    equal on every rank. Wrappers are looked through, so names read as in the
+    bare model.
 
     Args:
         model: the model, or a wrapper around it.
@@ -123,13 +130,15 @@ def name_layers(model: nn.Module, prefix: str = "") -> int:
         >>> syncbn.name_layers(model, prefix="backbone")
         1
     """
-    from .modules import SyncBatchNorm
+    return _assign_names(model, prefix, overwrite=True)
 
+
+def _assign_names(model: nn.Module, prefix: str, overwrite: bool) -> int:
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     count = 0
     for name, module in model.named_modules():
-        if isinstance(module, SyncBatchNorm):
+        if is_layer(module) and (overwrite or state_of(module).name is None):
             full = ".".join(p for p in (prefix, name) if p)
             state_of(module).name = full or type(module).__name__
             _known_names[_identity_hash(state_of(module).name or "")] = repr(state_of(module).name)
@@ -137,31 +146,9 @@ def name_layers(model: nn.Module, prefix: str = "") -> int:
     return count
 
 
-def _search_name(layer: nn.Module) -> str | None:
-    """The layer's qualified name in the outermost model holding it, found through ``gc``.
-
-    Runs only on an error path: one pass over the objects the garbage collector
-    tracks.
-    """
-    parents: dict[int, tuple[nn.Module, str]] = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), nn.Module):  # type(), not isinstance: no __class__ lookups
-            children = obj.__dict__.get("_modules") or {}
-            for key, child in children.items():
-                if child is not None:
-                    parents.setdefault(id(child), (obj, key))
-    parts: list[str] = []
-    current: nn.Module = layer
-    for _ in range(256):
-        entry = parents.get(id(current))
-        if entry is None:
-            break
-        parent, key = entry
-        if key == "module" and isinstance(parent, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            break
-        parts.append(key)
-        current = parent
-    return ".".join(reversed(parts)) if parts else None
+def _name_unnamed(model: nn.Module) -> None:
+    """Name the still unnamed layers of a model being wrapped in DDP or DataParallel."""
+    _assign_names(model, "", overwrite=False)
 
 
 def layer_name(layer: nn.Module | None) -> str:
@@ -170,10 +157,7 @@ def layer_name(layer: nn.Module | None) -> str:
         return "(functional call)"
     state = state_of(layer)
     if state.name is None:
-        try:
-            found = _search_name(layer)
-        except Exception:  # noqa: BLE001 - best effort in an error path
-            found = None
+        found = _names.qualified_name(layer)
         if found is not None:
             state.name = found
     shape = f"{type(layer).__name__}({getattr(layer, 'num_features', '?')})"

@@ -27,7 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 from torch.nn.utils import parametrize
 
 from ._checks import name_layers
-from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, set_converter
 
 __all__ = ["BatchNorm", "ConversionWarning", "convert_sync_batchnorm", "revert_sync_batchnorm"]
 
@@ -268,6 +268,9 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
     """
     _check_module(module, "convert_sync_batchnorm")
     return _convert(module, process_group, _TO_SYNC)
+
+
+set_converter(convert_sync_batchnorm)  # SyncBatchNorm.convert_sync_batchnorm, torch's spelling
 
 
 def _convert(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,17 @@ from .functional import check_input, sync_batch_norm
 _BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 __all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d"]
+
+# The conversion behind SyncBatchNorm.convert_sync_batchnorm. syncbn.convert builds on this
+# module and hands its function down here when it is imported (as ``import syncbn`` does), so
+# that imports flow one way: convert -> modules, never back.
+_converter: Callable[[torch.nn.Module, Any], torch.nn.Module] | None = None
+
+
+def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -> None:
+    """Install the function :meth:`SyncBatchNorm.convert_sync_batchnorm` calls (``syncbn.convert`` does)."""
+    global _converter
+    _converter = function
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -206,9 +217,9 @@ class SyncBatchNorm(_BatchNorm):
 
             >>> model = syncbn.SyncBatchNorm.convert_sync_batchnorm(model)
         """
-        from .convert import convert_sync_batchnorm
-
-        return convert_sync_batchnorm(module, process_group)
+        if _converter is None:
+            raise RuntimeError("syncbn.convert is not imported (import syncbn, not syncbn.modules alone)")
+        return _converter(module, process_group)
 
 
 class SyncBatchNorm1d(SyncBatchNorm):

@@ -1,0 +1,155 @@
+"""The import graph of ``src/syncbn`` has no cycle and flows one way (read with ``ast``, nothing imported).
+
+Every ``import``/``from ... import`` statement counts, wherever it stands (module level or inside a
+function): an import inside a function still makes a cycle, only a later one. The command line's
+``importlib.import_module`` of its subcommands is not an import statement and is not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+PACKAGE = "syncbn"
+
+# Lower numbers sit lower: a module may import only modules of a strictly lower layer (or, within
+# its own package, siblings of its layer). Modules not listed are checked for cycles only.
+LAYERS = {
+    "syncbn._config": 0,
+    "syncbn._math": 0,
+    "syncbn._shm": 0,
+    "syncbn._threads": 0,
+    "syncbn._names": 0,
+    "syncbn.groups": 1,
+    "syncbn._checks": 2,
+    "syncbn._function": 3,
+    "syncbn.functional": 4,
+    "syncbn.parallel": 4,
+    "syncbn.modules": 5,
+    "syncbn.convert": 6,
+}
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file path, for every module of the package."""
+    found = {}
+    root = os.path.join(SRC, PACKAGE)
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(folder, name), SRC)[: -len(".py")].split(os.sep)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            found[".".join(rel)] = os.path.join(folder, name)
+    return found
+
+
+def _imports(module: str, path: str, known: dict[str, str]) -> Iterator[str]:
+    """The package's modules that ``module`` imports (explicitly; parent packages are not implied)."""
+    is_package = path.endswith("__init__.py")
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == PACKAGE:
+                    yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.split(".")[0] != PACKAGE:
+                continue
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                yield candidate if candidate in known else base
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    graph = {name: set() for name in known}
+    for name, path in known.items():
+        for target in _imports(name, path, known):
+            assert target in known, f"{name} imports {target}, which is not a module of the package"
+            if target != name:
+                graph[name].add(target)
+    return graph
+
+
+def _layer(module: str) -> int | None:
+    while module:
+        if module in LAYERS:
+            return LAYERS[module]
+        module = module.rpartition(".")[0]
+    return None
+
+
+def test_the_graph_is_read() -> None:
+    graph = _graph()
+    assert "syncbn._function" in graph["syncbn.functional"]
+    assert "syncbn.modules" in graph["syncbn.convert"]
+    assert "syncbn.parallel._joint" in graph["syncbn.parallel._replication"]
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target) :] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_imports_flow_down_the_layers() -> None:
+    wrong = []
+    for module, targets in _graph().items():
+        mine = _layer(module)
+        if mine is None:
+            continue
+        for target in targets:
+            theirs = _layer(target)
+            if theirs is not None and theirs >= mine and _top(target) != _top(module):
+                wrong.append(f"{module} (layer {mine}) imports {target} (layer {theirs})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_frame_or_gc_introspection() -> None:
+    """Library code learns nothing from stack frames or the garbage collector's object list."""
+    banned = {"_getframe", "f_locals", "f_back", "currentframe", "get_objects", "get_referrers", "stack"}
+    found = []
+    for module, path in _modules().items():
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in banned:
+                value = node.value
+                owner = value.id if isinstance(value, ast.Name) else ""
+                if node.attr != "stack" or owner == "inspect":
+                    found.append(f"{module}:{node.lineno}: {owner}.{node.attr}")
+    assert not found, "\n".join(found)
+
+
+def _top(module: str) -> str:
+    """The module's entry in LAYERS (``syncbn.parallel`` for ``syncbn.parallel._joint``)."""
+    while module and module not in LAYERS:
+        module = module.rpartition(".")[0]
+    return module
