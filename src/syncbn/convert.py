@@ -127,7 +127,8 @@ def _timm_act_classes() -> tuple[type, ...]:
     if norm_act is None:
         return ()
     return tuple(
-        cls for cls in (getattr(norm_act, "BatchNormAct2d", None), getattr(norm_act, "SyncBatchNormAct", None))
+        cls
+        for cls in (getattr(norm_act, "BatchNormAct2d", None), getattr(norm_act, "SyncBatchNormAct", None))
         if isinstance(cls, type)
     )
 
@@ -136,7 +137,7 @@ def _is_timm_act(layer: nn.Module) -> bool:
     """Whether ``layer`` is a timm ``BatchNormAct2d``/``SyncBatchNormAct`` with timm's own forward."""
     classes = _timm_act_classes()
     return any(isinstance(layer, cls) for cls in classes) and type(layer).forward in {
-        cls.forward for cls in classes
+        getattr(cls, "forward", None) for cls in classes
     }
 
 
@@ -271,7 +272,9 @@ def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
         # The very class the layer was converted from (built without its __init__, whose
         # signature syncbn does not know: the whole state comes from the layer anyway).
         new: _BatchNorm = remembered.__new__(remembered)
-        _transplant(layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group", _REVERTS_TO})
+        _transplant(
+            layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group", _REVERTS_TO}
+        )
         _carry_parametrizations(layer, new)
         return new
     target = _plain_class_of(layer)

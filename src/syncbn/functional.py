@@ -205,7 +205,16 @@ def sync_batch_norm(
     if mask is not None:
         return apply_masked(
             lambda flat: sync_batch_norm(
-                flat, running_mean, running_var, weight, bias, training, momentum, eps, process_group, layer=layer
+                flat,
+                running_mean,
+                running_var,
+                weight,
+                bias,
+                training,
+                momentum,
+                eps,
+                process_group,
+                layer=layer,
             ),
             input,
             mask,
