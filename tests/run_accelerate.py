@@ -15,10 +15,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from accelerate import Accelerator, notebook_launcher  # noqa: E402
-from integration_models import STEPS, make_data, make_net, shard  # noqa: E402
 from torch import nn  # noqa: E402
 
 import syncbn  # noqa: E402
+from integration_models import STEPS, make_data, make_net, shard  # noqa: E402
 
 
 def train(out: str) -> None:

@@ -10,16 +10,19 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _torchvision_shim  # noqa: E402,F401  (before lightning imports torchvision)
+import _torchvision_shim  # noqa: E402  (before lightning imports torchvision)
+
+_torchvision_shim.install()
+
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from integration_models import STEPS, make_data, make_net, shard  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from torch import nn  # noqa: E402
 
 import syncbn  # noqa: E402
+from integration_models import STEPS, make_data, make_net, shard  # noqa: E402
 
 
 def main() -> None:

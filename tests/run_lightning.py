@@ -10,17 +10,20 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _torchvision_shim  # noqa: E402,F401  (before lightning imports torchvision)
+import _torchvision_shim  # noqa: E402  (before lightning imports torchvision)
+
+_torchvision_shim.install()
+
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
 import lightning.pytorch as L  # noqa: E402
-from integration_models import PER_RANK, STEPS, WORLD, make_data, make_net, shard  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import syncbn.lightning  # noqa: E402
+from integration_models import PER_RANK, STEPS, WORLD, make_data, make_net, shard  # noqa: E402
 
 
 class Module(L.LightningModule):
