@@ -171,8 +171,9 @@ def _ddp_models(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.timeout(600)
 def test_timm_models_under_ddp_equal_the_full_batch_reference() -> None:
-    results = launch(_ddp_models, 2, timeout=600)
+    results = launch(_ddp_models, 2, timeout=480)
     for rank_result in results:
         for name, result in rank_result.items():
             assert result["same_types"], name
