@@ -72,6 +72,11 @@ def test_batchnormact_conversion_keeps_act_and_drop_and_computes_the_same() -> N
     assert torch.equal(conv.running_var, ref.running_var)
     with pytest.raises(ValueError, match=r"expected 4D input \(got 3D input\)"):
         conv(torch.randn(2, 5, 3, dtype=torch.float64))
+    # masked: the activation runs once, after the masked batch norm
+    mask = torch.rand(4, 3, 3, generator=torch.Generator().manual_seed(2)) > 0.4
+    plain = syncbn.SyncBatchNorm2d(5).double()
+    plain.load_state_dict(conv.state_dict())
+    assert torch.equal(conv(x, mask=mask), nn.functional.silu(plain(x, mask=mask)))
     # timm's own synchronised class (its converter's output) converts too, and reverts to BatchNormAct2d
     timm_sync = timm.layers.convert_sync_batchnorm(nn.Sequential(BatchNormAct2d(5)))
     assert type(timm_sync[0]).__name__ == "SyncBatchNormAct"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from typing import Any
 
@@ -131,9 +132,10 @@ class SyncBatchNorm(_BatchNorm):
         """
         self._check_input_dim(input)
         if mask is not None:
-            # The valid positions as an (M, C, 1, ...) batch of input's rank: the same layer
-            # logic (and input check) applies to it unchanged.
-            return apply_masked(self.forward, input, mask)
+            # The valid positions as an (M, C, 1, ...) batch of input's rank: the same batch-norm
+            # logic (and input check) applies to it unchanged; a subclass's own forward (timm's
+            # activation, say) runs once, on the scattered result.
+            return apply_masked(functools.partial(SyncBatchNorm.forward, self), input, mask)
         if self.freeze:
             return F.batch_norm(
                 input,

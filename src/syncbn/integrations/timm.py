@@ -40,6 +40,10 @@ class SyncBatchNormAct2d(SyncBatchNorm2d, BatchNormAct2d):  # type: ignore[misc]
         process_group: ``torch.distributed`` group; ``None`` is the default group.
         **kwargs: as ``timm.layers.BatchNormAct2d``.
 
+    With ``mask=`` (see :meth:`syncbn.SyncBatchNorm.forward`), ``drop`` and
+    ``act`` apply after the masked batch norm, so padded positions hold
+    ``act(drop(0))`` (0 for ReLU, SiLU, GELU, hard-swish).
+
     Shape:
         - Input: :math:`(N, C, H, W)`
         - Output: same as input.
