@@ -122,7 +122,8 @@ def test_torchvision_mvit_block_recognises_syncbn_1d_as_batchnorm1d() -> None:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest difference relative to the reference's largest value (at least 1e-3: some stay near 0)."""
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-3))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-3))
 
 
 def _ddp_models(rank: int, world_size: int) -> dict[str, Any]:
