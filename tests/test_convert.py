@@ -471,3 +471,40 @@ def test_converted_model_on_two_ranks_equals_the_original_on_the_global_batch() 
     for rank, errors in enumerate(launch(_converted_training, 2, timeout=120)):
         for key, value in errors.items():
             assert value <= 1e-10, f"rank {rank} {key}: {value}"
+
+
+class _Positive(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.abs()
+
+
+def _parametrized_ranks(rank: int, world_size: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    ref = nn.BatchNorm1d(3).double()
+    parametrize.register_parametrization(ref, "weight", _Positive())
+    with torch.no_grad():
+        ref.parametrizations.weight.original.copy_(torch.tensor([-2.0, 0.5, -1.0]))
+    layer = syncbn.convert_sync_batchnorm(copy.deepcopy(ref))
+    x = torch.randn(10, 3, dtype=torch.float64) * 2 + 1
+    g = torch.randn(10, 3, dtype=torch.float64)
+    rows = slice(0, 6) if rank == 0 else slice(6, 10)  # uneven shards
+    xs = x[rows].clone().requires_grad_()
+    y = layer(xs)
+    (y * g[rows]).sum().backward()
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * g).sum().backward()
+    grad = layer.parametrizations.weight.original.grad.clone()
+    torch.distributed.all_reduce(grad)
+    return {
+        "out": float((y - yr[rows]).abs().max()),
+        "input_grad": float((xs.grad - xr.grad[rows]).abs().max()),
+        "original_grad": float((grad - ref.parametrizations.weight.original.grad).abs().max()),
+        "running_var": float((layer.running_var - ref.running_var).abs().max()),
+    }
+
+
+def test_parametrized_layer_trains_synchronised_across_ranks() -> None:
+    for result in launch(_parametrized_ranks, 2):
+        for key, err in result.items():
+            assert err < 1e-12, (key, err)
