@@ -11,20 +11,41 @@ when torchvision's operators are there.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 _LIBRARY: list[torch.library.Library] = []
 
 
 def install() -> None:
-    """Define the missing ``torchvision::nms``/``qnms`` schemas if torchvision's operators are absent."""
-    if _LIBRARY or hasattr(torch.ops, "torchvision") and _has_op("nms"):
+    """Define the missing ``torchvision::nms``/``qnms`` schemas if torchvision's operators cannot load."""
+    if _LIBRARY or _native_ops_load():
         return
     lib = torch.library.Library("torchvision", "DEF")
     for name in ("nms", "qnms"):
         if not _has_op(name):
             lib.define(f"{name}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     _LIBRARY.append(lib)  # the schemas live as long as the Library object
+
+
+def _native_ops_load() -> bool:
+    """Whether torchvision is absent or its compiled operators load (then nothing is missing)."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    if _has_op("nms"):
+        return True
+    for folder in spec.submodule_search_locations:
+        for name in os.listdir(folder):
+            if name.startswith("_C.") and name.endswith((".so", ".pyd")):
+                try:
+                    torch.ops.load_library(os.path.join(folder, name))
+                except (OSError, RuntimeError):
+                    return False
+                return _has_op("nms")
+    return False
 
 
 def _has_op(name: str) -> bool:
