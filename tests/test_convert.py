@@ -223,16 +223,78 @@ def test_subclass_with_its_own_forward_is_left_and_named_in_a_warning() -> None:
     assert type(back[0]) is SyncBNReLU
 
 
-def test_parametrized_layer_is_left_with_a_warning() -> None:
+def test_parametrized_layer_is_converted_with_its_parametrization() -> None:
     class Positive(nn.Module):
         def forward(self, w: torch.Tensor) -> torch.Tensor:
             return w.abs()
 
-    model = nn.Sequential(nn.BatchNorm1d(3))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(3).double())
     parametrize.register_parametrization(model[0], "weight", Positive())
-    with pytest.warns(ConversionWarning, match="parametrized"):
+    with torch.no_grad():
+        model[0].parametrizations.weight.original.copy_(torch.tensor([-2.0, 0.5, -1.0]))
+    original = model[0].parametrizations.weight.original
+    plist = model[0].parametrizations.weight
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         conv = syncbn.convert_sync_batchnorm(model)
-    assert parametrize.is_parametrized(conv[0])
+    layer = conv[0]
+    assert isinstance(layer, syncbn.SyncBatchNorm1d) and parametrize.is_parametrized(layer, "weight")
+    assert layer.parametrizations.weight is plist and layer.parametrizations.weight.original is original
+    assert list(layer.state_dict()) == list(ref[0].state_dict())
+    x = torch.randn(6, 3, dtype=torch.float64)
+    g = torch.randn(6, 3, dtype=torch.float64)
+    (layer(x) * g).sum().backward()
+    (ref(x) * g).sum().backward()
+    assert torch.equal(layer.weight, torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64))
+    assert torch.allclose(original.grad, ref[0].parametrizations.weight.original.grad)
+    back = syncbn.revert_sync_batchnorm(conv)[0]
+    assert type(back).__bases__ == (nn.BatchNorm1d,) and back.parametrizations.weight.original is original
+    assert torch.equal(back.eval()(x), ref.eval()(x))
+
+
+def test_subclasses_revert_to_the_very_same_class() -> None:
+    class Renamed(nn.BatchNorm2d):
+        def __init__(self, n: int, tag: str) -> None:
+            super().__init__(n)
+            self.tag = tag
+
+    class AnyRank(nn.modules.batchnorm._BatchNorm):
+        def _check_input_dim(self, input: torch.Tensor) -> None:
+            pass
+
+    model = nn.Sequential(Renamed(3, "x"), AnyRank(3), nn.BatchNorm2d(3), nn.SyncBatchNorm(3))
+    conv = syncbn.convert_sync_batchnorm(model)
+    assert [type(m) for m in conv] == [
+        syncbn.SyncBatchNorm2d,
+        syncbn.SyncBatchNorm,
+        syncbn.SyncBatchNorm2d,
+        syncbn.SyncBatchNorm,
+    ]
+    back = syncbn.revert_sync_batchnorm(conv)
+    assert [type(m) for m in back] == [Renamed, AnyRank, nn.BatchNorm2d, BatchNorm]
+    assert back[0].tag == "x"
+    for m in back:
+        assert "_syncbn_reverts_to" not in m.__dict__ and not hasattr(m, "process_group")
+
+
+def test_syncbn_dimension_classes_are_torch_batchnorm_instances() -> None:
+    for sync, plain in (
+        (syncbn.SyncBatchNorm1d, nn.BatchNorm1d),
+        (syncbn.SyncBatchNorm2d, nn.BatchNorm2d),
+        (syncbn.SyncBatchNorm3d, nn.BatchNorm3d),
+    ):
+        layer = sync(4)
+        assert isinstance(layer, plain) and isinstance(layer, syncbn.SyncBatchNorm)
+        assert list(layer.state_dict()) == list(plain(4).state_dict())
+        assert repr(layer).startswith(sync.__name__ + "(4,")
+        # syncbn's own input check, not torch's, runs first in the method order
+        assert type(layer)._check_input_dim is syncbn.SyncBatchNorm._check_input_dim
+        assert type(syncbn.revert_sync_batchnorm(layer)) is plain
+    assert not isinstance(syncbn.SyncBatchNorm(4), (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
+    with pytest.raises(ValueError, match=r"expected 4D input \(got 3D input\)"):
+        syncbn.SyncBatchNorm2d(4)(torch.randn(2, 4, 3))
 
 
 def test_no_warning_for_plain_models() -> None:
@@ -409,3 +471,40 @@ def test_converted_model_on_two_ranks_equals_the_original_on_the_global_batch() 
     for rank, errors in enumerate(launch(_converted_training, 2, timeout=120)):
         for key, value in errors.items():
             assert value <= 1e-10, f"rank {rank} {key}: {value}"
+
+
+class _Positive(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.abs()
+
+
+def _parametrized_ranks(rank: int, world_size: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    ref = nn.BatchNorm1d(3).double()
+    parametrize.register_parametrization(ref, "weight", _Positive())
+    with torch.no_grad():
+        ref.parametrizations.weight.original.copy_(torch.tensor([-2.0, 0.5, -1.0]))
+    layer = syncbn.convert_sync_batchnorm(copy.deepcopy(ref))
+    x = torch.randn(10, 3, dtype=torch.float64) * 2 + 1
+    g = torch.randn(10, 3, dtype=torch.float64)
+    rows = slice(0, 6) if rank == 0 else slice(6, 10)  # uneven shards
+    xs = x[rows].clone().requires_grad_()
+    y = layer(xs)
+    (y * g[rows]).sum().backward()
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    (yr * g).sum().backward()
+    grad = layer.parametrizations.weight.original.grad.clone()
+    torch.distributed.all_reduce(grad)
+    return {
+        "out": float((y - yr[rows]).abs().max()),
+        "input_grad": float((xs.grad - xr.grad[rows]).abs().max()),
+        "original_grad": float((grad - ref.parametrizations.weight.original.grad).abs().max()),
+        "running_var": float((layer.running_var - ref.running_var).abs().max()),
+    }
+
+
+def test_parametrized_layer_trains_synchronised_across_ranks() -> None:
+    for result in launch(_parametrized_ranks, 2):
+        for key, err in result.items():
+            assert err < 1e-12, (key, err)

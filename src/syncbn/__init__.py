@@ -13,6 +13,7 @@ from ._config import (
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .groups import CollectiveError
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+from .stats import recompute_running_stats, sync_running_stats
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,8 @@ __all__ = [
     "SyncBatchNorm3d",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
+    "sync_running_stats",
+    "recompute_running_stats",
     "functional",
     "parallel",
     "set_timeout",

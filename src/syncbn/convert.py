@@ -12,13 +12,24 @@ device and dtype, every hook registered on the layer (the handles still
 remove them), and any attribute the user set on the layer. Only the class
 changes, and with it the behaviour in training.
 
-A BatchNorm subclass with a ``forward`` of its own (say, norm plus
-activation), or a parametrized layer, cannot be swapped without losing that
-behaviour: it is left as it is and a :class:`ConversionWarning` names it.
+Subclasses are remembered: a layer of a BatchNorm subclass (one that adds
+no ``forward`` of its own) reverts to that very subclass. timm's
+``BatchNormAct2d`` (batch norm, then dropout and activation) becomes
+:class:`syncbn.integrations.timm.SyncBatchNormAct2d`, which keeps its ``drop``
+and ``act`` and reverts to the same class; syncbn imports timm only when a
+model holds such a layer. A layer with parametrizations
+(``torch.nn.utils.parametrize``, on its weight or any other tensor) is
+converted with its parametrizations: the very same parametrization modules
+and original parameters move to the new layer.
+
+Any other BatchNorm subclass with a ``forward`` of its own cannot be swapped
+without losing that behaviour: it is left as it is and a
+:class:`ConversionWarning` names it.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -110,22 +121,64 @@ def _path(prefix: str) -> str:
     return f"'{prefix}'" if prefix else "the root module"
 
 
+def _timm_act_classes() -> tuple[type, ...]:
+    """timm's norm-plus-activation BatchNorm classes, if timm is loaded (no layer can be one otherwise)."""
+    norm_act = sys.modules.get("timm.layers.norm_act")
+    if norm_act is None:
+        return ()
+    return tuple(
+        cls
+        for cls in (getattr(norm_act, "BatchNormAct2d", None), getattr(norm_act, "SyncBatchNormAct", None))
+        if isinstance(cls, type)
+    )
+
+
+def _is_timm_act(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a timm ``BatchNormAct2d``/``SyncBatchNormAct`` with timm's own forward."""
+    classes = _timm_act_classes()
+    return any(isinstance(layer, cls) for cls in classes) and type(layer).forward in {
+        getattr(cls, "forward", None) for cls in classes
+    }
+
+
+def _is_sync_act(layer: nn.Module) -> bool:
+    """Whether ``layer`` is syncbn's ``SyncBatchNormAct2d`` with its own forward."""
+    module = sys.modules.get("syncbn.integrations.timm")
+    cls = getattr(module, "SyncBatchNormAct2d", None)
+    return cls is not None and isinstance(layer, cls) and type(layer).forward is cls.forward
+
+
+def _unparametrized_class(layer: nn.Module) -> type:
+    """The layer's class before ``torch.nn.utils.parametrize`` wrapped it in a generated subclass."""
+    cls = type(layer)
+    if parametrize.is_parametrized(layer) and cls.__name__ == f"Parametrized{cls.__bases__[0].__name__}":
+        return cls.__bases__[0]
+    return cls
+
+
 def _keeps_behaviour(layer: _BatchNorm, prefix: str) -> bool:
     """Whether swapping ``layer``'s class keeps its behaviour; warn when it does not."""
-    reason = ""
-    if parametrize.is_parametrized(layer):
-        reason = "it is parametrized (torch.nn.utils.parametrize)"
-    elif type(layer).forward not in _PLAIN_FORWARDS:
-        reason = f"{type(layer).__qualname__} defines its own forward"
-    if reason:
-        warnings.warn(
-            f"syncbn: left {_path(prefix)} ({type(layer).__qualname__}) as it is because {reason}; "
-            "swapping its class would drop that behaviour. Convert it by hand if needed.",
-            ConversionWarning,
-            stacklevel=4,
-        )
-        return False
-    return True
+    if type(layer).forward in _PLAIN_FORWARDS or _is_timm_act(layer) or _is_sync_act(layer):
+        return True
+    warnings.warn(
+        f"syncbn: left {_path(prefix)} ({type(layer).__qualname__}) as it is because "
+        f"{type(layer).__qualname__} defines its own forward; swapping its class would drop that "
+        "behaviour. Convert it by hand if needed.",
+        ConversionWarning,
+        stacklevel=4,
+    )
+    return False
+
+
+def _carry_parametrizations(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` (which received ``old``'s modules) the parametrized properties ``old`` had."""
+    if not parametrize.is_parametrized(old):
+        return
+    # The very same ParametrizationList modules (with their original parameters) moved with
+    # ``_modules``; what remains is the generated class with one property per tensor name.
+    parametrize._inject_new_class(new)
+    for name in old.parametrizations:  # type: ignore[union-attr]
+        parametrize._inject_property(new, name)
 
 
 def _transplant(old: _BatchNorm, new: _BatchNorm, keep_new: frozenset[str], drop: frozenset[str]) -> None:
@@ -143,6 +196,10 @@ def _transplant(old: _BatchNorm, new: _BatchNorm, keep_new: frozenset[str], drop
         new.__dict__[key] = value
 
 
+# The class a converted layer reverts to, when it is not the default for its syncbn class.
+_REVERTS_TO = "_syncbn_reverts_to"
+
+
 def _to_sync(
     layer: _BatchNorm,
     prefix: str,
@@ -153,25 +210,56 @@ def _to_sync(
         return layer  # already synchronised
     if not _keeps_behaviour(layer, prefix):
         return layer
+    original = _unparametrized_class(layer)
     target: type[SyncBatchNorm] = SyncBatchNorm
-    for plain, sync in classes:
-        if isinstance(layer, plain) and type(layer)._check_input_dim is plain._check_input_dim:
-            target = sync
-            break
+    if _is_timm_act(layer):
+        from .integrations.timm import SyncBatchNormAct2d
+
+        target = SyncBatchNormAct2d
+    else:
+        for plain, sync in classes:
+            if isinstance(layer, plain) and type(layer)._check_input_dim is plain._check_input_dim:
+                target = sync
+                break
     group = process_group
     if group is None and isinstance(layer, nn.SyncBatchNorm):
         group = layer.process_group  # keep the group the layer was built with
-    new = target(
-        layer.num_features,
-        layer.eps,
-        layer.momentum,
-        layer.affine,
-        track_running_stats=layer.track_running_stats,
-        process_group=group,
-        device="meta",
-    )
-    _transplant(layer, new, keep_new=_syncbn_only_keys(), drop=frozenset())
+    if _is_timm_act(layer):
+        # Built without __init__ (timm's signature); the state is all the layer's, the syncbn
+        # attributes come from a template.
+        new: SyncBatchNorm = target.__new__(target)
+        template = SyncBatchNorm(1, process_group=group, device="meta")
+        new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
+    else:
+        new = target(
+            layer.num_features,
+            layer.eps,
+            layer.momentum,
+            layer.affine,
+            track_running_stats=layer.track_running_stats,
+            process_group=group,
+            device="meta",
+        )
+    _transplant(layer, new, keep_new=_syncbn_only_keys(), drop=frozenset({_REVERTS_TO}))
+    # torch's and timm's synchronised classes revert to the plain default; others to themselves.
+    if not isinstance(layer, nn.SyncBatchNorm) and original is not _plain_class_of(new):
+        new.__dict__[_REVERTS_TO] = original
+    _carry_parametrizations(layer, new)
     return new
+
+
+def _plain_class_of(layer: nn.Module) -> type[_BatchNorm]:
+    """The plain class a syncbn layer reverts to when it remembers none."""
+    if _is_sync_act(layer):
+        return _timm_act_classes()[0]  # type: ignore[no-any-return]
+    for sync, plain in _TO_PLAIN:
+        if (
+            isinstance(layer, sync)
+            and type(layer)._check_input_dim is sync._check_input_dim
+            and getattr(type(layer), "_input_dims", None) == getattr(sync, "_input_dims", None)
+        ):
+            return plain
+    return BatchNorm
 
 
 def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
@@ -179,24 +267,30 @@ def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
         return layer
     if not _keeps_behaviour(layer, prefix):
         return layer
-    target: type[_BatchNorm] = BatchNorm
-    for sync, plain in _TO_PLAIN:
-        if (
-            isinstance(layer, sync)
-            and type(layer)._check_input_dim is sync._check_input_dim
-            and getattr(type(layer), "_input_dims", None) == getattr(sync, "_input_dims", None)
-        ):
-            target = plain
-            break
-    new = target(
-        layer.num_features,
-        layer.eps,
-        layer.momentum,
-        layer.affine,
-        layer.track_running_stats,
-        device="meta",
-    )
-    _transplant(layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group"})
+    remembered = layer.__dict__.get(_REVERTS_TO)
+    if isinstance(remembered, type) and issubclass(remembered, _BatchNorm):
+        # The very class the layer was converted from (built without its __init__, whose
+        # signature syncbn does not know: the whole state comes from the layer anyway).
+        new: _BatchNorm = remembered.__new__(remembered)
+        _transplant(
+            layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group", _REVERTS_TO}
+        )
+        _carry_parametrizations(layer, new)
+        return new
+    target = _plain_class_of(layer)
+    if _is_sync_act(layer):
+        new = target.__new__(target)
+    else:
+        new = target(
+            layer.num_features,
+            layer.eps,
+            layer.momentum,
+            layer.affine,
+            layer.track_running_stats,
+            device="meta",
+        )
+    _transplant(layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group", _REVERTS_TO})
+    _carry_parametrizations(layer, new)
     return new
 
 
@@ -237,9 +331,14 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
     layer records its qualified name in ``module`` (see :func:`syncbn.name_layers`)
     for error messages.
 
-    Left unconverted, with a :class:`ConversionWarning`: BatchNorm subclasses
-    that define their own ``forward`` and parametrized layers (swapping the
-    class would drop their behaviour).
+    timm's ``BatchNormAct2d`` becomes
+    :class:`syncbn.integrations.timm.SyncBatchNormAct2d` (its ``drop`` and
+    ``act`` kept); layers with parametrizations keep them (the same modules
+    and original parameters). Each converted layer remembers its class:
+    :func:`revert_sync_batchnorm` gives back that very class (a subclass of
+    ``nn.BatchNorm2d``, a ``BatchNormAct2d``, ...). Left unconverted, with a
+    :class:`ConversionWarning`: other BatchNorm subclasses that define their
+    own ``forward`` (swapping the class would drop that behaviour).
 
     Args:
         module: the model (or a single BatchNorm layer, which is converted and
@@ -304,7 +403,9 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     deployment without ``torch.distributed``.
     :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d`` (and subclasses that only
     add constructor conveniences, such as the ``syncbn.compat`` classes)
-    become ``nn.BatchNorm1d/2d/3d``; the generic :class:`~syncbn.SyncBatchNorm`,
+    become ``nn.BatchNorm1d/2d/3d``; a layer made by :func:`convert_sync_batchnorm`
+    becomes the very class it was converted from (a BatchNorm subclass, timm's
+    ``BatchNormAct2d``), parametrizations included; the generic :class:`~syncbn.SyncBatchNorm`,
     ``torch.nn.SyncBatchNorm`` and other syncbn subclasses become
     :class:`syncbn.convert.BatchNorm`, which accepts any input of at least 2
     dimensions. Parameters, buffers, mode, hooks and user-set attributes are

@@ -6,15 +6,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
 from ._function import SyncBatchNormFunction
 
-__all__ = ["sync_batch_norm", "check_input"]
+__all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
 
 
 def check_input(
@@ -51,6 +52,70 @@ def check_input(
         )
 
 
+def check_mask(input: Tensor, mask: Any) -> None:
+    """Validate a mask of valid positions for ``input``; raise before anything is computed.
+
+    Args:
+        input: the ``(N, C, *)`` tensor to normalise.
+        mask: a boolean tensor of shape ``(N, *)`` (``input``'s shape without dimension 1)
+            on ``input``'s device.
+
+    Raises:
+        TypeError: ``mask`` is not a boolean tensor.
+        ValueError: ``mask`` has the wrong shape or device.
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"expected mask to be a torch.Tensor or None (got {type(mask).__name__})")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"expected a boolean mask of valid positions (got dtype {mask.dtype})")
+    expected = [input.shape[0], *input.shape[2:]]
+    if list(mask.shape) != expected:
+        raise ValueError(
+            f"expected a mask of shape {expected} (input size {list(input.shape)} without the channel "
+            f"dimension), got mask size {list(mask.shape)}"
+        )
+    if mask.device != input.device:
+        raise ValueError(f"expected the mask on the input's device {input.device} (got {mask.device})")
+
+
+def apply_masked(norm: Callable[[Tensor], Tensor], input: Tensor, mask: Tensor) -> Tensor:
+    """Apply a batch norm ``norm`` to the valid positions of ``input`` only.
+
+    The valid positions (``mask`` true) are gathered into a batch of shape
+    ``(M, C, 1, ..., 1)`` (``input``'s number of dimensions, so input checks
+    still pass), ``norm`` normalises that batch (and synchronises it, if it is
+    synchronised), and its output is scattered back. Padded positions of the
+    output are 0, and no gradient flows to padded positions of ``input``.
+
+    Args:
+        norm: a function from a batch of positions to its normalisation, e.g. a
+            ``SyncBatchNorm`` layer's forward.
+        input: :math:`(N, C, *)` tensor.
+        mask: boolean :math:`(N, *)` tensor, ``True`` at valid positions.
+
+    Shape:
+        - Input: :math:`(N, C, *)`; mask :math:`(N, *)`.
+        - Output: same shape, dtype and memory format as ``input``.
+
+    Returns:
+        The normalised tensor, 0 at padded positions.
+
+    Example::
+
+        >>> x, mask = torch.randn(4, 8, 10), torch.rand(4, 10) > 0.3
+        >>> y = apply_masked(syncbn.SyncBatchNorm1d(8), x, mask)
+    """
+    check_input(input)
+    check_mask(input, mask)
+    channels = input.shape[1]
+    moved = input.movedim(1, -1)  # (N, *, C), a view
+    flat = moved[mask]  # (M, C): the valid positions, in order
+    y = norm(flat.reshape(flat.shape[0], channels, *([1] * (input.dim() - 2))))
+    out = torch.zeros_like(input)
+    out.movedim(1, -1)[mask] = y.reshape(flat.shape[0], channels)
+    return out
+
+
 def sync_batch_norm(
     input: Tensor,
     running_mean: Tensor | None,
@@ -63,6 +128,7 @@ def sync_batch_norm(
     process_group: Any = None,
     *,
     layer: Any = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Batch normalization whose training statistics span a process group.
 
@@ -95,20 +161,29 @@ def sync_batch_norm(
             errors name it, and it carries the once-per-layer handshake state.
             Functional calls without one skip the handshake (debug mode still
             checks them).
+        mask: optional boolean tensor of valid positions, shape ``(N, *)``
+            (``input``'s shape without dimension 1; ``(N, L)`` for padded
+            sequences ``(N, C, L)``). Statistics, in training and for the
+            running-stat update, are those of the valid positions of every
+            rank's batch together: the same as ``nn.BatchNorm`` applied to the
+            concatenation of all valid positions across ranks. Padded positions
+            of the output are 0, in training and eval, and get zero gradient.
+            A rank whose mask has no valid position takes part with an empty batch.
 
     Shape:
         - Input: :math:`(N, C, *)`
+        - Mask (optional): :math:`(N, *)`, boolean
         - Output: same shape, dtype and memory format as the input.
 
     Returns:
         The normalised tensor.
 
     Raises:
-        TypeError: non-floating-point input.
+        TypeError: non-floating-point input, or a mask that is not boolean.
         ValueError: input of fewer than 2 dimensions, a channel count that does
             not match the given statistics or parameters, or (in training) only
             one value per channel over the whole group; the last is raised on
-            every rank alike.
+            every rank alike; a mask of the wrong shape or device.
 
     Example::
 
@@ -116,6 +191,10 @@ def sync_batch_norm(
         >>> y = sync_batch_norm(x, torch.zeros(4), torch.ones(4), training=True)
         >>> y.shape
         torch.Size([8, 4, 5, 5])
+        >>> # padded sequences (N, C, L): statistics over the valid positions only
+        >>> seq, lengths = torch.randn(3, 4, 7), torch.tensor([7, 5, 2])
+        >>> mask = torch.arange(7) < lengths[:, None]          # (N, L), True = valid
+        >>> y = sync_batch_norm(seq, None, None, training=True, mask=mask)
     """
     channels = None
     for t in (running_mean, running_var, weight, bias):
@@ -123,6 +202,23 @@ def sync_batch_norm(
             channels = t.numel()
             break
     check_input(input, channels)
+    if mask is not None:
+        return apply_masked(
+            lambda flat: sync_batch_norm(
+                flat,
+                running_mean,
+                running_var,
+                weight,
+                bias,
+                training,
+                momentum,
+                eps,
+                process_group,
+                layer=layer,
+            ),
+            input,
+            mask,
+        )
     if not training:
         return F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
     group = groups.resolve(process_group)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _checks, groups, parallel
-from .functional import check_input, sync_batch_norm
+from .functional import apply_masked, check_input, sync_batch_norm
 
 # torch >= 2.13 BatchNorm layers take a keyword-only ``bias``.
 _BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
@@ -125,8 +126,27 @@ class SyncBatchNorm(_BatchNorm):
     def _check_input_dim(self, input: Tensor) -> None:
         check_input(input, self.num_features, dims=self._input_dims, dims_text=self._input_dims_text)
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Normalise ``input``; with ``mask``, over its valid positions only.
+
+        Args:
+            input: :math:`(N, C, *)` tensor.
+            mask: optional boolean :math:`(N, *)` tensor (``input``'s shape without
+                the channel dimension), ``True`` at valid positions. Statistics are
+                those of the valid positions of every rank's batch together (as
+                ``nn.BatchNorm`` on their concatenation); padded positions' output
+                is 0 and their gradient is 0. See
+                :func:`syncbn.functional.sync_batch_norm`.
+
+        Returns:
+            The normalised tensor, same shape and dtype as ``input``.
+        """
         self._check_input_dim(input)
+        if mask is not None:
+            # The valid positions as an (M, C, 1, ...) batch of input's rank: the same batch-norm
+            # logic (and input check) applies to it unchanged; a subclass's own forward (timm's
+            # activation, say) runs once, on the scattered result.
+            return apply_masked(functools.partial(SyncBatchNorm.forward, self), input, mask)
         if self.freeze:
             return F.batch_norm(
                 input,
@@ -222,11 +242,13 @@ class SyncBatchNorm(_BatchNorm):
         return _converter(module, process_group)
 
 
-class SyncBatchNorm1d(SyncBatchNorm):
+class SyncBatchNorm1d(SyncBatchNorm, nn.BatchNorm1d):
     """:class:`SyncBatchNorm` for 2D input ``(N, C)`` or 3D input ``(N, C, L)``.
 
     Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
-    like ``nn.BatchNorm1d``.
+    like ``nn.BatchNorm1d``, and is an ``nn.BatchNorm1d``: ``isinstance(layer,
+    nn.BatchNorm1d)`` is true, so code that finds BatchNorm layers by type (freezing,
+    weight-decay exclusion, initialisation loops) finds it too.
 
     Shape:
         - Input: :math:`(N, C)` or :math:`(N, C, L)`
@@ -242,11 +264,13 @@ class SyncBatchNorm1d(SyncBatchNorm):
     _input_dims_text = "2D or 3D"
 
 
-class SyncBatchNorm2d(SyncBatchNorm):
+class SyncBatchNorm2d(SyncBatchNorm, nn.BatchNorm2d):
     """:class:`SyncBatchNorm` for 4D input ``(N, C, H, W)``.
 
     Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
-    like ``nn.BatchNorm2d``.
+    like ``nn.BatchNorm2d``, and is an ``nn.BatchNorm2d``: ``isinstance(layer,
+    nn.BatchNorm2d)`` is true, so code that finds BatchNorm layers by type (freezing,
+    weight-decay exclusion, initialisation loops) finds it too.
 
     Shape:
         - Input: :math:`(N, C, H, W)`
@@ -262,11 +286,13 @@ class SyncBatchNorm2d(SyncBatchNorm):
     _input_dims_text = "4D"
 
 
-class SyncBatchNorm3d(SyncBatchNorm):
+class SyncBatchNorm3d(SyncBatchNorm, nn.BatchNorm3d):
     """:class:`SyncBatchNorm` for 5D input ``(N, C, D, H, W)``.
 
     Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
-    like ``nn.BatchNorm3d``.
+    like ``nn.BatchNorm3d``, and is an ``nn.BatchNorm3d``: ``isinstance(layer,
+    nn.BatchNorm3d)`` is true, so code that finds BatchNorm layers by type (freezing,
+    weight-decay exclusion, initialisation loops) finds it too.
 
     Shape:
         - Input: :math:`(N, C, D, H, W)`

@@ -1,0 +1,7 @@
+"""Support code for other libraries' layers; each submodule imports its library and is imported lazily.
+
+- :mod:`syncbn.integrations.timm`: the synchronised form of timm's ``BatchNormAct2d``,
+  used by :func:`syncbn.convert_sync_batchnorm` when a model holds one.
+
+The Lightning plugin lives in :mod:`syncbn.lightning`.
+"""

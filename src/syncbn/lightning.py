@@ -1,0 +1,89 @@
+"""PyTorch Lightning plugin: train with syncbn's synchronized BatchNorm.
+
+``Trainer(sync_batchnorm=True)`` swaps BatchNorm layers for
+``torch.nn.SyncBatchNorm``, which fails on CPU (and turns syncbn's layers back
+into torch's). Pass :class:`SyncBatchNorm` in ``plugins`` instead (without
+``sync_batchnorm=True``)::
+
+    trainer = lightning.pytorch.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", plugins=[syncbn.lightning.SyncBatchNorm()]
+    )
+
+Importing this module imports Lightning (``lightning.pytorch``, or the
+standalone ``pytorch_lightning`` package when only that is installed);
+``import syncbn`` alone never does. Install with ``pip install "syncbn[lightning]"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .convert import convert_sync_batchnorm, revert_sync_batchnorm
+
+try:
+    from lightning.pytorch.plugins import LayerSync
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        from pytorch_lightning.plugins import LayerSync  # type: ignore[no-redef,assignment]
+    except ImportError as exc:
+        raise ImportError(
+            "syncbn.lightning needs PyTorch Lightning (pip install 'syncbn[lightning]'): "
+            "neither lightning.pytorch nor pytorch_lightning could be imported"
+        ) from exc
+
+__all__ = ["SyncBatchNorm"]
+
+
+class SyncBatchNorm(LayerSync):  # type: ignore[misc]
+    """Lightning ``LayerSync`` plugin that converts the model with :func:`syncbn.convert_sync_batchnorm`.
+
+    The Trainer calls :meth:`apply` when it sets up a distributed strategy
+    (``ddp``, ``ddp_spawn``, ...) and :meth:`revert` when asked to undo it.
+    Everything the converter keeps is kept: parameters (optimizers stay
+    valid), buffers, hooks, BatchNorm subclasses (reverted to the very same
+    classes), timm's ``BatchNormAct2d``, parametrizations; layers that already
+    are syncbn layers stay as they are. Works on CPU (gloo) and GPU (NCCL).
+
+    Args:
+        process_group: the group the layers synchronise over; ``None`` (the
+            default) is the default group, looked up when the layers run, so
+            the plugin can be built before the processes start.
+
+    Example::
+
+        >>> import lightning.pytorch as L
+        >>> import syncbn.lightning
+        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp",
+        ...                     plugins=[syncbn.lightning.SyncBatchNorm()])
+        >>> trainer.fit(lit_module, train_loader)
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Convert every BatchNorm layer of ``model`` to a syncbn layer (in place).
+
+        Args:
+            model: the LightningModule (or any module).
+
+        Returns:
+            The converted model.
+        """
+        return convert_sync_batchnorm(model, self.process_group)
+
+    def revert(self, model: nn.Module) -> nn.Module:
+        """Turn every syncbn layer of ``model`` back into the class it came from.
+
+        Args:
+            model: the LightningModule (or any module).
+
+        Returns:
+            The model with plain BatchNorm layers.
+        """
+        return revert_sync_batchnorm(model)
+
+    def __repr__(self) -> str:
+        return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r})"

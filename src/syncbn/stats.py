@@ -1,0 +1,375 @@
+"""Exact running statistics for a whole model: merge them across ranks, or recompute them from data.
+
+:func:`sync_running_stats` makes every rank's BatchNorm running statistics the
+exact merge of all ranks' (one collective for the whole model);
+:func:`recompute_running_stats` replaces them by the exact population
+statistics of a set of batches on all ranks (two collectives for the whole
+model). Both work on any BatchNorm layer (``nn.BatchNorm*d``, syncbn's layers,
+timm's ``BatchNormAct2d``, ...) and leave every rank with identical buffers.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import zlib
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import groups
+
+__all__ = ["sync_running_stats", "recompute_running_stats"]
+
+
+def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _BatchNorm]]:
+    """The model's BatchNorm layers that keep running statistics, each once, in module order."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function} expected a torch.nn.Module (got {type(model).__name__})")
+    seen: set[int] = set()
+    layers = []
+    for name, mod in model.named_modules():
+        if (
+            isinstance(mod, _BatchNorm)
+            and id(mod) not in seen
+            and mod.running_mean is not None
+            and mod.running_var is not None
+        ):
+            seen.add(id(mod))
+            layers.append((name, mod))
+    return layers
+
+
+def _layout_code(layers: list[tuple[str, _BatchNorm]]) -> float:
+    """A number in [0, 1) that identifies the layers' names and sizes (equal on ranks with equal models)."""
+    text = ";".join(f"{name}:{layer.running_mean.numel()}" for name, layer in layers)  # type: ignore[union-attr]
+    return zlib.crc32(text.encode()) / 2**32
+
+
+def _check_layout(total: float, own: float, size: int, function: str) -> None:
+    """Raise on every rank when the ranks' models do not hold the same BatchNorm layers."""
+    if abs(total - size * own) > 1e-9 * size:
+        raise ValueError(
+            f"syncbn.{function}: the ranks' models hold different BatchNorm layers (expected the same "
+            f"layer names and channel counts on all {size} ranks, got layer layouts that differ)"
+        )
+
+
+def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module:
+    """Replace every BatchNorm layer's running statistics by their exact merge over the ranks.
+
+    For a model trained with per-rank (unsynchronised) BatchNorm, or whose
+    ranks drifted apart (a restart, a fault): afterwards every rank holds the
+    same running mean and variance, those of the mixture of all ranks' data.
+    Rank :math:`r`'s statistics are weighted by :math:`w_r`, the batches it
+    has seen (``num_batches_tracked``):
+
+    .. math::
+        \\mu = \\frac{\\sum_r w_r \\mu_r}{\\sum_r w_r}, \\qquad
+        \\sigma^2 = \\underbrace{\\frac{\\sum_r w_r \\sigma_r^2}{\\sum_r w_r}}_{\\text{within ranks}}
+          + \\underbrace{\\frac{\\sum_r w_r (\\mu_r - \\mu)^2}{\\sum_r w_r}}_{\\text{between ranks}}
+
+    (the law of total variance). Where every rank's batches have the same
+    size, the weights are proportional to the samples seen, and statistics
+    that each describe one rank's data exactly merge into exactly those of
+    all ranks' data together. A rank that has seen no batch carries no
+    weight; where no rank has seen one, or a layer keeps no
+    ``num_batches_tracked``, the ranks weigh equally. Averaging the
+    variances alone, as ``timm.utils.distribute_bn`` does, drops the
+    between-rank part and issues one collective per buffer.
+
+    All layers travel in one float64 ``all_reduce`` (with a check that the
+    ranks hold the same layers: else a ``ValueError`` on every rank). Each
+    ``num_batches_tracked`` becomes the mean over ranks, rounded (unchanged
+    where the ranks saw equally many batches). Every rank of the group must
+    call this. Outside ``torch.distributed``, or in a group of one, the model
+    is returned unchanged.
+
+    Args:
+        model: the model (or a single layer); any ``_BatchNorm`` layer with
+            running statistics takes part.
+        process_group: the ``torch.distributed`` group to merge over; ``None``
+            is the default group.
+
+    Returns:
+        ``model``, its running statistics updated in place.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: the ranks' models hold different BatchNorm layers.
+        syncbn.CollectiveError: the collective failed or timed out.
+
+    Example::
+
+        >>> # every rank, after training with plain nn.BatchNorm under DDP
+        >>> syncbn.sync_running_stats(model)
+        >>> if rank == 0:
+        ...     torch.save(model.state_dict(), "model.pt")   # the merged statistics
+    """
+    layers = _tracked_layers(model, "sync_running_stats")
+    group = groups.resolve(process_group)
+    if group is None:
+        return model
+    code = _layout_code(layers)
+    parts: list[Tensor] = [torch.tensor([1.0, code], dtype=torch.float64)]
+    device = torch.device("cpu")
+    for _, layer in layers:
+        mean = layer.running_mean.detach().to(torch.float64)  # type: ignore[union-attr]
+        var = layer.running_var.detach().to(torch.float64)  # type: ignore[union-attr]
+        device = mean.device
+        tracked = layer.num_batches_tracked
+        weight = float(tracked.item()) if tracked is not None else 1.0
+        w = torch.tensor([weight], dtype=torch.float64, device=mean.device)
+        second = var + mean * mean
+        # [w, w*mean, w*(var + mean^2)], then the unweighted [mean, var + mean^2] for all-zero weights
+        parts += [w, w * mean, w * second, mean, second]
+    packed = torch.cat([p.to(device) for p in parts])
+    group.all_reduce_sum(packed)
+    head = packed[:2].tolist()
+    size = int(round(head[0]))
+    _check_layout(head[1], code, size, "sync_running_stats")
+    offset = 2
+    with torch.no_grad():
+        for _, layer in layers:
+            c = layer.running_mean.numel()  # type: ignore[union-attr]
+            w = packed[offset]
+            s1, s2, u1, u2 = packed[offset + 1 : offset + 1 + 4 * c].split(c)
+            offset += 1 + 4 * c
+            total = float(w.item())
+            if total > 0:
+                mean, second = s1 / w, s2 / w
+            else:
+                mean, second = u1 / size, u2 / size
+            var = (second - mean * mean).clamp_min(0.0)
+            layer.running_mean.copy_(mean)  # type: ignore[union-attr]
+            layer.running_var.copy_(var)  # type: ignore[union-attr]
+            if layer.num_batches_tracked is not None:
+                layer.num_batches_tracked.fill_(int(round(total / size)))
+    return model
+
+
+class _Moments:
+    """Per-channel count, mean and sum of squared deviations, merged batch by batch in float64."""
+
+    def __init__(self) -> None:
+        self.count = 0.0
+        self.mean: Tensor | None = None
+        self.m2: Tensor | None = None
+
+    def add(self, x: Tensor) -> None:
+        """Merge the ``(M, C, *)`` values ``x`` (Chan et al.'s pairwise update: exact, stable)."""
+        c = x.shape[1]
+        values = x.detach().to(torch.float64).transpose(0, 1).reshape(c, -1)
+        n = values.shape[1]
+        if n == 0:
+            return
+        mean = values.mean(1)
+        m2 = (values - mean[:, None]).square().sum(1)
+        if self.mean is None or self.m2 is None:
+            self.count, self.mean, self.m2 = float(n), mean, m2
+            return
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (n / total)
+        self.m2 = self.m2 + m2 + delta.square() * (self.count * n / total)
+        self.count = total
+
+
+def _masked_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """The input a BatchNorm forward normalises: its valid positions where a mask is given."""
+    if not args or not isinstance(args[0], Tensor):
+        return None
+    x = args[0]
+    mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
+    if isinstance(mask, Tensor):
+        flat = x.movedim(1, -1)[mask]
+        return flat.reshape(flat.shape[0], flat.shape[1])
+    return x
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, enabled: bool, total: int | None) -> None:
+        self.enabled = enabled
+        self.total = total
+        self.last = 0.0
+        self.start = time.monotonic()
+
+    def update(self, done: int, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not final and now - self.last < 0.1:
+            return
+        self.last = now
+        elapsed = now - self.start
+        if self.total:
+            width = 30
+            filled = int(width * min(done, self.total) / self.total)
+            bar = "#" * filled + "-" * (width - filled)
+            text = f"\rsyncbn.recompute_running_stats [{bar}] {done}/{self.total} batches, {elapsed:.1f}s"
+        else:
+            text = f"\rsyncbn.recompute_running_stats: {done} batches, {elapsed:.1f}s"
+        sys.stderr.write(text + ("\n" if final else ""))
+        sys.stderr.flush()
+
+
+def recompute_running_stats(
+    model: nn.Module,
+    batches: Iterable[Any],
+    process_group: Any = None,
+    *,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    progress: bool | None = None,
+) -> nn.Module:
+    """Set every BatchNorm layer's running statistics to the exact statistics of the given data.
+
+    Runs ``model`` in training mode (without gradients) over ``batches`` on
+    every rank, and records, for each BatchNorm layer, the per-channel count,
+    mean and sum of squared deviations of everything that reaches it, merged
+    exactly in float64 (batch by batch, then across ranks). Each layer's
+    ``running_mean`` becomes the mean of all those values over all batches of
+    all ranks, and ``running_var`` their unbiased variance: the population
+    statistics of the whole data set, not an average of per-batch statistics
+    (averaging per-batch variances misses the spread between batch means),
+    identical on every rank. Called with the whole training set, it gives
+    the statistics the running averages only approximate (precise BN).
+
+    The forward passes are training-mode forwards: each layer normalises with
+    its batch's statistics as in training (a syncbn layer over all ranks'
+    batches, so then every rank must pass the same number of batches; plain
+    layers may see different numbers of batches per rank). Everything else
+    is restored afterwards (modules' train/eval modes, ``num_batches_tracked``;
+    on an error, the running statistics as well). Layers that no value
+    reached on any rank keep their statistics (one that a single value
+    reached keeps its variance); frozen syncbn layers
+    (``freeze=True``) keep theirs and are used as they are. Masked calls
+    (``layer(x, mask=m)``) count their valid positions only.
+
+    Args:
+        model: the model; pass the module itself rather than a DDP wrapper.
+        batches: an iterable of batches (a ``DataLoader``, a list of tensors);
+            each is passed to ``forward``.
+        process_group: the ``torch.distributed`` group whose batches count
+            together; ``None`` is the default group. Outside
+            ``torch.distributed``, the statistics are this process's.
+        forward: how to run the model on one batch; default ``model(batch)``
+            (use e.g. ``lambda m, b: m(b[0])`` for ``(input, label)`` pairs).
+        progress: draw a progress bar on stderr (on the group's rank 0);
+            ``None`` draws it where stderr is a terminal.
+
+    Returns:
+        ``model``, its running statistics updated in place.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: the ranks' models hold different BatchNorm layers.
+        syncbn.CollectiveError: a collective failed or timed out.
+
+    Example::
+
+        >>> loader = torch.utils.data.DataLoader(train_set, batch_size=64)   # this rank's shard
+        >>> syncbn.recompute_running_stats(model, (x for x, _ in loader))
+        >>> model.eval()   # every rank now holds the statistics of the whole training set
+    """
+    layers = _tracked_layers(model, "recompute_running_stats")
+    layers = [(name, layer) for name, layer in layers if not getattr(layer, "freeze", False)]
+    group = groups.resolve(process_group)
+    run = forward if forward is not None else (lambda m, batch: m(batch))
+    moments = {id(layer): _Moments() for _, layer in layers}
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        values = _masked_values(args, kwargs)
+        if values is not None:
+            moments[id(module)].add(values)
+
+    modes = [(mod, mod.training) for mod in model.modules()]
+    saved = [
+        (layer, layer.running_mean.clone(), layer.running_var.clone(), layer.num_batches_tracked)  # type: ignore[union-attr]
+        for _, layer in layers
+    ]
+    saved_tracked = [None if t is None else t.clone() for _, _, _, t in saved]
+    handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for _, layer in layers]
+    try:
+        total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+        show = sys.stderr.isatty() if progress is None else progress
+        bar = _Progress(bool(show) and (group is None or group.rank == 0), total)
+        model.train()
+        done = 0
+        with torch.no_grad():
+            for batch in batches:
+                run(model, batch)
+                done += 1
+                bar.update(done)
+        bar.update(done, final=True)
+        _set_population_stats(layers, moments, group)
+    except BaseException:
+        with torch.no_grad():
+            for layer, mean, var, _ in saved:
+                layer.running_mean.copy_(mean)  # type: ignore[union-attr]
+                layer.running_var.copy_(var)  # type: ignore[union-attr]
+        raise
+    finally:
+        for handle in handles:
+            handle.remove()
+        for mod, training in modes:
+            mod.training = training
+        with torch.no_grad():
+            for (_, _, _, tracked), value in zip(saved, saved_tracked):
+                if tracked is not None and value is not None:
+                    tracked.copy_(value)
+    return model
+
+
+def _set_population_stats(
+    layers: list[tuple[str, _BatchNorm]], moments: dict[int, _Moments], group: Any
+) -> None:
+    """Merge each layer's moments across ranks (two float64 all_reduces) and write its running stats."""
+    # The collectives run on the layers' device (NCCL needs accelerator tensors).
+    device = layers[0][1].running_mean.device if layers else torch.device("cpu")  # type: ignore[union-attr]
+    f64 = {"dtype": torch.float64, "device": device}
+    first: list[Tensor] = [torch.tensor([1.0, _layout_code(layers)], **f64)]  # type: ignore[arg-type]
+    for _, layer in layers:
+        m = moments[id(layer)]
+        c = layer.running_mean.numel()  # type: ignore[union-attr]
+        mean = m.mean.to(device) if m.mean is not None else torch.zeros(c, **f64)  # type: ignore[arg-type]
+        first += [torch.tensor([m.count], **f64), m.count * mean]  # type: ignore[arg-type]
+    sums = torch.cat(first)
+    size = 1
+    if group is not None:
+        group.all_reduce_sum(sums)
+        size = int(round(sums[0].item()))
+        _check_layout(sums[1].item(), _layout_code(layers), size, "recompute_running_stats")
+    # Global means, then each rank's squared deviations about them (no cancellation).
+    offset, means, counts = 2, [], []
+    for _, layer in layers:
+        c = layer.running_mean.numel()  # type: ignore[union-attr]
+        n = sums[offset]
+        means.append(sums[offset + 1 : offset + 1 + c] / n.clamp_min(1.0))
+        counts.append(float(n.item()))
+        offset += 1 + c
+    second: list[Tensor] = []
+    for (_, layer), mean in zip(layers, means):
+        m = moments[id(layer)]
+        if m.mean is None or m.m2 is None:
+            second.append(torch.zeros_like(mean))
+        else:
+            second.append(m.m2.to(device) + m.count * (m.mean.to(device) - mean).square())
+    m2 = torch.cat(second) if second else torch.zeros(0, **f64)  # type: ignore[arg-type]
+    if group is not None and m2.numel():
+        group.all_reduce_sum(m2)
+    offset = 0
+    with torch.no_grad():
+        for (_, layer), mean, count in zip(layers, means, counts):
+            c = mean.numel()
+            layer_m2 = m2[offset : offset + c]
+            offset += c
+            if count == 0:
+                continue  # no value reached this layer on any rank: keep its statistics
+            layer.running_mean.copy_(mean)  # type: ignore[union-attr]
+            if count > 1:  # one value has no unbiased variance: keep the running one
+                layer.running_var.copy_(layer_m2 / (count - 1))  # type: ignore[union-attr]

@@ -1,0 +1,246 @@
+"""sync_running_stats and recompute_running_stats: exact merges, identical on every rank.
+
+References are computed in float64 from the data itself: the mean and variance of
+the concatenation of everything that reached each BatchNorm layer.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import syncbn
+from dist_harness import launch
+from syncbn import groups
+
+F64 = torch.float64
+
+
+def _net(norm: Any = nn.BatchNorm2d, norm1d: Any = nn.BatchNorm1d) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        norm(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
+        norm1d(5),
+        nn.Dropout(0.0),
+    ).double()
+
+
+def _batches(seed: int, sizes: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 3, 4, 4, generator=g, dtype=F64) * 3 + 2 for n in sizes]
+
+
+def _layer_inputs(model: nn.Module, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every BatchNorm layer's inputs over the given forward batches (train mode), as (M, C) each."""
+    model = copy.deepcopy(model).train()
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    seen: list[list[torch.Tensor]] = [[] for _ in layers]
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda mod, args, i=i: seen[i].append(
+                args[0].detach().movedim(1, -1).reshape(-1, args[0].shape[1])
+            )
+        )
+        for i, layer in enumerate(layers)
+    ]
+    with torch.no_grad():
+        for x in steps:
+            model(x)
+    for h in handles:
+        h.remove()
+    return [torch.cat(s) for s in seen]
+
+
+def _bn(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def test_recompute_single_process_gives_population_statistics_and_restores_the_rest(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = _net()
+    batches = _batches(1, [5, 3, 8, 2])
+    expected = _layer_inputs(model, batches)
+    model.eval()
+    model[6].train()  # a mixed-mode model comes back in its modes
+    before_tracked = [int(m.num_batches_tracked) for m in _bn(model)]
+    assert syncbn.recompute_running_stats(model, batches, progress=True) is model
+    for layer, values in zip(_bn(model), expected):
+        torch.testing.assert_close(layer.running_mean, values.mean(0), rtol=0, atol=1e-13)
+        torch.testing.assert_close(layer.running_var, values.var(0), rtol=0, atol=1e-12)
+        # not what an average of per-batch variances gives
+    assert [m.training for m in model.modules()] == [False] * 7 + [True]
+    assert [int(m.num_batches_tracked) for m in _bn(model)] == before_tracked
+    captured = capsys.readouterr()
+    assert captured.out == "" and "4/4 batches" in captured.err  # the progress bar: stderr only
+    syncbn.recompute_running_stats(model, iter(batches), progress=False)  # no len(): fine
+    assert capsys.readouterr().err == ""
+
+
+def test_recompute_differs_from_averaging_batch_variances() -> None:
+    model = _net()
+    batches = _batches(2, [4, 4, 4])
+    syncbn.recompute_running_stats(model, batches, progress=False)
+    inputs = _layer_inputs(_net(), batches)[0].reshape(3, -1, 4)  # (batch, positions, C)
+    averaged = inputs.var(1).mean(0)  # what averaging per-batch statistics gives
+    exact = inputs.reshape(-1, 4).var(0)
+    torch.testing.assert_close(_bn(model)[0].running_var, exact, rtol=0, atol=1e-12)
+    assert (exact - averaged).abs().max() > 1e-3
+
+
+def test_recompute_masked_calls_unreached_and_frozen_layers() -> None:
+    class Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = syncbn.SyncBatchNorm1d(3).double()
+            self.unused = nn.BatchNorm1d(3).double()
+            self.frozen = syncbn.SyncBatchNorm1d(3, freeze=True).double()
+
+        def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            x, mask = batch
+            return self.frozen(self.bn(x, mask=mask))
+
+    model = Seq()
+    with torch.no_grad():
+        model.frozen.running_var.fill_(2.0)
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for n, lengths in ((2, [6, 2]), (3, [1, 6, 4])):
+        x = torch.randn(n, 3, 6, generator=g, dtype=F64) + 4
+        batches.append((x, torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]))
+    syncbn.recompute_running_stats(model, batches, progress=False)
+    valid = torch.cat([x.movedim(1, -1)[m] for x, m in batches])
+    torch.testing.assert_close(model.bn.running_mean, valid.mean(0), rtol=0, atol=1e-13)
+    torch.testing.assert_close(model.bn.running_var, valid.var(0), rtol=0, atol=1e-12)
+    assert torch.equal(model.unused.running_mean, torch.zeros(3, dtype=F64))  # never reached: kept
+    assert torch.equal(model.frozen.running_var, torch.full((3,), 2.0, dtype=F64))  # frozen: kept
+
+
+def test_recompute_error_leaves_the_statistics_and_modes() -> None:
+    model = _net().eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [*_batches(3, [4, 4]), torch.randn(4, 7, 4, 4, dtype=F64)]  # the last has the wrong channels
+    with pytest.raises(RuntimeError):
+        syncbn.recompute_running_stats(model, batches, progress=False)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not any(m.training for m in model.modules())
+    with pytest.raises(TypeError, match=r"expected a torch.nn.Module \(got list\)"):
+        syncbn.recompute_running_stats([], batches)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"expected a torch.nn.Module \(got int\)"):
+        syncbn.sync_running_stats(3)  # type: ignore[arg-type]
+
+
+def test_sync_running_stats_is_a_no_op_in_one_process() -> None:
+    model = _net()
+    model(_batches(4, [6])[0])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert syncbn.sync_running_stats(model) is model
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def _stats_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    calls = []
+    original = groups.ProcessGroupSum.all_reduce_sum
+
+    def counted(self: Any, tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(tensor.numel())
+        return original(self, tensor)
+
+    groups.ProcessGroupSum.all_reduce_sum = counted  # type: ignore[method-assign]
+
+    # 1. sync_running_stats: each rank's statistics describe its own data exactly (biased variance,
+    #    num_batches_tracked = its sample count): the merge is the statistics of all the data together.
+    g = torch.Generator().manual_seed(11)
+    data = [
+        [torch.randn(n, c, generator=g, dtype=F64) * (1 + r) + 3 * r for r, n in enumerate((7, 3))]
+        for c in (4, 6)
+    ]
+    model = nn.Sequential(nn.BatchNorm1d(4), syncbn.SyncBatchNorm1d(6)).double()
+    for layer, per_rank in zip(model, data):
+        mine = per_rank[rank]
+        with torch.no_grad():
+            layer.running_mean.copy_(mine.mean(0))
+            layer.running_var.copy_(mine.var(0, unbiased=False))
+            layer.num_batches_tracked.fill_(mine.shape[0])
+    calls.clear()
+    syncbn.sync_running_stats(model)
+    out["sync_calls"] = len(calls)
+    err = 0.0
+    for layer, per_rank in zip(model, data):
+        everything = torch.cat(per_rank)
+        err = max(err, float((layer.running_mean - everything.mean(0)).abs().max()))
+        err = max(err, float((layer.running_var - everything.var(0, unbiased=False)).abs().max()))
+    out["sync_err"] = err
+    out["sync_state"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    # 2. no batches seen anywhere: the ranks weigh equally
+    fresh = nn.BatchNorm1d(2).double()
+    with torch.no_grad():
+        fresh.running_mean.fill_(float(rank))
+        fresh.running_var.fill_(1.0)
+    syncbn.sync_running_stats(fresh)
+    out["equal_weights"] = (fresh.running_mean.tolist(), fresh.running_var.tolist())
+
+    # 3. the ranks' models differ: a ValueError on every rank, nothing changed
+    odd = nn.ModuleDict(
+        {"a": nn.BatchNorm1d(2), "b": nn.BatchNorm1d(2)}
+        if rank == 0
+        else {"b": nn.BatchNorm1d(2), "c": nn.BatchNorm1d(2)}
+    )
+    try:
+        syncbn.sync_running_stats(odd)
+        out["mismatch"] = "no error"
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+
+    # 4. recompute with plain BatchNorm: uneven batch counts and sizes per rank
+    sizes = ([5, 3, 6], [2, 7])
+    batches = [_batches(20 + r, s) for r, s in enumerate(sizes)]
+    plain = _net()
+    expected = _layer_inputs(plain, [b for per_rank in batches for b in per_rank])  # each batch on its own
+    calls.clear()
+    syncbn.recompute_running_stats(plain, batches[rank], progress=False)
+    out["recompute_calls"] = len(calls)
+    out["plain_err"] = max(
+        max(float((m.running_mean - v.mean(0)).abs().max()), float((m.running_var - v.var(0)).abs().max()))
+        for m, v in zip(_bn(plain), expected)
+    )
+    out["plain_state"] = {k: v.clone() for k, v in plain.state_dict().items()}
+
+    # 5. recompute with syncbn: the same number of batches per rank; step i normalises over all ranks
+    sizes = ([4, 1, 6], [3, 5, 2])
+    batches = [_batches(30 + r, s) for r, s in enumerate(sizes)]
+    synced = syncbn.convert_sync_batchnorm(_net())
+    steps = [torch.cat([batches[0][i], batches[1][i]]) for i in range(3)]
+    expected = _layer_inputs(_net(), steps)
+    syncbn.recompute_running_stats(synced, batches[rank], progress=False)
+    out["sync_bn_err"] = max(
+        max(float((m.running_mean - v.mean(0)).abs().max()), float((m.running_var - v.var(0)).abs().max()))
+        for m, v in zip(_bn(synced), expected)
+    )
+    out["sync_bn_state"] = {k: v.clone() for k, v in synced.state_dict().items()}
+    groups.ProcessGroupSum.all_reduce_sum = original  # type: ignore[method-assign]
+    return out
+
+
+def test_stats_tools_across_ranks_are_exact_and_identical_on_every_rank() -> None:
+    results = launch(_stats_ranks, 2)
+    for out in results:
+        assert out["sync_calls"] == 1  # one all_reduce for the whole model
+        assert out["sync_err"] < 1e-12
+        assert out["equal_weights"] == ([0.5, 0.5], [1.25, 1.25])  # within 1 + between 0.25
+        assert "hold different BatchNorm layers" in out["mismatch"]
+        assert out["recompute_calls"] == 2
+        assert out["plain_err"] < 1e-12 and out["sync_bn_err"] < 1e-12
+    for key in ("sync_state", "plain_state", "sync_bn_state"):
+        a, b = results[0][key], results[1][key]
+        assert all(torch.equal(a[k], b[k]) for k in a), key  # bit-identical on every rank
