@@ -69,6 +69,7 @@ class LayerState:
         self.name: str | None = None
         self.calls = 0
         self.name_id: tuple[str, int] | None = None
+        self.found_name: str | None = None  # found on an error path (layer_name); never an identity
         # id -> process group, weakly: a destroyed group leaves nothing behind (ids stay unique while alive)
         self._verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
@@ -90,6 +91,7 @@ class LayerState:
         self.name = state.get("name")
         self.calls = 0
         self.name_id = None
+        self.found_name = None
         self._verified = weakref.WeakValueDictionary()
 
 
@@ -174,17 +176,21 @@ def layer_name(layer: nn.Module | None) -> str:
     if layer is None:
         return "(functional call)"
     state = state_of(layer)
-    if state.name is None:
-        try:
-            found = _search_name(layer)
-        except Exception:  # noqa: BLE001 - best effort in an error path
-            found = None
-        if found is not None:
-            state.name = found
+    name = state.name
+    if name is None:
+        # Kept apart from ``state.name``: a name found on one rank's error path must not change
+        # the layer's identity in the frames (syncbn.groups), which only name_layers sets.
+        name = state.found_name
+        if name is None:
+            try:
+                name = _search_name(layer)
+            except Exception:  # noqa: BLE001 - best effort in an error path
+                name = None
+            state.found_name = name
     shape = f"{type(layer).__name__}({getattr(layer, 'num_features', '?')})"
-    if state.name is None:
+    if name is None:
         return f"#{state.index} {shape} (call syncbn.name_layers(model) for names)"
-    return f"'{state.name}' {shape}"
+    return f"'{name}' {shape}"
 
 
 def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:

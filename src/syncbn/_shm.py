@@ -157,6 +157,13 @@ def _segment_size(world_size: int) -> int:
 
 
 _WITHDRAWN = -1
+# Why a rank withdrew: written next to its flag before the flag turns -1.
+_REASONS = {
+    1: "it timed out waiting for the others",
+    2: "it found a peer process dead",
+    3: "it found a slot's data not matching its checksum",
+    4: "it failed",
+}
 _META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(7)
 
 
@@ -216,6 +223,7 @@ class SharedMemorySum:
         self._views: dict[tuple[int, torch.dtype], Tensor] = {}
         self._seq = 0
         self.broken = False
+        self.last_participants = world_size
 
     def _slots(self, buffer: int, dtype: torch.dtype) -> Tensor:
         key = (buffer, dtype)
@@ -333,7 +341,7 @@ class SharedMemorySum:
         if present:
             ref = lines[self._rank]
         if any(line[_META_ROUND] != seq for line in lines) or any(
-            lines[r][_META_ID:_META_CRC] != ref[_META_ID:_META_CRC]
+            lines[r][_META_LAYER:_META_CRC] != ref[_META_LAYER:_META_CRC]
             or lines[r][_META_COUNT] != ref[_META_COUNT]
             for r in taking
         ):
@@ -349,10 +357,12 @@ class SharedMemorySum:
                 f"the data in the shared-memory slot of rank(s) {bad} does not match its checksum (a torn "
                 "or foreign write into the segment)",
                 timed_out=False,
+                reason=3,
             )
         withdrawn = [r for r in range(self._size) if words[self._flag_index[r]] == _WITHDRAWN]
         if withdrawn:
-            raise self._fail(f"rank(s) {withdrawn} of the group gave up on this collective", timed_out=False)
+            raise self._withdrawn(withdrawn[0], 0.0)
+        self.last_participants = len(taking)
         if len(taking) < self._size:
             copy = copy[taking]
         if present:
@@ -373,11 +383,24 @@ class SharedMemorySum:
         error.ranks = [_unpack(line) if line[_META_PRESENT] else None for line in lines]
         return error
 
-    def _fail(self, message: str, *, timed_out: bool, waited: float = 0.0) -> SharedMemoryError:
+    def _fail(
+        self, message: str, *, timed_out: bool, waited: float = 0.0, reason: int = 4
+    ) -> SharedMemoryError:
         """Withdraw this rank (late peers then fail too) and build the error."""
         self.broken = True
-        self._flags[self._flag_index[self._rank]] = _WITHDRAWN
+        index = self._flag_index[self._rank]
+        self._flags[index + 1] = reason
+        self._flags[index] = _WITHDRAWN
         return SharedMemoryError(message, timed_out=timed_out, waited=waited)
+
+    def _withdrawn(self, rank: int, waited: float) -> SharedMemoryError:
+        why = _REASONS.get(self._flags[self._flag_index[rank] + 1], "it failed")
+        return self._fail(
+            f"rank {rank} of the group gave up on this collective ({why}); this rank does not complete "
+            "it with the data left behind",
+            timed_out=False,
+            waited=waited,
+        )
 
     def _wait(self, seq: int, timeout: float) -> None:
         flags, index = self._flags, self._flag_index
@@ -402,7 +425,10 @@ class SharedMemorySum:
                 continue
             if now - start >= timeout:
                 raise self._fail(
-                    f"rank {pending} of the group did not arrive", timed_out=True, waited=now - start
+                    f"rank {pending} of the group did not arrive",
+                    timed_out=True,
+                    waited=now - start,
+                    reason=1,
                 )
             if now >= next_check:
                 next_check = now + _LIVENESS_EVERY_S
@@ -413,6 +439,7 @@ class SharedMemorySum:
                         f"the process of rank(s) {dead} of the group died (pid {pids})",
                         timed_out=False,
                         waited=now - start,
+                        reason=2,
                     )
             time.sleep(sleep)
             sleep = min(sleep * 2, _MAX_SLEEP_S)

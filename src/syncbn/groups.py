@@ -389,16 +389,28 @@ def describe_fields(fields: list[int | None], names: dict[int, str] | None = Non
     return ", ".join(out)
 
 
+_FIELD_GROUPS = {
+    "the layer": (0, 1),
+    "the phase or the dtype": (2,),
+    "the call count": (3,),
+    "the number of values": (4, 5),
+    "the frame": (6,),
+}
+
+
+def differing(per_rank: list[list[int] | None]) -> list[str]:
+    """Which parts of the header differ among the participating ranks' fields."""
+    taking = [f for f in per_rank if f is not None]
+    return [
+        what
+        for what, idx in _FIELD_GROUPS.items()
+        if any(any(f[i] != taking[0][i] for i in idx) for f in taking[1:])
+    ]
+
+
 def mismatch_message(mine: list[int], agreement: Agreement, names: dict[int, str] | None) -> str:
     """What differed, in words, from this rank's fields and the summed verdict."""
-    groups = {
-        "the layer": (0, 1),
-        "the phase or the dtype": (2,),
-        "the call count": (3,),
-        "the number of values": (4, 5),
-        "the frame": (6,),
-    }
-    differ = [what for what, idx in groups.items() if any(agreement.values[i] is None for i in idx)]
+    differ = [what for what, idx in _FIELD_GROUPS.items() if any(agreement.values[i] is None for i in idx)]
     text = f"this rank sent {describe_fields(list(mine), names)}; the ranks disagree on {', '.join(differ)}"
     if all(p is None or mine[i] in p for i, p in enumerate(agreement.pairs)) and any(agreement.pairs):
         other: list[int | None] = []
@@ -685,9 +697,11 @@ class ProcessGroupSum:
             if shared is not None:
                 fields = header_fields(tag, code, self._calls, n, 0)
                 try:
-                    return shared.all_reduce_sum(tensor, self._bound_s(), fields)
+                    shared.all_reduce_sum(tensor, self._bound_s(), fields)
                 except _shm.SharedMemoryError as exc:
                     raise self._shm_error(exc) from exc
+                self.last_participants = shared.last_participants
+                return tensor
         if deferred is None:
             deferred = tensor.device.type != "cpu" and not host_wait and not _config.debug_enabled()
         flat = tensor.reshape(-1)
@@ -839,7 +853,7 @@ class ProcessGroupSum:
                 f"rank {r}: " + ("absent (shadowing)" if f is None else describe_fields(list(f), self.names))
                 for r, f in enumerate(exc.ranks)
             )
-            return self._mismatch(f"{exc} ({sent})")
+            return self._mismatch(f"the ranks disagree on {', '.join(differing(exc.ranks))} ({sent})")
         if exc.timed_out:
             return self._error(None, exc.waited, self._bound_s())
         return self._error(exc, exc.waited, None, failed=str(exc))
