@@ -157,7 +157,7 @@ def _wire_sizes(rank: int, world_size: int) -> dict[str, Any]:
         for channels in (3, 2047, 2040 + rank * 100, 4100, 9000):
             bn = syncbn.SyncBatchNorm1d(channels)
             x = torch.randn(4, channels, requires_grad=True)
-            refused.append(_attempt(lambda: bn(x).backward(torch.randn(4, channels)))["type"])
+            refused.append(_attempt(lambda bn=bn, x=x: bn(x).backward(torch.randn_like(x)))["type"])
     finally:
         groups.dist.all_reduce = real  # type: ignore[assignment]
     return {"sizes": sorted(set(sizes), key=str), "refused": refused}
@@ -288,7 +288,7 @@ def test_equal_channel_layers_in_different_orders_are_caught_without_debug_mode(
         assert result["then"]["type"] is None, result["then"]
 
 
-# --------------------------------------------------------------------------- deferred check (accelerator flow)
+# --------------------------------------------------------------------------- deferred check (accelerators)
 
 
 def _deferred(rank: int, world_size: int) -> dict[str, Any]:
