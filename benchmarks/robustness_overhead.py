@@ -11,9 +11,18 @@ machine noise hits them alike:
 * ``unbounded``: ``SYNCBN_TIMEOUT=none``, the plain blocking ``all_reduce``
   (what the core did before issue 5).
 
+Since issue 11 every collective is framed (a checked header, see
+``syncbn.groups``); to measure what the frame costs, run this script
+alternately against two checkouts (``PYTHONPATH=<old>/src`` and
+``PYTHONPATH=<new>/src``), several rounds each, and compare the medians of
+``default`` (see ``benchmarks/RESULTS.md``). ``--transport gloo`` keeps the
+collectives on the process group (``SYNCBN_SHM=0``), ``shm`` (the default, as
+in a job on one machine) uses shared memory.
+
 Usage::
 
     python benchmarks/robustness_overhead.py [--steps 400] [--channels 512] [--batch 256]
+        [--transport shm|gloo]
 
 Prints medians in microseconds from rank 0. Not part of CI (timings are noisy).
 """
@@ -41,7 +50,8 @@ def _apply(setting: str) -> None:
     syncbn.set_timeout(None if setting == "unbounded" else "default")
 
 
-def _run(rank: int, world_size: int, steps: int, channels: int, batch: int) -> dict[str, float]:
+def _run(rank: int, world_size: int, steps: int, channels: int, batch: int, shared: bool) -> dict[str, float]:
+    syncbn.set_shared_memory(shared)
     bn = syncbn.SyncBatchNorm1d(channels)
     x = torch.randn(batch, channels, requires_grad=True)
     g = torch.randn(batch, channels)
@@ -62,10 +72,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--channels", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--transport", choices=("shm", "gloo"), default="shm")
     args = parser.parse_args()
-    results = launch(_run, 2, args.steps, args.channels, args.batch, timeout=600)
+    shared = args.transport == "shm"
+    results = launch(_run, 2, args.steps, args.channels, args.batch, shared, timeout=600)
     base = results[0]["unbounded"]
-    print(f"(batch, channels) = ({args.batch}, {args.channels}), 2 gloo ranks, {args.steps} steps, medians")
+    print(
+        f"(batch, channels) = ({args.batch}, {args.channels}), 2 gloo ranks, transport {args.transport}, "
+        f"{args.steps} steps, medians"
+    )
     for setting in SETTINGS:
         value = results[0][setting]
         print(f"  {setting:10s} {value:9.1f} us per forward+backward  ({value / base:.3f}x unbounded)")

@@ -414,11 +414,7 @@ class SharedMemorySum:
             if pending == self._size:
                 return
             if flags[index[pending]] == _WITHDRAWN:
-                raise self._fail(
-                    f"rank {pending} of the group gave up on this collective (it timed out or failed first)",
-                    timed_out=False,
-                    waited=time.monotonic() - start,
-                )
+                raise self._withdrawn(pending, time.monotonic() - start)
             now = time.monotonic()
             if now - start < _SPIN_S:
                 os.sched_yield()
