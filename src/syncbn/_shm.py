@@ -167,11 +167,6 @@ _REASONS = {
 _META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(7)
 
 
-def _crc(t: Tensor) -> int:
-    """CRC-32 of a contiguous 1-D tensor's bytes."""
-    return zlib.crc32(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
 def _pack(fields: list[int]) -> tuple[int, int, int]:
     """The seven header fields of :mod:`syncbn.groups` as three non-negative int64 words."""
     return (
@@ -221,6 +216,9 @@ class SharedMemorySum:
         self._flag_index = [(r + 1) * (_LINE // 8) for r in range(world_size)]
         self._data_offset = _header_size(world_size)
         self._views: dict[tuple[int, torch.dtype], Tensor] = {}
+        self._scratch_buffer = bytearray(world_size * _CAPACITY)
+        self._scratch_bytes = memoryview(self._scratch_buffer)
+        self._scratch_views: dict[torch.dtype, Tensor] = {}
         self._seq = 0
         self.broken = False
         self.last_participants = world_size
@@ -236,6 +234,15 @@ class SharedMemorySum:
             )
             view = flat.as_strided((self._size, _CAPACITY // item), (_SLOT // item, 1), _LINE // item)
             self._views[key] = view
+        return view
+
+    def _scratch(self, dtype: torch.dtype) -> Tensor:
+        """The private copy of the slots, ``(world_size, capacity)`` in ``dtype``."""
+        view = self._scratch_views.get(dtype)
+        if view is None:
+            item = torch.empty((), dtype=dtype).element_size()
+            view = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)
+            self._scratch_views[dtype] = view
         return view
 
     def _buffer_offset(self, buffer: int) -> int:
@@ -263,9 +270,12 @@ class SharedMemorySum:
                 (``mismatch``, on every rank; still usable).
         """
         self._usable()
-        flat = tensor.reshape(-1)
-        n = flat.numel()
+        n = tensor.numel()
         per = _CAPACITY // tensor.element_size()
+        if n <= per and tensor.dim() == 1 and tensor.is_contiguous():
+            self._round(tensor, fields, True, timeout, tensor.dtype)
+            return tensor
+        flat = tensor.reshape(-1)
         fields = list(fields)
         for i in range(max(1, -(-n // per))):
             lo, hi = i * per, min(n, (i + 1) * per)
@@ -318,9 +328,9 @@ class SharedMemorySum:
         crc = 0
         if present:
             slots = self._slots(buffer, dtype)
-            mine = slots[self._rank, :m]
-            mine.copy_(chunk)
-            crc = _crc(mine)
+            slots[self._rank, :m].copy_(chunk)
+            start = self._buffer_offset(buffer) + self._rank * _SLOT + _LINE
+            crc = zlib.crc32(self._raw[start : start + m * chunk.element_size()])
         words[meta + _META_PRESENT] = int(present)
         words[meta + _META_LAYER] = layer
         words[meta + _META_ID] = a
@@ -350,8 +360,16 @@ class SharedMemorySum:
         if not present:
             dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
             m = int(ref[_META_COUNT])
-        copy = self._slots(buffer, dtype)[:, :m].clone()  # private: what is summed is what is checked
-        bad = [r for r in taking if _crc(copy[r]) != lines[r][_META_CRC]]
+        # A private copy of every slot: what is checked is what is summed.
+        nbytes = m * torch.empty((), dtype=dtype).element_size() if not present else m * chunk.element_size()
+        raw, scratch, base = self._raw, self._scratch_bytes, self._buffer_offset(buffer) + _LINE
+        bad = []
+        for r in range(self._size):
+            src, dst = base + r * _SLOT, r * _CAPACITY
+            scratch[dst : dst + nbytes] = raw[src : src + nbytes]
+            if lines[r][_META_PRESENT] and zlib.crc32(scratch[dst : dst + nbytes]) != lines[r][_META_CRC]:
+                bad.append(r)
+        copy = self._scratch(dtype)[:, :m]
         if bad:
             raise self._fail(
                 f"the data in the shared-memory slot of rank(s) {bad} does not match its checksum (a torn "
@@ -443,6 +461,8 @@ class SharedMemorySum:
     def close(self) -> None:
         """Release the mapping (views made from it must no longer be used)."""
         self._views.clear()
+        self._scratch_views.clear()
+        self._scratch_bytes.release()
         self._flags.release()
         self._raw.release()
         try:
