@@ -601,3 +601,43 @@ def test_a_torn_or_foreign_write_into_a_slot_is_an_error_on_every_rank() -> None
             or "found a slot's data not matching its checksum" in result["msg"]
         ), result["msg"]
         assert result["unchanged"]
+
+
+# --------------------------------------------------------------------------- sync_buffers itself
+
+
+def _sync_buffers(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
+    syncbn.set_shared_memory(shared)
+    net = nn.Sequential(nn.Linear(3, 4), syncbn.SyncBatchNorm1d(4), nn.BatchNorm1d(4))
+    ddp = nn.parallel.DistributedDataParallel(net)  # (broadcasts rank 0's buffers once, now)
+    with torch.no_grad():
+        for buf in net.buffers():
+            buf.fill_(rank + 1)
+    params = [p.detach().clone() for p in net.parameters()]
+    synced = syncbn.sync_buffers(ddp, src=1)
+    out: dict[str, Any] = {"synced": synced, "buffers": [b.clone() for b in net.buffers()]}
+    out["params_kept"] = all(torch.equal(a, b) for a, b in zip(params, net.parameters()))
+    other = nn.Sequential(syncbn.SyncBatchNorm1d(4 if rank == 0 else 6))
+    before = _state(other)
+    out["differs"] = _attempt(lambda: syncbn.sync_buffers(other))
+    out["differs_unchanged"] = _same(before, _state(other))
+    out["bad_src"] = _attempt(lambda: syncbn.sync_buffers(other, src=2))
+    return out
+
+
+@TRANSPORTS
+def test_sync_buffers_copies_one_ranks_buffers_and_refuses_different_models(shared: bool) -> None:
+    results = _run(_sync_buffers, shared)
+    for result in results:
+        assert result["synced"] == 6 and result["params_kept"]
+        assert all(torch.equal(b, torch.full_like(b, 2)) for b in result["buffers"]), result["buffers"]
+        differs = result["differs"]
+        assert differs["type"] == "CollectiveError" and differs["mismatch"], differs
+        assert "9 values" in differs["msg"] and "13 values" in differs["msg"], differs["msg"]
+        assert result["differs_unchanged"]
+        assert result["bad_src"]["type"] == "ValueError" and "got 2" in result["bad_src"]["msg"]
+
+
+def test_sync_buffers_without_a_process_group_does_nothing() -> None:
+    net = nn.Sequential(syncbn.SyncBatchNorm1d(4))
+    assert syncbn.sync_buffers(net) == 0
