@@ -33,7 +33,7 @@ the forward and backward vectors of layers of 64, 512 and 2048 channels;
 with ``--against``, the same calls of an older checkout (loaded under another
 package name) alternate with the current ones, call for call. With one rank
 there is no waiting for a peer: what is left is the per-call work each rank
-does, which is what the header adds. (The bytes a 4,096-value frame puts on
+does, which is what the header adds. (The bytes a 4,112-value frame puts on
 a real two-rank wire are measured by ``--wire``.)
 """
 
@@ -143,7 +143,7 @@ def _frame_cost(against: str | None, rounds: int) -> None:
 def _wire(rank: int, world_size: int, rounds: int) -> dict[int, float]:
     import torch.distributed as dist
 
-    sizes = (129, 1025, 4097, 4096)
+    sizes = (129, 1025, 4097, 4112)
     bufs = {n: torch.zeros(n, dtype=torch.float64) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(rounds):
