@@ -132,9 +132,10 @@ def _frame_cost(against: str | None, rounds: int) -> None:
                             call(t, phase)
                         times[name].append((time.perf_counter() - start) * 1e6)
                 med = {name: statistics.median(v[rounds // 10 :]) for name, v in times.items()}
-                line = f"  {transport:4s} C={channels:5d}  forward+backward collectives: new {med['new']:7.1f} us"
+                line = f"  {transport:4s} C={channels:5d}  fwd+bwd collectives: new {med['new']:7.1f} us"
                 if "old" in med:
-                    line += f"   old {med['old']:7.1f} us   added {med['new'] - med['old']:+6.1f} us per layer-step"
+                    added = med["new"] - med["old"]
+                    line += f"   old {med['old']:7.1f} us   added {added:+6.1f} us per layer-step"
                 print(line)
             new.close()
         dist.destroy_process_group()
