@@ -22,6 +22,7 @@ import random
 import signal
 import tempfile
 import time
+import weakref
 import zlib
 from datetime import timedelta
 from typing import Any, Callable
@@ -505,9 +506,13 @@ def _cycles(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import gc
 
     bn = syncbn.SyncBatchNorm1d(4)
-    fds, maps = [], []
+    fds, maps, kept = [], [], []
     for cycle in range(5):
+        old = weakref.ref(dist.group.WORLD)
         dist.destroy_process_group()
+        gc.collect()
+        if cycle:  # (the harness's first group is held by the harness itself)
+            kept.append(old() is not None)
         dist.init_process_group(
             "gloo",
             store=dist.FileStore(os.path.join(tmp, f"c{cycle}"), 2),
@@ -521,15 +526,17 @@ def _cycles(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         fds.append(len(os.listdir("/proc/self/fd")))
         with open("/proc/self/maps") as f:
             maps.append(sum("syncbn-" in line for line in f))
-    return {"fds": fds, "maps": maps, "cached": len(groups._resolved)}
+    return {"fds": fds, "maps": maps, "cached": len(groups._resolved), "kept": kept}
 
 
 def test_reinitialising_the_process_group_keeps_descriptors_and_mappings_flat() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for result in _run(_cycles, tmp, timeout=120):
-            assert result["fds"][1:] == [result["fds"][1]] * 4, result
+            # Flat (before this work: +5-6 per cycle); one descriptor may come and go with gloo's timing.
+            assert max(result["fds"][1:]) - min(result["fds"][1:]) <= 1, result
             assert max(result["maps"]) <= 1, result
             assert result["cached"] == 1, result
+            assert result["kept"] == [False] * 4, result  # nothing holds a destroyed group
 
 
 # --------------------------------------------------------------------------- item 7: debug mode

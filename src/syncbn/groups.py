@@ -105,7 +105,8 @@ Lifecycle
 ---------
 A :class:`ProcessGroupSum` belongs to the process that made it: a child forked
 afterwards gets a :class:`CollectiveError` when it tries to use it (it would
-otherwise join its parent's collectives). :func:`resolve` caches one per live
+otherwise join its parent's collectives). It holds its process group weakly,
+and refuses use once that group is gone. :func:`resolve` caches one per live
 process group and drops (and closes) those of destroyed groups, so
 ``destroy_process_group()`` + ``init_process_group()`` cycles keep file
 descriptors and mappings flat.
@@ -482,14 +483,15 @@ class ProcessGroupSum:
     """
 
     def __init__(self, process_group: Any = None, *, shared_memory: bool | None = None) -> None:
-        self.process_group = process_group
+        # Held weakly: a destroyed process group must not survive in syncbn (its sockets, its fds).
+        self._default = process_group is None
+        self._live: weakref.ref[Any] = weakref.ref(
+            dist.group.WORLD if process_group is None else process_group
+        )
         self._shared_memory_choice = shared_memory
         self._size = dist.get_world_size(process_group)
         self._rank = dist.get_rank(process_group)
         self._owner = _pid
-        # The live group, for "already verified" bookkeeping: a re-initialised
-        # default group is a new object.
-        self.key: Any = dist.group.WORLD if process_group is None else process_group
         # Same-machine shared-memory path for CPU tensors: connected on the first CPU collective.
         self._shared: _shm.SharedMemorySum | None = None
         self._shared_ready = False
@@ -515,6 +517,17 @@ class ProcessGroupSum:
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def process_group(self) -> Any:
+        """The wrapped process group (``None``: the default group)."""
+        return None if self._default else self._live()
+
+    @property
+    def key(self) -> Any:
+        """The live process group object, for "already verified" bookkeeping (a re-initialised
+        default group is a new object); ``None`` once it was destroyed."""
+        return self._live()
 
     # ------------------------------------------------------------------ public API
 
@@ -668,7 +681,7 @@ class ProcessGroupSum:
                 waited=0.0,
                 group_size=self._size,
             )
-        if self.closed:
+        if self.closed or self._live() is None:
             raise CollectiveError(
                 f"the SyncBatchNorm group over {self.describe()} was closed (its process group was "
                 "destroyed)",
