@@ -364,9 +364,9 @@ def test_non_finite_input_is_detected_in_debug_mode() -> None:
 class _CountingSum(groups.ProcessGroupSum):
     calls: list[int] = []
 
-    def all_reduce_sum_bounded(self, tensor: torch.Tensor, *, host_wait: bool) -> torch.Tensor:
+    def _framed(self, tensor: torch.Tensor, tag: groups.Tag, **kwargs: Any) -> torch.Tensor:
         _CountingSum.calls.append(tensor.numel())
-        return super().all_reduce_sum_bounded(tensor, host_wait=host_wait)
+        return super()._framed(tensor, tag, **kwargs)
 
 
 def _collectives(rank: int, world_size: int, debug: bool) -> tuple[list[int], float]:

@@ -207,7 +207,8 @@ def test_ranks_calling_layers_in_different_orders_get_an_error_not_wrong_numbers
         assert result["type"] == "CollectiveError", result
         assert result["s"] < 1.0
         assert "did not make the same collective" in result["msg"]
-        assert "rank 0: 7 float64 values, rank 1: 11 float64 values" in result["msg"], result["msg"]
+        assert "forward of float64, call 5, 7 values" in result["msg"], result["msg"]
+        assert "forward of float64, call 5, 11 values" in result["msg"], result["msg"]
 
 
 def _rebuilt_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:

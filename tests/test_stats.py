@@ -151,9 +151,9 @@ def _stats_ranks(rank: int, world_size: int) -> dict[str, Any]:
     calls = []
     original = groups.ProcessGroupSum.all_reduce_sum
 
-    def counted(self: Any, tensor: torch.Tensor) -> torch.Tensor:
+    def counted(self: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append(tensor.numel())
-        return original(self, tensor)
+        return original(self, tensor, *args, **kwargs)
 
     groups.ProcessGroupSum.all_reduce_sum = counted  # type: ignore[method-assign]
 

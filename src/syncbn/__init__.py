@@ -13,6 +13,7 @@ from ._config import (
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .groups import CollectiveError
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+from .recovery import sync_buffers
 from .stats import recompute_running_stats, sync_running_stats
 
 __version__ = "0.1.0"
@@ -36,5 +37,6 @@ __all__ = [
     "shared_memory_enabled",
     "name_layers",
     "CollectiveError",
+    "sync_buffers",
     "__version__",
 ]

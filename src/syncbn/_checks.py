@@ -23,6 +23,8 @@ the replicas of one process share one module and cannot disagree.
 from __future__ import annotations
 
 import itertools
+import math
+import weakref
 import zlib
 from typing import Any
 
@@ -50,7 +52,7 @@ def _dtype_code(dtype: torch.dtype) -> float:
 
 
 def _dtype_from_code(code: float) -> str:
-    i = int(code) - 1
+    i = int(code) - 1 if math.isfinite(code) else -1
     return str(_DTYPES[i]) if 0 <= i < len(_DTYPES) else "another dtype"
 
 
@@ -66,10 +68,13 @@ class LayerState:
         self.index = next(_counter)
         self.name: str | None = None
         self.calls = 0
-        self._verified: dict[int, Any] = {}  # id -> process group (held, so ids stay unique)
+        self.name_id: tuple[str, int] | None = None
+        self.found_name: str | None = None  # found on an error path (layer_name); never an identity
+        # id -> process group, weakly: a destroyed group leaves nothing behind (ids stay unique while alive)
+        self._verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
     def is_verified(self, process_group: Any) -> bool:
-        return id(process_group) in self._verified
+        return self._verified.get(id(process_group)) is process_group
 
     def mark_verified(self, process_group: Any) -> None:
         self._verified[id(process_group)] = process_group
@@ -85,7 +90,9 @@ class LayerState:
         self.index = state.get("index", -1)
         self.name = state.get("name")
         self.calls = 0
-        self._verified = {}
+        self.name_id = None
+        self.found_name = None
+        self._verified = weakref.WeakValueDictionary()
 
 
 def is_layer(module: nn.Module) -> bool:
@@ -156,14 +163,55 @@ def layer_name(layer: nn.Module | None) -> str:
     if layer is None:
         return "(functional call)"
     state = state_of(layer)
-    if state.name is None:
-        found = _names.qualified_name(layer)
-        if found is not None:
-            state.name = found
+    name = state.name
+    if name is None:
+        # Kept apart from ``state.name``: a name found on one rank's error path must not change
+        # the layer's identity in the frames (syncbn.groups), which only name_layers sets.
+        name = state.found_name
+        if name is None:
+            name = _names.qualified_name(layer)
+            state.found_name = name
     shape = f"{type(layer).__name__}({getattr(layer, 'num_features', '?')})"
-    if state.name is None:
+    if name is None:
         return f"#{state.index} {shape} (call syncbn.name_layers(model) for names)"
-    return f"'{state.name}' {shape}"
+    return f"'{name}' {shape}"
+
+
+def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
+    """The 32-bit identity a layer's frames carry over ``group`` (:mod:`syncbn.groups`).
+
+    A named layer (:func:`name_layers`) is identified by a hash of its name,
+    equal on every rank from the first call (swapped layers are then always
+    caught). An unnamed layer gets the order of its first framed call over this
+    group (``0x80000000 | ordinal``): equal on every rank when the first step
+    runs the layers in the same order, and any later change of order is caught.
+    ``None`` (a functional call without ``layer=``) is ``0``: phase, dtype and
+    size then identify the call.
+    """
+    if layer is None:
+        return 0
+    state = layer.__dict__.get("_syncbn_state")
+    if state is None:
+        state = state_of(layer)
+    name = state.name
+    if name is not None:
+        cached = state.name_id
+        if cached is None or cached[0] != name:
+            ident = (zlib.crc32(name.encode()) & 0x7FFFFFFF) or 1
+            state.name_id = cached = (name, ident)
+            group.names[ident] = f"{name!r}"
+        return cached[1]
+    ids = group.layer_ids
+    known = ids.get(state)
+    if known is not None:
+        return known
+    ident = 0x80000000 | (len(ids) + 1)
+    ids[state] = ident
+    group.names[ident] = (
+        f"#{state.index} {type(layer).__name__}({getattr(layer, 'num_features', '?')}), "
+        f"the layer first used as number {len(ids)} on this group"
+    )
+    return ident
 
 
 def _config_code(layer: nn.Module | None, ndim: int) -> float:
@@ -178,6 +226,8 @@ def _config_code(layer: nn.Module | None, ndim: int) -> float:
 
 
 def _describe_config(code: float) -> str:
+    if not math.isfinite(code):
+        return f"an unreadable configuration ({code})"
     c = int(code)
     ndim, bits = divmod(c, 8)
     return (
@@ -201,6 +251,11 @@ def _grouped(rows: list[list[float]], field: int, show: Any) -> str:
     return "; ".join(f"rank{'s' if len(r) > 1 else ''} {r}: {show(v)}" for v, r in by_value.items())
 
 
+def _whole(v: float) -> str:
+    """A table value as a whole number, or as what it is when it is not one (NaN, Inf)."""
+    return str(int(v)) if math.isfinite(v) else str(v)
+
+
 def _compare(
     rows: list[list[float]], debug: bool, layer: nn.Module | None, identities: dict[float, str]
 ) -> None:
@@ -210,9 +265,9 @@ def _compare(
         fields = ("phase", "channels", "dtype")
     shows: dict[str, Any] = {
         "identity": None,
-        "call": lambda v: f"call {int(v)}",
+        "call": lambda v: f"call {_whole(v)}",
         "phase": lambda v: _PHASES.get(v, "?"),
-        "channels": lambda v: f"{int(v)} channels",
+        "channels": lambda v: f"{_whole(v)} channels",
         "dtype": _dtype_from_code,
         "config": _describe_config,
         "nonfinite": lambda v: "non-finite values (NaN or Inf)" if v else "finite",
@@ -233,7 +288,8 @@ def _compare(
             index = FIELDS.index("index")
             call = FIELDS.index("call")
             listing = "; ".join(
-                f"rank {r}: {identities.get(row[i], f'layer #{int(row[index])}')} (call {int(row[call])})"
+                f"rank {r}: {identities.get(row[i], 'layer #' + _whole(row[index]))} "
+                f"(call {_whole(row[call])})"
                 for r, row in enumerate(rows)
             )
             raise ValueError(
@@ -292,11 +348,12 @@ def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
         return 0
     if _config.debug_enabled():
         call = 0
-        if layer is not None:
-            state = state_of(layer)
-            state.calls += 1
-            call = state.calls
+        state = state_of(layer) if layer is not None else None
+        if state is not None:
+            call = state.calls + 1
         _check(group, layer, x, 1.0, call, True)
+        if state is not None:  # counted only once every rank accepted the call
+            state.calls = call
         return call
     if layer is None:
         return 0

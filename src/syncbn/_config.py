@@ -7,7 +7,9 @@ process's environment is fixed at launch); ``set_timeout("default")`` and
 
 * ``SYNCBN_TIMEOUT`` / :func:`set_timeout`: seconds any SyncBatchNorm waits for
   its peers in one collective. Default :data:`DEFAULT_TIMEOUT_S`. ``0``, ``none``
-  or ``inf`` disable syncbn's own bound (the process group's timeout still applies).
+  or ``inf`` disable syncbn's own bound: the process group's own timeout
+  (``init_process_group(timeout=...)``) then bounds every wait, on the
+  shared-memory path too.
 * ``SYNCBN_DEBUG`` / :func:`set_debug`: ``1`` turns on the per-call cross-rank
   consistency checks (see ``docs/robustness.md``).
 * ``SYNCBN_SHM`` / :func:`set_shared_memory`: ``0`` keeps CPU collectives on the
@@ -78,7 +80,8 @@ def set_timeout(seconds: float | None | str = "default") -> None:
 
     Args:
         seconds: the bound in seconds; ``None`` or ``0`` for no bound of syncbn's
-            own (the process group's timeout still applies); ``"default"`` to
+            own (the process group's timeout then bounds every wait, shared
+            memory included); ``"default"`` to
             drop the override and use ``SYNCBN_TIMEOUT`` or the default again.
 
     Example::

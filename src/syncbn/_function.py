@@ -19,8 +19,16 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _checks, _math
-from .groups import CollectiveError, SumGroup
+from . import _checks, _config, _math
+from .groups import (
+    PHASE_BACKWARD,
+    PHASE_FORWARD,
+    PHASE_OTHER,
+    CollectiveError,
+    ProcessGroupSum,
+    SumGroup,
+    Tag,
+)
 
 __all__ = [
     "ForwardResult",
@@ -55,8 +63,23 @@ def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueErro
     )
 
 
+_PHASE_CODES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
+
+
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
+    """Sum ``tensor`` over ``group``, framed with the call's identity (:mod:`syncbn.groups`).
+
+    Every collective of a layer goes through here: over a process group the
+    frame carries the layer's identity (:func:`syncbn._checks.layer_identity`),
+    the phase, dtype and size, checked on every rank. On an accelerator
+    (``_host_side`` false) the check is deferred to the group's next call, so
+    that no device-to-host synchronisation is added; debug mode checks at once.
+    """
     try:
+        if type(group) is ProcessGroupSum:
+            tag = Tag(_checks.layer_identity(layer, group), _PHASE_CODES.get(phase, PHASE_OTHER))
+            deferred = not _host_side(tensor) and not _config.debug_enabled()
+            return group.all_reduce_sum(tensor, tag, deferred=deferred)
         return group.all_reduce_sum(tensor)
     except CollectiveError as exc:
         raise exc.for_layer(_checks.layer_name(layer), phase) from exc.__cause__

@@ -10,16 +10,32 @@ SyncBatchNorm makes two per layer and step.
 
 The segment (``/dev/shm``, unlinked as soon as every rank has mapped it)::
 
-    header     token (int64) | one 64-byte line per rank: its sequence number
-    buffer 0   world_size slots: 64 bytes of metadata (sequence, size, dtype), then the data
+    header     token (int64) | one 64-byte line per rank: its round number (-1: withdrawn)
+    buffer 0   world_size slots: a 64-byte metadata line, then 64 KiB of data
     buffer 1   the same
 
-Every rank checks, after the wait, that every rank sent the same number of
-values of the same dtype: ranks that called different collectives (a layer
-order that differs between ranks) get an error on every rank, where a transport
-would hang or abort.
+    metadata   round | present | layer<<32 | kind<<16 | sequence | count<<16 | frame
+               | CRC-32 of the data | values in this round | (unused)
 
-Call ``k`` uses buffer ``k % 2``. A rank writes buffer ``k % 2`` for call ``k``
+The metadata line carries the frame header of :mod:`syncbn.groups` (the
+caller's identity, phase, dtype, call sequence, total size, frame index) and a
+participation flag (0: a rank that only shadows the call, DDP ``Join``). After
+the wait every rank reads every rank's line: the participating ranks must have
+sent the same header, else every rank raises a mismatch error at once (the
+segment stays usable). Every rank copies the slots to private memory and checks
+each participating slot's CRC-32 there before summing the copy: a torn or
+foreign write into a slot is an error, never a silent wrong sum. A vector
+longer than a slot takes several rounds, each with its frame index: the same
+path whatever the size, so ranks can never end up on different transports.
+
+A rank that gives up (timeout, a dead peer, a bad checksum) *withdraws*: it sets
+its flag to -1, and a peer that arrives late sees that and fails too, instead of
+completing the call with the data left behind (there remains a window of
+microseconds in which the late rank read every flag just before the
+withdrawal). With ``SYNCBN_TIMEOUT=none`` the bound is the process group's own
+timeout.
+
+Round ``k`` uses buffer ``k % 2``. A rank writes buffer ``k % 2`` for call ``k``
 only after every rank has raised its flag to ``k - 1``, which each did after
 finishing call ``k - 2``, the previous user of that buffer: two buffers are
 enough. Every rank sums the slots in the same order with the same kernel, so
@@ -35,7 +51,14 @@ has not arrived no longer exists.
 Set-up is collective: :func:`connect` runs on every rank at the same point
 (the first CPU collective of a group) and agrees, over the process group,
 whether the shared-memory path is usable everywhere; if not, every rank keeps
-using the process group. ``SYNCBN_SHM=0`` (or :func:`syncbn.set_shared_memory`)
+using the process group. Rank 0 creates the segment only after the first
+exchange has shown every rank present, and unlinks it two exchanges later,
+once every rank has mapped it: the file exists for milliseconds while every
+rank is running, so a job killed at any moment leaves nothing behind; should
+one be killed inside those milliseconds, the next set-up on the machine
+removes every ``syncbn-<pid>-*`` file whose creating process is gone. A
+segment belongs to the process that mapped it: :mod:`syncbn.groups` refuses a
+child forked afterwards. ``SYNCBN_SHM=0`` (or :func:`syncbn.set_shared_memory`)
 turns it off.
 """
 
@@ -70,8 +93,10 @@ class SharedMemoryError(RuntimeError):
         timed_out: the bound was reached (else a peer process no longer exists,
             or the ranks made different collectives).
         waited: seconds this rank waited.
-        mismatch: the ranks sent different sizes or dtypes (every rank raises;
-            the segment stays usable).
+        mismatch: the ranks sent different headers (every rank raises; the
+            segment stays usable).
+        ranks: with ``mismatch``, each rank's seven header fields (``None``
+            for a shadowing rank).
     """
 
     def __init__(self, message: str, *, timed_out: bool, waited: float, mismatch: bool = False) -> None:
@@ -79,6 +104,7 @@ class SharedMemoryError(RuntimeError):
         self.timed_out = timed_out
         self.waited = waited
         self.mismatch = mismatch
+        self.ranks: list[list[int] | None] = []
 
 
 def supported() -> bool:
@@ -119,7 +145,7 @@ def _alive(pid: int) -> bool:
 
 
 _SLOT = _LINE + _CAPACITY  # metadata line + data
-_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
 
 def _header_size(world_size: int) -> int:
@@ -128,6 +154,44 @@ def _header_size(world_size: int) -> int:
 
 def _segment_size(world_size: int) -> int:
     return _header_size(world_size) + 2 * world_size * _SLOT
+
+
+_WITHDRAWN = -1
+# Why a rank withdrew: written next to its flag before the flag turns -1.
+_REASONS = {
+    1: "it timed out waiting for the others",
+    2: "it found a peer process dead",
+    3: "it found a slot's data not matching its checksum",
+    4: "it failed",
+}
+_META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(7)
+
+
+def _pack(fields: list[int]) -> tuple[int, int, int]:
+    """The seven header fields of :mod:`syncbn.groups` as three non-negative int64 words."""
+    return (
+        (fields[0] << 16) | fields[1],
+        (fields[2] << 16) | fields[3],
+        (((fields[4] << 16) | fields[5]) << 16) | fields[6],
+    )
+
+
+def _unpack(line: tuple[int, ...]) -> list[int]:
+    """The seven header fields from a metadata line."""
+    layer, a, b = line[_META_LAYER], line[_META_ID], line[_META_SIZE]
+    count = (b >> 16) & 0xFFFFFFFF
+    return [
+        layer >> 16,
+        layer & 0xFFFF,
+        (a >> 16) & 0xFFFF,
+        a & 0xFFFF,
+        count >> 16,
+        count & 0xFFFF,
+        b & 0xFFFF,
+    ]
+
+
+_CODE_DTYPES = {1: torch.float64, 2: torch.float32, 3: torch.float16, 4: torch.bfloat16}
 
 
 class SharedMemorySum:
@@ -152,8 +216,12 @@ class SharedMemorySum:
         self._flag_index = [(r + 1) * (_LINE // 8) for r in range(world_size)]
         self._data_offset = _header_size(world_size)
         self._views: dict[tuple[int, torch.dtype], Tensor] = {}
+        self._scratch_buffer = bytearray(world_size * _CAPACITY)
+        self._scratch_bytes = memoryview(self._scratch_buffer)
+        self._scratch_views: dict[torch.dtype, Tensor] = {}
         self._seq = 0
         self.broken = False
+        self.last_participants = world_size
 
     def _slots(self, buffer: int, dtype: torch.dtype) -> Tensor:
         key = (buffer, dtype)
@@ -168,6 +236,15 @@ class SharedMemorySum:
             self._views[key] = view
         return view
 
+    def _scratch(self, dtype: torch.dtype) -> Tensor:
+        """The private copy of the slots, ``(world_size, capacity)`` in ``dtype``."""
+        view = self._scratch_views.get(dtype)
+        if view is None:
+            item = torch.empty((), dtype=dtype).element_size()
+            view = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)
+            self._scratch_views[dtype] = view
+        return view
+
     def _buffer_offset(self, buffer: int) -> int:
         return self._data_offset + buffer * self._size * _SLOT
 
@@ -175,72 +252,175 @@ class SharedMemorySum:
         """Word index of the metadata line of ``rank``'s slot in ``buffer``."""
         return (self._buffer_offset(buffer) + rank * _SLOT) // 8
 
-    def fits(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` fits a slot (the same answer on every rank for the same shape)."""
-        return tensor.numel() * tensor.element_size() <= _CAPACITY
-
-    def all_reduce_sum(self, tensor: Tensor, timeout: float | None) -> Tensor:
-        """Sum ``tensor`` in place over the group.
+    def all_reduce_sum(self, tensor: Tensor, timeout: float, fields: list[int]) -> Tensor:
+        """Sum ``tensor`` in place over the group, framed by ``fields``.
 
         Args:
-            tensor: a CPU tensor that :meth:`fits`.
-            timeout: seconds to wait for the slowest rank, or ``None`` for no bound.
+            tensor: a CPU tensor of any size (longer than a slot: several rounds).
+            timeout: seconds to wait for the slowest rank.
+            fields: the seven header fields of :mod:`syncbn.groups` (frame index 0).
 
         Returns:
             ``tensor``, now holding the sum (identical bits on every rank).
 
         Raises:
-            SharedMemoryError: the wait exceeded ``timeout`` or a peer died (the
-                segment is unusable afterwards: ``broken``), or the ranks sent
-                different sizes or dtypes (on every rank; still usable).
+            SharedMemoryError: the wait exceeded ``timeout``, a peer died or
+                withdrew, or a slot's checksum failed (the segment is unusable
+                afterwards: ``broken``); or the ranks sent different headers
+                (``mismatch``, on every rank; still usable).
         """
+        self._usable()
+        n = tensor.numel()
+        per = _CAPACITY // tensor.element_size()
+        if n <= per and tensor.dim() == 1 and tensor.is_contiguous():
+            self._round(tensor, fields, True, timeout, tensor.dtype)
+            return tensor
+        flat = tensor.reshape(-1)
+        fields = list(fields)
+        for i in range(max(1, -(-n // per))):
+            lo, hi = i * per, min(n, (i + 1) * per)
+            fields[6] = i
+            self._round(flat[lo:hi], fields, True, timeout, tensor.dtype)
+        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor
+
+    def shadow(self, timeout: float) -> tuple[list[int], int, Tensor] | None:
+        """Take part in the participants' next call without contributing (flag 0).
+
+        Returns:
+            ``(fields, participants, sum as float64)``, or ``None`` when no rank
+            participated.
+        """
+        self._usable()
+        empty = torch.empty(0, dtype=torch.float64)
+        first = self._round(empty, [0] * 7, False, timeout, torch.float64)
+        if first is None:
+            return None
+        fields, k, chunk = first
+        count = (fields[4] << 16) | fields[5]
+        dtype = _CODE_DTYPES.get(fields[2] % 16, torch.float64)
+        per = _CAPACITY // torch.empty((), dtype=dtype).element_size()
+        parts = [chunk]
+        for _ in range(1, max(1, -(-count // per))):
+            got = self._round(empty, [0] * 7, False, timeout, torch.float64)
+            if got is None:
+                raise self._fail("the participants stopped in the middle of a call", timed_out=False)
+            parts.append(got[2])
+        return fields, k, torch.cat(parts)
+
+    def _usable(self) -> None:
         if self.broken:
             raise SharedMemoryError(
                 "the shared-memory group is unusable after an earlier failure", timed_out=False, waited=0.0
             )
+
+    def _round(
+        self, chunk: Tensor, fields: list[int], present: bool, timeout: float, dtype: torch.dtype
+    ) -> tuple[list[int], int, Tensor] | None:
         self._seq += 1
         seq = self._seq
-        n = tensor.numel()
         buffer = seq & 1
-        code = _DTYPE_CODES.get(tensor.dtype, 9)
-        slots = self._slots(buffer, tensor.dtype)
-        flat = tensor.reshape(-1)
+        m = chunk.numel()
         words = self._flags
         meta = self._meta_index(buffer, self._rank)
-        words[meta + 1] = n
-        words[meta + 2] = code
-        words[meta] = seq
-        slots[self._rank, :n].copy_(flat)
+        layer, a, b = _pack(fields)
+        crc = 0
+        if present:
+            slots = self._slots(buffer, dtype)
+            slots[self._rank, :m].copy_(chunk)
+            start = self._buffer_offset(buffer) + self._rank * _SLOT + _LINE
+            crc = zlib.crc32(self._raw[start : start + m * chunk.element_size()])
+        words[meta + _META_PRESENT] = int(present)
+        words[meta + _META_LAYER] = layer
+        words[meta + _META_ID] = a
+        words[meta + _META_SIZE] = b
+        words[meta + _META_CRC] = crc
+        words[meta + _META_COUNT] = m
+        words[meta + _META_ROUND] = seq
         words[self._flag_index[self._rank]] = seq
         self._wait(seq, timeout)
-        self._check_same_call(buffer, seq, n, code, tensor.dtype)
-        if tensor.is_contiguous():  # then ``flat`` is a view of it
-            torch.sum(slots[:, :n], 0, out=flat)
-        else:
-            tensor.copy_(slots[:, :n].sum(0).view_as(tensor))
-        return tensor
+        lines = []
+        for r in range(self._size):
+            base = self._meta_index(buffer, r)
+            lines.append(tuple(words[base : base + 7]))
+        taking = [r for r, line in enumerate(lines) if line[_META_PRESENT]]
+        if not taking:
+            return None
+        ref = lines[taking[0]]
+        if present:
+            ref = lines[self._rank]
+        if any(line[_META_ROUND] != seq for line in lines) or any(
+            lines[r][_META_LAYER:_META_CRC] != ref[_META_LAYER:_META_CRC]
+            or lines[r][_META_COUNT] != ref[_META_COUNT]
+            for r in taking
+        ):
+            raise self._mismatch(lines)
+        got_fields = _unpack(ref)
+        if not present:
+            dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
+            m = int(ref[_META_COUNT])
+        # A private copy of every slot: what is checked is what is summed.
+        nbytes = m * torch.empty((), dtype=dtype).element_size() if not present else m * chunk.element_size()
+        raw, scratch, base = self._raw, self._scratch_bytes, self._buffer_offset(buffer) + _LINE
+        bad = []
+        for r in range(self._size):
+            src, dst = base + r * _SLOT, r * _CAPACITY
+            scratch[dst : dst + nbytes] = raw[src : src + nbytes]
+            if lines[r][_META_PRESENT] and zlib.crc32(scratch[dst : dst + nbytes]) != lines[r][_META_CRC]:
+                bad.append(r)
+        copy = self._scratch(dtype)[:, :m]
+        if bad:
+            raise self._fail(
+                f"the data in the shared-memory slot of rank(s) {bad} does not match its checksum (a torn "
+                "or foreign write into the segment)",
+                timed_out=False,
+                reason=3,
+            )
+        withdrawn = [r for r in range(self._size) if words[self._flag_index[r]] == _WITHDRAWN]
+        if withdrawn:
+            raise self._withdrawn(withdrawn[0], 0.0)
+        self.last_participants = len(taking)
+        if len(taking) < self._size:
+            copy = copy[taking]
+        if present:
+            if chunk.is_contiguous():
+                torch.sum(copy, 0, out=chunk)
+            else:
+                chunk.copy_(copy.sum(0))
+            return got_fields, len(taking), chunk
+        return got_fields, len(taking), copy.sum(0, dtype=torch.float64)
 
-    def _check_same_call(self, buffer: int, seq: int, n: int, code: int, dtype: torch.dtype) -> None:
-        """Raise on every rank alike when the ranks did not send the same size and dtype."""
-        words = self._flags
-        sent = []
-        for rank in range(self._size):
-            meta = self._meta_index(buffer, rank)
-            sent.append((words[meta], words[meta + 1], words[meta + 2]))
-        if all(entry == (seq, n, code) for entry in sent):
-            return
-        names = {c: str(d).replace("torch.", "") for d, c in _DTYPE_CODES.items()}
-        described = ", ".join(
-            f"rank {r}: {count} {names.get(kind, 'other')} values" for r, (_, count, kind) in enumerate(sent)
-        )
-        raise SharedMemoryError(
-            f"the ranks made different collectives at the same point ({described})",
+    def _mismatch(self, lines: list[tuple[int, ...]]) -> SharedMemoryError:
+        error = SharedMemoryError(
+            "the ranks made different collectives at the same point",
             timed_out=False,
             waited=0.0,
             mismatch=True,
         )
+        error.ranks = [_unpack(line) if line[_META_PRESENT] else None for line in lines]
+        return error
 
-    def _wait(self, seq: int, timeout: float | None) -> None:
+    def _fail(
+        self, message: str, *, timed_out: bool, waited: float = 0.0, reason: int = 4
+    ) -> SharedMemoryError:
+        """Withdraw this rank (late peers then fail too) and build the error."""
+        self.broken = True
+        index = self._flag_index[self._rank]
+        self._flags[index + 1] = reason
+        self._flags[index] = _WITHDRAWN
+        return SharedMemoryError(message, timed_out=timed_out, waited=waited)
+
+    def _withdrawn(self, rank: int, waited: float) -> SharedMemoryError:
+        why = _REASONS.get(self._flags[self._flag_index[rank] + 1], "it failed")
+        return self._fail(
+            f"rank {rank} of the group gave up on this collective ({why}); this rank does not complete "
+            "it with the data left behind",
+            timed_out=False,
+            waited=waited,
+        )
+
+    def _wait(self, seq: int, timeout: float) -> None:
         flags, index = self._flags, self._flag_index
         pending = 0  # ranks below this one have arrived
         start = time.monotonic()
@@ -251,25 +431,29 @@ class SharedMemorySum:
                 pending += 1
             if pending == self._size:
                 return
+            if flags[index[pending]] == _WITHDRAWN:
+                raise self._withdrawn(pending, time.monotonic() - start)
             now = time.monotonic()
             if now - start < _SPIN_S:
                 os.sched_yield()
                 continue
-            if timeout is not None and now - start >= timeout:
-                self.broken = True
-                raise SharedMemoryError(
-                    f"rank {pending} of the group did not arrive", timed_out=True, waited=now - start
+            if now - start >= timeout:
+                raise self._fail(
+                    f"rank {pending} of the group did not arrive",
+                    timed_out=True,
+                    waited=now - start,
+                    reason=1,
                 )
             if now >= next_check:
                 next_check = now + _LIVENESS_EVERY_S
                 dead = [r for r in range(self._size) if flags[index[r]] < seq and not _alive(self._pids[r])]
                 if dead:
-                    self.broken = True
                     pids = [self._pids[r] for r in dead]
-                    raise SharedMemoryError(
+                    raise self._fail(
                         f"the process of rank(s) {dead} of the group died (pid {pids})",
                         timed_out=False,
                         waited=now - start,
+                        reason=2,
                     )
             time.sleep(sleep)
             sleep = min(sleep * 2, _MAX_SLEEP_S)
@@ -277,6 +461,8 @@ class SharedMemorySum:
     def close(self) -> None:
         """Release the mapping (views made from it must no longer be used)."""
         self._views.clear()
+        self._scratch_views.clear()
+        self._scratch_bytes.release()
         self._flags.release()
         self._raw.release()
         try:
@@ -285,16 +471,43 @@ class SharedMemorySum:
             pass
 
 
+def remove_stale(directory: str = "/dev/shm") -> list[str]:
+    """Unlink every ``syncbn-<pid>-*`` segment whose creating process no longer exists.
+
+    Args:
+        directory: where segments live.
+
+    Returns:
+        The paths removed.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "syncbn" or not parts[1].isdigit():
+            continue
+        if int(parts[1]) == os.getpid() or _alive(int(parts[1])):
+            continue
+        path = os.path.join(directory, name)
+        _unlink(path)
+        removed.append(path)
+    return removed
+
+
 def connect(
     rank: int, world_size: int, enabled: bool, exchange: Callable[[Tensor], Tensor]
 ) -> SharedMemorySum | None:
     """Set up the shared-memory path for one group, collectively; ``None`` where unusable.
 
-    Every rank of the group must call this at the same point. Two rounds of
+    Every rank of the group must call this at the same point. Three rounds of
     ``exchange`` (a summing all_reduce over the process group) agree on it:
-    every rank wants it and runs on the same machine; then every rank mapped
-    the segment that rank 0 created and can see every peer's process. Any
-    failure anywhere means ``None`` on every rank.
+    every rank is present, wants it and runs on the same machine; then rank 0
+    creates the segment and sends its token; then every rank mapped it and can
+    see every peer's process, and rank 0 unlinks the file. Any failure
+    anywhere means ``None`` on every rank.
 
     Args:
         rank: this rank's index in the group.
@@ -307,27 +520,33 @@ def connect(
         The connected :class:`SharedMemorySum`, or ``None``.
     """
     want = enabled and supported()
-    token = 0
     created = ""  # rank 0: the file it made, unlinked once every rank has mapped it (or failed)
     segment: mmap.mmap | None = None
     size = _segment_size(world_size)
     try:
-        if want and rank == 0:
-            token = secrets.randbits(48) or 1
-            created = f"/dev/shm/syncbn-{os.getpid()}-{token:012x}"
-            segment = _create(created, size, token)
-            want = segment is not None
-            if segment is None:
-                created = ""
-        table = torch.zeros(world_size, 4, dtype=torch.float64)
+        table = torch.zeros(world_size, 3, dtype=torch.float64)
         table[rank] = torch.tensor(
-            [1.0 if want else 0.0, _host_key(), float(os.getpid()), float(token)], dtype=torch.float64
+            [1.0 if want else 0.0, _host_key(), float(os.getpid())], dtype=torch.float64
         )
         table = exchange(table)
         if not (bool((table[:, 0] == 1).all()) and bool((table[:, 1] == table[0, 1]).all())):
             return None
-        token = int(table[0, 3].item())
         pids = [int(p) for p in table[:, 2].tolist()]
+        # Every rank is here: only now does rank 0 create the file (and clear dead jobs' leftovers).
+        offer = torch.zeros(2, dtype=torch.float64)
+        if rank == 0:
+            remove_stale()
+            token = secrets.randbits(48) or 1
+            created = f"/dev/shm/syncbn-{os.getpid()}-{token:012x}"
+            segment = _create(created, size, token)
+            if segment is None:
+                created = ""
+            else:
+                offer[0], offer[1] = 1.0, float(token)
+        offer = exchange(offer)
+        if offer[0].item() != 1:
+            return None
+        token = int(offer[1].item())
         ok = True
         if rank != 0:
             segment = _attach(f"/dev/shm/syncbn-{pids[0]}-{token:012x}", size, token)

@@ -1,0 +1,103 @@
+"""Re-aligning the ranks after a failed collective: :func:`sync_buffers`.
+
+After a :class:`~syncbn.CollectiveError` the ranks may hold different
+batch-norm buffers: a rank that was late can have completed the abandoned
+call with the data its peer left behind (gloo), one rank can have updated its
+running statistics in a forward whose backward never met its peers, or a
+deferred check (accelerators) can have found a mismatch after the statistics
+were used. :func:`sync_buffers` copies one rank's running statistics and
+``num_batches_tracked`` to every rank, over a (new or still usable) group, so
+the ranks leave the recovery with equal buffers.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from .groups import PHASE_OTHER, ProcessGroupSum, Tag, resolve
+
+__all__ = ["sync_buffers"]
+
+_TAG = Tag(zlib.crc32(b"syncbn.sync_buffers") & 0x7FFFFFFF, PHASE_OTHER)
+
+
+def _norm_buffers(model: nn.Module) -> list[Tensor]:
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    out: list[Tensor] = []
+    for module in model.modules():
+        if isinstance(module, _NormBase):
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                buf = getattr(module, name, None)
+                if isinstance(buf, Tensor):
+                    out.append(buf)
+    return out
+
+
+@torch.no_grad()
+def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> int:
+    """Copy rank ``src``'s batch-norm buffers to every rank of the group.
+
+    Every normalisation layer of ``model`` with running statistics
+    (``syncbn.SyncBatchNorm*``, ``nn.BatchNorm*d``, ``nn.InstanceNorm*d`` with
+    ``track_running_stats=True``) takes ``running_mean``, ``running_var`` and
+    ``num_batches_tracked`` from rank ``src``. The values travel as one framed
+    sum (float64, exact for every float16/bfloat16/float32 value and for counts
+    below ``2**53``), so models that differ between ranks give a
+    :class:`~syncbn.CollectiveError` naming both sizes on every rank, never a
+    transport abort, and no buffer changes. A collective: call it on every rank.
+    Parameters are not touched (DDP broadcasts them at construction).
+
+    Args:
+        model: the model (``DistributedDataParallel``/``DataParallel`` wrappers
+            are looked through).
+        src: the group rank whose buffers every rank takes.
+        process_group: the group, ``None`` for the default group. After a
+            ``CollectiveError`` that timed out or failed, that group is
+            unusable: destroy it and pass a new one (or re-initialise the
+            default group) first.
+
+    Returns:
+        The number of buffers synchronised (0 when there is nothing to do: no
+        process group, or a group of one).
+
+    Raises:
+        ValueError: ``src`` is not a rank of the group.
+        CollectiveError: the ranks' models have different buffers, or the
+            collective timed out or failed.
+
+    Example::
+
+        >>> try:
+        ...     train_step(model, batch)
+        ... except syncbn.CollectiveError as exc:
+        ...     if not exc.mismatch:                       # the group is unusable
+        ...         torch.distributed.destroy_process_group()
+        ...         torch.distributed.init_process_group("gloo")
+        ...     syncbn.sync_buffers(model)                 # every rank: equal buffers again
+    """
+    group = resolve(process_group)
+    buffers = _norm_buffers(model)
+    if group is None or not isinstance(group, ProcessGroupSum):
+        return 0
+    if not 0 <= src < group.size:
+        raise ValueError(f"sync_buffers: src must be a rank of the group, in [0, {group.size}) (got {src})")
+    if not buffers:
+        flat = torch.zeros(0, dtype=torch.float64)
+    else:
+        device = buffers[0].device
+        flat = torch.cat([b.detach().reshape(-1).to(device=device, dtype=torch.float64) for b in buffers])
+        if group.rank != src:
+            flat.zero_()
+    group.all_reduce_sum_bounded(flat, host_wait=True, tag=_TAG)
+    offset = 0
+    for buf in buffers:
+        n = buf.numel()
+        buf.copy_(flat[offset : offset + n].view_as(buf))
+        offset += n
+    return len(buffers)
