@@ -592,7 +592,7 @@ def _foreign_write(rank: int, world_size: int) -> dict[str, Any]:
     _step(bn, rank, 0)
     before = _state(bn)
     if rank == 1:
-        _shm.zlib = _TornWrites()  # type: ignore[assignment]
+        _shm._exchange.zlib = _TornWrites()  # type: ignore[assignment]
     result = _attempt(lambda: bn(torch.randn(4, 4, dtype=torch.float64)))
     result["unchanged"] = _same(before, _state(bn))
     return result

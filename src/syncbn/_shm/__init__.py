@@ -1,0 +1,257 @@
+"""Same-machine all_reduce over shared memory, for CPU tensors.
+
+When every rank of a process group runs on one machine, a small CPU
+``all_reduce`` does not need a transport at all: each rank writes its vector
+into its own slot of a shared-memory segment, raises its sequence flag, waits
+until every flag has reached the same sequence number and sums the slots. On a
+2-vCPU machine that takes about 40 us, against 1.5-2 ms for gloo's TCP
+all_reduce of the same 1,025 float64 values (four thread hand-offs per call);
+SyncBatchNorm makes two per layer and step.
+
+The segment (``/dev/shm``, unlinked as soon as every rank has mapped it)::
+
+    header     token (int64) | one 64-byte line per rank: its round number (-1: withdrawn)
+    buffer 0   world_size slots: a 64-byte metadata line, then 64 KiB of data
+    buffer 1   the same
+
+    metadata   round | present | layer<<32 | kind<<16 | sequence | count<<16 | frame
+               | CRC-32 of the data | values in this round | (unused)
+
+The metadata line carries the frame header of :mod:`syncbn.groups` (the
+caller's identity, phase, dtype, call sequence, total size, frame index) and a
+participation flag (0: a rank that only shadows the call, DDP ``Join``). After
+the wait every rank reads every rank's line: the participating ranks must have
+sent the same header, else every rank raises a mismatch error at once (the
+segment stays usable). Every rank copies the slots to private memory and checks
+each participating slot's CRC-32 there before summing the copy: a torn or
+foreign write into a slot is an error, never a silent wrong sum. A vector
+longer than a slot takes several rounds, each with its frame index: the same
+path whatever the size, so ranks can never end up on different transports.
+
+A rank that gives up (timeout, a dead peer, a bad checksum) *withdraws*: it sets
+its flag to -1, and a peer that arrives late sees that and fails too, instead of
+completing the call with the data left behind (there remains a window of
+microseconds in which the late rank read every flag just before the
+withdrawal). With ``SYNCBN_TIMEOUT=none`` the bound is the process group's own
+timeout.
+
+Round ``k`` uses buffer ``k % 2``. A rank writes buffer ``k % 2`` for call ``k``
+only after every rank has raised its flag to ``k - 1``, which each did after
+finishing call ``k - 2``, the previous user of that buffer: two buffers are
+enough. Every rank sums the slots in the same order with the same kernel, so
+every rank gets the same bits.
+
+Ordering: the slot is written before the flag and read after the flags, and
+x86-64 keeps stores in order and loads in order (TSO); this module is used on
+x86-64 Linux only. The wait spins (yielding the core) for a short while, then
+sleeps in growing steps, so a rank that is far behind costs its peers little
+CPU; it gives up after the syncbn timeout, and as soon as a peer process that
+has not arrived no longer exists.
+
+Set-up is collective: :func:`connect` runs on every rank at the same point
+(the first CPU collective of a group) and agrees, over the process group,
+whether the shared-memory path is usable everywhere; if not, every rank keeps
+using the process group. Rank 0 creates the segment only after the first
+exchange has shown every rank present, and unlinks it two exchanges later,
+once every rank has mapped it: the file exists for milliseconds while every
+rank is running, so a job killed at any moment leaves nothing behind; should
+one be killed inside those milliseconds, the next set-up on the machine
+removes every ``syncbn-<pid>-*`` file whose creating process is gone. A
+segment belongs to the process that mapped it: :mod:`syncbn.groups` refuses a
+child forked afterwards. ``SYNCBN_SHM=0`` (or :func:`syncbn.set_shared_memory`)
+turns it off.
+
+The per-call exchange (the layout, :class:`SharedMemorySum`) is in ``_exchange``; this module
+holds the set-up and the lifecycle of segments.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import socket
+import sys
+import zlib
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ._exchange import DTYPE_CODES, SharedMemoryError, SharedMemorySum, _alive, _segment_size  # noqa: F401
+
+__all__ = ["SharedMemorySum", "SharedMemoryError", "connect", "supported"]
+
+
+def supported() -> bool:
+    """Whether this process can use the shared-memory path at all (x86-64 Linux with ``/dev/shm``)."""
+    return (
+        sys.platform.startswith("linux")
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and os.path.isdir("/dev/shm")
+    )
+
+
+def _host_key() -> float:
+    """A 48-bit key of this machine (host name and boot id), exact in float64."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    text = f"{socket.gethostname()}|{boot}".encode()
+    return float((zlib.crc32(text) << 16) | (zlib.adler32(text) & 0xFFFF))
+
+
+def remove_stale(directory: str = "/dev/shm") -> list[str]:
+    """Unlink every ``syncbn-<pid>-*`` segment whose creating process no longer exists.
+
+    Args:
+        directory: where segments live.
+
+    Returns:
+        The paths removed.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "syncbn" or not parts[1].isdigit():
+            continue
+        if int(parts[1]) == os.getpid() or _alive(int(parts[1])):
+            continue
+        path = os.path.join(directory, name)
+        _unlink(path)
+        removed.append(path)
+    return removed
+
+
+def connect(
+    rank: int, world_size: int, enabled: bool, exchange: Callable[[Tensor], Tensor]
+) -> SharedMemorySum | None:
+    """Set up the shared-memory path for one group, collectively; ``None`` where unusable.
+
+    Every rank of the group must call this at the same point. Three rounds of
+    ``exchange`` (a summing all_reduce over the process group) agree on it:
+    every rank is present, wants it and runs on the same machine; then rank 0
+    creates the segment and sends its token; then every rank mapped it and can
+    see every peer's process, and rank 0 unlinks the file. Any failure
+    anywhere means ``None`` on every rank.
+
+    Args:
+        rank: this rank's index in the group.
+        world_size: number of ranks.
+        enabled: this rank's setting (:func:`syncbn.set_shared_memory`); any rank
+            saying no turns the path off for all.
+        exchange: sums a float64 tensor over the group, in place, returning it.
+
+    Returns:
+        The connected :class:`SharedMemorySum`, or ``None``.
+    """
+    want = enabled and supported()
+    created = ""  # rank 0: the file it made, unlinked once every rank has mapped it (or failed)
+    segment: mmap.mmap | None = None
+    size = _segment_size(world_size)
+    try:
+        table = torch.zeros(world_size, 3, dtype=torch.float64)
+        table[rank] = torch.tensor(
+            [1.0 if want else 0.0, _host_key(), float(os.getpid())], dtype=torch.float64
+        )
+        table = exchange(table)
+        if not (bool((table[:, 0] == 1).all()) and bool((table[:, 1] == table[0, 1]).all())):
+            return None
+        pids = [int(p) for p in table[:, 2].tolist()]
+        # Every rank is here: only now does rank 0 create the file (and clear dead jobs' leftovers).
+        offer = torch.zeros(2, dtype=torch.float64)
+        if rank == 0:
+            remove_stale()
+            token = secrets.randbits(48) or 1
+            created = f"/dev/shm/syncbn-{os.getpid()}-{token:012x}"
+            segment = _create(created, size, token)
+            if segment is None:
+                created = ""
+            else:
+                offer[0], offer[1] = 1.0, float(token)
+        offer = exchange(offer)
+        if offer[0].item() != 1:
+            return None
+        token = int(offer[1].item())
+        ok = True
+        if rank != 0:
+            segment = _attach(f"/dev/shm/syncbn-{pids[0]}-{token:012x}", size, token)
+            ok = segment is not None
+        ok = ok and all(_alive(pid) for pid in pids)
+        agreed = exchange(torch.tensor([0.0 if ok else 1.0], dtype=torch.float64))
+        if created:
+            _unlink(created)
+            created = ""
+        if agreed.item() != 0 or segment is None:
+            return None
+        shared = SharedMemorySum(segment, rank, world_size, pids)
+        segment = None
+        return shared
+    finally:
+        if segment is not None:
+            segment.close()
+        if created:
+            _unlink(created)
+
+
+def _create(path: str, size: int, token: int) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        # Reserve every page now: a full /dev/shm (64 MiB in a default container) then fails
+        # here with ENOSPC, not later with SIGBUS on the first write to a missing page.
+        os.posix_fallocate(fd, 0, size)
+        segment = mmap.mmap(fd, size)
+    except OSError:
+        _unlink(path)
+        return None
+    finally:
+        os.close(fd)
+    _write_token(segment, token)
+    return segment
+
+
+def _write_token(segment: mmap.mmap, token: int) -> None:
+    with memoryview(segment) as raw, raw.cast("q") as words:
+        words[0] = token
+
+
+def _read_token(segment: mmap.mmap) -> int:
+    with memoryview(segment) as raw, raw.cast("q") as words:
+        return int(words[0])
+
+
+def _attach(path: str, size: int, token: int) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        segment = mmap.mmap(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if _read_token(segment) != token:
+        segment.close()
+        return None
+    return segment
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,204 @@
+"""The errors of :mod:`syncbn.groups`: :class:`CollectiveError` and the words that name the group.
+
+:class:`Reporting` is the part of :class:`~syncbn.groups.ProcessGroupSum` that describes its group
+and builds the errors (a timeout, a failed transport, a mismatch of the frame headers); the wait
+bound they quote comes from here too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _config, _shm
+from ._frame import describe_fields, differing
+from ._refs import group_ranks
+
+_LIKELY_CAUSES = (
+    "Likely causes: a rank skipped this layer or called the SyncBatchNorm layers in a different "
+    "order (a data-dependent branch, an early `continue`); a rank is in eval mode or has "
+    "freeze=True while the others train; a rank is still busy elsewhere (data loading, "
+    "checkpointing, rank-0-only evaluation): raise the bound with SYNCBN_TIMEOUT=<seconds> or "
+    "syncbn.set_timeout(); a rank died."
+)
+_AFTER_FAILURE = (
+    " The process group is unusable after this error: end the job, or call "
+    "torch.distributed.destroy_process_group(), init_process_group() again and "
+    "syncbn.sync_buffers(model) (see docs/robustness.md, 'Recovery')."
+)
+
+
+class CollectiveError(RuntimeError):
+    """A SyncBatchNorm collective timed out, failed, or the ranks made different calls.
+
+    Args:
+        message: the full explanation (layer, group, time waited, likely causes).
+        timed_out: see below.
+        waited: see below.
+        group_size: see below.
+        detail: the transport's own error text, if any.
+        layer: see below.
+        mismatch: see below.
+
+    Attributes:
+        timed_out: whether the bound on the wait was reached.
+        waited: seconds this rank waited.
+        group_size: number of ranks in the group.
+        layer: the layer's name, or ``None`` before the layer is known.
+        mismatch: the ranks made different collectives at the same point (the
+            frame headers disagree); every rank raises it at once, no state
+            changed, and the group stays usable. Else (a timeout, a dead peer)
+            the group is unusable.
+
+    Example::
+
+        >>> try:
+        ...     loss = criterion(model(x), y)      # a peer skipped a SyncBatchNorm layer
+        ... except syncbn.CollectiveError as exc:
+        ...     print(exc.layer, exc.timed_out, exc.mismatch, f"{exc.waited:.0f} s")
+        ...     raise
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        timed_out: bool,
+        waited: float,
+        group_size: int,
+        detail: str = "",
+        layer: str | None = None,
+        mismatch: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+        self.waited = waited
+        self.group_size = group_size
+        self.detail = detail
+        self.layer = layer
+        self.mismatch = mismatch
+
+    def for_layer(self, layer: str, phase: str) -> CollectiveError:
+        """The same error, its message starting with the layer and the phase."""
+        new = CollectiveError(
+            f"syncbn: layer {layer} ({phase}): {self.args[0]}",
+            timed_out=self.timed_out,
+            waited=self.waited,
+            group_size=self.group_size,
+            detail=self.detail,
+            layer=layer,
+            mismatch=self.mismatch,
+        )
+        new.__cause__ = self.__cause__
+        return new
+
+
+def _pg_timeout(process_group: Any) -> float:
+    """The process group's own timeout in seconds (its backend's options; 1800 if unknown)."""
+    try:
+        group = dist.group.WORLD if process_group is None else process_group
+        backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        return float(backend.options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - any backend without readable options
+        return 1800.0
+
+
+class Reporting:
+    """The group in words and the errors that name it (a base of ``ProcessGroupSum``)."""
+
+    _default: bool
+    _live: weakref.ref[Any]
+    _size: int
+    _rank: int
+    _shared: _shm.SharedMemorySum | None
+    _pg_timeout_s: float | None
+    names: dict[int, str]
+
+    @property
+    def process_group(self) -> Any:
+        """The wrapped process group (``None``: the default group)."""
+        return None if self._default else self._live()
+
+    def _bound_s(self) -> float:
+        """The wait bound: syncbn's, else the process group's own timeout."""
+        bound = _config.get_timeout()
+        if bound is not None:
+            return bound
+        if self._pg_timeout_s is None:
+            self._pg_timeout_s = _pg_timeout(self.process_group)
+        return self._pg_timeout_s
+
+    def describe(self) -> str:
+        """The group in words: size, global ranks (when known) and this member's rank."""
+        try:
+            ranks: Any = group_ranks(self.process_group)
+            if len(ranks) > 16:
+                ranks = f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}]"
+        except Exception:  # noqa: BLE001 - best effort in an error path
+            ranks = "unknown"
+        which = "the default group" if self.process_group is None else "process group"
+        via = ", through shared memory" if self._shared is not None else ""
+        return f"{which} of {self._size} ranks (global ranks {ranks}; this is group rank {self._rank}{via})"
+
+    def _shm_error(self, exc: _shm.SharedMemoryError) -> CollectiveError:
+        if exc.mismatch:
+            sent = "; ".join(
+                f"rank {r}: " + ("absent (shadowing)" if f is None else describe_fields(list(f), self.names))
+                for r, f in enumerate(exc.ranks)
+            )
+            return self._mismatch(f"the ranks disagree on {', '.join(differing(exc.ranks))} ({sent})")
+        if exc.timed_out:
+            return self._error(None, exc.waited, self._bound_s())
+        return self._error(exc, exc.waited, None, failed=str(exc))
+
+    def _error(
+        self, exc: BaseException | None, waited: float, timeout: float | None, failed: str = ""
+    ) -> CollectiveError:
+        text = "" if exc is None else f"{type(exc).__name__}: {exc}".strip()
+        timed_out = exc is None or "timed out" in text.lower() or "timeout" in text.lower()
+        if timeout is not None and waited >= 0.95 * timeout:
+            timed_out = True
+        if failed:
+            timed_out = False
+        if timed_out:
+            bound = "" if timeout is None else f" (bound: {timeout:g} s{self._bound_source()})"
+            head = (
+                f"waited {waited:.1f} s{bound} for the all_reduce over {self.describe()}, "
+                "and not every rank arrived. "
+            )
+            causes = _LIKELY_CAUSES
+        elif failed:
+            head = f"the all_reduce over {self.describe()} failed after {waited:.1f} s: {failed}. "
+            causes = "Check the other ranks' logs for the first error."
+        else:
+            head = (
+                f"the all_reduce over {self.describe()} failed after {waited:.1f} s: "
+                "a peer process most likely died or closed its connection. "
+            )
+            causes = "Check the other ranks' logs for the first error."
+        message = f"{head}{causes}{_AFTER_FAILURE}"
+        if text and not failed:
+            message += f" [{text.splitlines()[0][:300]}]"
+        return CollectiveError(
+            message, timed_out=timed_out, waited=waited, group_size=self._size, detail=text
+        )
+
+    def _bound_source(self) -> str:
+        if _config.get_timeout() is None:
+            return ": the process group's timeout, SYNCBN_TIMEOUT being none"
+        return ": SYNCBN_TIMEOUT/syncbn.set_timeout"
+
+    def _mismatch(self, text: str) -> CollectiveError:
+        message = (
+            f"the ranks of {self.describe()} did not make the same collective: {text}. No state was "
+            "changed and the group is still usable. Every rank must call the SyncBatchNorm layers in "
+            "training in the same order (the same layers, forward then backward); a rank that caught "
+            "an exception between a forward and its backward is out of step. Run every rank with "
+            "SYNCBN_DEBUG=1 to check every call against its layer's name."
+        )
+        return CollectiveError(
+            message, timed_out=False, waited=0.0, group_size=self._size, detail=text, mismatch=True
+        )

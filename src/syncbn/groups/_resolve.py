@@ -1,0 +1,91 @@
+"""Which group a call synchronizes over: :func:`resolve`, its cache, and pickling groups."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from ._frame import SumGroup
+from ._refs import ProcessGroupRef, group_ranks
+from ._sum import ProcessGroupSum
+
+
+def resolve(process_group: Any) -> SumGroup | None:
+    """The group a training call synchronizes over, or ``None`` to run locally.
+
+    Args:
+        process_group: a ``torch.distributed`` process group, a
+            :class:`ProcessGroupRef`, a ready :class:`SumGroup`, or ``None`` for
+            the default group.
+
+    Returns:
+        ``None`` when ``torch.distributed`` is unavailable or not initialised,
+        or the group has a single member: plain batch norm is then exact.
+        Otherwise a :class:`SumGroup`.
+    """
+    # Concrete types first: a runtime Protocol check costs tens of microseconds.
+    if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, ProcessGroupRef)):
+        if type(process_group) in _sum_group_types or isinstance(process_group, SumGroup):
+            _sum_group_types.add(type(process_group))
+            return process_group if process_group.size > 1 else None
+    if not (dist.is_available() and dist.is_initialized()):
+        if _resolved:
+            forget_destroyed()
+        return None
+    if isinstance(process_group, ProcessGroupRef):
+        process_group = process_group.lookup()
+    live = dist.group.WORLD if process_group is None else process_group
+    hit = _resolved.get(id(live))
+    if hit is not None and hit[0]() is live:
+        return hit[1]
+    forget_destroyed()
+    group = ProcessGroupSum(process_group) if dist.get_world_size(process_group) > 1 else None
+    _resolved[id(live)] = (weakref.ref(live), group)
+    return group
+
+
+def forget_destroyed() -> int:
+    """Drop (and close) the cached groups of process groups that no longer exist.
+
+    Runs by itself whenever :func:`resolve` meets a group it has not seen, or
+    ``torch.distributed`` is no longer initialised: after
+    ``destroy_process_group()`` nothing of the old group survives in syncbn.
+
+    Returns:
+        How many cached groups were dropped.
+    """
+    live: set[int] = set()
+    if dist.is_available() and dist.is_initialized():
+        live = {id(g) for g in dist.distributed_c10d._world.pg_map}
+    dropped = 0
+    for key, (ref, group) in list(_resolved.items()):
+        target = ref()
+        if target is None or id(target) not in live:
+            del _resolved[key]
+            if group is not None:
+                group.close()
+            dropped += 1
+    return dropped
+
+
+# Classes whose instances passed the SumGroup protocol check once.
+_sum_group_types: set[type] = set()
+
+# Live process group's id -> (a weak reference to it, its ProcessGroupSum or None for a group of one).
+_resolved: dict[int, tuple[weakref.ref[Any], ProcessGroupSum | None]] = {}
+
+
+def to_picklable(process_group: Any) -> Any:
+    """Replace a live process group by a :class:`ProcessGroupRef` for pickling."""
+    if process_group is None or isinstance(process_group, ProcessGroupRef):
+        return process_group
+    if isinstance(process_group, dist.ProcessGroup):
+        return ProcessGroupRef(group_ranks(process_group))
+    return process_group
+
+
+def is_initialized() -> bool:
+    """Whether ``torch.distributed`` is available and its default group initialised."""
+    return dist.is_available() and dist.is_initialized()

@@ -1,0 +1,306 @@
+"""``ProcessGroupSum``: the :class:`~syncbn.groups.SumGroup` over a ``torch.distributed`` process group.
+
+It chooses the transport per call (the shared memory of :mod:`syncbn._shm` for CPU tensors of
+same-machine ranks, else the process group's frames, :mod:`._transport`), counts the calls (the
+header's sequence field) and guards its lifecycle (forked children, destroyed groups).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _config, _shm
+from ._errors import CollectiveError
+from ._frame import (
+    ANONYMOUS,
+    FAST_DTYPES,
+    HEADER,
+    PAYLOAD,
+    PHASE_CHECK,
+    PHASE_SETUP,
+    ShadowResult,
+    Tag,
+    dtype_code,
+    encode_header,
+    header_fields,
+)
+from ._transport import FramedTransport, _Pending
+
+# Set in a child process by os.register_at_fork: groups made before the fork are the parent's.
+_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ProcessGroupSum(FramedTransport):
+    """:class:`SumGroup` over a ``torch.distributed`` process group, every call framed.
+
+    Args:
+        process_group: the group, or ``None`` for the default (world) group.
+        shared_memory: ``False`` keeps CPU collectives on the process group's
+            transport even where every rank is on one machine; ``None`` follows
+            :func:`syncbn.set_shared_memory` / ``SYNCBN_SHM`` (on by default).
+            Either way the ranks agree collectively at the first CPU collective.
+
+    Example::
+
+        >>> group = ProcessGroupSum()                       # inside an initialised job
+        >>> t = torch.ones(3, dtype=torch.float64)
+        >>> group.all_reduce_sum(t, Tag(layer=7, phase=PHASE_OTHER))  # doctest: +SKIP
+        tensor([2., 2., 2.], dtype=torch.float64)           # on 2 ranks
+    """
+
+    def __init__(self, process_group: Any = None, *, shared_memory: bool | None = None) -> None:
+        # Held weakly: a destroyed process group must not survive in syncbn (its sockets, its fds).
+        self._default = process_group is None
+        self._live: weakref.ref[Any] = weakref.ref(
+            dist.group.WORLD if process_group is None else process_group
+        )
+        self._shared_memory_choice = shared_memory
+        self._size = dist.get_world_size(process_group)
+        self._rank = dist.get_rank(process_group)
+        self._owner = _pid
+        # Same-machine shared-memory path for CPU tensors: connected on the first CPU collective.
+        self._shared: _shm.SharedMemorySum | None = None
+        self._shared_ready = False
+        self._calls = 0  # framed calls made (the header's sequence field)
+        self._frame_cpu: Tensor | None = None
+        self._frame_bytes = bytearray()
+        self._frame_words: Any = None  # a float64 memoryview of _frame_bytes
+        self._payload_views: dict[Any, Tensor] = {}
+        self._dirty = 0  # payload values of _frame_cpu that may be non-zero
+        self._pending: list[_Pending] = []
+        self._pg_timeout_s: float | None = None
+        #: identity -> name of the layers seen by this process, for error messages.
+        self.names: dict[int, str] = {}
+        #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).
+        self.layer_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.last_participants = self._size
+        self.closed = False
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def key(self) -> Any:
+        """The live process group object, for "already verified" bookkeeping (a re-initialised
+        default group is a new object); ``None`` once it was destroyed."""
+        return self._live()
+
+    # ------------------------------------------------------------------ public API
+
+    def all_reduce_sum(
+        self, tensor: Tensor, tag: Tag | None = None, *, deferred: bool | None = None
+    ) -> Tensor:
+        """Sum ``tensor`` in place over the group, framed and checked, waiting at most the bound.
+
+        Args:
+            tensor: the values to sum (any shape; float64, float32, float16 or
+                bfloat16); overwritten with the sum.
+            tag: the call's identity (:class:`Tag`); ``None``: anonymous.
+            deferred: check the summed header at the next call instead of now
+                (no device-to-host synchronisation); ``None``: deferred for
+                accelerator tensors outside debug mode.
+
+        Returns:
+            ``tensor``, now holding the sum.
+
+        Raises:
+            CollectiveError: the ranks made different calls (``mismatch``; every
+                rank, the group stays usable), the wait exceeded the bound, or
+                the transport failed (a peer died); the group is unusable after
+                the latter two.
+
+        Shape:
+            any; the result has the shape of ``tensor``.
+        """
+        return self._framed(tensor, tag or ANONYMOUS, present=True, host_wait=False, deferred=deferred)
+
+    def all_reduce_sum_bounded(self, tensor: Tensor, *, host_wait: bool, tag: Tag | None = None) -> Tensor:
+        """:meth:`all_reduce_sum`, optionally bounding the wait on the host for any device.
+
+        The consistency checks use this with ``host_wait=True`` (and check the
+        header at once): they read the result on the host anyway.
+
+        Args:
+            tensor: the values to sum; overwritten with the sum.
+            host_wait: bound the wait on the host even for an accelerator tensor.
+            tag: the call's identity; ``None``: ``Tag(0, PHASE_CHECK)``.
+
+        Returns:
+            ``tensor``, now holding the sum.
+        """
+        deferred = False if host_wait else None
+        return self._framed(
+            tensor, tag or Tag(0, PHASE_CHECK), present=True, host_wait=host_wait, deferred=deferred
+        )
+
+    def shadow_sum(self, device: torch.device | str = "cpu") -> ShadowResult | None:
+        """Take part in the other ranks' next framed call without contributing (DDP ``Join``).
+
+        Sends absent frames (flag 0, zero payload): the participants' check
+        counts only them, and their sum is unchanged. The first summed frame
+        tells this rank the call's tag, dtype and size, and so how many frames
+        follow; this rank sends that many. A host read, whatever the device
+        (a shadowing rank has nothing else to do).
+
+        Args:
+            device: where the frames live (the device the participants use:
+                ``cpu`` for gloo, the rank's GPU for NCCL).
+
+        Returns:
+            What was shadowed, or ``None`` when no rank participated (every
+            rank is shadowing: the joined ranks are done).
+
+        Raises:
+            CollectiveError: as :meth:`all_reduce_sum`, and when the
+                participants themselves disagree.
+        """
+        dev = torch.device(device)
+        self._enter()
+        self._calls += 1
+        if dev.type == "cpu" and self._shared_path() is not None:
+            shared = self._shared
+            assert shared is not None
+            try:
+                got = shared.shadow(self._bound_s())
+            except _shm.SharedMemoryError as exc:
+                raise self._shm_error(exc) from exc
+            if got is None:
+                self.last_participants = 0
+                return None
+            fields, k, total = got
+            self.last_participants = k
+            return self._shadow_result(fields, k, total)
+        return self._shadow_process_group(dev)
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether this group's CPU collectives go through shared memory (known after its first one)."""
+        return self._shared is not None
+
+    def close(self) -> None:
+        """Release the shared-memory mapping and the cached buffers (the group is not usable afterwards)."""
+        self.closed = True
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+        self._frame_cpu = None
+        self._payload_views = {}
+        if self._frame_words is not None:
+            self._frame_words.release()
+            self._frame_words = None
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ per call
+
+    def _enter(self) -> None:
+        if self._owner != _pid:
+            raise CollectiveError(
+                f"this process (pid {_pid}) was forked from pid {self._owner} after the SyncBatchNorm "
+                f"group over {self.describe()} was set up; a forked child cannot take part in its "
+                "parent's collectives (it would silently join them). Initialise a process group of "
+                "the child's own (or use the 'spawn' start method).",
+                timed_out=False,
+                waited=0.0,
+                group_size=self._size,
+            )
+        if self.closed or self._live() is None:
+            raise CollectiveError(
+                f"the SyncBatchNorm group over {self.describe()} was closed (its process group was "
+                "destroyed)",
+                timed_out=False,
+                waited=0.0,
+                group_size=self._size,
+            )
+        if self._pending:
+            self._check_ready()
+
+    def _shared_path(self) -> _shm.SharedMemorySum | None:
+        return self._shared if self._shared_ready else self._connect_shared()
+
+    def _connect_shared(self) -> _shm.SharedMemorySum | None:
+        """Set up the shared-memory path (collective: every rank's first CPU collective on this group)."""
+        choice = self._shared_memory_choice
+        calls = self._calls
+
+        def exchange(t: Tensor) -> Tensor:
+            self._calls += 1
+            return self._framed_process_group(t, Tag(0, PHASE_SETUP))
+
+        self._shared = _shm.connect(
+            self._rank,
+            self._size,
+            _config.shared_memory_enabled() if choice is None else choice,
+            exchange,
+        )
+        self._calls = calls
+        self._shared_ready = True
+        return self._shared
+
+    def _framed(
+        self, tensor: Tensor, tag: Tag, *, present: bool, host_wait: bool, deferred: bool | None
+    ) -> Tensor:
+        self._enter()
+        self._calls += 1
+        code = dtype_code(tensor.dtype)
+        n = tensor.numel()
+        if tensor.device.type == "cpu":
+            shared = self._shared_path()
+            if shared is not None:
+                fields = header_fields(tag, code, self._calls, n, 0)
+                try:
+                    shared.all_reduce_sum(tensor, self._bound_s(), fields)
+                except _shm.SharedMemoryError as exc:
+                    raise self._shm_error(exc) from exc
+                self.last_participants = shared.last_participants
+                return tensor
+        if deferred is None:
+            deferred = tensor.device.type != "cpu" and not host_wait and not _config.debug_enabled()
+        if (
+            not deferred
+            and present
+            and n <= PAYLOAD
+            and tensor.device.type == "cpu"
+            and tensor.dtype in FAST_DTYPES
+            and not tensor.requires_grad
+            and tensor.is_contiguous()
+        ):
+            return self._one_cpu_frame(tensor, tag, code, n, host_wait)
+        flat = tensor.reshape(-1)
+        frames = max(1, -(-n // PAYLOAD))
+        for i in range(frames):
+            lo, hi = i * PAYLOAD, min(n, (i + 1) * PAYLOAD)
+            mine = header_fields(tag, code, self._calls, n, i)
+            frame = self._frame(tensor.device, encode_header(mine, present), flat[lo:hi])
+            self._all_reduce_process_group(frame, host_wait=host_wait)
+            summed = frame[:HEADER]
+            if deferred:
+                self._defer(summed, mine, tag)
+            else:
+                self._verify(summed.tolist(), mine, tag, deferred=False)
+            flat[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
+        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupSum(rank={self._rank}, size={self._size})"

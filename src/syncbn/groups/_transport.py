@@ -1,0 +1,218 @@
+"""The process-group transport of :mod:`syncbn.groups`: frames of :data:`FRAME` float64 values.
+
+:class:`FramedTransport` is the part of :class:`~syncbn.groups.ProcessGroupSum` that builds a
+frame (header and payload, on a reusable CPU buffer or on the device), runs the bounded
+``all_reduce`` and checks the summed header, at once or deferred (accelerators).
+"""
+
+from __future__ import annotations
+
+import array
+import time
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _config
+from ._errors import CollectiveError, Reporting
+from ._frame import (
+    FRAME,
+    HEADER,
+    PAYLOAD,
+    ShadowResult,
+    Tag,
+    decode_header,
+    describe_fields,
+    dtype_code,
+    encode_header,
+    header_fields,
+    mismatch_message,
+)
+
+
+class _Pending(NamedTuple):
+    """A deferred header check: the summed header on its way to (or in) host memory."""
+
+    summed: Tensor
+    event: Any
+    mine: list[int]
+    tag: Tag
+
+
+class FramedTransport(Reporting):
+    """Framed ``all_reduce`` over the process group (a base of ``ProcessGroupSum``)."""
+
+    _calls: int
+    _frame_cpu: Tensor | None
+    _frame_bytes: bytearray
+    _frame_words: Any
+    _payload_views: dict[Any, Tensor]
+    _dirty: int
+    _pending: list[_Pending]
+    last_participants: int
+
+    def check_pending(self) -> None:
+        """Check every deferred header now (waits for their copies to land).
+
+        Raises:
+            CollectiveError: a deferred call's ranks disagreed.
+        """
+        pending, self._pending = self._pending, []
+        for item in pending:
+            if item.event is not None:
+                item.event.synchronize()
+            self._verify(item.summed.tolist(), item.mine, item.tag, deferred=True)
+
+    def _check_ready(self) -> None:
+        pending, self._pending = self._pending, []
+        for i, item in enumerate(pending):
+            if item.event is not None and not item.event.query():
+                self._pending.append(item)
+                continue
+            try:
+                self._verify(item.summed.tolist(), item.mine, item.tag, deferred=True)
+            except CollectiveError:
+                self._pending.extend(pending[i + 1 :])
+                raise
+
+    def _one_cpu_frame(self, tensor: Tensor, tag: Tag, code: int, n: int, host_wait: bool) -> Tensor:
+        """The common case, a CPU vector that fits one frame: header through a memoryview, no tensor op."""
+        mine = header_fields(tag, code, self._calls, n, 0)
+        head = encode_header(mine, True)
+        frame, words = self._cpu_frame()
+        payload = self._payload_views.get(tensor.shape)
+        if payload is None:
+            payload = self._payload_views[tensor.shape] = frame[HEADER : HEADER + n].view(tensor.shape)
+        words[:HEADER] = array.array("d", head)
+        payload.copy_(tensor)
+        if self._dirty > n:
+            frame[HEADER + n : HEADER + self._dirty].zero_()
+        self._dirty = n
+        self._all_reduce_process_group(frame, host_wait=host_wait)
+        summed: list[float] = words[:HEADER].tolist()
+        size = self._size
+        if summed != [v * size for v in head]:  # not every rank sent this very header: find out what
+            self._verify(summed, mine, tag, deferred=False)
+        self.last_participants = int(summed[0])
+        tensor.copy_(payload)
+        return tensor
+
+    def _cpu_frame(self) -> tuple[Tensor, Any]:
+        """The reusable CPU frame and a float64 memoryview of the same memory."""
+        if self._frame_cpu is None:
+            self._frame_bytes = bytearray(FRAME * 8)
+            self._frame_cpu = torch.frombuffer(self._frame_bytes, dtype=torch.float64)
+            self._frame_words = memoryview(self._frame_bytes).cast("d")
+            self._payload_views = {}
+            self._dirty = 0
+        assert self._frame_words is not None
+        return self._frame_cpu, self._frame_words
+
+    def _frame(self, device: torch.device, header: list[float], chunk: Tensor) -> Tensor:
+        m = chunk.numel()
+        if device.type == "cpu":
+            frame = self._cpu_frame()[0]
+            frame[:HEADER] = torch.tensor(header, dtype=torch.float64)
+            frame[HEADER : HEADER + m] = chunk
+            if self._dirty > m:
+                frame[HEADER + m : HEADER + self._dirty].zero_()
+            self._dirty = m
+            return frame
+        frame = torch.zeros(FRAME, dtype=torch.float64, device=device)
+        head = torch.tensor(header, dtype=torch.float64)
+        if device.type == "cuda":
+            head = head.pin_memory()
+        frame[:HEADER].copy_(head, non_blocking=True)
+        frame[HEADER : HEADER + m].copy_(chunk)
+        return frame
+
+    def _defer(self, summed: Tensor, mine: list[int], tag: Tag) -> None:
+        event = None
+        if summed.device.type == "cuda":
+            host = torch.empty(HEADER, dtype=torch.float64).pin_memory()
+            host.copy_(summed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = summed.to("cpu", copy=True)
+        self._pending.append(_Pending(host, event, mine, tag))
+        if len(self._pending) > 64:  # never let them pile up unchecked
+            self.check_pending()
+
+    def _verify(self, summed: list[float], mine: list[int], tag: Tag, *, deferred: bool) -> None:
+        agreement = decode_header(summed, self._size)
+        self.last_participants = agreement.participants
+        if all(v is not None for v in agreement.values):
+            return
+        text = mismatch_message(mine, agreement, self.names)
+        if deferred:
+            text = (
+                f"(found by the deferred check of an earlier call, whose result has already been used) {text}"
+            )
+        raise self._mismatch(text)
+
+    def _shadow_result(self, fields: list[int], k: int, total: Tensor) -> ShadowResult:
+        tag = Tag((fields[0] << 16) | fields[1], fields[2] // 16)
+        return ShadowResult(tag, fields[2] % 16, (fields[4] << 16) | fields[5], k, total)
+
+    def _shadow_process_group(self, dev: torch.device) -> ShadowResult | None:
+        """:meth:`ProcessGroupSum.shadow_sum` on the process-group transport."""
+        frame = torch.zeros(FRAME, dtype=torch.float64, device=dev)
+        self._all_reduce_process_group(frame, host_wait=True)
+        agreement = decode_header(frame[:HEADER].tolist(), self._size)
+        if agreement.participants == 0:
+            self.last_participants = 0
+            return None
+        if any(v is None for v in agreement.values):
+            raise self._mismatch(
+                "the participating ranks disagree among themselves: "
+                + describe_fields(agreement.values, self.names)
+            )
+        fields = [int(v) for v in agreement.values if v is not None]
+        count = (fields[4] << 16) | fields[5]
+        total = torch.empty(count, dtype=torch.float64, device=dev)
+        frames = max(1, -(-count // PAYLOAD))
+        for i in range(frames):
+            if i:
+                frame.zero_()
+                self._all_reduce_process_group(frame, host_wait=True)
+            lo, hi = i * PAYLOAD, min(count, (i + 1) * PAYLOAD)
+            total[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
+        self.last_participants = agreement.participants
+        return self._shadow_result(fields, agreement.participants, total)
+
+    def _framed_process_group(self, tensor: Tensor, tag: Tag) -> Tensor:
+        flat = tensor.reshape(-1)
+        n = flat.numel()
+        code = dtype_code(tensor.dtype)
+        for i in range(max(1, -(-n // PAYLOAD))):
+            lo, hi = i * PAYLOAD, min(n, (i + 1) * PAYLOAD)
+            mine = header_fields(tag, code, self._calls, n, i)
+            frame = self._frame(tensor.device, encode_header(mine, True), flat[lo:hi])
+            self._all_reduce_process_group(frame, host_wait=True)
+            self._verify(frame[:HEADER].tolist(), mine, tag, deferred=False)
+            flat[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor
+
+    def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
+        delta = _config.timeout_delta()
+        if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
+            start = time.monotonic()
+            try:
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+            except Exception as exc:  # noqa: BLE001 - re-raised with context
+                raise self._error(exc, time.monotonic() - start, None) from exc
+            return tensor
+        start = time.monotonic()
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            finished = work.wait(timeout=delta)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise self._error(exc, time.monotonic() - start, _config.get_timeout()) from exc
+        if finished is False:  # some backends report a timeout by returning False
+            raise self._error(None, time.monotonic() - start, _config.get_timeout())
+        return tensor
