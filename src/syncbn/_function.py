@@ -14,6 +14,7 @@ below two is such a rank, so all of them take the same decision.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -182,12 +183,112 @@ def finish_input_grad(
     return _math.input_grad(grad_output, x, weight, mean, var, eps, total, reduced)
 
 
+class _Pending:
+    """What a forward computed for its ``setup_context``: the statistics and the counts.
+
+    ``torch.func`` needs the ``setup_context`` form of an autograd function, whose
+    ``forward`` has no ``ctx``; the forward fills this per-call box instead (one
+    small object, no extra outputs for autograd to track).
+    """
+
+    __slots__ = ("mean", "var", "total", "count", "call")
+
+    def __init__(self) -> None:
+        self.mean: Tensor | None = None
+        self.var: Tensor | None = None
+        self.total: float | Tensor = 0.0
+        self.count = 0
+        self.call = 0
+
+
+_fallback = threading.local()
+
+
+class _DifferentiableSum(torch.autograd.Function):
+    """``all_reduce`` SUM as a differentiable function: its adjoint is itself.
+
+    Used only on the double-backward path (``create_graph=True``): each
+    backward is again an all_reduce through :func:`_all_reduce`, so gradients
+    of any order flow across ranks.
+    """
+
+    @staticmethod
+    def forward(tensor: Tensor, group: SumGroup, layer: Any, phase: str) -> Tensor:  # type: ignore[override]
+        return _all_reduce(group, tensor.detach().contiguous().clone(), layer, phase)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.group, ctx.layer, ctx.phase = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        summed: Tensor = _DifferentiableSum.apply(grad, ctx.group, ctx.layer, ctx.phase)
+        return summed, None, None, None
+
+
+def differentiable_input_grads(
+    grad_output: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    total: float | Tensor,
+    group: SumGroup,
+    layer: Any,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
+
+    The double-backward path. The global mean and variance are rebuilt from a
+    differentiable all_reduce of ``[sum x, sum x^2]`` (their values are the
+    forward's, exactly; only their derivatives come from the rebuild), and the
+    backward sums go through a differentiable all_reduce too: two collectives,
+    on every rank alike, where the first-order backward makes one.
+    """
+    stat = mean.dtype
+    dims = [0, *range(2, x.dim())]
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    if isinstance(total, Tensor):
+        n: float | Tensor = total.to(torch.float64)
+    else:
+        n = float(total)
+    x64 = x.to(torch.float64)
+    sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
+    s, q = _DifferentiableSum.apply(sums, group, layer, "forward (recomputed for double backward)").unbind(0)
+    mean_d = s / n
+    var_d = q / n - mean_d * mean_d
+    # The forward's exact values, with the rebuilt statistics' derivatives.
+    mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
+    var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
+    invstd = (var_v + eps).rsqrt()
+    xhat = (x.to(stat) - mean_v.view(shape)) * invstd.view(shape)
+    dy = grad_output.to(stat)
+    sum_dy = dy.sum(dims)
+    sum_dy_xhat = (dy * xhat).sum(dims)
+    local = torch.stack([sum_dy, sum_dy_xhat])
+    reduced = _DifferentiableSum.apply(
+        local.float() if local.dtype in (torch.float16, torch.bfloat16) else local, group, layer, "backward"
+    ).to(stat)
+    scale = invstd if weight is None else invstd * weight.to(stat)
+    grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
+    return grad_input.to(x.dtype), sum_dy_xhat, sum_dy
+
+
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm whose statistics span every member of ``group``."""
+    """Training-mode batch norm whose statistics span every member of ``group``.
+
+    In the ``setup_context`` form, so ``torch.func.grad`` (and ``jacrev``,
+    ``vjp``) can run through it; ``vmap`` raises (a per-sample collective has no
+    meaning). Its backward is differentiable when run with
+    ``create_graph=True`` (double backward): the collectives are then
+    themselves differentiable all_reduces.
+
+    ``box`` is a fresh :class:`_Pending` per call (``functional.sync_batch_norm``
+    passes one).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
         x: Tensor,
         weight: Tensor | None,
         bias: Tensor | None,
@@ -197,6 +298,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         group: SumGroup,
         layer: Any = None,
+        box: _Pending | None = None,
     ) -> Tensor:
         call = _checks.before_forward(group, layer, x)
         result = synchronized_forward(
@@ -210,22 +312,44 @@ class SyncBatchNormFunction(torch.autograd.Function):
             lambda packed: _all_reduce(group, packed, layer, "forward"),
             lambda: _expected_more_than_one(x, group, layer),
         )
-        ctx.save_for_backward(x, weight, result.mean, result.var)
-        ctx.total = result.total
-        ctx.count = result.local_count
-        ctx.param_dtype = (
-            weight.dtype if weight is not None else (bias.dtype if bias is not None else result.mean.dtype)
-        )
-        ctx.eps = eps
-        ctx.group = group
-        ctx.layer = layer
-        ctx.call = call
+        if box is None:  # a caller without its own box (the forward and setup_context run back to back)
+            box = _fallback.box = _Pending()
+        box.mean, box.var, box.total = result.mean, result.var, result.total
+        box.count, box.call = result.local_count, call
         return result.out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        x, weight, bias = inputs[0], inputs[1], inputs[2]
+        box = inputs[9] if inputs[9] is not None else _fallback.box
+        ctx.save_for_backward(x, weight, box.mean, box.var)
+        ctx.total = box.total
+        ctx.count = box.count
+        ctx.param_dtype = (
+            weight.dtype if weight is not None else (bias.dtype if bias is not None else box.mean.dtype)
+        )
+        ctx.eps = inputs[5]
+        ctx.group = inputs[7]
+        ctx.layer = inputs[8]
+        ctx.call = box.call
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, mean, var = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled() and ctx.total:
+            # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
+            # differentiable. Every rank takes this branch alike (same create_graph, same global count).
+            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+            gi, gw, gb = differentiable_input_grads(
+                grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
+            )
+            return (
+                gi if need_input else None,
+                gw.to(ctx.param_dtype) if need_weight else None,
+                gb.to(ctx.param_dtype) if need_bias else None,
+                *(None,) * 7,
+            )
         sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
 
         grad_input = None
@@ -238,4 +362,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
         grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
         grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
+        raise NotImplementedError(
+            "syncbn: torch.func.vmap over a synchronised SyncBatchNorm in training is not supported "
+            "(each vmapped sample would need its own collective across ranks). Use the layer in eval "
+            "mode, or outside a process group, under vmap; torch.func.grad/vjp/jacrev are supported."
+        )

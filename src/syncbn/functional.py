@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
-from ._function import SyncBatchNormFunction
+from ._function import SyncBatchNormFunction, _Pending
 
 __all__ = ["sync_batch_norm", "check_input"]
 
@@ -129,6 +129,6 @@ def sync_batch_norm(
     if group is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
     out: Tensor = SyncBatchNormFunction.apply(
-        input, weight, bias, running_mean, running_var, eps, momentum, group, layer
+        input, weight, bias, running_mean, running_var, eps, momentum, group, layer, _Pending()
     )
     return out
