@@ -12,6 +12,7 @@ from ._config import (
 )
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .groups import CollectiveError
+from .join import JoinableSyncBatchNorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __version__ = "0.1.0"
@@ -33,5 +34,6 @@ __all__ = [
     "shared_memory_enabled",
     "name_layers",
     "CollectiveError",
+    "JoinableSyncBatchNorm",
     "__version__",
 ]

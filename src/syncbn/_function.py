@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, _math
-from .groups import CollectiveError, SumGroup
+from .groups import CollectiveError, ProcessGroupSum, SumGroup
 
 __all__ = [
     "ForwardResult",
@@ -56,8 +56,16 @@ def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueErro
     )
 
 
+# The active syncbn.join.JoinableSyncBatchNorm while a Join context holds one, else None.
+_joining: Any = None
+
+
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
     try:
+        if _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None:
+            # Under Join: through the joinable's own group, a joined rank shadowing (syncbn.join).
+            result: Tensor = _joining.all_reduce(tensor)
+            return result
         return group.all_reduce_sum(tensor)
     except CollectiveError as exc:
         raise exc.for_layer(_checks.layer_name(layer), phase) from exc.__cause__
@@ -300,7 +308,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         layer: Any = None,
         box: _Pending | None = None,
     ) -> Tensor:
-        call = _checks.before_forward(group, layer, x)
+        # Under Join the collective's header checks the ranks agree (syncbn.join).
+        call = _checks.before_forward(group, layer, x) if _joining is None else 0
         result = synchronized_forward(
             x,
             weight,
@@ -340,7 +349,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if torch.is_grad_enabled() and ctx.total:
             # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
             # differentiable. Every rank takes this branch alike (same create_graph, same global count).
-            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+            if _joining is None:
+                _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
             gi, gw, gb = differentiable_input_grads(
                 grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
             )
@@ -354,7 +364,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
         grad_input = None
         if need_input:
-            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+            if _joining is None:
+                _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
             reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
             grad_input = finish_input_grad(
                 grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
