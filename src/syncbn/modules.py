@@ -138,10 +138,14 @@ class SyncBatchNorm(_BatchNorm):
             )
 
         # Activation checkpointing recomputes this forward inside the backward pass: the
-        # statistics are synchronised again (the same values), the running ones not updated again.
+        # statistics are synchronised again (the same values); the running ones are updated
+        # with a factor of 0 (unchanged, and the same tensors saved for backward as the first
+        # forward, which non-reentrant checkpointing checks), num_batches_tracked not at all.
         recomputing = self.training and not torch.compiler.is_compiling() and _in_backward()
         tracking = self.training and self.track_running_stats and not recomputing
-        if self.momentum is None:
+        if recomputing:
+            factor = 0.0
+        elif self.momentum is None:
             # Cumulative moving average, as nn.BatchNorm: 1 / (batches seen, this one included).
             seen = self.num_batches_tracked
             factor = 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
@@ -174,8 +178,8 @@ class SyncBatchNorm(_BatchNorm):
             self.process_group = self.process_group.lookup()
         out = sync_batch_norm(
             input,
-            self.running_mean if tracking else None,
-            self.running_var if tracking else None,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
             self.weight,
             self.bias,
             True,
