@@ -14,7 +14,6 @@ below two is such a rank, so all of them take the same decision.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -192,24 +191,13 @@ def finish_input_grad(
 
 
 class _Pending:
-    """What a forward computed for its ``setup_context``: the statistics and the counts.
+    """A forward's result, handed to ``setup_context`` (whose ``forward`` has no ``ctx``)."""
 
-    ``torch.func`` needs the ``setup_context`` form of an autograd function, whose
-    ``forward`` has no ``ctx``; the forward fills this per-call box instead (one
-    small object, no extra outputs for autograd to track).
-    """
-
-    __slots__ = ("mean", "var", "total", "count", "call")
+    __slots__ = ("result", "call")
 
     def __init__(self) -> None:
-        self.mean: Tensor | None = None
-        self.var: Tensor | None = None
-        self.total: float | Tensor = 0.0
-        self.count = 0
+        self.result: Any = None
         self.call = 0
-
-
-_fallback = threading.local()
 
 
 class _DifferentiableSum(torch.autograd.Function):
@@ -282,17 +270,128 @@ def differentiable_input_grads(
     return grad_input.to(x.dtype), sum_dy_xhat, sum_dy
 
 
+def run_forward(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    eps: float,
+    momentum: float,
+    group: SumGroup,
+    layer: Any,
+) -> tuple[ForwardResult, int]:
+    """The synchronised training forward over ``group``, and the debug call number."""
+    # Under Join the collective's header checks the ranks agree (syncbn.join).
+    call = _checks.before_forward(group, layer, x) if _joining is None else 0
+    result = synchronized_forward(
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        eps,
+        momentum,
+        lambda packed: _all_reduce(group, packed, layer, "forward"),
+        lambda: _expected_more_than_one(x, group, layer),
+    )
+    return result, call
+
+
+def _save(
+    ctx: Any,
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    result: ForwardResult,
+    eps: float,
+    group: SumGroup,
+    layer: Any,
+    call: int,
+) -> None:
+    ctx.save_for_backward(x, weight, result.mean, result.var)
+    ctx.total = result.total
+    ctx.count = result.local_count
+    ctx.param_dtype = (
+        weight.dtype if weight is not None else (bias.dtype if bias is not None else result.mean.dtype)
+    )
+    ctx.eps = eps
+    ctx.group = group
+    ctx.layer = layer
+    ctx.call = call
+
+
+def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    x, weight, mean, var = ctx.saved_tensors
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    if torch.is_grad_enabled() and ctx.total:
+        # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
+        # differentiable. Every rank takes this branch alike (same create_graph, same global count).
+        if _joining is None:
+            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+        gi, gw, gb = differentiable_input_grads(
+            grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
+        )
+        return (
+            gi if need_input else None,
+            gw.to(ctx.param_dtype) if need_weight else None,
+            gb.to(ctx.param_dtype) if need_bias else None,
+        )
+    sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
+
+    grad_input = None
+    if need_input:
+        if _joining is None:
+            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+        reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
+        grad_input = finish_input_grad(
+            grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
+        )
+
+    grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
+    grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
+    return grad_input, grad_weight, grad_bias
+
+
 class SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm whose statistics span every member of ``group``.
 
-    In the ``setup_context`` form, so ``torch.func.grad`` (and ``jacrev``,
-    ``vjp``) can run through it; ``vmap`` raises (a per-sample collective has no
-    meaning). Its backward is differentiable when run with
-    ``create_graph=True`` (double backward): the collectives are then
-    themselves differentiable all_reduces.
+    Its backward is differentiable when run with ``create_graph=True`` (double
+    backward): the collectives are then themselves differentiable all_reduces.
+    The eager form (``forward`` takes ``ctx``: ``setup_context`` functions pay an
+    ``inspect.signature`` bind per call, ~0.15 ms); under ``torch.func``
+    transforms :class:`TransformableSyncBatchNormFunction` runs instead.
+    """
 
-    ``box`` is a fresh :class:`_Pending` per call (``functional.sync_batch_norm``
-    passes one).
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        eps: float,
+        momentum: float,
+        group: SumGroup,
+        layer: Any = None,
+    ) -> Tensor:
+        result, call = run_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, layer)
+        _save(ctx, x, weight, bias, result, eps, group, layer, call)
+        return result.out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (*_backward(ctx, grad_output), None, None, None, None, None, None)
+
+
+class TransformableSyncBatchNormFunction(torch.autograd.Function):
+    """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs.
+
+    ``torch.func.grad`` (and ``vjp``, ``jacrev``) run through it (their backward
+    is the differentiable one); ``vmap`` raises (a per-sample collective has no
+    meaning). ``box`` is a fresh :class:`_Pending` per call: the forward's
+    statistics for ``setup_context``.
     """
 
     @staticmethod
@@ -305,75 +404,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
         eps: float,
         momentum: float,
         group: SumGroup,
-        layer: Any = None,
-        box: _Pending | None = None,
+        layer: Any,
+        box: _Pending,
     ) -> Tensor:
-        # Under Join the collective's header checks the ranks agree (syncbn.join).
-        call = _checks.before_forward(group, layer, x) if _joining is None else 0
-        result = synchronized_forward(
-            x,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            eps,
-            momentum,
-            lambda packed: _all_reduce(group, packed, layer, "forward"),
-            lambda: _expected_more_than_one(x, group, layer),
+        box.result, box.call = run_forward(
+            x, weight, bias, running_mean, running_var, eps, momentum, group, layer
         )
-        if box is None:  # a caller without its own box (the forward and setup_context run back to back)
-            box = _fallback.box = _Pending()
-        box.mean, box.var, box.total = result.mean, result.var, result.total
-        box.count, box.call = result.local_count, call
-        return result.out
+        return box.result.out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, weight, bias = inputs[0], inputs[1], inputs[2]
-        box = inputs[9] if inputs[9] is not None else _fallback.box
-        ctx.save_for_backward(x, weight, box.mean, box.var)
-        ctx.total = box.total
-        ctx.count = box.count
-        ctx.param_dtype = (
-            weight.dtype if weight is not None else (bias.dtype if bias is not None else box.mean.dtype)
-        )
-        ctx.eps = inputs[5]
-        ctx.group = inputs[7]
-        ctx.layer = inputs[8]
-        ctx.call = box.call
+        x, weight, bias, _, _, eps, _, group, layer, box = inputs
+        _save(ctx, x, weight, bias, box.result, eps, group, layer, box.call)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, weight, mean, var = ctx.saved_tensors
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled() and ctx.total:
-            # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
-            # differentiable. Every rank takes this branch alike (same create_graph, same global count).
-            if _joining is None:
-                _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-            gi, gw, gb = differentiable_input_grads(
-                grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
-            )
-            return (
-                gi if need_input else None,
-                gw.to(ctx.param_dtype) if need_weight else None,
-                gb.to(ctx.param_dtype) if need_bias else None,
-                *(None,) * 7,
-            )
-        sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
-
-        grad_input = None
-        if need_input:
-            if _joining is None:
-                _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-            reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
-            grad_input = finish_input_grad(
-                grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
-            )
-
-        grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
-        grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None)
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:

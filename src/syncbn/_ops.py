@@ -93,13 +93,12 @@ def _forward_op(
     dtype = _function.statistics_dtype(x, weight, None)
     batch_mean = x.new_zeros(x.shape[1], dtype=dtype)
     batch_var = x.new_zeros(x.shape[1], dtype=dtype)
-    box = _function._Pending()
-    out = _function.SyncBatchNormFunction.forward(
-        x, weight, bias, batch_mean, batch_var, eps, 1.0, _groups[group], _layer(layer), box
+    result, _ = _function.run_forward(
+        x, weight, bias, batch_mean, batch_var, eps, 1.0, _groups[group], _layer(layer)
     )
-    assert box.mean is not None and box.var is not None
-    total = box.total if isinstance(box.total, Tensor) else torch.tensor(box.total, dtype=torch.float64)
-    return out, box.mean.clone(), box.var.clone(), batch_var, total.clone()
+    total = result.total
+    total = total.clone() if isinstance(total, Tensor) else torch.tensor(total, dtype=torch.float64)
+    return result.out, result.mean.clone(), result.var.clone(), batch_var, total
 
 
 @_forward_op.register_fake
