@@ -79,6 +79,12 @@ def _train_side_by_side(
     return worst
 
 
+def _compiled_calls() -> int:
+    from syncbn import _ops
+
+    return _ops.calls
+
+
 def _distributed(rank: int, world_size: int) -> dict[str, Any]:
     import torch._dynamo
 
@@ -91,12 +97,15 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
         out[f"breaks {name}"] = torch._dynamo.explain(build())(x).graph_break_count
 
     # fullgraph=True, uneven and empty batches, train/eval switches, several steps.
+    torch._dynamo.reset()
+    before = _compiled_calls()
     eager = _mlp()
     compiled = copy.deepcopy(eager)
     out["fullgraph"] = _train_side_by_side(
         eager, torch.compile(compiled, fullgraph=True), (eager, compiled), rank, STEPS, ((3,), (4,))
     )
     out["num_batches_tracked"] = int(compiled[1].num_batches_tracked)
+    out["op calls fullgraph"] = _compiled_calls() - before  # the compiled path really ran
 
     # Double backward through the compiled graph: torch's own clear error, never a wrong gradient.
     x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
@@ -111,6 +120,8 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
     # DDP around a compiled model, and a compiled DDP model, against eager DDP.
     conv_steps = ((2, 3), (3, 2), (2, 3))
     for name in ("DDP(compile(m))", "compile(DDP(m))"):
+        torch._dynamo.reset()
+        before = _compiled_calls()
         eager_m = _conv()
         comp_m = copy.deepcopy(eager_m)
         eager_ddp = nn.parallel.DistributedDataParallel(eager_m)
@@ -121,6 +132,7 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
         out[name] = _train_side_by_side(
             eager_ddp, comp, (eager_m, comp_m), rank, conv_steps, ((3, 8, 8), (8, 6, 6))
         )
+        out[f"op calls {name}"] = _compiled_calls() - before
     dist.barrier()
     return out
 
@@ -144,9 +156,12 @@ def test_no_graph_break_under_a_group(key: str) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("key", ["fullgraph", "DDP(compile(m))", "compile(DDP(m))"])
 def test_compiled_equals_eager_on_two_ranks(key: str) -> None:
+    steps = len(STEPS) if key == "fullgraph" else 3
     for rank, result in enumerate(_results()):
         assert result[key] <= 1e-12, f"rank {rank}: {key} differs by {result[key]:.3g}"
         assert result["num_batches_tracked"] == len(STEPS)
+        # Every training step of every layer went through the compiled operator (no eager fallback).
+        assert result[f"op calls {key}"] == steps * (2 if key == "fullgraph" else 1), result
 
 
 @pytest.mark.timeout(600)

@@ -38,6 +38,7 @@ _groups: list[Any] = [None]  # handle -> SumGroup (0: no group, run locally)
 _group_ids: dict[int, int] = {}  # id(SumGroup) -> handle
 _layers: dict[int, weakref.ref[Any]] = {}  # handle -> layer
 _layer_handles: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+calls = 0  # how many times the compiled forward operator ran (diagnostics, tests)
 _previous_total: Tensor | None = None  # the last compiled call's count output (an ordering token)
 
 
@@ -90,6 +91,8 @@ def _forward_op(
     in program order even where the compiler sees no other one (an empty
     local batch makes every tensor between two layers an empty allocation).
     """
+    global calls
+    calls += 1
     dtype = _function.statistics_dtype(x, weight, None)
     batch_mean = x.new_zeros(x.shape[1], dtype=dtype)
     batch_var = x.new_zeros(x.shape[1], dtype=dtype)
