@@ -10,6 +10,13 @@ looking. Only a rank holding zero or one value per channel reads the global
 count back (``.item()``), to decide between an empty batch, the "more than one
 value per channel" error and the normal path. Every rank whose global count is
 below two is such a rank, so all of them take the same decision.
+
+Three entry points share this code: :class:`SyncBatchNormFunction` (eager),
+:class:`TransformableSyncBatchNormFunction` (the ``setup_context`` form, used
+only under ``torch.func`` transforms) and the opaque operators of
+:mod:`syncbn._ops` (used only while ``torch.compile`` traces). With
+``create_graph=True`` the backward is differentiable (double backward): its
+collectives are then differentiable all_reduces (:class:`_DifferentiableSum`).
 """
 
 from __future__ import annotations
