@@ -12,6 +12,7 @@ from ._config import (
 )
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .groups import CollectiveError
+from .join import JoinableSyncBatchNorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 from .recovery import sync_buffers
 from .stats import recompute_running_stats, sync_running_stats
@@ -38,5 +39,6 @@ __all__ = [
     "name_layers",
     "CollectiveError",
     "sync_buffers",
+    "JoinableSyncBatchNorm",
     "__version__",
 ]

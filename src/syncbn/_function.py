@@ -10,6 +10,13 @@ looking. Only a rank holding zero or one value per channel reads the global
 count back (``.item()``), to decide between an empty batch, the "more than one
 value per channel" error and the normal path. Every rank whose global count is
 below two is such a rank, so all of them take the same decision.
+
+Three entry points share this code: :class:`SyncBatchNormFunction` (eager),
+:class:`TransformableSyncBatchNormFunction` (the ``setup_context`` form, used
+only under ``torch.func`` transforms) and the opaque operators of
+:mod:`syncbn._ops` (used only while ``torch.compile`` traces). With
+``create_graph=True`` the backward is differentiable (double backward): its
+collectives are then differentiable all_reduces (:class:`_DifferentiableSum`).
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueErro
 
 _PHASE_CODES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
 
+# The active syncbn.join.JoinableSyncBatchNorm while a Join context holds one, else None.
+_joining: Any = None
+
 
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
     """Sum ``tensor`` over ``group``, framed with the call's identity (:mod:`syncbn.groups`).
@@ -76,6 +86,10 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
     that no device-to-host synchronisation is added; debug mode checks at once.
     """
     try:
+        if _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None:
+            # Under Join: through the joinable's own group, a joined rank shadowing (syncbn.join).
+            result: Tensor = _joining.all_reduce(tensor)
+            return result
         if type(group) is ProcessGroupSum:
             tag = Tag(_checks.layer_identity(layer, group), _PHASE_CODES.get(phase, PHASE_OTHER))
             deferred = not _host_side(tensor) and not _config.debug_enabled()
@@ -205,8 +219,178 @@ def finish_input_grad(
     return _math.input_grad(grad_output, x, weight, mean, var, eps, total, reduced)
 
 
+class _Pending:
+    """A forward's result, handed to ``setup_context`` (whose ``forward`` has no ``ctx``)."""
+
+    __slots__ = ("result", "call")
+
+    def __init__(self) -> None:
+        self.result: Any = None
+        self.call = 0
+
+
+class _DifferentiableSum(torch.autograd.Function):
+    """``all_reduce`` SUM as a differentiable function: its adjoint is itself.
+
+    Used only on the double-backward path (``create_graph=True``): each
+    backward is again an all_reduce through :func:`_all_reduce`, so gradients
+    of any order flow across ranks.
+    """
+
+    @staticmethod
+    def forward(tensor: Tensor, group: SumGroup, layer: Any, phase: str) -> Tensor:  # type: ignore[override]
+        return _all_reduce(group, tensor.detach().contiguous().clone(), layer, phase)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.group, ctx.layer, ctx.phase = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        summed: Tensor = _DifferentiableSum.apply(grad, ctx.group, ctx.layer, ctx.phase)
+        return summed, None, None, None
+
+
+def differentiable_input_grads(
+    grad_output: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    total: float | Tensor,
+    group: SumGroup,
+    layer: Any,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
+
+    The double-backward path. The global mean and variance are rebuilt from a
+    differentiable all_reduce of ``[sum x, sum x^2]`` (their values are the
+    forward's, exactly; only their derivatives come from the rebuild), and the
+    backward sums go through a differentiable all_reduce too: two collectives,
+    on every rank alike, where the first-order backward makes one.
+    """
+    stat = mean.dtype
+    dims = [0, *range(2, x.dim())]
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    if isinstance(total, Tensor):
+        n: float | Tensor = total.to(torch.float64)
+    else:
+        n = float(total)
+    x64 = x.to(torch.float64)
+    sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
+    s, q = _DifferentiableSum.apply(sums, group, layer, "forward (recomputed for double backward)").unbind(0)
+    mean_d = s / n
+    var_d = q / n - mean_d * mean_d
+    # The forward's exact values, with the rebuilt statistics' derivatives.
+    mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
+    var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
+    invstd = (var_v + eps).rsqrt()
+    xhat = (x.to(stat) - mean_v.view(shape)) * invstd.view(shape)
+    dy = grad_output.to(stat)
+    sum_dy = dy.sum(dims)
+    sum_dy_xhat = (dy * xhat).sum(dims)
+    local = torch.stack([sum_dy, sum_dy_xhat])
+    reduced = _DifferentiableSum.apply(
+        local.float() if local.dtype in (torch.float16, torch.bfloat16) else local, group, layer, "backward"
+    ).to(stat)
+    scale = invstd if weight is None else invstd * weight.to(stat)
+    grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
+    return grad_input.to(x.dtype), sum_dy_xhat, sum_dy
+
+
+def run_forward(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    eps: float,
+    momentum: float,
+    group: SumGroup,
+    layer: Any,
+) -> tuple[ForwardResult, int]:
+    """The synchronised training forward over ``group``, and the debug call number."""
+    # Under Join the collective's header checks the ranks agree (syncbn.join).
+    call = _checks.before_forward(group, layer, x) if _joining is None else 0
+    result = synchronized_forward(
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        eps,
+        momentum,
+        lambda packed: _all_reduce(group, packed, layer, "forward"),
+        lambda: _expected_more_than_one(x, group, layer),
+    )
+    return result, call
+
+
+def _save(
+    ctx: Any,
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    result: ForwardResult,
+    eps: float,
+    group: SumGroup,
+    layer: Any,
+    call: int,
+) -> None:
+    ctx.save_for_backward(x, weight, result.mean, result.var)
+    ctx.total = result.total
+    ctx.count = result.local_count
+    ctx.param_dtype = (
+        weight.dtype if weight is not None else (bias.dtype if bias is not None else result.mean.dtype)
+    )
+    ctx.eps = eps
+    ctx.group = group
+    ctx.layer = layer
+    ctx.call = call
+
+
+def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    x, weight, mean, var = ctx.saved_tensors
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    if torch.is_grad_enabled() and ctx.total:
+        # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
+        # differentiable. Every rank takes this branch alike (same create_graph, same global count).
+        if _joining is None:
+            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+        gi, gw, gb = differentiable_input_grads(
+            grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
+        )
+        return (
+            gi if need_input else None,
+            gw.to(ctx.param_dtype) if need_weight else None,
+            gb.to(ctx.param_dtype) if need_bias else None,
+        )
+    sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
+
+    grad_input = None
+    if need_input:
+        if _joining is None:
+            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+        reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
+        grad_input = finish_input_grad(
+            grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
+        )
+
+    grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
+    grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
+    return grad_input, grad_weight, grad_bias
+
+
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm whose statistics span every member of ``group``."""
+    """Training-mode batch norm whose statistics span every member of ``group``.
+
+    Its backward is differentiable when run with ``create_graph=True`` (double
+    backward): the collectives are then themselves differentiable all_reduces.
+    The eager form (``forward`` takes ``ctx``: ``setup_context`` functions pay an
+    ``inspect.signature`` bind per call, ~0.15 ms); under ``torch.func``
+    transforms :class:`TransformableSyncBatchNormFunction` runs instead.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -221,44 +405,55 @@ class SyncBatchNormFunction(torch.autograd.Function):
         group: SumGroup,
         layer: Any = None,
     ) -> Tensor:
-        call = _checks.before_forward(group, layer, x)
-        result = synchronized_forward(
-            x,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            eps,
-            momentum,
-            lambda packed: _all_reduce(group, packed, layer, "forward"),
-            lambda: _expected_more_than_one(x, group, layer),
-        )
-        ctx.save_for_backward(x, weight, result.mean, result.var)
-        ctx.total = result.total
-        ctx.count = result.local_count
-        ctx.param_dtype = (
-            weight.dtype if weight is not None else (bias.dtype if bias is not None else result.mean.dtype)
-        )
-        ctx.eps = eps
-        ctx.group = group
-        ctx.layer = layer
-        ctx.call = call
+        result, call = run_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, layer)
+        _save(ctx, x, weight, bias, result, eps, group, layer, call)
         return result.out
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, weight, mean, var = ctx.saved_tensors
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
+        return (*_backward(ctx, grad_output), None, None, None, None, None, None)
 
-        grad_input = None
-        if need_input:
-            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-            reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
-            grad_input = finish_input_grad(
-                grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
-            )
 
-        grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
-        grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+class TransformableSyncBatchNormFunction(torch.autograd.Function):
+    """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs.
+
+    ``torch.func.grad`` (and ``vjp``, ``jacrev``) run through it (their backward
+    is the differentiable one); ``vmap`` raises (a per-sample collective has no
+    meaning). ``box`` is a fresh :class:`_Pending` per call: the forward's
+    statistics for ``setup_context``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        eps: float,
+        momentum: float,
+        group: SumGroup,
+        layer: Any,
+        box: _Pending,
+    ) -> Tensor:
+        box.result, box.call = run_forward(
+            x, weight, bias, running_mean, running_var, eps, momentum, group, layer
+        )
+        return box.result.out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        x, weight, bias, _, _, eps, _, group, layer, box = inputs
+        _save(ctx, x, weight, bias, box.result, eps, group, layer, box.call)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
+        raise NotImplementedError(
+            "syncbn: torch.func.vmap over a synchronised SyncBatchNorm in training is not supported "
+            "(each vmapped sample would need its own collective across ranks). Use the layer in eval "
+            "mode, or outside a process group, under vmap; torch.func.grad/vjp/jacrev are supported."
+        )

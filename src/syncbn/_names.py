@@ -43,7 +43,10 @@ _on_wrap: Callable[[nn.Module], None] | None = None
 
 def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     """The registration hook: remember that ``parent.<name>`` is ``child``."""
-    if child is None or getattr(parent, "_is_replica", False):
+    # ``parent.__dict__``, not getattr: wrappers such as torch.compile's OptimizedModule run this hook
+    # before their own attributes exist, and their __getattr__ would recurse. A compiled model's
+    # ``_orig_mod`` link is not a place in the model: names stay those of the uncompiled model.
+    if child is None or name == "_orig_mod" or parent.__dict__.get("_is_replica", False):
         return None
     with _lock:
         links = _links.get(child)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
-from ._function import SyncBatchNormFunction
+from ._function import SyncBatchNormFunction, TransformableSyncBatchNormFunction, _Pending
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
 
@@ -224,6 +224,11 @@ def sync_batch_norm(
     group = groups.resolve(process_group)
     if group is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
+    if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
+        transformed: Tensor = TransformableSyncBatchNormFunction.apply(
+            input, weight, bias, running_mean, running_var, eps, momentum, group, layer, _Pending()
+        )
+        return transformed
     out: Tensor = SyncBatchNormFunction.apply(
         input, weight, bias, running_mean, running_var, eps, momentum, group, layer
     )

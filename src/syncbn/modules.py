@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _checks, groups, parallel
+from . import _checks, _ops, groups, parallel
 from .functional import apply_masked, check_input, sync_batch_norm
 
 # torch >= 2.13 BatchNorm layers take a keyword-only ``bias``.
@@ -30,6 +30,15 @@ def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -
     """Install the function :meth:`SyncBatchNorm.convert_sync_batchnorm` calls (``syncbn.convert`` does)."""
     global _converter
     _converter = function
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread right now.
+
+    A training forward inside a backward is a recomputation: ``torch.utils.checkpoint``
+    (reentrant and non-reentrant) re-runs the checkpointed forward there.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -159,8 +168,15 @@ class SyncBatchNorm(_BatchNorm):
                 self.eps,
             )
 
-        tracking = self.training and self.track_running_stats
-        if self.momentum is None:
+        # Activation checkpointing recomputes this forward inside the backward pass: the
+        # statistics are synchronised again (the same values); the running ones are updated
+        # with a factor of 0 (unchanged, and the same tensors saved for backward as the first
+        # forward, which non-reentrant checkpointing checks), num_batches_tracked not at all.
+        recomputing = self.training and not torch.compiler.is_compiling() and _in_backward()
+        tracking = self.training and self.track_running_stats and not recomputing
+        if recomputing:
+            factor = 0.0
+        elif self.momentum is None:
             # Cumulative moving average, as nn.BatchNorm: 1 / (batches seen, this one included).
             seen = self.num_batches_tracked
             factor = 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
@@ -186,6 +202,9 @@ class SyncBatchNorm(_BatchNorm):
             out: Tensor = replica.forward(self, input, factor)
             return out
 
+        if torch.compiler.is_compiling():
+            return self._compiled_training_forward(input, factor, tracking)
+
         if isinstance(self.process_group, groups.ProcessGroupRef) and groups.is_initialized():
             self.process_group = self.process_group.lookup()
         out = sync_batch_norm(
@@ -200,6 +219,31 @@ class SyncBatchNorm(_BatchNorm):
             self.process_group,
             layer=self,
         )
+        if tracking and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return out
+
+    def _compiled_training_forward(self, input: Tensor, factor: float, tracking: bool) -> Tensor:
+        # Under torch.compile: the collectives as one opaque operator (syncbn._ops), no graph break.
+        running_mean = self.running_mean if tracking else None
+        running_var = self.running_var if tracking else None
+        handle = _ops.group_handle(self.process_group)
+        if handle:
+            out = _ops.sync_batch_norm_op(
+                input,
+                running_mean,
+                running_var,
+                self.weight,
+                self.bias,
+                factor,
+                self.eps,
+                handle,
+                _ops.layer_handle(self),
+            )
+        else:
+            out = F.batch_norm(
+                input, running_mean, running_var, self.weight, self.bias, True, factor, self.eps
+            )
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out

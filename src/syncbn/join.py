@@ -1,0 +1,210 @@
+"""Uneven inputs: SyncBatchNorm layers under ``torch.distributed.algorithms.Join``.
+
+With ``Join``, a rank that runs out of batches leaves the training loop while
+the others go on. DDP's own join hook shadows DDP's gradient all_reduces; the
+SyncBatchNorm collectives need shadowing too, or the ranks still training wait
+for the joined rank forever. :class:`JoinableSyncBatchNorm` is the
+:class:`~torch.distributed.algorithms.Joinable` that does it: a joined rank
+answers every SyncBatchNorm collective of the ranks still training with an
+empty batch's contribution (count 0, zero sums), so they train exactly as if it
+had an empty batch.
+
+Protocol, while a ``Join`` context holding the joinable is active (every rank
+alike, until its post-hook):
+
+* every SyncBatchNorm collective becomes two, on a process group of its own
+  (created with the joinable, so they never interleave with DDP's collectives on
+  the default group, whatever the transport): a fixed-size header
+  ``[1, size, size^2, dtype]`` summed over the ranks, then the payload. The
+  header's sum tells the number of ranks still training (its first entry) and
+  proves they all send the same size (``sum(size)^2 == n * sum(size^2)`` only
+  when all sizes are equal), else every training rank raises;
+* a joined rank runs a background thread that loops: sum a zero header; if the
+  first entry is 0, every rank has joined: stop; else sum a zero payload of the
+  size and dtype the header announced. (The thread is needed because the
+  training ranks interleave SyncBatchNorm collectives with DDP's gradient
+  buckets in an order the joined rank cannot know; on its own group the thread
+  need not know it.)
+* once every rank has joined, each rank without a thread sends one zero
+  header, which ends the threads.
+
+The cost is one extra small collective per SyncBatchNorm collective, only
+inside the ``Join`` context.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+
+from . import _config, _function, groups
+
+__all__ = ["JoinableSyncBatchNorm"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HEADER = 4
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    from .modules import SyncBatchNorm
+
+    return [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
+
+
+class JoinableSyncBatchNorm(Joinable):
+    """Makes the SyncBatchNorm layers of ``model`` joinable, for uneven inputs.
+
+    Pass it to ``torch.distributed.algorithms.Join`` first, before the DDP model:
+    a rank that has run out of batches then contributes an empty batch to every
+    SyncBatchNorm collective of the ranks still training, and nothing hangs.
+    Create it on every rank at the same point (it creates a process group);
+    the layers must synchronise over the default group.
+
+    Args:
+        model: the model, bare or wrapped in ``DistributedDataParallel``.
+
+    Raises:
+        ValueError: ``torch.distributed`` is not initialised, or a layer uses a
+            process group other than the default one; at ``Join(...)``, when the
+            joinable is not first in the list.
+
+    Example::
+
+        >>> from torch.distributed.algorithms import Join
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model)
+        >>> joinable = syncbn.JoinableSyncBatchNorm(ddp)
+        >>> with Join([joinable, ddp]):
+        ...     for x, y in loader:          # a different number of batches per rank
+        ...         loss_fn(ddp(x), y).backward()
+        ...         optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        if not groups.is_initialized():
+            raise ValueError("JoinableSyncBatchNorm needs an initialised torch.distributed process group")
+        others = [m for m in _layers(model) if getattr(m, "process_group", None) is not None]
+        if others:
+            raise ValueError(
+                "JoinableSyncBatchNorm supports layers synchronising over the default group only; "
+                f"{len(others)} layer(s) have process_group set (e.g. {type(others[0]).__name__})"
+            )
+        self._config = _JoinConfig.construct_disabled_join_config()
+        super().__init__()
+        self._model = model
+        self._group = dist.new_group(list(range(dist.get_world_size())))
+        self._sum = groups.ProcessGroupSum(self._group)
+        self._thread: threading.Thread | None = None
+        self._thread_error: BaseException | None = None
+        self._hook_handle = model.register_forward_pre_hook(self._notify)
+        self.shadowed = 0  # collectives this rank shadowed as a joined rank (for tests and logs)
+
+    # The Join context sets this when it is built: the moment join mode starts.
+    @property
+    def _join_config(self) -> _JoinConfig:
+        return self._config
+
+    @_join_config.setter
+    def _join_config(self, config: _JoinConfig) -> None:
+        if config.enable and not config.is_first_joinable:
+            raise ValueError(
+                "syncbn: put the JoinableSyncBatchNorm first in the Join list, e.g. "
+                "Join([joinable, ddp_model]): a joined rank must start shadowing the SyncBatchNorm "
+                "collectives before another joinable's hook waits for the training ranks"
+            )
+        self._config = config
+        if config.enable:
+            self._thread, self._thread_error, self.shadowed = None, None, 0
+            _function._joining = self
+
+    def _notify(self, module: nn.Module, args: Any) -> None:
+        # First joinable: this is the per-iteration all_reduce the joined ranks count with.
+        # DDP, second in the list, gets no work handle of its own: hand it this one, as DDP
+        # does with its own when first (its gradient division may use the count).
+        if _function._joining is not self:
+            return
+        work = Join.notify_join_context(self)
+        if work is not None and isinstance(module, nn.parallel.DistributedDataParallel):
+            module.reducer._set_forward_pass_work_handle(work, module._divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook ``Join`` runs on a joined rank: it shadows SyncBatchNorm collectives."""
+        return _ShadowHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return dist.distributed_c10d._get_default_group()
+
+    # Active side: called by _function._all_reduce for every SyncBatchNorm collective.
+    def all_reduce(self, tensor: Tensor) -> Tensor:
+        """Header then payload, on the joinable's own group (see the module docstring)."""
+        n = float(tensor.numel())
+        code = float(_DTYPES.index(tensor.dtype) + 1) if tensor.dtype in _DTYPES else 99.0
+        header = torch.tensor([1.0, n, n * n, code], dtype=torch.float64)
+        self._sum.all_reduce_sum(header)
+        active, total, squares, codes = header.tolist()
+        if total * total != active * squares or codes != active * code:
+            raise ValueError(
+                f"syncbn: under Join, the {int(active)} training ranks made different SyncBatchNorm "
+                f"collectives at the same point (this rank: {int(n)} values of {tensor.dtype}; mean over "
+                f"the ranks: {total / active:g} values); every rank must call the layers in the same order"
+            )
+        return self._sum.all_reduce_sum(tensor)
+
+    # Joined side.
+    def _shadow(self) -> None:
+        try:
+            while True:
+                header = torch.zeros(_HEADER, dtype=torch.float64)
+                self._sum.all_reduce_sum(header)
+                active, total, _, codes = header.tolist()
+                if active == 0:
+                    return
+                size, code = int(total / active), int(codes / active)
+                dtype = _DTYPES[code - 1] if 1 <= code <= len(_DTYPES) else torch.float64
+                self._sum.all_reduce_sum(torch.zeros(size, dtype=dtype))
+                self.shadowed += 1
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the post-hook
+            self._thread_error = exc
+
+    def _start_shadow(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._shadow, name="syncbn-join-shadow", daemon=True)
+            self._thread.start()
+
+    def _finish(self) -> None:
+        try:
+            if self._thread is None:
+                self._sum.all_reduce_sum(torch.zeros(_HEADER, dtype=torch.float64))
+            else:
+                self._thread.join(timeout=_config.get_timeout())
+                if self._thread.is_alive():
+                    raise RuntimeError(
+                        "syncbn: the Join shadow thread did not finish within "
+                        f"{_config.get_timeout():g} s after every rank joined"
+                    )
+                if self._thread_error is not None:
+                    raise self._thread_error
+        finally:
+            if _function._joining is self:
+                _function._joining = None
+            self._thread = None
+
+
+class _ShadowHook(JoinHook):
+    def __init__(self, joinable: JoinableSyncBatchNorm) -> None:
+        self._joinable = joinable
+
+    def main_hook(self) -> None:
+        self._joinable._start_shadow()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self._joinable._finish()

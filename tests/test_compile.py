@@ -1,0 +1,192 @@
+"""torch.compile: no graph break, fullgraph, compiled == eager (float64) single process and on 2 gloo ranks.
+
+Compiling is slow on 2 cores: one 2-rank launch runs every distributed case,
+its result cached for the tests that read it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import syncbn
+from dist_harness import launch
+
+# Per-rank batch sizes per step: uneven, and one step where rank 1 has an empty batch.
+STEPS = ((3, 5), (4, 4), (2, 0), (3, 5))
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(3, 8), syncbn.SyncBatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4), syncbn.SyncBatchNorm1d(4)
+    ).double()
+
+
+def _conv() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), syncbn.SyncBatchNorm2d(8), nn.ReLU()).double()
+
+
+def _err(a: Tensor, b: Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+
+
+def _state_err(a: nn.Module, b: nn.Module) -> float:
+    return max(_err(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def _train_side_by_side(
+    eager: nn.Module,
+    compiled: nn.Module,
+    params: tuple[nn.Module, nn.Module],
+    rank: int,
+    steps: Any,
+    shape: Any,
+) -> float:
+    """Several SGD steps of both on the same shards; then eval, then train again; the largest difference."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in params]
+    worst = 0.0
+    for i, sizes in enumerate(steps):
+        g = torch.Generator().manual_seed(i)
+        n = sum(sizes)
+        X = torch.randn(n, *shape[0], dtype=torch.float64, generator=g) * 2 + 1
+        G = torch.randn(n, *shape[1], dtype=torch.float64, generator=g)
+        lo = sum(sizes[:rank])
+        x, gy = X[lo : lo + sizes[rank]], G[lo : lo + sizes[rank]]
+        outs = []
+        for model, opt in zip((eager, compiled), opts):
+            xi = x.clone().requires_grad_()
+            y = model(xi)
+            y.backward(gy)
+            opt.step()
+            opt.zero_grad()
+            outs.append((y, xi.grad))
+        worst = max(worst, _err(outs[0][0], outs[1][0]), _err(outs[0][1], outs[1][1]))
+        worst = max(worst, _state_err(params[0], params[1]))
+        if i == 1:  # an eval pass in between: running statistics, no communication
+            for m in (eager, compiled):
+                m.eval()
+            xe = X[:2]
+            worst = max(worst, _err(eager(xe), compiled(xe)))
+            for m in (eager, compiled):
+                m.train()
+    return worst
+
+
+def _compiled_calls() -> int:
+    from syncbn import _ops
+
+    return _ops.calls
+
+
+def _distributed(rank: int, world_size: int) -> dict[str, Any]:
+    import torch._dynamo
+
+    out: dict[str, Any] = {}
+    # Graph breaks, counted by dynamo under a real group (explain does not run inductor).
+    for name, build, x in (
+        ("conv", _conv, torch.randn(2, 3, 8, 8, dtype=torch.float64)),
+        ("mlp", _mlp, torch.randn(4, 3, dtype=torch.float64)),
+    ):
+        out[f"breaks {name}"] = torch._dynamo.explain(build())(x).graph_break_count
+
+    # fullgraph=True, uneven and empty batches, train/eval switches, several steps.
+    torch._dynamo.reset()
+    before = _compiled_calls()
+    eager = _mlp()
+    compiled = copy.deepcopy(eager)
+    out["fullgraph"] = _train_side_by_side(
+        eager, torch.compile(compiled, fullgraph=True), (eager, compiled), rank, STEPS, ((3,), (4,))
+    )
+    out["num_batches_tracked"] = int(compiled[1].num_batches_tracked)
+    out["op calls fullgraph"] = _compiled_calls() - before  # the compiled path really ran
+
+    # Double backward through the compiled graph: torch's own clear error, never a wrong gradient.
+    x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    cm = torch.compile(copy.deepcopy(eager), fullgraph=True)
+    try:
+        (gx,) = torch.autograd.grad(cm(x).pow(2).sum(), x, create_graph=True)
+        gx.sum().backward()
+        out["double backward"] = "ran"
+    except RuntimeError as exc:
+        out["double backward"] = str(exc)
+
+    # DDP around a compiled model, and a compiled DDP model, against eager DDP.
+    conv_steps = ((2, 3), (3, 2), (2, 3))
+    for name in ("DDP(compile(m))", "compile(DDP(m))"):
+        torch._dynamo.reset()
+        before = _compiled_calls()
+        eager_m = _conv()
+        comp_m = copy.deepcopy(eager_m)
+        eager_ddp = nn.parallel.DistributedDataParallel(eager_m)
+        if name == "DDP(compile(m))":
+            comp = nn.parallel.DistributedDataParallel(torch.compile(comp_m))
+        else:
+            comp = torch.compile(nn.parallel.DistributedDataParallel(comp_m))
+        out[name] = _train_side_by_side(
+            eager_ddp, comp, (eager_m, comp_m), rank, conv_steps, ((3, 8, 8), (8, 6, 6))
+        )
+        out[f"op calls {name}"] = _compiled_calls() - before
+    dist.barrier()
+    return out
+
+
+_cache: list[Any] = []
+
+
+def _results() -> list[dict[str, Any]]:
+    if not _cache:
+        _cache.append(launch(_distributed, 2, timeout=540))
+    return _cache[0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("key", ["breaks conv", "breaks mlp"])
+def test_no_graph_break_under_a_group(key: str) -> None:
+    for result in _results():
+        assert result[key] == 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("key", ["fullgraph", "DDP(compile(m))", "compile(DDP(m))"])
+def test_compiled_equals_eager_on_two_ranks(key: str) -> None:
+    steps = len(STEPS) if key == "fullgraph" else 3
+    for rank, result in enumerate(_results()):
+        assert result[key] <= 1e-12, f"rank {rank}: {key} differs by {result[key]:.3g}"
+        assert result["num_batches_tracked"] == len(STEPS)
+        # Every training step of every layer went through the compiled operator (no eager fallback).
+        assert result[f"op calls {key}"] == steps * (2 if key == "fullgraph" else 1), result
+
+
+@pytest.mark.timeout(600)
+def test_compiled_double_backward_raises_clearly() -> None:
+    # torch refuses create_graph through a compiled backward (donated buffers, or "does not
+    # currently support double backward"): an error, never a silently wrong gradient.
+    for result in _results():
+        text = result["double backward"]
+        assert "create_graph" in text or "double backward" in text, text
+
+
+@pytest.mark.timeout(300)
+def test_single_process_fullgraph_no_break_equals_eager() -> None:
+    import torch._dynamo
+
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    assert torch._dynamo.explain(_conv())(x).graph_break_count == 0
+    eager = _conv()
+    compiled = copy.deepcopy(eager)
+    worst = _train_side_by_side(
+        eager,
+        torch.compile(compiled, fullgraph=True),
+        (eager, compiled),
+        0,
+        ((4,), (5,)),
+        ((3, 8, 8), (8, 6, 6)),
+    )
+    assert worst <= 1e-12
