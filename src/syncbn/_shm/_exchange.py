@@ -106,6 +106,7 @@ def _unpack(line: tuple[int, ...]) -> list[int]:
 
 
 _CODE_DTYPES = {1: torch.float64, 2: torch.float32, 3: torch.float16, 4: torch.bfloat16}
+_ITEMSIZE = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 class SharedMemorySum:
@@ -136,6 +137,15 @@ class SharedMemorySum:
         self._seq = 0
         self.broken = False
         self.last_participants = world_size
+        # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
+        self._metas = [[self._meta_index(b, r) for r in range(world_size)] for b in (0, 1)]
+        self._starts = [
+            [self._buffer_offset(b) + r * _SLOT + _LINE for r in range(world_size)] for b in (0, 1)
+        ]
+        self._own_flag = self._flag_index[rank]
+        # (buffer, dtype, values) -> this rank's slot as a tensor; (dtype, values) -> the private copy.
+        self._own_views: dict[tuple[int, torch.dtype, int], Tensor] = {}
+        self._copy_views: dict[tuple[torch.dtype, int], Tensor] = {}
 
     def _slots(self, buffer: int, dtype: torch.dtype) -> Tensor:
         key = (buffer, dtype)
@@ -183,7 +193,8 @@ class SharedMemorySum:
                 afterwards: ``broken``); or the ranks sent different headers
                 (``mismatch``, on every rank; still usable).
         """
-        self._usable()
+        if self.broken:
+            self._usable()
         n = tensor.numel()
         per = _CAPACITY // tensor.element_size()
         if n <= per and tensor.dim() == 1 and tensor.is_contiguous():
@@ -232,58 +243,65 @@ class SharedMemorySum:
     def _round(
         self, chunk: Tensor, fields: list[int], present: bool, timeout: float, dtype: torch.dtype
     ) -> tuple[list[int], int, Tensor] | None:
-        self._seq += 1
-        seq = self._seq
+        # The hot path of every CPU collective: offsets and views are precomputed or cached, and
+        # the only tensor operations are the copy into the slot and the sum of the private copy.
+        seq = self._seq = self._seq + 1
         buffer = seq & 1
-        m = chunk.numel()
         words = self._flags
-        meta = self._meta_index(buffer, self._rank)
-        layer, a, b = _pack(fields)
+        rank = self._rank
+        metas = self._metas[buffer]
+        starts = self._starts[buffer]
+        meta = metas[rank]
+        m = 0
         crc = 0
         if present:
-            slots = self._slots(buffer, dtype)
-            slots[self._rank, :m].copy_(chunk)
-            start = self._buffer_offset(buffer) + self._rank * _SLOT + _LINE
+            m = chunk.numel()
+            key = (buffer, dtype, m)
+            own = self._own_views.get(key)
+            if own is None:
+                own = self._own_views[key] = self._slots(buffer, dtype)[rank, :m]
+            own.copy_(chunk)
+            start = starts[rank]
             crc = zlib.crc32(self._raw[start : start + m * chunk.element_size()])
-        words[meta + _META_PRESENT] = int(present)
-        words[meta + _META_LAYER] = layer
-        words[meta + _META_ID] = a
-        words[meta + _META_SIZE] = b
+        words[meta + _META_PRESENT] = 1 if present else 0
+        words[meta + _META_LAYER] = (fields[0] << 16) | fields[1]
+        words[meta + _META_ID] = (fields[2] << 16) | fields[3]
+        words[meta + _META_SIZE] = (((fields[4] << 16) | fields[5]) << 16) | fields[6]
         words[meta + _META_CRC] = crc
         words[meta + _META_COUNT] = m
         words[meta + _META_ROUND] = seq
-        words[self._flag_index[self._rank]] = seq
+        words[self._own_flag] = seq
         self._wait(seq, timeout)
-        lines = []
-        for r in range(self._size):
-            base = self._meta_index(buffer, r)
-            lines.append(tuple(words[base : base + 7]))
+        lines = [words[i : i + 7].tolist() for i in metas]
         taking = [r for r, line in enumerate(lines) if line[_META_PRESENT]]
         if not taking:
             return None
-        ref = lines[taking[0]]
-        if present:
-            ref = lines[self._rank]
-        if any(line[_META_ROUND] != seq for line in lines) or any(
-            lines[r][_META_LAYER:_META_CRC] != ref[_META_LAYER:_META_CRC]
-            or lines[r][_META_COUNT] != ref[_META_COUNT]
-            for r in taking
-        ):
-            raise self._mismatch(lines)
-        got_fields = _unpack(ref)
+        ref = lines[rank] if present else lines[taking[0]]
+        layer, ident, size, count = ref[_META_LAYER], ref[_META_ID], ref[_META_SIZE], ref[_META_COUNT]
+        for line in lines:
+            if line[_META_ROUND] != seq or (
+                line[_META_PRESENT]
+                and (
+                    line[_META_LAYER] != layer
+                    or line[_META_ID] != ident
+                    or line[_META_SIZE] != size
+                    or line[_META_COUNT] != count
+                )
+            ):
+                raise self._mismatch([tuple(x) for x in lines])
+        got_fields = _unpack(tuple(ref))
         if not present:
             dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
-            m = int(ref[_META_COUNT])
+            m = int(count)
         # A private copy of every slot: what is checked is what is summed.
-        nbytes = m * torch.empty((), dtype=dtype).element_size() if not present else m * chunk.element_size()
-        raw, scratch, base = self._raw, self._scratch_bytes, self._buffer_offset(buffer) + _LINE
+        nbytes = m * (chunk.element_size() if present else _ITEMSIZE[dtype])
+        raw, scratch = self._raw, self._scratch_bytes
         bad = []
         for r in range(self._size):
-            src, dst = base + r * _SLOT, r * _CAPACITY
+            src, dst = starts[r], r * _CAPACITY
             scratch[dst : dst + nbytes] = raw[src : src + nbytes]
             if lines[r][_META_PRESENT] and zlib.crc32(scratch[dst : dst + nbytes]) != lines[r][_META_CRC]:
                 bad.append(r)
-        copy = self._scratch(dtype)[:, :m]
         if bad:
             raise self._fail(
                 f"the data in the shared-memory slot of rank(s) {bad} does not match its checksum (a torn "
@@ -291,19 +309,24 @@ class SharedMemorySum:
                 timed_out=False,
                 reason=3,
             )
-        withdrawn = [r for r in range(self._size) if words[self._flag_index[r]] == _WITHDRAWN]
-        if withdrawn:
-            raise self._withdrawn(withdrawn[0], 0.0)
-        self.last_participants = len(taking)
-        if len(taking) < self._size:
+        flags, index = self._flags, self._flag_index
+        for r in range(self._size):
+            if flags[index[r]] == _WITHDRAWN:
+                raise self._withdrawn(r, 0.0)
+        copy = self._copy_views.get((dtype, m))
+        if copy is None:
+            copy = self._copy_views[(dtype, m)] = self._scratch(dtype)[:, :m]
+        k = len(taking)
+        self.last_participants = k
+        if k < self._size:
             copy = copy[taking]
         if present:
             if chunk.is_contiguous():
                 torch.sum(copy, 0, out=chunk)
             else:
                 chunk.copy_(copy.sum(0))
-            return got_fields, len(taking), chunk
-        return got_fields, len(taking), copy.sum(0, dtype=torch.float64)
+            return got_fields, k, chunk
+        return got_fields, k, copy.sum(0, dtype=torch.float64)
 
     def _mismatch(self, lines: list[tuple[int, ...]]) -> SharedMemoryError:
         error = SharedMemoryError(
@@ -376,6 +399,8 @@ class SharedMemorySum:
         """Release the mapping (views made from it must no longer be used)."""
         self._views.clear()
         self._scratch_views.clear()
+        self._own_views.clear()
+        self._copy_views.clear()
         self._scratch_bytes.release()
         self._flags.release()
         self._raw.release()

@@ -77,6 +77,7 @@ class ProcessGroupSum(FramedTransport):
         self._shared: _shm.SharedMemorySum | None = None
         self._shared_ready = False
         self._calls = 0  # framed calls made (the header's sequence field)
+        self._fields: dict[tuple[Tag, torch.dtype, int], list[int]] = {}  # see _framed
         self._frame_cpu: Tensor | None = None
         self._frame_bytes = bytearray()
         self._frame_words: Any = None  # a float64 memoryview of _frame_bytes
@@ -261,18 +262,25 @@ class ProcessGroupSum(FramedTransport):
     ) -> Tensor:
         self._enter()
         self._calls += 1
-        code = dtype_code(tensor.dtype)
         n = tensor.numel()
         if tensor.device.type == "cpu":
-            shared = self._shared_path()
+            shared = self._shared if self._shared_ready else self._connect_shared()
             if shared is not None:
-                fields = header_fields(tag, code, self._calls, n, 0)
+                # The header fields of a (tag, dtype, size) are made once; only the sequence changes.
+                key = (tag, tensor.dtype, n)
+                fields = self._fields.get(key)
+                if fields is None:
+                    if len(self._fields) > 4096:
+                        self._fields.clear()
+                    fields = self._fields[key] = header_fields(tag, dtype_code(tensor.dtype), 0, n, 0)
+                fields[3] = self._calls & 0xFFFF
                 try:
                     shared.all_reduce_sum(tensor, self._bound_s(), fields)
                 except _shm.SharedMemoryError as exc:
                     raise self._shm_error(exc) from exc
                 self.last_participants = shared.last_participants
                 return tensor
+        code = dtype_code(tensor.dtype)
         if deferred is None:
             deferred = tensor.device.type != "cpu" and not host_wait and not _config.debug_enabled()
         if (
