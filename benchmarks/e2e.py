@@ -1,112 +1,67 @@
-"""End to end: one training step of a ResNet-style CIFAR model on W gloo ranks.
+"""End to end: one DDP training step on W gloo ranks, syncbn against plain ``nn.BatchNorm2d``.
 
-The same model (stem, three stages of two basic blocks, 15 BatchNorm layers)
-three times under ``DistributedDataParallel``: with ``syncbn.SyncBatchNorm2d``
-(its CPU collectives through shared memory where every rank is on one machine,
-the default), with ``syncbn.SyncBatchNorm2d`` on the process group's own
-transport (``syncbn-pg``: shared memory off, so gloo), and with plain
+Two models (:mod:`syncbn.cli._bench_e2e`): ``deep``, 24 conv3x3(32)-BN-ReLU blocks
+on 16 images of 8x8 per rank (many small BN layers, the hard case for a
+synchronised layer), and ``resnet``, a ResNet-style CIFAR model (15 BN layers,
+32x32 images). Each runs three times under ``DistributedDataParallel``: with
+``syncbn.SyncBatchNorm2d`` (CPU collectives through shared memory where every
+rank is on one machine, the default), with ``syncbn.SyncBatchNorm2d`` on the
+process group's own transport (``syncbn-pg``: gloo), and with plain
 ``nn.BatchNorm2d`` (unsynchronised: what DDP gives by default). Steps of the
 three alternate in one loop; each rank's median step time is taken and the
-slowest rank reported, with the ratios to plain (target <= 1.15).
+slowest rank reported, with the ratios to plain (targets: deep <= 1.10,
+resnet <= 1.03).
 
-    python benchmarks/e2e.py [--world-size 2] [--batch 16] [--steps 10] [--json PATH]
+    python benchmarks/e2e.py [--model deep,resnet] [--world-size 2] [--batch 16] [--steps 20] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from syncbn import SyncBatchNorm2d
+from syncbn.cli._bench_e2e import MODELS, format_e2e, slowest, time_steps
 from syncbn.cli._launch import run_ranks
-from syncbn.cli.bench import machine_info, time_interleaved
+from syncbn.cli.bench import machine_info
 from syncbn.groups import ProcessGroupSum
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, norm: Callable[[int], nn.Module]) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = norm(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = norm(cout)
-        self.down: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(out)) + self.down(x))
-
-
-def resnet(norm: Callable[[int], nn.Module], width: int = 32, classes: int = 10) -> nn.Module:
-    """A small ResNet for 32x32 images with 15 normalisation layers."""
-    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
-    cin = width
-    for cout, stride in ((width, 1), (2 * width, 2), (4 * width, 2)):
-        layers += [BasicBlock(cin, cout, stride, norm), BasicBlock(cout, cout, 1, norm)]
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
-    return nn.Sequential(*layers)
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, 3, 32, 32, generator=gen)
-    y = torch.randint(10, (args.batch,), generator=gen)
-    steps: dict[str, Callable[[], Any]] = {}
     on_gloo = ProcessGroupSum(None, shared_memory=False)
-    norms: tuple[tuple[str, Callable[[int], nn.Module]], ...] = (
-        ("syncbn", SyncBatchNorm2d),
-        ("syncbn-pg", lambda c: SyncBatchNorm2d(c, process_group=on_gloo)),
-        ("plain", nn.BatchNorm2d),
-    )
-    for name, norm in norms:
-        torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(resnet(norm))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-        def step(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-
-        steps[name] = step
-    times = time_interleaved(steps, args.steps, args.warmup, barrier=True, cuda=False)
-    mine = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine)
+    norms: dict[str, Any] = {
+        "syncbn": SyncBatchNorm2d,
+        "syncbn-pg": lambda c: SyncBatchNorm2d(c, process_group=on_gloo),
+        "plain": nn.BatchNorm2d,
+    }
+    results: dict[str, Any] = {}
+    for model in args.model.split(","):
+        mine = time_steps(model, rank, args.batch, args.steps, args.warmup, norms)
+        ms, gathered = slowest(mine, world_size)
+        results[model] = {
+            "median_ms": ms,
+            "per_rank_median_ms": gathered,
+            "syncbn_over_plain": ms["syncbn"] / ms["plain"],
+            "syncbn_pg_over_plain": ms["syncbn-pg"] / ms["plain"],
+        }
     if rank != 0:
         return
-    slowest = {k: max(g[k] for g in gathered) for k in mine}
-    ratio = slowest["syncbn"] / slowest["plain"]
-    ratio_pg = slowest["syncbn-pg"] / slowest["plain"]
     print(
-        f"e2e ResNet-style training step, W={world_size} gloo, batch {args.batch}/rank 3x32x32, "
-        f"{args.threads} thread(s)/rank, {args.steps} steps: slowest rank's median ms"
+        f"e2e DDP training step, W={world_size} gloo, batch {args.batch}/rank, {args.threads} thread(s)/rank,"
+        f" {args.steps} steps (+{args.warmup}), interleaved; slowest rank's median;"
+        f" load {os.getloadavg()[0]:.2f}"
     )
-    print(
-        f"  plain BatchNorm2d {slowest['plain']:8.2f}   syncbn {slowest['syncbn']:8.2f} (ratio {ratio:.3f})"
-        f"   syncbn-pg {slowest['syncbn-pg']:8.2f} (ratio {ratio_pg:.3f})"
-    )
+    for model, rec in results.items():
+        print(format_e2e(model, rec["median_ms"]))
     if args.json:
-        payload = {
-            "config": vars(args),
-            "machine": machine_info(),
-            "median_ms": slowest,
-            "per_rank_median_ms": gathered,
-            "syncbn_over_plain": ratio,
-            "syncbn_pg_over_plain": ratio_pg,
-        }
+        payload = {"config": vars(args), "machine": machine_info(), "results": results}
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2, default=str)
         print(f"wrote {args.json}")
@@ -114,6 +69,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="deep,resnet", help=f"comma-separated, of {sorted(MODELS)}")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16, help="images per rank (default 16)")
     parser.add_argument("--steps", type=int, default=20)

@@ -30,10 +30,11 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     shapes = "4x3x5x5,16x4,2x3x2x3x4"
     proc = _run(
         ["-m", "syncbn", "bench", "--world-size", "2", "--shapes", shapes, "--iters", "2", "--warmup", "1"]
-        + ["--json", str(out)]
+        + ["--e2e-steps", "1", "--json", str(out)]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for column in (
+        "s/local",
         "local",
         "2xAR",
         "2xAR-shm",
@@ -63,6 +64,12 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         assert ratios["syncbn_over_floor"] > 0 and ratios["syncbn_over_naive"] > 0
         assert ratios["syncbn_over_own_floor"] > 0 and ratios["syncbn_pg_over_interleaved_floor"] > 0
         assert ratios["syncbn_over_torch"] is None
+        ms = rec["median_ms"]
+        assert ratios["syncbn_over_local"] == pytest.approx(ms["syncbn"] / ms["local"])
+    e2e = data["e2e"]
+    assert e2e["model"] == "deep" and set(e2e["median_ms"]) == {"syncbn", "plain"}
+    assert e2e["syncbn_over_plain"] == pytest.approx(e2e["median_ms"]["syncbn"] / e2e["median_ms"]["plain"])
+    assert "24 conv3x3(32)-BN-ReLU blocks" in proc.stdout
 
 
 def test_bench_single_process_runs_without_a_group() -> None:
@@ -143,3 +150,30 @@ def test_bench_cuda_without_a_gpu_says_so() -> None:
     proc = _run(["-m", "syncbn", "bench", "--device", "cuda", "--shapes", "4x3"])
     assert proc.returncode == 2
     assert "CUDA is not available" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_e2e_script_reports_both_models(tmp_path) -> None:
+    out = tmp_path / "e2e.json"
+    proc = _run(
+        [os.path.join(BENCHMARKS, "e2e.py"), "--steps", "1", "--warmup", "0", "--batch", "4"]
+        + ["--json", str(out)],
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert set(data["results"]) == {"deep", "resnet"}
+    for rec in data["results"].values():
+        assert set(rec["median_ms"]) == {"syncbn", "syncbn-pg", "plain"}
+        assert len(rec["per_rank_median_ms"]) == 2
+        ms = rec["median_ms"]
+        assert rec["syncbn_over_plain"] == pytest.approx(ms["syncbn"] / ms["plain"])
+
+
+def test_deep_narrow_net_has_24_small_bn_layers() -> None:
+    from syncbn.cli._bench_e2e import deep_narrow
+
+    net = deep_narrow(nn.BatchNorm2d)
+    bns = [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(bns) == 24 and {m.num_features for m in bns} == {32}
+    assert net(torch.randn(2, 3, 8, 8)).shape == (2, 10)

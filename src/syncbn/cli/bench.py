@@ -25,7 +25,13 @@ slowest rank's median for each method, with the ratios
 ``syncbn / (local + 2xAR)`` (the floor), ``syncbn / (local + 2xAR-shm)`` (the
 floor on syncbn's own transport), ``syncbn-pg / (local+AR)`` (the algorithm
 against the floor on the same transport, collectives in place),
-``syncbn / naive`` and ``syncbn / torch``.
+``syncbn / naive`` and ``syncbn / torch``; first of all ``s/local``, syncbn against
+unsynchronised ``nn.BatchNorm``: what switching synchronisation on costs per layer.
+
+After the layer tables (``--e2e-steps``, 0 to skip), one DDP training step of
+a many-small-layers network (24 conv3x3(32)-BN-ReLU blocks on 16 images of 8x8
+per rank, :mod:`syncbn.cli._bench_e2e`) with syncbn and with ``nn.BatchNorm2d``,
+interleaved, and its ratio (CPU, W > 1 only).
 ``--json PATH`` writes every number. The ``benchmarks/`` scripts call the same
 code (:func:`bench_layers`, :func:`time_interleaved`).
 
@@ -38,9 +44,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 
+from ._bench_e2e import format_e2e, slowest, time_steps
 from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchNorm
 from ._bench_report import format_table, ratios
 from ._bench_runner import bench_layers, machine_info, time_interleaved
@@ -100,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --world-size 1, run the synchronised code paths anyway (group of one)",
     )
+    parser.add_argument(
+        "--e2e-steps",
+        type=int,
+        default=10,
+        help="timed DDP steps of the many-small-layers net, syncbn vs nn.BatchNorm2d (default 10; 0: skip)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
 
 
@@ -119,6 +133,10 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         device=device,
         force_sync=args.force_sync,
     )
+    e2e: dict[str, Any] | None = None
+    if args.e2e_steps > 0 and world_size > 1 and device.type == "cpu" and not args.force_sync:
+        e2e_ms, _ = slowest(time_steps("deep", rank, 16, args.e2e_steps, 2), world_size)
+        e2e = {"model": "deep", "median_ms": e2e_ms, "syncbn_over_plain": e2e_ms["syncbn"] / e2e_ms["plain"]}
     if rank != 0:
         return
     config = {
@@ -143,8 +161,11 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         " '2xAR' here is only the CPU side of the collectives)"
     )
     print(format_table(records, "cpu_median_ms"))
+    if e2e is not None:
+        print(f"\nend to end, DDP training step, {args.e2e_steps} steps interleaved, slowest rank's median:")
+        print(format_e2e("deep", e2e["median_ms"]))
     if args.json:
-        payload = {"config": config, "machine": machine_info(), "results": records}
+        payload = {"config": config, "machine": machine_info(), "results": records, "e2e": e2e}
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2)
         print(f"wrote {args.json}")

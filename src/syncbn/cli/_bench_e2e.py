@@ -1,0 +1,126 @@
+"""End-to-end training steps for ``syncbn bench`` and ``benchmarks/e2e.py``: syncbn against plain BN.
+
+Two models, each built with a normalisation factory so that the same network
+runs with :class:`syncbn.SyncBatchNorm2d` and with ``nn.BatchNorm2d``:
+
+* :func:`deep_narrow`: 24 conv3x3(32)-BN-ReLU blocks, many small BN layers
+  (16 images of 8x8 per rank: 2,048 values per channel and layer);
+* :func:`resnet`: a CIFAR ResNet (stem, three stages of two basic blocks, 15
+  BN layers) on 32x32 images.
+
+:func:`time_steps` runs one ``DistributedDataParallel`` SGD step of every
+variant, interleaved, and returns every rank's median; the table reports the
+slowest rank's median and the ratio to plain BN (what switching sync on costs).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..modules import SyncBatchNorm2d
+from ._bench_runner import time_interleaved
+
+__all__ = ["MODELS", "deep_narrow", "resnet", "time_steps", "format_e2e"]
+
+Norm = Callable[[int], nn.Module]
+
+
+def deep_narrow(norm: Norm, blocks: int = 24, width: int = 32, classes: int = 10) -> nn.Module:
+    """``blocks`` conv3x3(width)-norm-ReLU blocks, global pooling and a linear head."""
+    layers: list[nn.Module] = []
+    cin = 3
+    for _ in range(blocks):
+        layers += [nn.Conv2d(cin, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
+        cin = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes)]
+    return nn.Sequential(*layers)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, norm: Norm) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = norm(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = norm(cout)
+        self.down: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.down(x))
+
+
+def resnet(norm: Norm, width: int = 32, classes: int = 10) -> nn.Module:
+    """A small ResNet for 32x32 images with 15 normalisation layers."""
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
+    cin = width
+    for cout, stride in ((width, 1), (2 * width, 2), (4 * width, 2)):
+        layers += [_BasicBlock(cin, cout, stride, norm), _BasicBlock(cout, cout, 1, norm)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+#: name -> (model factory, per-rank input size HxW, description)
+MODELS: dict[str, tuple[Callable[[Norm], nn.Module], int, str]] = {
+    "deep": (deep_narrow, 8, "24 conv3x3(32)-BN-ReLU blocks, 8x8 images"),
+    "resnet": (resnet, 32, "ResNet-style, 15 BN layers, 32x32 images"),
+}
+
+
+def time_steps(
+    model: str,
+    rank: int,
+    batch: int,
+    steps: int,
+    warmup: int,
+    norms: dict[str, Norm] | None = None,
+) -> dict[str, float]:
+    """This rank's median DDP training-step time (ms) of ``model`` with each normalisation.
+
+    Must run on every rank of the initialised default group. ``norms`` defaults
+    to ``{"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}``.
+    """
+    build, size, _ = MODELS[model]
+    norms = norms or {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, 3, size, size, generator=gen)
+    y = torch.randint(10, (batch,), generator=gen)
+    fns: dict[str, Callable[[], Any]] = {}
+    for name, norm in norms.items():
+        torch.manual_seed(0)
+        net = nn.parallel.DistributedDataParallel(build(norm))
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+        def step(net: nn.Module = net, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+
+        fns[name] = step
+    times = time_interleaved(fns, steps, warmup, barrier=True, cuda=False)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def slowest(mine: dict[str, float], world_size: int) -> tuple[dict[str, float], list[Any]]:
+    """Every rank's medians gathered; the slowest rank's per variant (collective)."""
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return {k: max(g[k] for g in gathered) for k in mine}, gathered
+
+
+def format_e2e(model: str, ms: dict[str, float], base: str = "plain") -> str:
+    """One line: each variant's slowest-rank median and its ratio to ``base``."""
+    parts = [f"{base} {ms[base]:.2f} ms"]
+    for name, value in ms.items():
+        if name != base:
+            parts.append(f"{name} {value:.2f} ms (x{value / ms[base]:.3f})")
+    return f"  {model:>6} ({MODELS[model][2]}): " + "   ".join(parts)
