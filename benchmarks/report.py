@@ -37,11 +37,13 @@ def layers_table(runs: list[Any], kind: str = "median_ms") -> str:
     ratio_key = "ratios" if kind == "median_ms" else "cpu_ratios"
     lines = [
         "| shape (per rank) | local BN | 2xAR (gloo) | 2xAR (shm) | syncbn | syncbn-pg | naive"
-        " | syncbn / floor | syncbn / shm floor | syncbn-pg / (local+AR) | syncbn / naive |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " | syncbn / local BN | syncbn / floor"
+        " | syncbn / shm floor | syncbn-pg / (local+AR) | syncbn / naive |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     methods = ("local", "2xAR", "2xAR-shm", "syncbn", "syncbn-pg", "naive")
     ratio_names = (
+        "syncbn_over_local",
         "syncbn_over_floor",
         "syncbn_over_own_floor",
         "syncbn_pg_over_interleaved_floor",
@@ -58,18 +60,26 @@ def layers_table(runs: list[Any], kind: str = "median_ms") -> str:
 
 
 def e2e_line(runs: list[Any]) -> str:
-    plain = _med([r["median_ms"]["plain"] for r in runs])
-    sync = _med([r["median_ms"]["syncbn"] for r in runs])
-    ratio = _med([r["syncbn_over_plain"] for r in runs])
-    each = ", ".join(f"{r['syncbn_over_plain']:.3f}" for r in runs)
-    line = (
-        f"plain BatchNorm2d {_fmt(plain, '.1f')} ms, syncbn {_fmt(sync, '.1f')} ms per step:"
-        f" **{_fmt(ratio, '.3f')}x** (runs: {each})"
-    )
-    pg = [r["syncbn_pg_over_plain"] for r in runs if "syncbn_pg_over_plain" in r]
-    if pg:
-        line += f"; syncbn on gloo (shared memory off) **{_fmt(_med(pg), '.3f')}x**"
-    return line
+    """One line per model: the median over runs of the slowest-rank medians, and the ratios."""
+    per_model: dict[str, list[Any]] = {}
+    for run in runs:
+        for model, rec in run.get("results", {"resnet": run}).items():  # older files: one model
+            per_model.setdefault(model, []).append(rec)
+    lines = []
+    for model, recs in per_model.items():
+        plain = _med([r["median_ms"]["plain"] for r in recs])
+        sync = _med([r["median_ms"]["syncbn"] for r in recs])
+        ratio = _med([r["syncbn_over_plain"] for r in recs])
+        each = ", ".join(f"{r['syncbn_over_plain']:.3f}" for r in recs)
+        line = (
+            f"{model}: plain BatchNorm2d {_fmt(plain, '.1f')} ms, syncbn {_fmt(sync, '.1f')} ms per step:"
+            f" **{_fmt(ratio, '.3f')}x** (runs: {each})"
+        )
+        pg = [r["syncbn_pg_over_plain"] for r in recs if "syncbn_pg_over_plain" in r]
+        if pg:
+            line += f"; syncbn on gloo (shared memory off) **{_fmt(_med(pg), '.3f')}x**"
+        lines.append(line)
+    return "\n\n".join(lines)
 
 
 def main(folders: list[str]) -> int:
