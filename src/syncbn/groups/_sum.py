@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config, _shm
+from . import _hier
 from ._errors import CollectiveError
 from ._frame import (
     ANONYMOUS,
@@ -54,6 +55,10 @@ class ProcessGroupSum(FramedTransport):
             transport even where every rank is on one machine; ``None`` follows
             :func:`syncbn.set_shared_memory` / ``SYNCBN_SHM`` (on by default).
             Either way the ranks agree collectively at the first CPU collective.
+        hierarchical: for a group spanning several machines, sum within each
+            machine through shared memory and across machines over a leaders'
+            subgroup (:mod:`syncbn.groups._hier`); ``None`` follows
+            ``SYNCBN_HIERARCHICAL`` (off by default). Every rank must choose alike.
 
     Example::
 
@@ -63,7 +68,13 @@ class ProcessGroupSum(FramedTransport):
         tensor([2., 2., 2.], dtype=torch.float64)           # on 2 ranks
     """
 
-    def __init__(self, process_group: Any = None, *, shared_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        process_group: Any = None,
+        *,
+        shared_memory: bool | None = None,
+        hierarchical: bool | None = None,
+    ) -> None:
         # Held weakly: a destroyed process group must not survive in syncbn (its sockets, its fds).
         self._default = process_group is None
         self._live: weakref.ref[Any] = weakref.ref(
@@ -76,6 +87,9 @@ class ProcessGroupSum(FramedTransport):
         # Same-machine shared-memory path for CPU tensors: connected on the first CPU collective.
         self._shared: _shm.SharedMemorySum | None = None
         self._shared_ready = False
+        # Several machines (opt-in): machine groups through shared memory, leaders over the network.
+        self._hierarchical_choice = hierarchical
+        self._hier: _hier.Hierarchy | None = None
         self._calls = 0  # framed calls made (the header's sequence field)
         self._fields: dict[tuple[Tag, torch.dtype, int], list[int]] = {}  # see _framed
         self._frame_cpu: Tensor | None = None
@@ -177,6 +191,13 @@ class ProcessGroupSum(FramedTransport):
         """
         dev = torch.device(device)
         self._enter()
+        if self._hier is not None:
+            raise CollectiveError(
+                f"shadow_sum (DDP Join) is not available on a hierarchical group ({self.describe()})",
+                timed_out=False,
+                waited=0.0,
+                group_size=self._size,
+            )
         self._calls += 1
         if dev.type == "cpu" and self._shared_path() is not None:
             shared = self._shared
@@ -194,6 +215,11 @@ class ProcessGroupSum(FramedTransport):
         return self._shadow_process_group(dev)
 
     @property
+    def hierarchical(self) -> bool:
+        """Whether this group's CPU collectives take the hierarchical path (known after its first one)."""
+        return self._hier is not None
+
+    @property
     def uses_shared_memory(self) -> bool:
         """Whether this group's CPU collectives go through shared memory (known after its first one)."""
         return self._shared is not None
@@ -204,6 +230,9 @@ class ProcessGroupSum(FramedTransport):
         if self._shared is not None:
             self._shared.close()
             self._shared = None
+        if self._hier is not None:
+            self._hier.close()
+            self._hier = None
         self._frame_cpu = None
         self._payload_views = {}
         if self._frame_words is not None:
@@ -247,12 +276,15 @@ class ProcessGroupSum(FramedTransport):
             self._calls += 1
             return self._framed_process_group(t, Tag(0, PHASE_SETUP))
 
-        self._shared = _shm.connect(
-            self._rank,
-            self._size,
-            _config.shared_memory_enabled() if choice is None else choice,
-            exchange,
-        )
+        allowed = _config.shared_memory_enabled() if choice is None else choice
+        self._shared = _shm.connect(self._rank, self._size, allowed, exchange)
+        wanted = self._hierarchical_choice
+        if wanted is None:
+            wanted = os.environ.get("SYNCBN_HIERARCHICAL", "0").strip().lower() in ("1", "true", "yes", "on")
+        if self._shared is None and wanted and allowed and _shm.supported() and self._size > 2:
+            self._hier = _hier.connect(
+                self._rank, self._size, self.process_group, _shm._host_key(), exchange, ProcessGroupSum
+            )
         self._calls = calls
         self._shared_ready = True
         return self._shared
@@ -280,6 +312,8 @@ class ProcessGroupSum(FramedTransport):
                     raise self._shm_error(exc) from exc
                 self.last_participants = shared.last_participants
                 return tensor
+            if self._hier is not None:
+                return self._hier.all_reduce_sum(tensor, tag, host_wait)
         code = dtype_code(tensor.dtype)
         if deferred is None:
             deferred = tensor.device.type != "cpu" and not host_wait and not _config.debug_enabled()

@@ -1,0 +1,143 @@
+"""The hierarchical path: machine groups through shared memory, leaders over gloo (simulated machines).
+
+Four real gloo ranks on this machine are told they sit on two machines (ranks 0-1 and 2-3) by
+giving each pair its own host key; every collective then takes the three steps of
+:mod:`syncbn.groups._hier`. Checked: the sums are exact and bit-identical on every rank, the
+layer equals ``nn.BatchNorm`` on the global batch (float64, random upstream gradient), and a
+mismatch between the machines is an error on every rank at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import syncbn
+from dist_harness import launch
+from syncbn import _shm, groups
+
+pytestmark = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
+
+WORLD = 4
+C = 5
+
+
+def _machine(rank: int) -> None:
+    key = 1000.0 + rank // 2  # two simulated machines: ranks {0, 1} and {2, 3}
+    _shm._host_key = lambda: key  # type: ignore[assignment]
+
+
+def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(3 + rank, C, 4, 2, generator=gen, dtype=torch.float64) * 3 + 1.5
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    return x, dy
+
+
+def _hierarchical(rank: int, world_size: int) -> dict[str, Any]:
+    _machine(rank)
+    group = groups.ProcessGroupSum(None, hierarchical=True)
+    ints = torch.arange(7, dtype=torch.float64) * (rank + 1)
+    group.all_reduce_sum(ints, groups.Tag(3, groups.PHASE_OTHER))
+    gen = torch.Generator().manual_seed(rank)
+    noisy = torch.randn(300, generator=gen, dtype=torch.float64).float()
+    group.all_reduce_sum(noisy, groups.Tag(4, groups.PHASE_OTHER))
+    hier = group._hier  # noqa: SLF001 - the structure under test
+    layer = syncbn.SyncBatchNorm2d(C, process_group=group).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 1.5, C))
+        layer.bias.copy_(torch.linspace(-1, 1, C))
+    x, dy = _data(rank)
+    x.requires_grad_(True)
+    out = layer(x)
+    out.backward(dy)
+    return {
+        "hierarchical": group.hierarchical,
+        "machines": None if hier is None else hier.machines,
+        "leader": None if hier is None else hier.cross is not None,
+        "local_shm": None if hier is None or hier.local is None else hier.local.uses_shared_memory,
+        "ints": ints.tolist(),
+        "noisy": noisy.numpy().tobytes(),
+        "out": out.detach(),
+        "gx": x.grad,
+        "gw": layer.weight.grad.numpy().tobytes(),
+        "gb": layer.bias.grad.numpy().tobytes(),
+        "rm": layer.running_mean.clone(),
+        "rv": layer.running_var.clone(),
+        "hier_repr": repr(group),
+    }
+
+
+@pytest.mark.timeout(300)
+def test_hierarchical_sums_are_exact_bit_identical_and_equal_batchnorm() -> None:
+    results = launch(_hierarchical, WORLD, timeout=240)
+    assert [r["hierarchical"] for r in results] == [True] * WORLD
+    assert [r["machines"] for r in results] == [2] * WORLD
+    assert [r["leader"] for r in results] == [True, False, True, False]
+    assert all(r["local_shm"] for r in results)
+    expected_ints = (torch.arange(7, dtype=torch.float64) * sum(r + 1 for r in range(WORLD))).tolist()
+    assert len({r["noisy"] for r in results}) == 1, "the sum differs between ranks"
+    gens = [torch.Generator().manual_seed(r) for r in range(WORLD)]
+    noisy = [torch.randn(300, generator=g, dtype=torch.float64).float() for g in gens]
+    exact = torch.stack([n.double() for n in noisy]).sum(0)
+    got = torch.frombuffer(bytearray(results[0]["noisy"]), dtype=torch.float32)
+    assert torch.allclose(got.double(), exact, rtol=1e-6, atol=1e-6)
+    for r in results:
+        assert r["ints"] == expected_ints
+    # The layer against nn.BatchNorm2d on the global batch.
+    xs, dys = zip(*(_data(r) for r in range(WORLD)))
+    x = torch.cat(xs).requires_grad_(True)
+    ref = nn.BatchNorm2d(C).double()
+    with torch.no_grad():
+        ref.weight.copy_(torch.linspace(0.5, 1.5, C))
+        ref.bias.copy_(torch.linspace(-1, 1, C))
+    out = ref(x)
+    out.backward(torch.cat(dys))
+    sizes = [len(xi) for xi in xs]
+    for rank, (r, o, g) in enumerate(zip(results, out.split(sizes), x.grad.split(sizes))):
+        torch.testing.assert_close(r["out"], o.detach(), rtol=1e-10, atol=1e-10, msg=f"rank {rank} out")
+        torch.testing.assert_close(r["gx"], g, rtol=1e-10, atol=1e-10, msg=f"rank {rank} grad")
+        torch.testing.assert_close(r["rm"], ref.running_mean, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(r["rv"], ref.running_var, rtol=1e-10, atol=1e-12)
+    # The parameter gradients are each rank's own part (DDP sums them): their sum is the reference's.
+    gw = sum(torch.frombuffer(bytearray(r["gw"]), dtype=torch.float64) for r in results)
+    gb = sum(torch.frombuffer(bytearray(r["gb"]), dtype=torch.float64) for r in results)
+    torch.testing.assert_close(gw, ref.weight.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gb, ref.bias.grad, rtol=1e-10, atol=1e-10)
+
+
+def _leaders_disagree(rank: int, world_size: int) -> dict[str, Any]:
+    _machine(rank)
+    group = groups.ProcessGroupSum(None, hierarchical=True)
+    group.all_reduce_sum(torch.ones(3, dtype=torch.float64))  # set-up
+    layer_id = 7 if rank < 2 else 8  # the two machines call different layers
+    try:
+        group.all_reduce_sum(torch.ones(3, dtype=torch.float64), groups.Tag(layer_id, groups.PHASE_FORWARD))
+    except groups.CollectiveError as exc:
+        after = torch.ones(2, dtype=torch.float64)
+        group.all_reduce_sum(after, groups.Tag(9, groups.PHASE_OTHER))  # still usable
+        return {"mismatch": exc.mismatch, "timed_out": exc.timed_out, "after": after.tolist()}
+    return {"mismatch": None}
+
+
+@pytest.mark.timeout(300)
+def test_a_mismatch_between_machines_is_an_error_on_every_rank_and_the_group_stays_usable() -> None:
+    for rank, result in enumerate(launch(_leaders_disagree, WORLD, timeout=240)):
+        assert result["mismatch"] is True, (rank, result)
+        assert result["timed_out"] is False
+        assert result["after"] == [4.0, 4.0]
+
+
+def _single_machine(rank: int, world_size: int) -> dict[str, Any]:
+    group = groups.ProcessGroupSum(None, hierarchical=True)
+    t = torch.ones(2, dtype=torch.float64)
+    group.all_reduce_sum(t)
+    return {"hierarchical": group.hierarchical, "shm": group.uses_shared_memory, "t": t.tolist()}
+
+
+def test_on_one_machine_the_flat_shared_memory_path_is_kept() -> None:
+    for result in launch(_single_machine, 3, timeout=120):
+        assert result == {"hierarchical": False, "shm": True, "t": [3.0, 3.0]}
