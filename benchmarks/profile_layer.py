@@ -156,10 +156,14 @@ def _op_counts(step: Callable[[], None], iters: int = 5) -> tuple[int, list[tupl
             step()
     counts: Counter[str] = Counter()
     for event in prof.events():
-        if event.name.startswith("aten::") and event.cpu_parent is None or (
+        if (
             event.name.startswith("aten::")
-            and event.cpu_parent is not None
-            and not event.cpu_parent.name.startswith("aten::")
+            and event.cpu_parent is None
+            or (
+                event.name.startswith("aten::")
+                and event.cpu_parent is not None
+                and not event.cpu_parent.name.startswith("aten::")
+            )
         ):
             counts[event.name] += 1
     total = sum(counts.values()) // iters

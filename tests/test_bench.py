@@ -91,7 +91,19 @@ def test_scaling_table(tmp_path) -> None:
     proc = _run([os.path.join(BENCHMARKS, "scaling.py"), "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     assert "| 1024 | 2048 |" in proc.stdout
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    hier = data["hierarchical"]["rows"]
+    assert {(r["machines"], r["ranks_per_machine"]) for r in hier} == {
+        (m, p) for m in (2, 4, 8, 16, 32, 64) for p in (2, 8, 64)
+    }
+    for r in hier:
+        m, w, c = r["machines"], r["world_size"], r["channels"]
+        # The leaders' ring carries one vector per machine: the link bytes follow M, not W.
+        assert r["link_bytes"]["hierarchical"] == pytest.approx(2 * (m - 1) / m * 8 * (4 * c + 1))
+        assert r["link_bytes"]["flat"] == pytest.approx(2 * (w - 1) / w * 8 * (4 * c + 1))
+        assert r["time_us"]["hierarchical"] < r["time_us"]["flat"]
+    assert "| 64 | 64 | 4096 |" in proc.stdout
+    rows = data["rows"]
     assert {r["world_size"] for r in rows} == {2, 8, 64, 256, 1024}
     assert {r["channels"] for r in rows} == {64, 256, 512, 2048}
     for r in rows:
