@@ -62,7 +62,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
         slowest = {k: max(g[k] for g in gathered) for k in mine}
         print(
             f"W={world_size} as {args.machines} simulated machines, C={args.channels},"
-            f" {args.iters} iterations, load {os.getloadavg()[0]:.2f}: slowest rank's median us per layer-step (2 sums):"
+            f" {args.iters} iterations, load {os.getloadavg()[0]:.2f}:"
+            " slowest rank's median us per layer-step (2 sums):"
         )
         print("  " + "   ".join(f"{k} {v:.0f}" for k, v in slowest.items()))
     for g in (flat, gloo, hier):
