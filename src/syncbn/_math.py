@@ -37,6 +37,10 @@ native kernel), one ``all_reduce`` makes them global, and
 
 evaluated as ``batch_norm_inference(x)`` with per-channel weight and bias
 (the two correction terms) plus ``g * (w * invstd)``: two passes over memory.
+float16/bfloat16 input takes a float32 route instead (the two terms nearly
+cancel, so neither may be rounded to the input dtype first): a block of
+samples at a time through one cache-sized float32 buffer, rounded once into
+the result, as ``nn.BatchNorm``'s own backward does.
 """
 
 from __future__ import annotations
@@ -346,7 +350,9 @@ def input_grad(
     inference-mode batch norm of ``x`` (the two correction terms as weight and
     bias) followed by an in-place ``addcmul`` of ``g * (w * invstd)``. (Doing
     both a block of samples at a time, so each block of ``dx`` is still in
-    cache for the ``addcmul``, measured no faster on CPU.)
+    cache for the ``addcmul``, measured no faster on CPU.) float16/bfloat16
+    ``x`` is computed in float32 and rounded once instead (see
+    :func:`_low_precision_input_grad`): ``nn.BatchNorm``'s own error.
 
     Args:
         grad_output: upstream gradient ``g``.
@@ -361,6 +367,8 @@ def input_grad(
     Returns:
         The input gradient, shaped and typed like ``x``.
     """
+    if x.dtype in _LOW_PRECISION:
+        return _low_precision_input_grad(grad_output, x, weight, mean, var, eps, count, sums)
     scale = (var + eps).rsqrt_()  # invstd, statistics dtype
     if weight is not None:
         scale.mul_(weight)
@@ -368,3 +376,56 @@ def input_grad(
     shift, slope = corrections.unbind(0)  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
     grad_input = torch.batch_norm(x, slope, shift, mean, var, False, 0.0, eps, False)
     return grad_input.addcmul_(grad_output, scale.view(broadcast_shape(x)))
+
+
+def _low_precision_input_grad(
+    grad_output: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    count: float | Tensor,
+    sums: Tensor,
+) -> Tensor:
+    """:func:`input_grad` for float16/bfloat16 ``x``: every step in float32 (at least), one rounding.
+
+    The two terms of ``dx`` nearly cancel: rounding each of them to the input
+    dtype before they meet (as the float32 path's batch norm output would be)
+    doubles ``nn.BatchNorm``'s error, which rounds once. Here
+
+    .. math::
+        dx = s\\,g + b + a\\,(x - \\mu), \\qquad s = w\\,\\text{invstd},\\;
+        b = -s \\sum g / N,\\; a = -s\\,\\text{invstd} \\sum g \\hat x / N
+
+    runs a block of samples at a time through one float32 buffer (CPU: about
+    ``_BLOCK_NUMEL`` values, so it stays in cache; elsewhere the whole batch in
+    one block): ``x - mean`` into the buffer, ``b + a * buffer`` in place, and
+    ``buffer + s * g`` written straight into the low-precision result. Main
+    memory sees ``x`` and ``g`` read once and ``dx`` written once; no kernel
+    in the input dtype is needed (torch releases without float16 CPU batch norm
+    kernels run it too).
+    """
+    acc = torch.promote_types(mean.dtype, torch.float32)
+    invstd = (cast(var, acc) + eps).rsqrt_()
+    scale = invstd if weight is None else invstd * cast(weight, acc)
+    corrections = torch.mul(cast(sums, acc), scale * (-1.0 / count))
+    shift, slope = corrections.unbind(0)
+    shape = broadcast_shape(x)
+    centre = cast(mean, acc).view(shape)
+    slope = slope.mul_(invstd).view(shape)
+    shift, scale = shift.view(shape), scale.view(shape)
+
+    grad_input = torch.empty_like(x)
+    batch = x.shape[0]
+    rows = batch
+    if x.device.type == "cpu":
+        rows = max(1, min(batch, _BLOCK_NUMEL // max(1, x[0].numel())))
+    buf = torch.empty_like(x[:rows], dtype=acc)
+    for start in range(0, batch, rows):
+        stop = min(start + rows, batch)
+        tmp = buf[: stop - start]
+        torch.sub(x[start:stop], centre, out=tmp)
+        torch.addcmul(shift, tmp, slope, out=tmp)
+        torch.addcmul(tmp, grad_output[start:stop], scale, out=grad_input[start:stop])
+    return grad_input
