@@ -391,41 +391,43 @@ def _low_precision_input_grad(
     """:func:`input_grad` for float16/bfloat16 ``x``: every step in float32 (at least), one rounding.
 
     The two terms of ``dx`` nearly cancel: rounding each of them to the input
-    dtype before they meet (as the float32 path's batch norm output would be)
-    doubles ``nn.BatchNorm``'s error, which rounds once. Here
+    dtype before they meet (as a batch norm kernel with a low-precision output
+    does) doubles ``nn.BatchNorm``'s error, which rounds once. Here a block of
+    samples at a time (CPU: about ``_BLOCK_NUMEL`` values, so the two float32
+    buffers stay in cache; elsewhere the whole batch in one block) goes through
 
-    .. math::
-        dx = s\\,g + b + a\\,(x - \\mu), \\qquad s = w\\,\\text{invstd},\\;
-        b = -s \\sum g / N,\\; a = -s\\,\\text{invstd} \\sum g \\hat x / N
+    1. ``x`` widened into buffer 1;
+    2. the correction terms ``shift + slope * xhat`` by the native inference
+       batch norm of buffer 1 into buffer 2, in float32;
+    3. ``g`` widened into buffer 1, and ``buffer 2 += g * (w * invstd)``;
+    4. buffer 2 rounded once into the result.
 
-    runs a block of samples at a time through one float32 buffer (CPU: about
-    ``_BLOCK_NUMEL`` values, so it stays in cache; elsewhere the whole batch in
-    one block): ``x - mean`` into the buffer, ``b + a * buffer`` in place, and
-    ``buffer + s * g`` written straight into the low-precision result. Main
-    memory sees ``x`` and ``g`` read once and ``dx`` written once; no kernel
-    in the input dtype is needed (torch releases without float16 CPU batch norm
-    kernels run it too).
+    Main memory sees ``x`` and ``g`` read once and ``dx`` written once, and
+    every kernel runs on same-dtype float32 operands (mixed-dtype elementwise
+    kernels are several times slower on CPU). No kernel in the input dtype is
+    needed, so torch releases without float16 CPU batch norm run it too.
     """
     acc = torch.promote_types(mean.dtype, torch.float32)
-    invstd = (cast(var, acc) + eps).rsqrt_()
-    scale = invstd if weight is None else invstd * cast(weight, acc)
-    corrections = torch.mul(cast(sums, acc), scale * (-1.0 / count))
-    shift, slope = corrections.unbind(0)
-    shape = broadcast_shape(x)
-    centre = cast(mean, acc).view(shape)
-    slope = slope.mul_(invstd).view(shape)
-    shift, scale = shift.view(shape), scale.view(shape)
+    mean, var = cast(mean, acc), cast(var, acc)
+    scale = (var + eps).rsqrt_()
+    if weight is not None:
+        scale.mul_(cast(weight, acc))
+    shift, slope = torch.mul(cast(sums, acc), scale * (-1.0 / count)).unbind(0)
+    scale = scale.view(broadcast_shape(x))
 
     grad_input = torch.empty_like(x)
     batch = x.shape[0]
     rows = batch
     if x.device.type == "cpu":
         rows = max(1, min(batch, _BLOCK_NUMEL // max(1, x[0].numel())))
-    buf = torch.empty_like(x[:rows], dtype=acc)
+    widened = torch.empty_like(x[:rows], dtype=acc)
+    result = torch.empty_like(widened)
     for start in range(0, batch, rows):
         stop = min(start + rows, batch)
-        tmp = buf[: stop - start]
-        torch.sub(x[start:stop], centre, out=tmp)
-        torch.addcmul(shift, tmp, slope, out=tmp)
-        torch.addcmul(tmp, grad_output[start:stop], scale, out=grad_input[start:stop])
+        buf, res = widened[: stop - start], result[: stop - start]
+        buf.copy_(x[start:stop])
+        normalize(buf, slope, shift, mean, var, eps, out=res)
+        buf.copy_(grad_output[start:stop])
+        res.addcmul_(buf, scale)
+        grad_input[start:stop].copy_(res)
     return grad_input
