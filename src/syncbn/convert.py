@@ -70,7 +70,8 @@ class BatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
 
-# Forwards that carry no behaviour beyond batch norm itself.
+# Forwards that carry no behaviour beyond batch norm itself (a class whose own forward only
+# adapts batch norm to another API says so with ``_syncbn_plain_forward = True``).
 _PLAIN_FORWARDS = frozenset(
     {
         _BatchNorm.forward,
@@ -115,7 +116,7 @@ def _keeps_behaviour(layer: _BatchNorm, prefix: str) -> bool:
     reason = ""
     if parametrize.is_parametrized(layer):
         reason = "it is parametrized (torch.nn.utils.parametrize)"
-    elif type(layer).forward not in _PLAIN_FORWARDS:
+    elif type(layer).forward not in _PLAIN_FORWARDS and not getattr(layer, "_syncbn_plain_forward", False):
         reason = f"{type(layer).__qualname__} defines its own forward"
     if reason:
         warnings.warn(
