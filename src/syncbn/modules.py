@@ -180,6 +180,14 @@ class SyncBatchNorm(_BatchNorm):
         parallel.attach_replica(self, replica)
         return replica
 
+    def reset_parameters(self) -> None:
+        if self.weight is not None and self.bias is None and not _BATCHNORM_TAKES_BIAS:
+            # torch < 2.13's reset_parameters assumes a bias whenever affine=True.
+            self.reset_running_stats()
+            torch.nn.init.ones_(self.weight)
+            return
+        super().reset_parameters()
+
     def extra_repr(self) -> str:
         text = super().extra_repr()
         return text + ", freeze=True" if self.freeze else text
