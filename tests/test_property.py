@@ -2,10 +2,10 @@
 
 Hypothesis draws the cases: input rank (2D-5D), channels, the per-rank split
 (uneven, with empty ranks), the dtypes (float16, bfloat16 or float32 input to a
-float32 layer; float64 throughout), affine and running-statistics options, and
-the data's offset (|mean|/std from 1 to 1e3) and scale, and the upstream
-gradient's offset (a mean of up to 2 standard deviations, which makes the two
-terms of the input gradient cancel). For each case the truth
+float32 layer; float64 throughout), affine and running-statistics options, the
+data's offset (|mean|/std from 1 to 1e3) and scale, channels-last memory
+format, and the upstream gradient's offset (a mean of up to 2 standard
+deviations, which makes the two terms of the input gradient cancel). For each case the truth
 is a float64 ``nn.BatchNorm`` on the global batch (the very same input values,
 widened), and the property is, for the output, the input gradient, the
 weight/bias gradients (summed over ranks) and the running statistics::
@@ -80,6 +80,7 @@ class Case:
     offset: float  # |mean| / std of each channel
     std: float
     grad_offset: float  # mean of the upstream gradient (its std is 1)
+    channels_last: bool  # 4D/5D input in channels-last memory format
     seed: int
 
 
@@ -104,6 +105,7 @@ def cases(draw: Any, max_ranks: int = 4) -> Case:
         offset=10.0 ** draw(st.floats(0.0, 3.0)),
         std=10.0 ** draw(st.floats(-1.0, 1.0)),
         grad_offset=draw(st.floats(-2.0, 2.0)),
+        channels_last=dims >= 4 and draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -117,6 +119,8 @@ def _data(case: Case) -> dict[str, Tensor]:
     centre = (signs * case.offset * case.std).view(1, c, *([1] * len(case.inner)))
     x = (torch.randn(shape, generator=gen, dtype=torch.float64) * case.std + centre).to(case.dtype)
     g = (torch.randn(shape, generator=gen, dtype=torch.float64) + case.grad_offset).to(case.dtype)
+    if case.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
     state = {
         "weight": torch.rand(c, generator=gen, dtype=torch.float64) + 0.5,
         "bias": torch.randn(c, generator=gen, dtype=torch.float64),
@@ -323,3 +327,23 @@ def test_gloo_ranks_are_as_exact_as_batchnorm() -> None:
             if problems:
                 failures.append(f"rank {rank} {case}: " + "; ".join(problems))
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("x_channels_last", [True, False])
+def test_bfloat16_backward_sums_with_mixed_memory_formats_are_float32_sums(x_channels_last: bool) -> None:
+    # torch's CPU kernel sums a bfloat16 g in bfloat16 when g and x differ in memory format.
+    from syncbn import _math
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 3, 4, 5, generator=gen).bfloat16()
+    g = (torch.randn(8, 2, 3, 4, 5, generator=gen) + 0.3).bfloat16()
+    if x_channels_last:
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    else:
+        g = g.contiguous(memory_format=torch.channels_last_3d)
+    sum_dy, sum_dy_xhat = _math.backward_sums(g, x, None, torch.zeros(2), torch.ones(2), 0.0)
+    dims = (0, 2, 3, 4)
+    assert sum_dy.dtype == sum_dy_xhat.dtype == torch.float32
+    torch.testing.assert_close(sum_dy.double(), g.double().sum(dims), rtol=1e-6, atol=1e-4)
+    want = (g.double() * x.double()).sum(dims)
+    torch.testing.assert_close(sum_dy_xhat.double(), want, rtol=1e-6, atol=1e-4)
