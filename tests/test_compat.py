@@ -285,6 +285,17 @@ def test_megengine_without_running_stats_uses_batch_statistics_in_eval() -> None
     assert not bn.training  # the eval forward left the mode as it was
 
 
+def test_megengine_without_running_stats_uses_the_replicas_batch_statistics_in_eval() -> None:
+    from syncbn.parallel import data_parallel
+
+    bn = mge.SyncBatchNorm(2, track_running_stats=False).double().eval()
+    x = torch.randn(6, 2, 3, dtype=torch.float64) * 2 + torch.arange(6, dtype=torch.float64).view(6, 1, 1)
+    y = data_parallel(bn, x, chunks=[2, 4])  # each replica sees only its chunk
+    want = F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)  # the whole batch's statistics
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+    assert not bn.training
+
+
 def test_megengine_reverts_to_an_equivalent_plain_batchnorm() -> None:
     bn = mge.SyncBatchNorm(3, momentum=0.9)
     bn(torch.randn(8, 3, 2, 2))
