@@ -34,6 +34,7 @@ counts, no deadline per example, no example database, derandomised.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import syncbn  # noqa: E402
 from dist_harness import launch  # noqa: E402
-from syncbn import _function  # noqa: E402
+from syncbn import _function, _math  # noqa: E402
 from syncbn.parallel import data_parallel  # noqa: E402
 
 FACTOR = 1.5
@@ -259,9 +260,12 @@ def test_thread_driver_is_as_exact_as_batchnorm(case: Case) -> None:
 )
 @given(case=cases())
 def test_accelerator_flow_is_as_exact_as_batchnorm(case: Case) -> None:
-    # The flow a CUDA tensor takes (no host reads, the count as a device tensor), run on CPU.
+    # The flow a CUDA tensor takes (no host reads, the count as a device tensor, the
+    # low-precision input gradient in three whole-batch kernels), run on CPU.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_function, "_host_side", lambda x: False)
+        whole_batch = functools.partial(_math._low_precision_input_grad, blocked=False)
+        patch.setattr(_math, "_low_precision_input_grad", whole_batch)
         problems = run_threads(case)
     assert not problems, f"{case}: " + "; ".join(problems)
 
@@ -332,8 +336,6 @@ def test_gloo_ranks_are_as_exact_as_batchnorm() -> None:
 @pytest.mark.parametrize("x_channels_last", [True, False])
 def test_bfloat16_backward_sums_with_mixed_memory_formats_are_float32_sums(x_channels_last: bool) -> None:
     # torch's CPU kernel sums a bfloat16 g in bfloat16 when g and x differ in memory format.
-    from syncbn import _math
-
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 2, 3, 4, 5, generator=gen).bfloat16()
     g = (torch.randn(8, 2, 3, 4, 5, generator=gen) + 0.3).bfloat16()

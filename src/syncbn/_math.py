@@ -401,41 +401,51 @@ def _low_precision_input_grad(
     eps: float,
     count: float | Tensor,
     sums: Tensor,
+    blocked: bool | None = None,
 ) -> Tensor:
     """:func:`input_grad` for float16/bfloat16 ``x``: every step in float32 (at least), one rounding.
 
     The two terms of ``dx`` nearly cancel: rounding each of them to the input
     dtype before they meet (as a batch norm kernel with a low-precision output
-    does) doubles ``nn.BatchNorm``'s error, which rounds once. Here a block of
-    samples at a time (CPU: about ``_BLOCK_NUMEL`` values, so the two float32
-    buffers stay in cache; elsewhere the whole batch in one block) goes through
+    does) doubles ``nn.BatchNorm``'s error, which rounds once. With
+    ``shift = -w*invstd*sum(g)/N`` and ``slope = -w*invstd*sum(g*xhat)/N``:
 
-    1. ``x`` widened into buffer 1;
-    2. the correction terms ``shift + slope * xhat`` by the native inference
-       batch norm of buffer 1 into buffer 2, in float32;
-    3. ``g`` widened into buffer 1, and ``buffer 2 += g * (w * invstd)``;
-    4. buffer 2 rounded once into the result.
+    * ``blocked`` (the default on CPU): a block of samples at a time (about
+      ``_BLOCK_NUMEL`` values, so the two float32 buffers stay in cache) goes
+      through ``x`` widened into buffer 1, the native inference batch norm of
+      buffer 1 into buffer 2 (``shift + slope * xhat`` in float32), ``g``
+      widened into buffer 1, ``buffer 2 += g * (w * invstd)``, and buffer 2
+      rounded once into the result. Every kernel runs on same-dtype float32
+      operands (CPU mixed-dtype elementwise kernels are several times slower)
+      and main memory sees ``x`` and ``g`` read once and ``dx`` written once.
+    * otherwise (the default on accelerators, where mixed-dtype kernels cost
+      nothing extra and launches count): three kernels over the whole batch and
+      one float32 buffer: ``x - mean`` into it, ``shift + slope * invstd *
+      buffer`` in place, then ``buffer + g * (w * invstd)`` written straight
+      into the low-precision result.
 
-    Main memory sees ``x`` and ``g`` read once and ``dx`` written once, and
-    every kernel runs on same-dtype float32 operands (mixed-dtype elementwise
-    kernels are several times slower on CPU). No kernel in the input dtype is
-    needed, so torch releases without float16 CPU batch norm run it too.
+    No kernel in the input dtype is needed, so torch releases without float16
+    CPU batch norm run it too.
     """
     acc = torch.promote_types(mean.dtype, torch.float32)
     mean, var = cast(mean, acc), cast(var, acc)
-    scale = (var + eps).rsqrt_()
-    if weight is not None:
-        scale.mul_(cast(weight, acc))
+    invstd = (var + eps).rsqrt_()
+    scale = invstd if weight is None else invstd * cast(weight, acc)
     shift, slope = torch.mul(cast(sums, acc), scale * (-1.0 / count)).unbind(0)
-    scale = scale.view(broadcast_shape(x))
-
+    shape = broadcast_shape(x)
     grad_input = torch.empty_like(x)
+    if blocked is None:
+        blocked = x.device.type == "cpu"
+    if not blocked:
+        buf = torch.sub(x, mean.view(shape))  # promoted to float32
+        torch.addcmul(shift.view(shape), buf, (slope * invstd).view(shape), out=buf)
+        return torch.addcmul(buf, grad_output, scale.view(shape), out=grad_input)
+
     batch = x.shape[0]
-    rows = batch
-    if x.device.type == "cpu":
-        rows = max(1, min(batch, _BLOCK_NUMEL // max(1, x[0].numel())))
+    rows = max(1, min(batch, _BLOCK_NUMEL // max(1, x[0].numel())))
     widened = torch.empty_like(x[:rows], dtype=acc)
     result = torch.empty_like(widened)
+    scale = scale.view(shape)
     for start in range(0, batch, rows):
         stop = min(start + rows, batch)
         buf, res = widened[: stop - start], result[: stop - start]
