@@ -40,6 +40,8 @@ def test_public_names_match_the_package() -> None:
         "convert_model",
         "patch_sync_batchnorm",
         "set_sbn_eps_mode",
+        "CallbackContext",
+        "execute_replication_callbacks",
     ):
         assert name in sb.__all__ and hasattr(sb, name)
 
@@ -48,8 +50,9 @@ def test_public_names_match_the_package() -> None:
 def test_synchronized_classes_take_the_package_constructor_and_are_batchnorm(
     ours_cls: Any, ref_cls: Any, base: Any, shape: tuple[int, ...]
 ) -> None:
-    bn = ours_cls(4, 1e-3, 0.2, False)  # positional, as in the package
+    bn = ours_cls(4, 1e-3, 0.2, False, False)  # positional, as in the package
     assert (bn.num_features, bn.eps, bn.momentum, bn.affine) == (4, 1e-3, 0.2, False)
+    assert bn.track_running_stats is False and bn.running_mean is None
     assert isinstance(bn, base) and bn.process_group is None
 
     torch.manual_seed(0)
@@ -111,14 +114,72 @@ def test_convert_model_keeps_device_ids_output_device_and_dim() -> None:
     assert out(torch.randn(5, 3, device="cuda")).shape == (5, 4)
 
 
-def test_patch_replication_callback_checks_its_argument_and_does_nothing() -> None:
-    dp = nn.DataParallel(nn.Linear(2, 2))
-    before = dict(dp.__dict__)
+class _Recorder(nn.Module):
+    """A module written for the package's replication protocol."""
+
+    def __init__(self, log: list[tuple[int, int, int]]) -> None:
+        super().__init__()
+        self.record = log.append  # copies of the module share it (a builtin method is not deep-copied)
+        self.inner = nn.Linear(2, 2)
+
+    def __data_parallel_replicate__(self, ctx: Any, copy_id: int) -> None:
+        if copy_id == 0:
+            ctx.master = id(self)  # the first copy is called first, and leaves this for the others
+        self.record((copy_id, id(ctx), ctx.master))
+
+
+def _copies(module: nn.Module, device_ids: Any) -> list[nn.Module]:
+    # What nn.DataParallel.replicate returns (one copy per device), without the GPUs it needs.
+    return [copy.deepcopy(module) for _ in device_ids]
+
+
+def _check_callback_log(log: list[tuple[int, int, int]], copies: int) -> None:
+    assert [entry[0] for entry in log] == list(range(copies))
+    assert len({entry[1] for entry in log}) == 1  # one context shared by the copies of a submodule
+    assert len({entry[2] for entry in log}) == 1
+
+
+def test_execute_replication_callbacks_follows_the_package_protocol() -> None:
+    log: list[tuple[int, int, int]] = []
+    model = nn.Sequential(nn.BatchNorm1d(2), _Recorder(log), _Recorder(log))
+    sb.execute_replication_callbacks(_copies(model, [0, 1, 2]))
+    first = [e for e in log if e[2] == log[0][2]]
+    _check_callback_log(first, 3)
+    assert len(log) == 6 and len({e[1] for e in log}) == 2  # a context per submodule position
+    sb.execute_replication_callbacks([])
+
+
+def test_data_parallel_with_callback_runs_the_callbacks_after_replicating(monkeypatch: Any) -> None:
+    monkeypatch.setattr(nn.DataParallel, "replicate", lambda self, module, ids: _copies(module, ids))
+    log: list[tuple[int, int, int]] = []
+    dp = sb.DataParallelWithCallback(_Recorder(log))
+    replicas = dp.replicate(dp.module, [0, 1])
+    assert len(replicas) == 2
+    _check_callback_log(log, 2)
+
+
+def test_patch_replication_callback_wraps_replicate_once() -> None:
+    log: list[tuple[int, int, int]] = []
+    dp = nn.DataParallel(_Recorder(log))
+    dp.replicate = _copies  # type: ignore[method-assign]
     assert sb.patch_replication_callback(dp) is None
-    assert dp.__dict__ == before
-    sb.patch_replication_callback(sb.DataParallelWithCallback(nn.Linear(2, 2)))
+    sb.patch_replication_callback(dp)  # a second patch does not run the callbacks twice
+    dp.replicate(dp.module, [0, 1])
+    _check_callback_log(log, 2)
+    with_callback = sb.DataParallelWithCallback(nn.Linear(2, 2))
+    before = dict(with_callback.__dict__)
+    sb.patch_replication_callback(with_callback)
+    assert with_callback.__dict__ == before
     with pytest.raises(TypeError, match=r"expected a torch.nn.DataParallel \(got Linear\)"):
         sb.patch_replication_callback(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="nn.DataParallel replication needs a CUDA GPU")
+def test_data_parallel_with_callback_on_a_gpu() -> None:
+    log: list[tuple[int, int, int]] = []
+    dp = sb.DataParallelWithCallback(_Recorder(log).cuda(), device_ids=[0])
+    dp.replicate(dp.module, [0])
+    _check_callback_log(log, 1)
 
 
 def test_patch_sync_batchnorm_builds_synchronized_layers_inside_only() -> None:
@@ -135,9 +196,10 @@ def test_patch_sync_batchnorm_builds_synchronized_layers_inside_only() -> None:
 def test_set_sbn_eps_mode() -> None:
     sb.set_sbn_eps_mode("plus")
     with pytest.warns(UserWarning, match="always adds eps"):
-        sb.set_sbn_eps_mode("clip")
-    with pytest.raises(ValueError, match=r"expected 'plus' or 'clip' \(got 'add'\)"):
-        sb.set_sbn_eps_mode("add")
+        sb.set_sbn_eps_mode("clamp")  # the package's modes: "clamp" (its default) and "plus"
+    for wrong in ("clip", "add"):
+        with pytest.raises(ValueError, match=rf"expected 'clamp' or 'plus' \(got '{wrong}'\)"):
+            sb.set_sbn_eps_mode(wrong)
 
 
 # ---------------------------------------------------------------- MegEngine, one process
@@ -166,6 +228,15 @@ def test_megengine_constructor_and_momentum_convention() -> None:
     assert torch.equal(ours.running_var, ref.running_var)
     with pytest.raises(TypeError, match="expected momentum to be a float"):
         mge.SyncBatchNorm(4, momentum=None)  # type: ignore[arg-type]
+
+
+def test_megengine_takes_a_module_name() -> None:
+    assert mge.SyncBatchNorm(3, name="bn1").name == "bn1"
+    assert mge.SyncBatchNorm(3).name is None
+    with pytest.raises(ValueError, match=r"non-empty string or None, got ' '"):
+        mge.SyncBatchNorm(3, name=" ")
+    with pytest.raises(TypeError, match="non-empty string or None, got int"):
+        mge.SyncBatchNorm(3, name=3)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("shape", [(6, 3), (6, 3, 5), (6, 3, 4, 2)])
@@ -211,6 +282,18 @@ def test_megengine_without_running_stats_uses_batch_statistics_in_eval() -> None
     x = torch.randn(6, 3, 4) * 3 + 2
     assert bn.running_mean is None
     assert torch.equal(bn(x), F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps))
+    assert not bn.training  # the eval forward left the mode as it was
+
+
+def test_megengine_without_running_stats_uses_the_replicas_batch_statistics_in_eval() -> None:
+    from syncbn.parallel import data_parallel
+
+    bn = mge.SyncBatchNorm(2, track_running_stats=False).double().eval()
+    x = torch.randn(6, 2, 3, dtype=torch.float64) * 2 + torch.arange(6, dtype=torch.float64).view(6, 1, 1)
+    y = data_parallel(bn, x, chunks=[2, 4])  # each replica sees only its chunk
+    want = F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)  # the whole batch's statistics
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+    assert not bn.training
 
 
 def test_megengine_reverts_to_an_equivalent_plain_batchnorm() -> None:
@@ -242,6 +325,7 @@ def _compare(
     inner: tuple[int, ...],
     *,
     ref_eval: bool = False,
+    ours_eval: bool = False,
     frozen: bool = False,
     steps: int = 2,
 ) -> dict[str, float]:
@@ -261,6 +345,8 @@ def _compare(
     ours.load_state_dict(ref.state_dict(), strict=True)
     if ref_eval:
         ref.eval()
+    if ours_eval:
+        ours.eval()
     start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
     errors: dict[str, float] = {}
 
@@ -353,6 +439,16 @@ def _dist_cases(rank: int, world_size: int) -> dict[str, Any]:
             [3, 2],
             (4, 2, 3),
         ),
+        # MegEngine: no running statistics -> the group's batch statistics in eval too.
+        "megengine-no-running-stats-eval": lambda: _compare(
+            rank,
+            lambda: mge.SyncBatchNorm(3, track_running_stats=False),
+            lambda: nn.BatchNorm1d(3, track_running_stats=False),
+            [4, 1],
+            (3, 5),
+            ours_eval=True,
+        ),
+        "megengine-no-running-stats-eval-issue": lambda: _issue_12_example(rank),
         "convert-model": lambda: _compare(
             rank,
             lambda: sb.convert_model(_conv_net()),
@@ -368,6 +464,21 @@ def _dist_cases(rank: int, world_size: int) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - reported per case
             out[name] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _issue_12_example(rank: int) -> dict[str, float]:
+    bn = mge.SyncBatchNorm(1, track_running_stats=False).double()
+    x = torch.tensor([[0.0], [2.0]], dtype=torch.float64) + 10.0 * rank
+    train = bn(x)
+    bn.eval()
+    evaluated = bn(x)
+    global_batch = torch.tensor([[0.0], [2.0], [10.0], [12.0]], dtype=torch.float64)  # mean 6, var 26
+    want = ((global_batch - 6.0) / (26.0 + bn.eps) ** 0.5)[2 * rank : 2 * rank + 2]
+    return {
+        "train": (train - want).abs().max().item(),
+        "eval": (evaluated - want).abs().max().item(),
+        "eval_mode_kept": float(bn.training),
+    }
 
 
 def _conv_net() -> nn.Module:
@@ -389,6 +500,8 @@ CASE_NAMES = [
     "megengine-momentum-0.7",
     "megengine-freeze",
     "megengine-no-running-stats",
+    "megengine-no-running-stats-eval",
+    "megengine-no-running-stats-eval-issue",
     "convert-model",
 ]
 

@@ -122,7 +122,9 @@ def test_hooks_move_with_the_layer_and_their_handles_still_work() -> None:
     h2 = bn.register_forward_hook(lambda m, i, o: seen.append("post"))
     h3 = bn.register_full_backward_hook(lambda m, gi, go: seen.append("backward"))
     h4 = bn.register_forward_hook(lambda m, a, k, o: seen.append("kwargs"), with_kwargs=True)
-    h5 = bn.register_state_dict_post_hook(lambda *a: seen.append("state_dict"))
+    # Older torch (2.2 among them) has it only as _register_state_dict_hook (same call, same handle).
+    register = getattr(bn, "register_state_dict_post_hook", None) or bn._register_state_dict_hook
+    h5 = register(lambda *a: seen.append("state_dict"))
     model = nn.Sequential(nn.Linear(2, 3), bn)
     conv = syncbn.convert_sync_batchnorm(model)
     assert isinstance(conv[1], syncbn.SyncBatchNorm1d)

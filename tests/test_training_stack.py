@@ -13,6 +13,7 @@ case is about a lower precision. ``torch.compile`` is in
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any, Callable
 
 import pytest
@@ -252,6 +253,9 @@ def _results(shared_memory: bool) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_stack_case(name: str, shared_memory: bool) -> None:
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    if name == "FSDP2 fully_shard" and not hasattr(fsdp, "fully_shard"):
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2)")
     tol = TOLERANCE.get(name, 1e-12)
     for rank, result in enumerate(_results(shared_memory)):
         assert result["transport"] is shared_memory

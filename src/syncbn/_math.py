@@ -37,6 +37,10 @@ native kernel), one ``all_reduce`` makes them global, and
 
 evaluated as ``batch_norm_inference(x)`` with per-channel weight and bias
 (the two correction terms) plus ``g * (w * invstd)``: two passes over memory.
+float16/bfloat16 input takes a float32 route instead (the two terms nearly
+cancel, so neither may be rounded to the input dtype first): a block of
+samples at a time through one cache-sized float32 buffer, rounded once into
+the result, as ``nn.BatchNorm``'s own backward does.
 """
 
 from __future__ import annotations
@@ -313,10 +317,24 @@ def backward_sums(
     Returns:
         ``(sum_dy, sum_dy_xhat)``, each of shape ``(C,)`` in the statistics dtype.
     """
+    if grad_output.dtype in _LOW_PRECISION:
+        layout = _memory_format(x)
+        if layout is not None and not grad_output.is_contiguous(memory_format=layout):
+            # The CPU kernel's path for 16-bit operands in different memory formats sums ``g``
+            # in the 16-bit dtype (bfloat16: errors of 1e-1 on a few hundred values, torch 2.13;
+            # float16 too on torch 2.4): give it ``g`` in ``x``'s format, whose path sums in float32.
+            grad_output = grad_output.contiguous(memory_format=layout)
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         grad_output, x, weight, mean, var, None, None, False, eps, [False, True, True]
     )
     return sum_dy, sum_dy_xhat
+
+
+def _memory_format(x: Tensor) -> torch.memory_format | None:
+    """``x``'s dense memory format (contiguous or channels-last), ``None`` for other strides."""
+    if _is_channels_last(x):
+        return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    return torch.contiguous_format if x.is_contiguous() else None
 
 
 def pack_grad_sums(sum_dy: Tensor, sum_dy_xhat: Tensor) -> Tensor:
@@ -346,7 +364,9 @@ def input_grad(
     inference-mode batch norm of ``x`` (the two correction terms as weight and
     bias) followed by an in-place ``addcmul`` of ``g * (w * invstd)``. (Doing
     both a block of samples at a time, so each block of ``dx`` is still in
-    cache for the ``addcmul``, measured no faster on CPU.)
+    cache for the ``addcmul``, measured no faster on CPU.) float16/bfloat16
+    ``x`` is computed in float32 and rounded once instead (see
+    :func:`_low_precision_input_grad`): ``nn.BatchNorm``'s own error.
 
     Args:
         grad_output: upstream gradient ``g``.
@@ -361,6 +381,8 @@ def input_grad(
     Returns:
         The input gradient, shaped and typed like ``x``.
     """
+    if x.dtype in _LOW_PRECISION:
+        return _low_precision_input_grad(grad_output, x, weight, mean, var, eps, count, sums)
     scale = (var + eps).rsqrt_()  # invstd, statistics dtype
     if weight is not None:
         scale.mul_(weight)
@@ -368,3 +390,68 @@ def input_grad(
     shift, slope = corrections.unbind(0)  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
     grad_input = torch.batch_norm(x, slope, shift, mean, var, False, 0.0, eps, False)
     return grad_input.addcmul_(grad_output, scale.view(broadcast_shape(x)))
+
+
+def _low_precision_input_grad(
+    grad_output: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    count: float | Tensor,
+    sums: Tensor,
+    blocked: bool | None = None,
+) -> Tensor:
+    """:func:`input_grad` for float16/bfloat16 ``x``: every step in float32 (at least), one rounding.
+
+    The two terms of ``dx`` nearly cancel: rounding each of them to the input
+    dtype before they meet (as a batch norm kernel with a low-precision output
+    does) doubles ``nn.BatchNorm``'s error, which rounds once. With
+    ``shift = -w*invstd*sum(g)/N`` and ``slope = -w*invstd*sum(g*xhat)/N``:
+
+    * ``blocked`` (the default on CPU): a block of samples at a time (about
+      ``_BLOCK_NUMEL`` values, so the two float32 buffers stay in cache) goes
+      through ``x`` widened into buffer 1, the native inference batch norm of
+      buffer 1 into buffer 2 (``shift + slope * xhat`` in float32), ``g``
+      widened into buffer 1, ``buffer 2 += g * (w * invstd)``, and buffer 2
+      rounded once into the result. Every kernel runs on same-dtype float32
+      operands (CPU mixed-dtype elementwise kernels are several times slower)
+      and main memory sees ``x`` and ``g`` read once and ``dx`` written once.
+    * otherwise (the default on accelerators, where mixed-dtype kernels cost
+      nothing extra and launches count): three kernels over the whole batch and
+      one float32 buffer: ``x - mean`` into it, ``shift + slope * invstd *
+      buffer`` in place, then ``buffer + g * (w * invstd)`` written straight
+      into the low-precision result.
+
+    No kernel in the input dtype is needed, so torch releases without float16
+    CPU batch norm run it too.
+    """
+    acc = torch.promote_types(mean.dtype, torch.float32)
+    mean, var = cast(mean, acc), cast(var, acc)
+    invstd = (var + eps).rsqrt_()
+    scale = invstd if weight is None else invstd * cast(weight, acc)
+    shift, slope = torch.mul(cast(sums, acc), scale * (-1.0 / count)).unbind(0)
+    shape = broadcast_shape(x)
+    grad_input = torch.empty_like(x)
+    if blocked is None:
+        blocked = x.device.type == "cpu"
+    if not blocked:
+        buf = torch.sub(x, mean.view(shape))  # promoted to float32
+        torch.addcmul(shift.view(shape), buf, (slope * invstd).view(shape), out=buf)
+        return torch.addcmul(buf, grad_output, scale.view(shape), out=grad_input)
+
+    batch = x.shape[0]
+    rows = max(1, min(batch, _BLOCK_NUMEL // max(1, x[0].numel())))
+    widened = torch.empty_like(x[:rows], dtype=acc)
+    result = torch.empty_like(widened)
+    scale = scale.view(shape)
+    for start in range(0, batch, rows):
+        stop = min(start + rows, batch)
+        buf, res = widened[: stop - start], result[: stop - start]
+        buf.copy_(x[start:stop])
+        normalize(buf, slope, shift, mean, var, eps, out=res)
+        buf.copy_(grad_output[start:stop])
+        res.addcmul_(buf, scale)
+        grad_input[start:stop].copy_(res)
+    return grad_input

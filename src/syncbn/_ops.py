@@ -4,8 +4,9 @@ The collectives run plain Python (shared memory, bounded waits, handshakes)
 that dynamo must not trace. Under ``torch.compile`` a training
 :class:`~syncbn.SyncBatchNorm` calls ``syncbn::sync_batch_norm`` instead of the
 eager autograd function: one graph node whose fake implementation gives the
-shapes, whose running statistics are declared mutated arguments (so
-AOTAutograd keeps the in-place update, once per call), and whose registered
+shapes, which returns the batch statistics (the running statistics are
+updated after it in traced operations: torch refuses an autograd formula on an
+operator that mutates its inputs), and whose registered
 autograd formula calls ``syncbn::sync_batch_norm_backward``, a second opaque
 node holding the backward's collective. Both run the same code as eager
 (:func:`syncbn._function.synchronized_forward` and friends), so compiled and
@@ -28,7 +29,18 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._library.effects import EffectType
+
+try:  # custom operators with ordered side effects: recent torch only
+    from torch._library.effects import EffectType
+
+    _register_effectful_op = torch.library._register_effectful_op
+    _custom_op = torch.library.custom_op
+except (ImportError, AttributeError) as exc:
+    raise ImportError(
+        "syncbn's torch.compile operators need torch.library.custom_op and ordered effectful "
+        f"operators, which torch {torch.__version__} lacks; compiled models then run the eager "
+        "layer (with graph breaks)"
+    ) from exc
 
 from . import _function, _math, groups
 
@@ -71,7 +83,7 @@ def _layer(handle: int) -> Any:
     return None if ref is None else ref()
 
 
-@torch.library.custom_op("syncbn::sync_batch_norm", mutates_args=())
+@_custom_op("syncbn::sync_batch_norm", mutates_args=())
 def _forward_op(
     x: Tensor,
     weight: Tensor | None,
@@ -120,7 +132,7 @@ def _forward_fake(
     return torch.empty_like(x), mean, var, unbiased, x.new_empty((), dtype=torch.float64)
 
 
-@torch.library.custom_op("syncbn::sync_batch_norm_backward", mutates_args=())
+@_custom_op("syncbn::sync_batch_norm_backward", mutates_args=())
 def _backward_op(
     grad_output: Tensor,
     x: Tensor,
@@ -248,4 +260,4 @@ def sync_batch_norm_op(
 # The collectives are side effects: keep every call, in program order, even where the
 # outputs are empty (an empty local batch still takes part) or unused.
 for _op in ("syncbn::sync_batch_norm", "syncbn::sync_batch_norm_backward"):
-    torch.library._register_effectful_op(_op, EffectType.ORDERED)
+    _register_effectful_op(_op, EffectType.ORDERED)

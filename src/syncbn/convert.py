@@ -81,7 +81,8 @@ class BatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
 
-# Forwards that carry no behaviour beyond batch norm itself.
+# Forwards that carry no behaviour beyond batch norm itself (a class whose own forward only
+# adapts batch norm to another API says so with ``_syncbn_plain_forward = True``).
 _PLAIN_FORWARDS = frozenset(
     {
         _BatchNorm.forward,
@@ -159,6 +160,8 @@ def _unparametrized_class(layer: nn.Module) -> type:
 def _keeps_behaviour(layer: _BatchNorm, prefix: str) -> bool:
     """Whether swapping ``layer``'s class keeps its behaviour; warn when it does not."""
     if type(layer).forward in _PLAIN_FORWARDS or _is_timm_act(layer) or _is_sync_act(layer):
+        return True
+    if getattr(layer, "_syncbn_plain_forward", False):  # a class whose forward adds nothing to the swap
         return True
     warnings.warn(
         f"syncbn: left {_path(prefix)} ({type(layer).__qualname__}) as it is because "

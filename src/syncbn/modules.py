@@ -12,7 +12,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _checks, _ops, groups, parallel
+from . import _checks, groups, parallel
+
+try:
+    from . import _ops
+except ImportError:  # torch without custom operators: compiled models run the eager layer (graph breaks)
+    _ops = None  # type: ignore[assignment]
 from .functional import apply_masked, check_input, sync_batch_norm
 
 # torch >= 2.13 BatchNorm layers take a keyword-only ``bias``.
@@ -32,13 +37,20 @@ def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -
     _converter = function
 
 
+# Both exist from torch 2.3 on; older torch has the dynamo spelling and no task id (no recompute detection).
+_is_compiling: Callable[[], bool] = (
+    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+)
+_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread right now.
 
     A training forward inside a backward is a recomputation: ``torch.utils.checkpoint``
     (reentrant and non-reentrant) re-runs the checkpointed forward there.
     """
-    return bool(torch._C._current_graph_task_id() != -1)
+    return bool(_current_graph_task_id() != -1)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -172,7 +184,7 @@ class SyncBatchNorm(_BatchNorm):
         # statistics are synchronised again (the same values); the running ones are updated
         # with a factor of 0 (unchanged, and the same tensors saved for backward as the first
         # forward, which non-reentrant checkpointing checks), num_batches_tracked not at all.
-        recomputing = self.training and not torch.compiler.is_compiling() and _in_backward()
+        recomputing = self.training and not _is_compiling() and _in_backward()
         tracking = self.training and self.track_running_stats and not recomputing
         if recomputing:
             factor = 0.0
@@ -202,7 +214,7 @@ class SyncBatchNorm(_BatchNorm):
             out: Tensor = replica.forward(self, input, factor)
             return out
 
-        if torch.compiler.is_compiling():
+        if _ops is not None and _is_compiling():
             return self._compiled_training_forward(input, factor, tracking)
 
         if isinstance(self.process_group, groups.ProcessGroupRef) and groups.is_initialized():
@@ -254,6 +266,14 @@ class SyncBatchNorm(_BatchNorm):
         replica: SyncBatchNorm = super()._replicate_for_data_parallel()
         parallel.attach_replica(self, replica)
         return replica
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None and self.bias is None and not _BATCHNORM_TAKES_BIAS:
+            # torch < 2.13's reset_parameters assumes a bias whenever affine=True.
+            self.reset_running_stats()
+            torch.nn.init.ones_(self.weight)
+            return
+        super().reset_parameters()
 
     def extra_repr(self) -> str:
         text = super().extra_repr()

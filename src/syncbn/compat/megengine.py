@@ -18,8 +18,12 @@ It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics:
 * ``freeze=True`` normalises with the running statistics in training too,
   never updates them, gives weight and bias no gradient, and never communicates.
 * Input of 2, 3 or 4 dimensions, ``(N, C)``, ``(N, C, L)`` or ``(N, C, H, W)``.
-* ``track_running_stats=False`` normalises with the batch statistics in eval too.
+* ``track_running_stats=False`` normalises with the batch statistics of the
+  whole group in eval too, as MegEngine does (its forward runs in training mode
+  whenever there are no running statistics): that eval forward and its backward
+  communicate, unlike every other eval forward of syncbn.
 * ``group=None`` is the default ``torch.distributed`` group.
+* ``name=`` (MegEngine's ``Module`` keyword) is accepted and kept as ``.name``.
 """
 
 from __future__ import annotations
@@ -53,11 +57,13 @@ class SyncBatchNorm(_SyncBatchNorm):
             Default: 0.9.
         affine: learnable per-channel scale and shift. Default: ``True``.
         track_running_stats: keep running statistics; without them eval uses the
-            batch statistics. Default: ``True``.
+            batch statistics of the whole group (and communicates), as MegEngine
+            does. Default: ``True``.
         freeze: normalise with the running statistics, never update them and do
             not train weight and bias. Default: ``False``.
         group: ``torch.distributed`` group to synchronise over; ``None`` is the
             default group. Also readable and settable as ``process_group``.
+        name: keyword-only; MegEngine's module name, a non-empty string or ``None``.
         device: keyword-only; device of the parameters and buffers.
         dtype: keyword-only; dtype of the parameters and buffers.
 
@@ -66,8 +72,10 @@ class SyncBatchNorm(_SyncBatchNorm):
         - Output: same as input.
 
     Raises:
-        TypeError: ``momentum`` is not a real number.
-        ValueError: ``freeze=True`` with ``track_running_stats=False``; in
+        TypeError: ``momentum`` is not a real number; ``name`` is neither a
+            string nor ``None``.
+        ValueError: ``freeze=True`` with ``track_running_stats=False``; an empty
+            ``name``; in
             forward, input that is not 2D, 3D or 4D
             ("expected 2D, 3D or 4D input (got 5D input)").
 
@@ -94,12 +102,17 @@ class SyncBatchNorm(_SyncBatchNorm):
         *,
         device: Any = None,
         dtype: torch.dtype | None = None,
+        name: str | None = None,
     ) -> None:
         if not isinstance(momentum, numbers.Real) or isinstance(momentum, bool):
             raise TypeError(
                 f"expected momentum to be a float in [0, 1] (MegEngine convention), "
                 f"got {type(momentum).__name__}"
             )
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"expected name to be a non-empty string or None, got {type(name).__name__}")
+        if name is not None and not name.strip():
+            raise ValueError(f"expected name to be a non-empty string or None, got {name!r}")
         super().__init__(
             num_features,
             eps,
@@ -111,6 +124,21 @@ class SyncBatchNorm(_SyncBatchNorm):
             dtype=dtype,
             freeze=freeze,
         )
+        self.name = name
+
+    # Batch norm under MegEngine's API: convert/revert swap it like the plain classes.
+    _syncbn_plain_forward = True
+
+    def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.training or self.running_mean is not None or self.running_var is not None:
+            return super().forward(input, *args, **kwargs)  # type: ignore[no-any-return]
+        # MegEngine: without running statistics, eval normalises as training does, with the
+        # batch statistics of the whole group (and no running statistics to update).
+        self.training = True
+        try:
+            return super().forward(input, *args, **kwargs)  # type: ignore[no-any-return]
+        finally:
+            self.training = False
 
     @property
     def group(self) -> Any:

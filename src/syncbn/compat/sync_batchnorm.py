@@ -8,12 +8,15 @@ Change only the import line::
     )
 
 The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d`` under that
-package's constructor ``(num_features, eps=1e-5, momentum=0.1, affine=True)``.
-They synchronise across the replicas of a plain ``nn.DataParallel`` and, unlike
-the original, across the processes of ``torch.distributed`` too. No
-replication callback is needed for either, so :class:`DataParallelWithCallback`
-is a plain ``nn.DataParallel`` and :func:`patch_replication_callback` only
-checks its argument.
+package's constructor ``(num_features, eps=1e-5, momentum=0.1, affine=True,
+track_running_stats=True)``. They synchronise across the replicas of a plain
+``nn.DataParallel`` and, unlike the original, across the processes of
+``torch.distributed`` too. syncbn's layers need no replication callback, but
+:class:`DataParallelWithCallback` and :func:`patch_replication_callback` still
+run the package's protocol for other modules: after each replication, every
+replica's submodules that define ``__data_parallel_replicate__(ctx, copy_id)``
+are called with one context object per submodule position (shared by its
+copies), the first copy before the others.
 
 Numerics follow ``nn.BatchNorm`` exactly where the original did not: the
 variance gets ``eps`` added (the original clamps it at ``eps``), and sums are
@@ -25,8 +28,9 @@ and ``x**2`` in the input dtype, which cancels catastrophically when
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,11 +49,15 @@ __all__ = [
     "convert_model",
     "patch_sync_batchnorm",
     "set_sbn_eps_mode",
+    "CallbackContext",
+    "execute_replication_callbacks",
 ]
 
 
 class _PackageConstructor(SyncBatchNorm):
-    """The ``sync_batchnorm`` package's constructor: ``(num_features, eps, momentum, affine)``.
+    """The ``sync_batchnorm`` package's positional constructor.
+
+    ``(num_features, eps, momentum, affine, track_running_stats)``.
 
     The remaining syncbn arguments are keyword-only here.
     """
@@ -60,8 +68,8 @@ class _PackageConstructor(SyncBatchNorm):
         eps: float = 1e-5,
         momentum: float | None = 0.1,
         affine: bool = True,
-        *,
         track_running_stats: bool = True,
+        *,
         process_group: Any = None,
         device: Any = None,
         dtype: torch.dtype | None = None,
@@ -86,7 +94,8 @@ class SynchronizedBatchNorm1d(_PackageConstructor, SyncBatchNorm1d):
         eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
         momentum: running-statistics update factor. Default: 0.1.
         affine: learnable per-channel scale and shift. Default: ``True``.
-        track_running_stats: keyword-only; keep running statistics. Default: ``True``.
+        track_running_stats: keep running statistics (the original warns that it
+            does not support ``False``; here it works as in ``nn.BatchNorm``). Default: ``True``.
         process_group: keyword-only; ``torch.distributed`` group to synchronise
             over, ``None`` for the default group.
         device: keyword-only; device of the parameters and buffers.
@@ -111,7 +120,8 @@ class SynchronizedBatchNorm2d(_PackageConstructor, SyncBatchNorm2d):
         eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
         momentum: running-statistics update factor. Default: 0.1.
         affine: learnable per-channel scale and shift. Default: ``True``.
-        track_running_stats: keyword-only; keep running statistics. Default: ``True``.
+        track_running_stats: keep running statistics (the original warns that it
+            does not support ``False``; here it works as in ``nn.BatchNorm``). Default: ``True``.
         process_group: keyword-only; ``torch.distributed`` group to synchronise
             over, ``None`` for the default group.
         device: keyword-only; device of the parameters and buffers.
@@ -136,7 +146,8 @@ class SynchronizedBatchNorm3d(_PackageConstructor, SyncBatchNorm3d):
         eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
         momentum: running-statistics update factor. Default: 0.1.
         affine: learnable per-channel scale and shift. Default: ``True``.
-        track_running_stats: keyword-only; keep running statistics. Default: ``True``.
+        track_running_stats: keep running statistics (the original warns that it
+            does not support ``False``; here it works as in ``nn.BatchNorm``). Default: ``True``.
         process_group: keyword-only; ``torch.distributed`` group to synchronise
             over, ``None`` for the default group.
         device: keyword-only; device of the parameters and buffers.
@@ -160,11 +171,49 @@ _TO_SYNCHRONIZED: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
 ]
 
 
+class CallbackContext:
+    """The object the copies of one submodule share during a replication callback.
+
+    Empty: the modules' ``__data_parallel_replicate__`` methods store what
+    they need on it (the package's master copy, ``copy_id == 0``, is called
+    first and typically leaves something there for the others).
+    """
+
+
+def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
+    """Call ``__data_parallel_replicate__(ctx, copy_id)`` on the replicas' submodules that define it.
+
+    The package's replication protocol: ``replicas`` are the copies of one
+    module made by one replication (all alike in structure); submodule ``j`` of
+    every copy gets the same :class:`CallbackContext`, and copy ``i`` is
+    called with ``copy_id = i``, copy 0 first. syncbn's own layers define no
+    such method and need none.
+
+    Args:
+        replicas: the copies, in replica order.
+
+    Example::
+
+        >>> replicas = torch.nn.parallel.replicate(model, [0, 1])
+        >>> execute_replication_callbacks(replicas)
+    """
+    if not replicas:
+        return
+    contexts = [CallbackContext() for _ in replicas[0].modules()]
+    for copy_id, replica in enumerate(replicas):
+        for ctx, module in zip(contexts, replica.modules()):
+            callback = getattr(module, "__data_parallel_replicate__", None)
+            if callback is not None:
+                callback(ctx, copy_id)
+
+
 class DataParallelWithCallback(nn.DataParallel):
-    """``nn.DataParallel``, kept under this name so existing code runs unchanged.
+    """``nn.DataParallel`` that runs the package's replication callbacks after each replication.
 
     syncbn layers synchronise across the replicas of a plain ``nn.DataParallel``
-    without any replication callback, so this class adds nothing to it.
+    and need no callback; other modules written for the package (defining
+    ``__data_parallel_replicate__(ctx, copy_id)``) still get theirs, see
+    :func:`execute_replication_callbacks`.
 
     Args:
         module: the module to replicate.
@@ -177,14 +226,23 @@ class DataParallelWithCallback(nn.DataParallel):
         >>> model = DataParallelWithCallback(model, device_ids=[0, 1])
     """
 
+    def replicate(self, module: nn.Module, device_ids: Sequence[Any]) -> list[nn.Module]:
+        replicas: list[nn.Module] = super().replicate(module, device_ids)
+        execute_replication_callbacks(replicas)
+        return replicas
+
 
 def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
-    """Accept an ``nn.DataParallel`` and do nothing: syncbn needs no replication callback.
+    """Make an existing ``nn.DataParallel`` run the package's replication callbacks.
 
-    Kept so that existing code runs unchanged.
+    Its ``replicate`` is wrapped so that :func:`execute_replication_callbacks`
+    runs on the replicas, as :class:`DataParallelWithCallback` does. A
+    :class:`DataParallelWithCallback`, or a module patched already, is left
+    as it is (the callbacks run once per replication, never twice). syncbn's
+    own layers need no callback.
 
     Args:
-        data_parallel: the ``nn.DataParallel`` the original would have patched.
+        data_parallel: the ``nn.DataParallel`` (or subclass) to patch.
 
     Raises:
         TypeError: ``data_parallel`` is not an ``nn.DataParallel``.
@@ -192,13 +250,27 @@ def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
     Example::
 
         >>> model = nn.DataParallel(model, device_ids=[0, 1])
-        >>> patch_replication_callback(model)   # no effect, no harm
+        >>> patch_replication_callback(model)
     """
     if not isinstance(data_parallel, nn.DataParallel):
         raise TypeError(
             "patch_replication_callback expected a torch.nn.DataParallel "
             f"(got {type(data_parallel).__name__})"
         )
+    if isinstance(data_parallel, DataParallelWithCallback) or getattr(
+        data_parallel.replicate, "_syncbn_runs_callbacks", False
+    ):
+        return
+    replicate = data_parallel.replicate
+
+    @functools.wraps(replicate)
+    def replicate_with_callbacks(module: nn.Module, device_ids: Sequence[Any]) -> list[nn.Module]:
+        replicas: list[nn.Module] = replicate(module, device_ids)
+        execute_replication_callbacks(replicas)
+        return replicas
+
+    replicate_with_callbacks._syncbn_runs_callbacks = True  # type: ignore[attr-defined]
+    data_parallel.replicate = replicate_with_callbacks  # type: ignore[method-assign]
 
 
 def convert_model(module: nn.Module) -> nn.Module:
@@ -263,14 +335,15 @@ def patch_sync_batchnorm() -> Iterator[None]:
 
 
 def set_sbn_eps_mode(mode: str) -> None:
-    """Accept the original's eps-mode switch; syncbn always adds eps to the variance.
+    """Accept the package's eps-mode switch; syncbn always adds eps to the variance.
 
-    ``"plus"`` (add eps, as ``nn.BatchNorm``) is what syncbn does anyway.
-    ``"clip"`` (clamp the variance at eps) is not implemented: it warns and
-    syncbn keeps adding eps, so results equal ``nn.BatchNorm``.
+    ``"plus"`` (``sqrt(var + eps)``, as ``nn.BatchNorm``) is what syncbn does
+    anyway. ``"clamp"`` (``sqrt(max(var, eps))``, the package's default) is not
+    implemented: it warns and syncbn keeps adding eps, so results equal
+    ``nn.BatchNorm``.
 
     Args:
-        mode: ``"plus"`` or ``"clip"``.
+        mode: ``"clamp"`` or ``"plus"``.
 
     Raises:
         ValueError: ``mode`` is neither.
@@ -279,12 +352,12 @@ def set_sbn_eps_mode(mode: str) -> None:
 
         >>> set_sbn_eps_mode("plus")
     """
-    if mode not in ("plus", "clip"):
-        raise ValueError(f"set_sbn_eps_mode expected 'plus' or 'clip' (got {mode!r})")
-    if mode == "clip":
+    if mode not in ("clamp", "plus"):
+        raise ValueError(f"set_sbn_eps_mode expected 'clamp' or 'plus' (got {mode!r})")
+    if mode == "clamp":
         warnings.warn(
             "syncbn always adds eps to the variance, as nn.BatchNorm does; "
-            "set_sbn_eps_mode('clip') has no effect",
+            "set_sbn_eps_mode('clamp') has no effect",
             UserWarning,
             stacklevel=2,
         )
