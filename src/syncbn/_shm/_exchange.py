@@ -289,7 +289,8 @@ class SharedMemorySum:
                 )
             ):
                 raise self._mismatch([tuple(x) for x in lines])
-        got_fields = _unpack(tuple(ref))
+        # A participant's reference line is its own: the agreed fields are the ones it sent.
+        got_fields = fields if present else _unpack(tuple(ref))
         if not present:
             dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
             m = int(count)
