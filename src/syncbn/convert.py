@@ -275,23 +275,19 @@ def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
         # The very class the layer was converted from (built without its __init__, whose
         # signature syncbn does not know: the whole state comes from the layer anyway).
         new: _BatchNorm = remembered.__new__(remembered)
-        _transplant(
-            layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group", _REVERTS_TO}
-        )
-        _carry_parametrizations(layer, new)
-        return new
-    target = _plain_class_of(layer)
-    if _is_sync_act(layer):
-        new = target.__new__(target)
     else:
-        new = target(
-            layer.num_features,
-            layer.eps,
-            layer.momentum,
-            layer.affine,
-            layer.track_running_stats,
-            device="meta",
-        )
+        target = _plain_class_of(layer)
+        if _is_sync_act(layer):
+            new = target.__new__(target)
+        else:
+            new = target(
+                layer.num_features,
+                layer.eps,
+                layer.momentum,
+                layer.affine,
+                layer.track_running_stats,
+                device="meta",
+            )
     _transplant(layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group", _REVERTS_TO})
     _carry_parametrizations(layer, new)
     return new
