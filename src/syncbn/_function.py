@@ -162,21 +162,26 @@ def synchronized_forward(
     # statistics (see local_moments); the native kernel (CUDA, small inputs) needs none,
     # and the normalisation then allocates its own output.
     out = torch.empty_like(x) if host and not _math.uses_native_statistics(x) else None
+    # On the host, the packed vector and its views are this thread's, reused every call.
+    buffer = _math.moment_buffer(channels, x.device) if host else None
     if count > 0:
         mean_l, var_l = _math.local_moments(x, scratch=out)
-        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device)
+        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
     else:
-        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device)
-    total, stats64 = _math.unpack_moments(reduce(packed), channels, read_count=host)
+        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device, buffer=buffer)
+    summed = reduce(packed)
 
     global_count = 2.0  # a lower bound is all that is needed when count >= 2
     if count < 2:
-        global_count = total if isinstance(total, float) else float(total.item())
+        head = summed[0] if buffer is None or summed is not buffer.packed else buffer.head
+        global_count = float(head)  # a device read only here, where the count may be below two
         if global_count == 1:
             raise one_value_error()
 
     stat_dtype = statistics_dtype(x, weight, running_mean)
-    mean, var, unbiased = _math.cast(stats64, stat_dtype).unbind(0)
+    total, (mean, var, unbiased) = _math.unpack_moments(
+        summed, channels, read_count=host, dtype=stat_dtype, buffer=buffer
+    )
     if count > 0:
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:

@@ -224,6 +224,25 @@ def sync_batch_norm(
     group = groups.resolve(process_group)
     if group is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
+    return synchronized(input, running_mean, running_var, weight, bias, momentum, eps, group, layer)
+
+
+def synchronized(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    momentum: float,
+    eps: float,
+    group: groups.SumGroup,
+    layer: Any,
+) -> Tensor:
+    """The training call of :func:`sync_batch_norm` over a resolved group, input already checked.
+
+    ``SyncBatchNorm.forward`` calls this directly: its checks and group lookup are
+    its own, and a small layer's time is mostly such per-call work.
+    """
     if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
         transformed: Tensor = TransformableSyncBatchNormFunction.apply(
             input, weight, bias, running_mean, running_var, eps, momentum, group, layer, _Pending()

@@ -18,7 +18,7 @@ try:
     from . import _ops
 except ImportError:  # torch without custom operators: compiled models run the eager layer (graph breaks)
     _ops = None  # type: ignore[assignment]
-from .functional import apply_masked, check_input, sync_batch_norm
+from .functional import apply_masked, check_input, synchronized
 
 # torch >= 2.13 BatchNorm layers take a keyword-only ``bias``.
 _BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
@@ -184,7 +184,8 @@ class SyncBatchNorm(_BatchNorm):
         # statistics are synchronised again (the same values); the running ones are updated
         # with a factor of 0 (unchanged, and the same tensors saved for backward as the first
         # forward, which non-reentrant checkpointing checks), num_batches_tracked not at all.
-        recomputing = self.training and not _is_compiling() and _in_backward()
+        compiling = _is_compiling()
+        recomputing = self.training and not compiling and _in_backward()
         tracking = self.training and self.track_running_stats and not recomputing
         if recomputing:
             factor = 0.0
@@ -214,25 +215,41 @@ class SyncBatchNorm(_BatchNorm):
             out: Tensor = replica.forward(self, input, factor)
             return out
 
-        if _ops is not None and _is_compiling():
+        if _ops is not None and compiling:
             return self._compiled_training_forward(input, factor, tracking)
 
-        if isinstance(self.process_group, groups.ProcessGroupRef) and groups.is_initialized():
-            self.process_group = self.process_group.lookup()
-        out = sync_batch_norm(
-            input,
-            self.running_mean if self.track_running_stats else None,
-            self.running_var if self.track_running_stats else None,
-            self.weight,
-            self.bias,
-            True,
-            factor,
-            self.eps,
-            self.process_group,
-            layer=self,
-        )
-        if tracking and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+        process_group = self.process_group
+        if isinstance(process_group, groups.ProcessGroupRef) and groups.is_initialized():
+            self.process_group = process_group = process_group.lookup()
+        group = groups.resolve(process_group)
+        stats = self.track_running_stats
+        if group is None:  # not distributed, or a group of one: exactly nn.BatchNorm
+            out = F.batch_norm(
+                input,
+                self.running_mean if stats else None,
+                self.running_var if stats else None,
+                self.weight,
+                self.bias,
+                True,
+                factor,
+                self.eps,
+            )
+        else:  # the input was checked above
+            out = synchronized(
+                input,
+                self.running_mean if stats else None,
+                self.running_var if stats else None,
+                self.weight,
+                self.bias,
+                factor,
+                self.eps,
+                group,
+                self,
+            )
+        if tracking:
+            batches = self.num_batches_tracked
+            if batches is not None:
+                batches.add_(1)
         return out
 
     def _compiled_training_forward(self, input: Tensor, factor: float, tracking: bool) -> Tensor:
