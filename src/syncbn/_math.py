@@ -348,15 +348,15 @@ def unpack_moments(
         NaN), a count of one an unbiased variance of zero; the caller decides
         what those mean.
     """
-    mine = buffer is not None and packed is buffer.packed
-    sums = buffer.sums if mine else packed[1:].view(2, channels)  # [S, Q]
+    mine = buffer if buffer is not None and packed is buffer.packed else None
+    sums = mine.sums if mine is not None else packed[1:].view(2, channels)  # [S, Q]
     count: float | Tensor
     if packed.device.type == "cpu" if read_count is None else read_count:
-        count = float(buffer.head if mine else packed[0])
+        count = float(mine.head if mine is not None else packed[0])
         stats = torch.mul(sums, 1.0 / max(count, 1.0))  # [mean, Q/N], a new tensor
         unbias: float | Tensor = count / max(count - 1.0, 1.0)
     else:
-        count = buffer.head.clone() if mine else packed[0]
+        count = mine.head.clone() if mine is not None else packed[0]
         stats = sums / count.clamp(min=1.0)
         unbias = count / (count - 1.0).clamp(min=1.0)
     mean, var = stats.unbind(0)
@@ -468,8 +468,8 @@ def input_grad(
     scale = (var + eps).rsqrt_()  # invstd, statistics dtype
     if weight is not None:
         scale.mul_(weight)
-    zero = _ZERO.get(scale.dtype) if isinstance(count, float) and x.device.type == "cpu" else None
-    if zero is not None:  # 0 + sums * scale * (-1/N) in one call
+    zero = _ZERO.get(scale.dtype) if x.device.type == "cpu" else None
+    if zero is not None and isinstance(count, float):  # 0 + sums * scale * (-1/N) in one call
         corrections = cast(torch.addcmul(zero, sums, scale, value=-1.0 / count), mean.dtype)
     else:
         corrections = cast(torch.mul(sums, scale * (-1.0 / count)), mean.dtype)
