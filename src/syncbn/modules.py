@@ -223,29 +223,13 @@ class SyncBatchNorm(_BatchNorm):
             self.process_group = process_group = process_group.lookup()
         group = groups.resolve(process_group)
         stats = self.track_running_stats
+        running_mean = self.running_mean if stats else None
+        running_var = self.running_var if stats else None
+        weight, bias, eps = self.weight, self.bias, self.eps
         if group is None:  # not distributed, or a group of one: exactly nn.BatchNorm
-            out = F.batch_norm(
-                input,
-                self.running_mean if stats else None,
-                self.running_var if stats else None,
-                self.weight,
-                self.bias,
-                True,
-                factor,
-                self.eps,
-            )
+            out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
         else:  # the input was checked above
-            out = synchronized(
-                input,
-                self.running_mean if stats else None,
-                self.running_var if stats else None,
-                self.weight,
-                self.bias,
-                factor,
-                self.eps,
-                group,
-                self,
-            )
+            out = synchronized(input, running_mean, running_var, weight, bias, factor, eps, group, self)
         if tracking:
             batches = self.num_batches_tracked
             if batches is not None:
