@@ -159,7 +159,7 @@ def synchronized_forward(
     count = x.numel() // channels if channels else 0
     host = _host_side(x)
     # On CPU the output buffer doubles as the moments' scratch space of the two-pass
-    # statistics (see local_moments); the native kernel (CUDA, small inputs) needs none,
+    # statistics (see local_moments); the native kernel (CUDA, small or 16-bit input) needs none,
     # and the normalisation then allocates its own output.
     out = torch.empty_like(x) if host and not _math.uses_native_statistics(x) else None
     # On the host, the packed vector and its views are this thread's, reused every call.
