@@ -6,7 +6,9 @@
 1. per-layer timing on 2 gloo ranks: ``python -m syncbn bench`` (the same code);
 2. memory per layer (``benchmarks/memory.py``);
 3. end-to-end ResNet-style training step on 2 ranks (``benchmarks/e2e.py``);
-4. traffic/latency table for W = 2..1024 (``benchmarks/scaling.py``).
+4. traffic/latency table for W = 2..1024 (``benchmarks/scaling.py``);
+5. the floor under a Python synchronised layer, syncbn's own work and the ranks' lockstep
+   (``benchmarks/floor.py``).
 
 The GPU checks are separate: ``bash benchmarks/gpu_check.sh`` on a CUDA machine.
 """
@@ -23,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import e2e  # noqa: E402
+import floor  # noqa: E402
 import memory  # noqa: E402
 import scaling  # noqa: E402
 
@@ -45,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small settings (smoke test)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: layers,memory,e2e,scaling")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated parts to skip: layers,memory,e2e,scaling,floor"
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -73,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         code |= _tee(
             os.path.join(out, "scaling.md"), scaling.main, ["--json", os.path.join(out, "scaling.json")]
         )
+    if "floor" not in skip:
+        floor_args = ["--json", os.path.join(out, "floor.json")]
+        if args.quick:
+            floor_args += ["--shapes", "64x16", "--steps", "3", "--blocks", "1"]
+        code |= floor.main(floor_args)
     return code
 
 

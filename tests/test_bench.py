@@ -182,6 +182,25 @@ def test_e2e_script_reports_both_models(tmp_path) -> None:
         assert rec["syncbn_over_plain"] == pytest.approx(ms["syncbn"] / ms["plain"])
 
 
+@pytest.mark.timeout(200)
+def test_floor_script_reports_the_decomposition(tmp_path) -> None:
+    out = tmp_path / "floor.json"
+    proc = _run(
+        [os.path.join(BENCHMARKS, "floor.py"), "--shapes", "8x4,4x3x2x2", "--steps", "2", "--blocks", "1"]
+        + ["--json", str(out)],
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert set(data["results"]) == {"8x4", "4x3x2x2"}
+    for rec in data["results"].values():
+        ms = rec["median_ms"]
+        assert set(ms) == {"bn", "py-floor", "own", "2rounds", "syncbn"}
+        assert all(v > 0 for v in ms.values())
+        assert rec["floor_over_bn"] == pytest.approx((ms["py-floor"] + ms["2rounds"]) / ms["bn"])
+        assert rec["lockstep_ms"] == pytest.approx(ms["syncbn"] - ms["own"] - ms["2rounds"])
+
+
 def test_deep_narrow_net_has_24_small_bn_layers() -> None:
     from syncbn.cli._bench_e2e import deep_narrow
 
