@@ -169,19 +169,18 @@ def synchronized_forward(
         packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
     else:
         packed = _math.pack_moments(0, None, None, channels=channels, device=x.device, buffer=buffer)
-    summed = reduce(packed)
-
-    global_count = 2.0  # a lower bound is all that is needed when count >= 2
-    if count < 2:
-        head = summed[0] if buffer is None or summed is not buffer.packed else buffer.head
-        global_count = float(head)  # a device read only here, where the count may be below two
-        if global_count == 1:
-            raise one_value_error()
-
     stat_dtype = statistics_dtype(x, weight, running_mean)
     total, (mean, var, unbiased) = _math.unpack_moments(
-        summed, channels, read_count=host, dtype=stat_dtype, buffer=buffer
+        reduce(packed), channels, read_count=host, dtype=stat_dtype, buffer=buffer
     )
+
+    # Nothing has changed yet: the one-value error still leaves every state as it was.
+    global_count = 2.0  # a lower bound is all that is needed when count >= 2
+    if count < 2:
+        # A device read only here, where the count may be below two.
+        global_count = total if isinstance(total, float) else float(total.item())
+        if global_count == 1:
+            raise one_value_error()
     if count > 0:
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:
