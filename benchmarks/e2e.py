@@ -7,12 +7,15 @@ synchronised layer), and ``resnet``, a ResNet-style CIFAR model (15 BN layers,
 ``syncbn.SyncBatchNorm2d`` (CPU collectives through shared memory where every
 rank is on one machine, the default), with ``syncbn.SyncBatchNorm2d`` on the
 process group's own transport (``syncbn-pg``: gloo), and with plain
-``nn.BatchNorm2d`` (unsynchronised: what DDP gives by default). Steps of the
-three alternate in one loop; each rank's median step time is taken and the
+``nn.BatchNorm2d`` (unsynchronised: what DDP gives by default), and, with
+``--fused-bound``, with :class:`fused_bound.FusedBoundBatchNorm2d` (``fused``: the
+cost a compiled, fused-kernel syncbn could reach, see ``fused_bound.py``). Steps
+of all variants alternate in one loop; each rank's median step time is taken and the
 slowest rank reported, with the ratios to plain (targets: deep <= 1.10,
 resnet <= 1.03).
 
-    python benchmarks/e2e.py [--model deep,resnet] [--world-size 2] [--batch 16] [--steps 20] [--json PATH]
+    python benchmarks/e2e.py [--model deep,resnet] [--world-size 2] [--batch 16] [--steps 20]
+                             [--fused-bound] [--json PATH]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 from typing import Any
 
 import torch
+from fused_bound import FusedBoundBatchNorm2d
 from torch import nn
 
 from syncbn import SyncBatchNorm2d
@@ -41,6 +45,9 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
         "syncbn-pg": lambda c: SyncBatchNorm2d(c, process_group=on_gloo),
         "plain": nn.BatchNorm2d,
     }
+    if args.fused_bound:
+        shared = ProcessGroupSum(None)
+        norms["fused"] = lambda c: FusedBoundBatchNorm2d(c, shared)
     results: dict[str, Any] = {}
     for model in args.model.split(","):
         mine = time_steps(model, rank, args.batch, args.steps, args.warmup, norms)
@@ -51,6 +58,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
             "syncbn_over_plain": ms["syncbn"] / ms["plain"],
             "syncbn_pg_over_plain": ms["syncbn-pg"] / ms["plain"],
         }
+        if "fused" in ms:
+            results[model]["fused_over_plain"] = ms["fused"] / ms["plain"]
     if rank != 0:
         return
     print(
@@ -75,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--fused-bound", action="store_true", help="also time the compiled-kernel bound (fused_bound.py)"
+    )
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     run_ranks(_rank, args.world_size, "gloo", args)

@@ -15,14 +15,18 @@ synchronised methods), interleaved block by block:
 * ``2rounds``: the two shared-memory all_reduces a layer needs (``2C + 1`` and
   ``2C`` values through :class:`syncbn.groups.ProcessGroupSum`), back to back,
   with no compute between them: their latency between real processes;
+* ``fused``: what a compiled (fused-kernel) syncbn could cost from Python, with
+  the lockstep: one native kernel either side of each of the layer's two
+  collectives, in a minimal autograd function (:mod:`fused_bound`);
 * ``syncbn``: ``syncbn.SyncBatchNorm`` forward + backward over the group.
 
-``floor = (py-floor + 2rounds) / bn`` is what a layer built from a Python
-autograd function and two collectives costs at best against unsynchronised
-nn.BatchNorm; ``syncbn / bn`` is what it costs now, and ``syncbn - own -
-2rounds`` (``lockstep``) what the ranks lose waiting for each other at a
-layer's two collectives beyond the collectives' own latency. Each rank's median per
-block, the slowest rank's value, then the median over blocks::
+``fused / bn`` is the best a compiled kernel could do here. ``floor = (py-floor +
+2rounds) / bn`` is what a layer built from a Python autograd function and two
+collectives costs at best against unsynchronised nn.BatchNorm; ``syncbn / bn`` is
+what it costs now, and ``syncbn - own - 2rounds`` (``lockstep``) what the ranks
+lose waiting for each other at a layer's two collectives beyond the collectives'
+own latency. Each rank's median per block, the slowest rank's value, then the
+median over blocks::
 
     python benchmarks/floor.py [--shapes 64x128,8x32x8x8,256x512] [--steps 100] [--blocks 5]
 """
@@ -39,6 +43,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from fused_bound import FusedBound, collective_buffers
 from torch import Tensor, nn
 
 import syncbn
@@ -89,8 +94,7 @@ def _steps(shape: tuple[int, ...], group: groups.ProcessGroupSum) -> dict[str, C
     weight = torch.ones(channels, requires_grad=True)
     bias = torch.zeros(channels, requires_grad=True)
     running_mean, running_var = torch.zeros(channels), torch.ones(channels)
-    fwd = torch.zeros(2 * channels + 1, dtype=torch.float64)
-    bwd = torch.zeros(2 * channels, dtype=torch.float32)
+    sums = fwd, bwd = collective_buffers(channels)
     tag_f, tag_b = groups.Tag(7, groups.PHASE_FORWARD), groups.Tag(7, groups.PHASE_BACKWARD)
 
     def step_bn() -> None:
@@ -106,6 +110,9 @@ def _steps(shape: tuple[int, ...], group: groups.ProcessGroupSum) -> dict[str, C
         group.all_reduce_sum(fwd, tag_f)
         group.all_reduce_sum(bwd, tag_b)
 
+    def step_fused() -> None:
+        FusedBound.apply(x, weight, bias, 1e-5, group, sums).backward(dy)
+
     def step_syncbn() -> None:
         sbn(x).backward(dy)
 
@@ -114,6 +121,7 @@ def _steps(shape: tuple[int, ...], group: groups.ProcessGroupSum) -> dict[str, C
         "py-floor": step_floor,
         "own": step_own,
         "2rounds": step_rounds,
+        "fused": step_fused,
         "syncbn": step_syncbn,
     }
 
@@ -144,6 +152,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
             "median_ms": ms,
             "floor_over_bn": (ms["py-floor"] + ms["2rounds"]) / ms["bn"],
             "own_over_bn": ms["own"] / ms["bn"],
+            "fused_over_bn": ms["fused"] / ms["bn"],
             "syncbn_over_bn": ms["syncbn"] / ms["bn"],
             "lockstep_ms": ms["syncbn"] - ms["own"] - ms["2rounds"],
         }
@@ -154,15 +163,15 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
         f"interleaved; slowest rank's median per block, median of blocks, ms; load {os.getloadavg()[0]:.2f}"
     )
     print(
-        f"{'shape':>14} {'bn':>7} {'py-floor':>9} {'own':>7} {'2rounds':>8} {'syncbn':>7} {'lockstep':>9}"
-        f" {'floor/bn':>9} {'own/bn':>7} {'syncbn/bn':>10}"
+        f"{'shape':>14} {'bn':>7} {'py-floor':>9} {'own':>7} {'2rounds':>8} {'fused':>7} {'syncbn':>7}"
+        f" {'lockstep':>9} {'floor/bn':>9} {'own/bn':>7} {'fused/bn':>9} {'syncbn/bn':>10}"
     )
     for spec, rec in results.items():
         ms = rec["median_ms"]
         print(
             f"{spec:>14} {ms['bn']:7.3f} {ms['py-floor']:9.3f} {ms['own']:7.3f} {ms['2rounds']:8.3f}"
-            f" {ms['syncbn']:7.3f} {rec['lockstep_ms']:9.3f} {rec['floor_over_bn']:9.2f}"
-            f" {rec['own_over_bn']:7.2f} {rec['syncbn_over_bn']:10.2f}"
+            f" {ms['fused']:7.3f} {ms['syncbn']:7.3f} {rec['lockstep_ms']:9.3f} {rec['floor_over_bn']:9.2f}"
+            f" {rec['own_over_bn']:7.2f} {rec['fused_over_bn']:9.2f} {rec['syncbn_over_bn']:10.2f}"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes + ["--json", os.path.join(out, "memory.json")],
         )
     if "e2e" not in skip:
-        e2e_args = ["--json", os.path.join(out, "e2e.json")]
+        e2e_args = ["--fused-bound", "--json", os.path.join(out, "e2e.json")]
         if args.quick:
             e2e_args += ["--batch", "2", "--steps", "2", "--warmup", "1"]
         code |= e2e.main(e2e_args)

@@ -169,17 +169,18 @@ def test_e2e_script_reports_both_models(tmp_path) -> None:
     out = tmp_path / "e2e.json"
     proc = _run(
         [os.path.join(BENCHMARKS, "e2e.py"), "--steps", "1", "--warmup", "0", "--batch", "4"]
-        + ["--json", str(out)],
+        + ["--fused-bound", "--json", str(out)],
         timeout=280,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"deep", "resnet"}
     for rec in data["results"].values():
-        assert set(rec["median_ms"]) == {"syncbn", "syncbn-pg", "plain"}
+        assert set(rec["median_ms"]) == {"syncbn", "syncbn-pg", "plain", "fused"}
         assert len(rec["per_rank_median_ms"]) == 2
         ms = rec["median_ms"]
         assert rec["syncbn_over_plain"] == pytest.approx(ms["syncbn"] / ms["plain"])
+        assert rec["fused_over_plain"] == pytest.approx(ms["fused"] / ms["plain"])
 
 
 @pytest.mark.timeout(200)
@@ -195,10 +196,50 @@ def test_floor_script_reports_the_decomposition(tmp_path) -> None:
     assert set(data["results"]) == {"8x4", "4x3x2x2"}
     for rec in data["results"].values():
         ms = rec["median_ms"]
-        assert set(ms) == {"bn", "py-floor", "own", "2rounds", "syncbn"}
+        assert set(ms) == {"bn", "py-floor", "own", "2rounds", "fused", "syncbn"}
         assert all(v > 0 for v in ms.values())
+        assert rec["fused_over_bn"] == pytest.approx(ms["fused"] / ms["bn"])
         assert rec["floor_over_bn"] == pytest.approx((ms["py-floor"] + ms["2rounds"]) / ms["bn"])
         assert rec["lockstep_ms"] == pytest.approx(ms["syncbn"] - ms["own"] - ms["2rounds"])
+
+
+class _CountingSum:
+    """A group whose sum is the identity, counting the tensors it is handed."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def all_reduce_sum(self, tensor: torch.Tensor, tag: object = None) -> torch.Tensor:
+        self.sizes.append(tensor.numel())
+        return tensor
+
+
+def test_fused_bound_is_a_batch_norm_with_the_layers_two_collectives() -> None:
+    # The emulated compiled-kernel bound must do a real batch norm's work (its timing stands
+    # for one), and hand the group a layer's two buffers: 2C + 1 values forward, 2C backward.
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from fused_bound import FusedBoundBatchNorm2d
+    finally:
+        sys.path.remove(BENCHMARKS)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5, 3, 4, generator=gen) * 3 + 2
+    dy = torch.randn(6, 5, 3, 4, generator=gen)
+    group = _CountingSum()
+    bound, ref = FusedBoundBatchNorm2d(5, group), nn.BatchNorm2d(5)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for layer in (bound, ref):
+            layer.weight.copy_(torch.rand(5, generator=torch.Generator().manual_seed(4)) + 0.5)
+            layer.bias.copy_(torch.randn(5, generator=torch.Generator().manual_seed(5)))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = bound(x1), ref(x2)
+    y1.backward(dy)
+    y2.backward(dy)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(bound.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(bound.bias.grad, ref.bias.grad, rtol=1e-4, atol=1e-5)
+    assert group.sizes == [2 * 5 + 1, 2 * 5]
 
 
 def test_deep_narrow_net_has_24_small_bn_layers() -> None:

@@ -22,8 +22,16 @@ import griffe
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`(~?)([^`]+)`")
 _MATH = re.compile(r":math:`([^`]+)`")
 _GREEK = {
-    "gamma": "γ", "beta": "β", "mu": "μ", "sigma": "σ", "epsilon": "ε", "sum": "Σ", "cdot": "·",
-    "times": "×", "alpha": "α", "lambda": "λ",
+    "gamma": "γ",
+    "beta": "β",
+    "mu": "μ",
+    "sigma": "σ",
+    "epsilon": "ε",
+    "sum": "Σ",
+    "cdot": "·",
+    "times": "×",
+    "alpha": "α",
+    "lambda": "λ",
 }
 
 
