@@ -41,6 +41,7 @@ __all__ = [
     "ForwardResult",
     "SyncBatchNormFunction",
     "finish_input_grad",
+    "gradient_dtype",
     "local_grad_sums",
     "statistics_dtype",
     "synchronized_forward",
@@ -59,6 +60,13 @@ def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | No
     if running_mean is not None:
         return running_mean.dtype
     return _math.accumulation_dtype(x.dtype)
+
+
+def gradient_dtype(weight: Tensor | None, bias: Tensor | None, mean: Tensor) -> torch.dtype:
+    """The dtype of the weight and bias gradients: the parameters', else the statistics' (``mean``)."""
+    if weight is not None:
+        return weight.dtype
+    return bias.dtype if bias is not None else mean.dtype
 
 
 def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueError:
@@ -345,9 +353,7 @@ def _save(
     ctx.save_for_backward(x, weight, result.mean, result.var)
     ctx.total = result.total
     ctx.count = result.local_count
-    ctx.param_dtype = (
-        weight.dtype if weight is not None else (bias.dtype if bias is not None else result.mean.dtype)
-    )
+    ctx.param_dtype = gradient_dtype(weight, bias, result.mean)
     ctx.eps = eps
     ctx.group = group
     ctx.layer = layer

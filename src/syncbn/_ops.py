@@ -188,7 +188,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
     ctx.mark_non_differentiable(mean, var, unbiased, total)
     ctx.save_for_backward(x, weight, mean, var, total)
     ctx.eps, ctx.group, ctx.layer = inputs[4], inputs[5], inputs[6]
-    ctx.param_dtype = weight.dtype if weight is not None else (bias.dtype if bias is not None else mean.dtype)
+    ctx.param_dtype = _function.gradient_dtype(weight, bias, mean)
 
 
 def _backward(ctx: Any, grad_output: Tensor, *unused: Any) -> tuple[Tensor | None, ...]:

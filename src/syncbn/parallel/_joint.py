@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _math
-from .._function import finish_input_grad, local_grad_sums, synchronized_forward
+from .._function import finish_input_grad, gradient_dtype, local_grad_sums, synchronized_forward
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
 
 __all__ = ["replica_batch_norm"]
@@ -144,10 +144,7 @@ class _JointBatchNorm(torch.autograd.Function):
         ctx.size = size
         ctx.meta = [(r.mean, r.var, r.total, r.n) for r in records]
         ctx.eps = records[0].eps
-        ctx.param_dtype = [
-            r.weight.dtype if r.weight is not None else (r.bias.dtype if r.bias is not None else r.mean.dtype)
-            for r in records
-        ]
+        ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.mean) for r in records]
         ctx.save_for_backward(*tensors[: 2 * size])  # the xs and the weights
         return tuple(r.y for r in records)
 
