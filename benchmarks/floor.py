@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from fused_bound import FusedBound, collective_buffers
+from fused_bound import TAGS, FusedBound, collective_buffers
 from torch import Tensor, nn
 
 import syncbn
@@ -95,7 +95,6 @@ def _steps(shape: tuple[int, ...], group: groups.ProcessGroupSum) -> dict[str, C
     bias = torch.zeros(channels, requires_grad=True)
     running_mean, running_var = torch.zeros(channels), torch.ones(channels)
     sums = fwd, bwd = collective_buffers(channels)
-    tag_f, tag_b = groups.Tag(7, groups.PHASE_FORWARD), groups.Tag(7, groups.PHASE_BACKWARD)
 
     def step_bn() -> None:
         bn(x).backward(dy)
@@ -107,8 +106,8 @@ def _steps(shape: tuple[int, ...], group: groups.ProcessGroupSum) -> dict[str, C
         own(x).backward(dy)
 
     def step_rounds() -> None:
-        group.all_reduce_sum(fwd, tag_f)
-        group.all_reduce_sum(bwd, tag_b)
+        group.all_reduce_sum(fwd, TAGS[0])
+        group.all_reduce_sum(bwd, TAGS[1])
 
     def step_fused() -> None:
         FusedBound.apply(x, weight, bias, 1e-5, group, sums).backward(dy)

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 from syncbn import groups
 
-_TAGS = (groups.Tag(7, groups.PHASE_FORWARD), groups.Tag(7, groups.PHASE_BACKWARD))
+# The frame tags of a layer's forward and backward sums (one fixed layer identity).
+TAGS = (groups.Tag(7, groups.PHASE_FORWARD), groups.Tag(7, groups.PHASE_BACKWARD))
 
 
 class FusedBound(torch.autograd.Function):
@@ -49,7 +50,7 @@ class FusedBound(torch.autograd.Function):
         buffers: tuple[Tensor, Tensor],
     ) -> Tensor:
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-        group.all_reduce_sum(buffers[0], _TAGS[0])
+        group.all_reduce_sum(buffers[0], TAGS[0])
         out = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
         ctx.save_for_backward(x, weight, mean, var, torch.rsqrt(var + eps))
         ctx.eps, ctx.group, ctx.buffer = eps, group, buffers[1]
@@ -61,7 +62,7 @@ class FusedBound(torch.autograd.Function):
         _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
             grad, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
         )
-        ctx.group.all_reduce_sum(ctx.buffer, _TAGS[1])
+        ctx.group.all_reduce_sum(ctx.buffer, TAGS[1])
         grad_input, _, _ = torch.ops.aten.native_batch_norm_backward(
             grad, x, weight, None, None, mean, invstd, True, ctx.eps, [True, False, False]
         )
