@@ -89,7 +89,9 @@ def test_threads_get_buffers_of_their_own() -> None:
     # get nn.BatchNorm's result on their own batch.
     start = threading.Barrier(2)
     errors: list[BaseException] = []
-    seen: dict[int, int] = {}
+    # The buffers themselves, not their id()s: a thread that ended frees its thread-local buffer,
+    # and a freed object's id can be reused by the other thread's.
+    seen: dict[int, _math.MomentBuffer] = {}
 
     def work(seed: int) -> None:
         try:
@@ -101,7 +103,8 @@ def test_threads_get_buffers_of_their_own() -> None:
                 y = ours(x)
                 want = ref(torch.cat([x, x]))[:5]
                 torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
-            seen[seed] = id(_math.moment_buffer(7, x.device))
+            seen[seed] = _math.moment_buffer(7, x.device)
+            assert _math.moment_buffer(7, x.device) is seen[seed]  # one buffer per thread, kept
         except BaseException as exc:  # reported in the main thread
             errors.append(exc)
 
@@ -111,7 +114,8 @@ def test_threads_get_buffers_of_their_own() -> None:
     for t in threads:
         t.join(timeout=60)
     assert not errors, errors
-    assert len(seen) == 2 and seen[3] != seen[4]
+    assert len(seen) == 2 and seen[3] is not seen[4]
+    assert seen[3].packed.data_ptr() != seen[4].packed.data_ptr()  # both alive: distinct memory
 
 
 def test_low_precision_statistics_are_float32_and_match_nn_batchnorm() -> None:
