@@ -8,7 +8,11 @@ process-group path (gloo) covered with it turned off.
 from __future__ import annotations
 
 import glob
+import json
 import os
+import signal
+import tempfile
+import threading
 import time
 from typing import Any
 
@@ -246,11 +250,111 @@ def test_setting_validation_and_environment(monkeypatch: pytest.MonkeyPatch) -> 
         syncbn.set_shared_memory(None)
 
 
-def test_a_full_dev_shm_means_no_segment_and_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_memory_means_no_segment_and_no_descriptor(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_space(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
 
+    before = sorted(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(os, "posix_fallocate", no_space)
-    path = f"/dev/shm/syncbn-test-{os.getpid()}"
-    assert _shm._create(path, 1 << 20, 7) is None
-    assert not os.path.exists(path)
+    assert _shm._create(f"syncbn-{os.getpid()}-000000000007", 1 << 20, 7) is None
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert glob.glob(f"/dev/shm/syncbn-{os.getpid()}-*") == []
+
+
+def test_the_segment_has_no_path_and_only_its_creator_and_token_open_it() -> None:
+    made = _shm._create(f"syncbn-{os.getpid()}-00000000002a", 8192, 42)
+    assert made is not None
+    fd, segment = made
+    try:
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:syncbn-{os.getpid()}-")
+        assert glob.glob(f"/dev/shm/syncbn-{os.getpid()}-*") == []
+        peer = _shm._attach(os.getpid(), fd, 8192, 42)
+        assert peer is not None
+        peer[100:103] = b"abc"
+        assert segment[100:103] == b"abc"  # the same memory
+        peer.close()
+        assert _shm._attach(os.getpid(), fd, 8192, 43) is None  # another token: not ours
+        assert _shm._attach(os.getpid(), fd, 4096, 42) is None  # another size
+        assert _shm._attach(os.getpid(), 987654, 8192, 42) is None  # no such descriptor
+    finally:
+        segment.close()
+        os.close(fd)
+
+
+# ------------------------------------------------------- a kill inside the set-up window (item 2)
+
+_PAUSE_S = 60.0
+
+
+def _paused_in_setup(rank: int, world_size: int, tmp: str, where: str) -> dict[str, Any]:
+    """Rank 0 (``created``) or rank 1 (``attached``) stops inside the set-up window and says so."""
+    pids: list[Any] = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    create, attach = _shm._create, _shm._attach
+
+    def mark(detail: dict[str, Any]) -> None:
+        with open(os.path.join(tmp, "marker.tmp"), "w") as f:
+            json.dump({"pids": pids, **detail}, f)
+        os.replace(os.path.join(tmp, "marker.tmp"), os.path.join(tmp, "marker"))
+        time.sleep(_PAUSE_S)
+
+    def created(*args: Any) -> Any:
+        made = create(*args)
+        if made is not None and where == "created":
+            mark({"fd": made[0]})
+        return made
+
+    def attached(*args: Any) -> Any:
+        segment = attach(*args)
+        if where == "attached":
+            mark({"fd": args[1]})
+        return segment
+
+    _shm._create = created  # type: ignore[assignment]
+    _shm._attach = attached  # type: ignore[assignment]
+    try:
+        syncbn.SyncBatchNorm1d(3)(torch.randn(4, 3))
+    except Exception as exc:  # noqa: BLE001 - a survivor reports what it saw
+        return {"type": type(exc).__name__}
+    return {"type": None}
+
+
+def _kill_at_marker(tmp: str, kill: str, seen: dict[str, Any]) -> None:
+    deadline = time.monotonic() + 60
+    path = os.path.join(tmp, "marker")
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(path) as f:
+        marker = json.load(f)
+    pids = marker["pids"]
+    seen["pids"] = pids
+    seen["segment"] = os.readlink(f"/proc/{pids[0]}/fd/{marker['fd']}")  # it exists now...
+    seen["during"] = [p for pid in pids for p in glob.glob(f"/dev/shm/syncbn-{pid}-*")]
+    for pid in pids if kill == "every rank" else pids[:1]:
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("where", "kill"),
+    [("created", "rank 0"), ("created", "every rank"), ("attached", "every rank")],
+    ids=["rank0-after-create", "all-after-create", "all-after-late-rank-attached"],
+)
+def test_a_kill_inside_the_set_up_window_leaves_nothing(where: str, kill: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        seen: dict[str, Any] = {}
+        killer = threading.Thread(target=_kill_at_marker, args=(tmp, kill, seen), daemon=True)
+        killer.start()
+        results = launch(_paused_in_setup, 2, tmp, where, timeout=60, allow_failures=True, finish_wait=0.5)
+        killer.join(timeout=10)
+    pids = seen["pids"]
+    # The kill landed inside the window: rank 0 held the segment (a memfd, no file anywhere).
+    assert seen["segment"].startswith(f"/memfd:syncbn-{pids[0]}-"), seen
+    assert seen["during"] == [], seen
+    assert results[0][0] == "error" and "exit code -9" in results[0][1], results
+    if kill == "every rank":
+        assert results[1][0] == "error" and "exit code -9" in results[1][1], results
+    else:  # the survivor gets an error from the process group (its peer is gone), never a hang
+        assert isinstance(results[1], dict) and results[1]["type"] is not None, results
+    for pid in pids:
+        assert glob.glob(f"/dev/shm/syncbn-{pid}-*") == []
+        assert not _shm._alive(pid)

@@ -8,7 +8,7 @@ until every flag has reached the same sequence number and sums the slots. On a
 all_reduce of the same 1,025 float64 values (four thread hand-offs per call);
 SyncBatchNorm makes two per layer and step.
 
-The segment (``/dev/shm``, unlinked as soon as every rank has mapped it)::
+The segment (an anonymous memfd, see the set-up below)::
 
     header     token (int64) | one 64-byte line per rank: its round number (-1: withdrawn)
     buffer 0   world_size slots: a 64-byte metadata line, then 64 KiB of data
@@ -52,14 +52,19 @@ Set-up is collective: :func:`connect` runs on every rank at the same point
 (the first CPU collective of a group) and agrees, over the process group,
 whether the shared-memory path is usable everywhere; if not, every rank keeps
 using the process group. Rank 0 creates the segment only after the first
-exchange has shown every rank present, and unlinks it two exchanges later,
-once every rank has mapped it: the file exists for milliseconds while every
-rank is running, so a job killed at any moment leaves nothing behind; should
-one be killed inside those milliseconds, the next set-up on the machine
-removes every ``syncbn-<pid>-*`` file whose creating process is gone. A
-segment belongs to the process that mapped it: :mod:`syncbn.groups` refuses a
-child forked afterwards. ``SYNCBN_SHM=0`` (or :func:`syncbn.set_shared_memory`)
-turns it off.
+exchange has shown every rank present, as an anonymous ``memfd`` (no path in
+``/dev/shm`` or anywhere): the peers open it through
+``/proc/<pid of rank 0>/fd/<n>`` (same user or root, same PID namespace) and
+check its size and a 48-bit token rank 0 wrote into it; rank 0 closes its
+descriptor once every rank has mapped it. The memory lives exactly as long as
+a descriptor or a mapping of it: a kill at any instant, of any rank or of all,
+leaves nothing behind. A peer that cannot open it (another PID namespace, as in
+a container; another user; a process made non-dumpable) or finds another
+object there makes every rank keep the process group. Files ``syncbn-<pid>-*``
+that earlier versions left in ``/dev/shm`` are removed at set-up once their
+process is gone. A segment belongs to the process that mapped it:
+:mod:`syncbn.groups` refuses a child forked afterwards. ``SYNCBN_SHM=0`` (or
+:func:`syncbn.set_shared_memory`) turns it off.
 
 The per-call exchange (the layout, :class:`SharedMemorySum`) is in ``_exchange``; this module
 holds the set-up and the lifecycle of segments.
@@ -85,28 +90,42 @@ __all__ = ["SharedMemorySum", "SharedMemoryError", "connect", "supported"]
 
 
 def supported() -> bool:
-    """Whether this process can use the shared-memory path at all (x86-64 Linux with ``/dev/shm``)."""
+    """Whether this process can use the shared-memory path at all (x86-64 Linux with memfd and ``/proc``)."""
     return (
         sys.platform.startswith("linux")
         and platform.machine().lower() in ("x86_64", "amd64")
-        and os.path.isdir("/dev/shm")
+        and hasattr(os, "memfd_create")
+        and os.path.isdir("/proc/self/fd")
     )
 
 
 def _host_key() -> float:
-    """A 48-bit key of this machine (host name and boot id), exact in float64."""
+    """A 48-bit key of this machine as the ranks can share memory on it, exact in float64.
+
+    The host name, the boot id (one per running kernel) and the PID namespace: two containers
+    that share a host name on one machine but not their process table cannot reach each
+    other's segments (``/proc/<pid>`` names another process there), so they count as two
+    machines. The set-up still proves every pairing by mapping the segment (:func:`_attach`).
+    """
     boot = ""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         pass
-    text = f"{socket.gethostname()}|{boot}".encode()
+    try:
+        pid_ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pid_ns = ""
+    text = f"{socket.gethostname()}|{boot}|{pid_ns}".encode()
     return float((zlib.crc32(text) << 16) | (zlib.adler32(text) & 0xFFFF))
 
 
 def remove_stale(directory: str = "/dev/shm") -> list[str]:
-    """Unlink every ``syncbn-<pid>-*`` segment whose creating process no longer exists.
+    """Unlink every ``syncbn-<pid>-*`` file whose creating process no longer exists.
+
+    Segments have no path since they became memfds; this clears what earlier versions of
+    syncbn, killed inside their set-up, left in ``/dev/shm``.
 
     Args:
         directory: where segments live.
@@ -139,9 +158,10 @@ def connect(
     Every rank of the group must call this at the same point. Three rounds of
     ``exchange`` (a summing all_reduce over the process group) agree on it:
     every rank is present, wants it and runs on the same machine; then rank 0
-    creates the segment and sends its token; then every rank mapped it and can
-    see every peer's process, and rank 0 unlinks the file. Any failure
-    anywhere means ``None`` on every rank.
+    creates the segment (an anonymous memfd) and sends its token and descriptor
+    number; then every rank mapped it through ``/proc/<pid of rank 0>/fd/<n>``
+    and can see every peer's process, and rank 0 closes its descriptor. Any
+    failure anywhere means ``None`` on every rank.
 
     Args:
         rank: this rank's index in the group.
@@ -154,7 +174,7 @@ def connect(
         The connected :class:`SharedMemorySum`, or ``None``.
     """
     want = enabled and supported()
-    created = ""  # rank 0: the file it made, unlinked once every rank has mapped it (or failed)
+    fd = -1  # rank 0: the memfd, closed once every rank has mapped it (or failed)
     segment: mmap.mmap | None = None
     size = _segment_size(world_size)
     try:
@@ -166,30 +186,28 @@ def connect(
         if not (bool((table[:, 0] == 1).all()) and bool((table[:, 1] == table[0, 1]).all())):
             return None
         pids = [int(p) for p in table[:, 2].tolist()]
-        # Every rank is here: only now does rank 0 create the file (and clear dead jobs' leftovers).
-        offer = torch.zeros(2, dtype=torch.float64)
+        # Every rank is here: only now does rank 0 create the segment (and clear old leftovers).
+        offer = torch.zeros(3, dtype=torch.float64)
         if rank == 0:
             remove_stale()
             token = secrets.randbits(48) or 1
-            created = f"/dev/shm/syncbn-{os.getpid()}-{token:012x}"
-            segment = _create(created, size, token)
-            if segment is None:
-                created = ""
-            else:
-                offer[0], offer[1] = 1.0, float(token)
+            made = _create(f"syncbn-{os.getpid()}-{token:012x}", size, token)
+            if made is not None:
+                fd, segment = made
+                offer[0], offer[1], offer[2] = 1.0, float(token), float(fd)
         offer = exchange(offer)
         if offer[0].item() != 1:
             return None
         token = int(offer[1].item())
         ok = True
         if rank != 0:
-            segment = _attach(f"/dev/shm/syncbn-{pids[0]}-{token:012x}", size, token)
+            segment = _attach(pids[0], int(offer[2].item()), size, token)
             ok = segment is not None
         ok = ok and all(_alive(pid) for pid in pids)
         agreed = exchange(torch.tensor([0.0 if ok else 1.0], dtype=torch.float64))
-        if created:
-            _unlink(created)
-            created = ""
+        if fd >= 0:
+            os.close(fd)
+            fd = -1
         if agreed.item() != 0 or segment is None:
             return None
         shared = SharedMemorySum(segment, rank, world_size, pids)
@@ -198,27 +216,31 @@ def connect(
     finally:
         if segment is not None:
             segment.close()
-        if created:
-            _unlink(created)
+        if fd >= 0:
+            os.close(fd)
 
 
-def _create(path: str, size: int, token: int) -> mmap.mmap | None:
+def _create(name: str, size: int, token: int) -> tuple[int, mmap.mmap] | None:
+    """An anonymous segment (memfd ``name``): its descriptor and its mapping, or ``None``.
+
+    It has no path: it exists while a descriptor or a mapping of it does, so no kill at any
+    instant can leave it behind.
+    """
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except OSError:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    except (OSError, AttributeError):
         return None
     try:
-        # Reserve every page now: a full /dev/shm (64 MiB in a default container) then fails
-        # here with ENOSPC, not later with SIGBUS on the first write to a missing page.
+        # Reserve every page now: a memory cgroup that is full then fails here with ENOSPC or
+        # ENOMEM, not later with SIGBUS on the first write to a missing page.
+        os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
         segment = mmap.mmap(fd, size)
     except OSError:
-        _unlink(path)
-        return None
-    finally:
         os.close(fd)
+        return None
     _write_token(segment, token)
-    return segment
+    return fd, segment
 
 
 def _write_token(segment: mmap.mmap, token: int) -> None:
@@ -231,9 +253,16 @@ def _read_token(segment: mmap.mmap) -> int:
         return int(words[0])
 
 
-def _attach(path: str, size: int, token: int) -> mmap.mmap | None:
+def _attach(pid: int, number: int, size: int, token: int) -> mmap.mmap | None:
+    """Map the segment that process ``pid`` holds as descriptor ``number``; ``None`` if not ours.
+
+    ``/proc/<pid>/fd/<n>`` opens the very object the creator holds, when this process may
+    read that process's descriptors (same user, or root). In another PID namespace (a
+    container) the number names another process or none: the size and the 48-bit token,
+    written by the creator, then do not match, and the ranks keep the process group.
+    """
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(f"/proc/{pid}/fd/{number}", os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return None
     try:
