@@ -141,3 +141,64 @@ def _single_machine(rank: int, world_size: int) -> dict[str, Any]:
 def test_on_one_machine_the_flat_shared_memory_path_is_kept() -> None:
     for result in launch(_single_machine, 3, timeout=120):
         assert result == {"hierarchical": False, "shm": True, "t": [3.0, 3.0]}
+
+
+# ------------------------------------------------- failures are failures, never mismatches (issue 23)
+
+
+def _peer_killed(rank: int, world_size: int, victim: int) -> dict[str, Any]:
+    import os
+    import signal
+    import time
+
+    syncbn.set_timeout(5.0)
+    _machine(rank)
+    group = groups.ProcessGroupSum(None, hierarchical=True)
+    layer = syncbn.SyncBatchNorm1d(3, process_group=group)
+    layer(torch.randn(4, 3))  # set-up and the handshake on every rank
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        layer(torch.randn(4, 3))
+    except syncbn.CollectiveError as exc:
+        return {"mismatch": exc.mismatch, "s": time.monotonic() - start, "msg": str(exc)}
+    return {"mismatch": None, "s": time.monotonic() - start, "msg": ""}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [2, 3], ids=["leader-of-machine-1", "member-of-machine-1"])
+def test_a_dead_rank_is_a_failure_on_every_rank_never_a_mismatch(victim: int) -> None:
+    results = launch(_peer_killed, WORLD, victim, timeout=90, allow_failures=True, finish_wait=0.5)
+    assert results[victim][0] == "error" and "exit code -9" in results[victim][1]
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        assert isinstance(result, dict) and result["mismatch"] is False, (rank, result)
+        assert result["s"] < 5.0 + 2.0, (rank, result)  # at the latest at the bound
+        assert "phase 1" not in result["msg"] and "did not make the same collective" not in result["msg"]
+
+
+def _setting_on_some_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    import os
+
+    _machine(rank)
+    if rank in (0, 3):
+        os.environ["SYNCBN_HIERARCHICAL"] = "1"
+    else:
+        os.environ["SYNCBN_HIERARCHICAL"] = "0"
+    layer = syncbn.SyncBatchNorm1d(3)
+    try:
+        layer(torch.randn(4, 3))
+    except syncbn.CollectiveError as exc:
+        return {"mismatch": exc.mismatch, "msg": str(exc)}
+    return {"mismatch": None, "msg": ""}
+
+
+@pytest.mark.timeout(120)
+def test_a_setting_made_on_some_ranks_only_is_named_on_every_rank() -> None:
+    for rank, result in enumerate(launch(_setting_on_some_ranks, WORLD, timeout=90)):
+        assert result["mismatch"] is True, (rank, result)
+        assert "SYNCBN_HIERARCHICAL" in result["msg"], result["msg"]
+        assert "[0, 3] chose it and [1, 2] did not" in result["msg"], result["msg"]
+        assert "order" not in result["msg"], result["msg"]

@@ -1,9 +1,11 @@
 """The hierarchical path of :mod:`syncbn.groups`, for CPU groups that span several machines.
 
-Opt-in (``ProcessGroupSum(..., hierarchical=True)``, or ``SYNCBN_HIERARCHICAL=1`` on every
-rank alike). At the group's first CPU collective, when the ranks are not all on one machine but
-some machine holds two or more of them, every rank learns every rank's machine (the host key
-of :mod:`syncbn._shm`) and the group splits, collectively and for good, into:
+Chosen by ``ProcessGroupSum(..., hierarchical=...)``, else ``SYNCBN_HIERARCHICAL``, else
+:data:`DEFAULT`; the ranks compare their choices at set-up, and ranks that chose differently
+all raise an error that names the setting. At the group's first CPU collective, when the ranks
+are not all on one machine but some machine holds two or more of them, every rank learns every
+rank's machine (the host key of :mod:`syncbn._shm`) and the group splits, collectively and for
+good, into:
 
 * one *machine group* per machine with two or more ranks: a ``ProcessGroupSum`` over a
   subgroup of that machine's ranks, whose CPU collectives take its shared memory;
@@ -13,34 +15,62 @@ of :mod:`syncbn._shm`) and the group splits, collectively and for good, into:
 A call then takes three steps, each framed and header-checked among its members:
 
 1. the ranks of each machine sum through their shared memory (machine sum);
-2. each leader sums the machine sums with the other leaders over the network;
+2. each leader sums the machine sums with the other leaders over the network, with one value
+   more: 1 from a leader whose machine sum failed, else 0;
 3. each leader hands the total back through a second shared-memory round, in which it
-   contributes the total and every other rank zeros: ``x + 0 == x``, so every rank of every
-   machine receives the leaders' bits (the leaders' all_reduce gives every leader the same bits).
+   contributes the total and its verdict (good, timed out, failed, mismatch) and every other
+   rank zeros: ``x + 0 == x``, so every rank of every machine receives the leaders' bits (the
+   leaders' all_reduce gives every leader the same bits) and the verdict.
 
-The network carries one vector per machine instead of one per rank. A leader whose step 2
-fails (a mismatch among leaders, a timeout, a dead peer) still makes step 3, under a phase
-that cannot match its machine's ranks' (:data:`PHASE_ABORT`): they raise at once instead of
-waiting out the bound, and the leader raises its own error. ``shadow_sum`` (DDP ``Join``) is not
-available on a hierarchical group.
+The network carries one vector per machine instead of one per rank. Every step carries the
+caller's own header, so a failure (a dead rank, a lost link, a timeout) reaches every rank as
+a failure, never as a disagreement of the calls (``mismatch``): a leader whose machine sum
+failed reports it in step 2, and the leaders report a failed step 2 in step 3; only ranks that
+really made different calls see ``mismatch``. ``shadow_sum`` (DDP ``Join``) is not available
+on a hierarchical group.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._errors import CollectiveError
+from ._errors import _AFTER_FAILURE, CollectiveError
 from ._frame import Tag
 from ._refs import group_ranks
 
-__all__ = ["Hierarchy", "PHASE_ABORT", "connect"]
+__all__ = ["DEFAULT", "Hierarchy", "choice", "connect"]
 
-#: The phase a leader's hand-back round carries when its cross-machine sum failed.
-PHASE_ABORT = 15
+#: Whether a group spanning machines takes the hierarchical path when nothing says otherwise.
+DEFAULT = False
+
+# The status value a leader hands back after the machine sums (0: the total is good).
+_OK, _TIMED_OUT, _FAILED, _MISMATCH = 0, 1, 2, 3
+_WHAT = {
+    _TIMED_OUT: "timed out waiting for the other machines",
+    _FAILED: "failed: a rank on another machine died, or that machine is unreachable",
+    _MISMATCH: "found that the machines made different collectives",
+}
+
+
+def choice(explicit: bool | None) -> bool:
+    """This rank's choice: ``explicit``, else ``SYNCBN_HIERARCHICAL``, else :data:`DEFAULT`."""
+    if explicit is not None:
+        return explicit
+    env = os.environ.get("SYNCBN_HIERARCHICAL", "").strip().lower()
+    if not env:
+        return DEFAULT
+    return env in ("1", "true", "yes", "on")
+
+
+def _status(exc: CollectiveError) -> int:
+    if exc.mismatch:
+        return _MISMATCH
+    return _TIMED_OUT if exc.timed_out else _FAILED
 
 
 class Hierarchy:
@@ -51,59 +81,107 @@ class Hierarchy:
         cross: the leaders' group (``None`` unless this rank leads its machine).
         machines: number of machines.
         leader: this machine's leader, as a rank of the whole group.
+        size: number of ranks of the whole group (for the errors).
     """
 
-    def __init__(self, local: Any, cross: Any, machines: int, leader: int) -> None:
+    def __init__(self, local: Any, cross: Any, machines: int, leader: int, size: int = 0) -> None:
         self.local = local
         self.cross = cross
         self.machines = machines
         self.leader = leader
+        self.size = size
+        # (dtype, numel) -> a vector of numel + 1 values: the payload and the status slot.
+        self._buffers: dict[tuple[torch.dtype, int], Tensor] = {}
+
+    def _buffer(self, tensor: Tensor) -> Tensor:
+        key = (tensor.dtype, tensor.numel())
+        buf = self._buffers.get(key)
+        if buf is None:
+            if len(self._buffers) > 256:
+                self._buffers.clear()
+            buf = self._buffers[key] = torch.zeros(tensor.numel() + 1, dtype=tensor.dtype)
+        return buf
 
     def all_reduce_sum(self, tensor: Tensor, tag: Tag, host_wait: bool) -> Tensor:
-        """Sum ``tensor`` in place over the whole group: machine sum, leaders' sum, hand-back."""
+        """Sum ``tensor`` in place over the whole group: machine sum, leaders' sum, hand-back.
+
+        The leaders' sum and the hand-back carry one value more, a status: in the leaders' sum,
+        how many leaders' machine sums failed; in the hand-back, the leader's verdict (good,
+        timed out, failed, mismatch). The headers stay those of the caller's call, so a failure
+        is never taken for a disagreement of the calls.
+        """
         local, cross = self.local, self.cross
-        failure: CollectiveError | None = None
-        local_failed = False
-        if local is not None:
+        n = tensor.numel()
+        flat = tensor.reshape(-1)
+        if cross is None:  # a rank that does not lead its machine
+            local._framed(tensor, tag, present=True, host_wait=host_wait, deferred=False)
+            back = self._buffer(tensor)
+            back.zero_()
+            local._framed(back, tag, present=True, host_wait=host_wait, deferred=False)
+            got = int(back[n].item())
+            if got != _OK:
+                raise self._reported(got)
+            flat.copy_(back[:n])
+        else:
+            failure: CollectiveError | None = None
+            local_failed = False
+            if local is not None:
+                try:
+                    local._framed(tensor, tag, present=True, host_wait=host_wait, deferred=False)
+                except CollectiveError as exc:
+                    failure, local_failed = exc, True  # it still makes the leaders' sum, reporting it
+            buf = self._buffer(tensor)
+            buf[:n].copy_(flat)
+            buf[n] = 0 if failure is None else 1
+            status = _OK
             try:
-                local._framed(tensor, tag, present=True, host_wait=host_wait, deferred=False)
+                cross._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
             except CollectiveError as exc:
-                if cross is None:
-                    raise
-                # A leader still takes part in the leaders' sum, under a phase that cannot match:
-                # the other machines then raise at once instead of waiting out the bound.
-                failure, local_failed = exc, True
-        if cross is not None:
-            cross_tag = tag if failure is None else Tag(tag.layer, PHASE_ABORT)
-            try:
-                cross._framed(tensor, cross_tag, present=True, host_wait=host_wait, deferred=False)
-            except CollectiveError as exc:
-                if failure is None:
-                    failure = exc
-        if local is not None and not local_failed:
-            if cross is not None:
-                back, back_tag = tensor, tag if failure is None else Tag(tag.layer, PHASE_ABORT)
+                status = _status(exc)
+                failure = failure or exc
             else:
-                back, back_tag = torch.zeros_like(tensor), tag
-            try:
-                local._framed(back, back_tag, present=True, host_wait=host_wait, deferred=False)
-            except CollectiveError as exc:
-                if failure is None:
-                    raise CollectiveError(
-                        "the hand-back round of a hierarchical group failed: this machine's leader "
-                        f"(group rank {self.leader}) reported a failed cross-machine sum, or this "
-                        f"machine's ranks made different calls. {exc.args[0]}",
-                        timed_out=exc.timed_out,
-                        waited=exc.waited,
-                        group_size=exc.group_size,
-                        detail=exc.detail,
-                        mismatch=exc.mismatch,
-                    ) from exc
-            if back is not tensor:
-                tensor.copy_(back)
-        if failure is not None:
-            raise failure
+                failed = int(buf[n].item())
+                if failure is None and failed:
+                    status, failure = _FAILED, self._other_machines(failed)
+            if local is not None and not local_failed:
+                # (a leader whose own machine sum failed has no hand-back to make: its machine's
+                # ranks raised in that same round)
+                buf[n] = status
+                try:
+                    local._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
+                except CollectiveError as exc:
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
+            flat.copy_(buf[:n])
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
         return tensor
+
+    def _other_machines(self, failed: int) -> CollectiveError:
+        return CollectiveError(
+            f"the sum across the machines of a hierarchical group of {self.size} ranks failed: "
+            f"{failed} other machine(s) reported a failed sum among their own ranks (a rank there "
+            "died or timed out). Check the other ranks' logs for the first error." + _AFTER_FAILURE,
+            timed_out=False,
+            waited=0.0,
+            group_size=self.size,
+        )
+
+    def _reported(self, status: int) -> CollectiveError:
+        after = (
+            "No state was changed and the group is still usable."
+            if status == _MISMATCH
+            else "Check the other ranks' logs for the first error." + _AFTER_FAILURE
+        )
+        return CollectiveError(
+            f"the sum across the machines of a hierarchical group of {self.size} ranks failed: this "
+            f"machine's leader (group rank {self.leader}) {_WHAT[status]}. {after}",
+            timed_out=status == _TIMED_OUT,
+            waited=0.0,
+            group_size=self.size,
+            mismatch=status == _MISMATCH,
+        )
 
     def close(self) -> None:
         for group in (self.local, self.cross):
@@ -115,32 +193,57 @@ def connect(
     rank: int,
     size: int,
     process_group: Any,
+    wanted: bool,
+    able: bool,
     host_key: float,
     exchange: Callable[[Tensor], Tensor],
     make_group: Callable[..., Any],
 ) -> Hierarchy | None:
-    """Split the group by machine, collectively; ``None`` where a hierarchy gains nothing.
+    """Agree on the hierarchical path and split the group by machine, collectively.
 
-    Every rank of the group must call this at the same point. One ``exchange``
-    (a summing all_reduce over the whole group) tells every rank every rank's
-    machine; the subgroups are then made by their own members only
-    (``new_group(use_local_synchronization=True)``).
+    Every rank of the group must call this at the same point (once the flat
+    shared-memory path proved unusable). One ``exchange`` (a summing all_reduce
+    over the whole group) tells every rank every rank's choice, whether it can
+    use shared memory, and its machine; the subgroups are then made by their own
+    members only (``new_group(use_local_synchronization=True)``).
 
     Args:
         rank: this rank's index in the group.
         size: number of ranks.
         process_group: the group's process group (``None``: the default group).
+        wanted: this rank's choice (:func:`choice`).
+        able: whether this rank may and can use shared memory.
         host_key: this rank's machine (:func:`syncbn._shm._host_key`).
         exchange: sums a float64 tensor over the whole group, in place.
         make_group: builds a ``ProcessGroupSum`` (passed in: no import cycle).
 
     Returns:
-        This rank's :class:`Hierarchy`, or ``None`` on every rank (one machine,
-        or one rank per machine).
+        This rank's :class:`Hierarchy`, or ``None`` on every rank (not wanted,
+        one machine, or one rank per machine).
+
+    Raises:
+        CollectiveError: on every rank alike, when the ranks chose differently
+            (``mismatch``: nothing was set up; the next collective asks again).
     """
-    table = torch.zeros(size, dtype=torch.float64)
-    table[rank] = host_key
-    keys = exchange(table).tolist()
+    table = torch.zeros(size, 3, dtype=torch.float64)
+    table[rank] = torch.tensor([1.0 if wanted else 0.0, 1.0 if able else 0.0, host_key], dtype=torch.float64)
+    rows = exchange(table).tolist()
+    wants = [bool(row[0]) for row in rows]
+    if any(wants) and not all(wants):
+        on = [r for r, w in enumerate(wants) if w]
+        off = [r for r, w in enumerate(wants) if not w]
+        raise CollectiveError(
+            f"the ranks of a group of {size} ranks chose the hierarchical path differently: group ranks "
+            f"{on} chose it and {off} did not (SYNCBN_HIERARCHICAL, or ProcessGroupSum(hierarchical=...)). "
+            "Set SYNCBN_HIERARCHICAL alike on every rank (or on none). No state was changed.",
+            timed_out=False,
+            waited=0.0,
+            group_size=size,
+            mismatch=True,
+        )
+    if not all(wants) or not all(row[1] for row in rows):
+        return None
+    keys = [row[2] for row in rows]
     machines: dict[float, list[int]] = {}
     for r, key in enumerate(keys):
         machines.setdefault(key, []).append(r)
@@ -157,4 +260,4 @@ def connect(
     if rank == mine[0]:
         pg = dist.new_group([ranks[r] for r in leaders], use_local_synchronization=True)
         cross = make_group(pg, shared_memory=False, hierarchical=False)
-    return Hierarchy(local, cross, len(machines), mine[0])
+    return Hierarchy(local, cross, len(machines), mine[0], size)

@@ -278,12 +278,18 @@ class ProcessGroupSum(FramedTransport):
 
         allowed = _config.shared_memory_enabled() if choice is None else choice
         self._shared = _shm.connect(self._rank, self._size, allowed, exchange)
-        wanted = self._hierarchical_choice
-        if wanted is None:
-            wanted = os.environ.get("SYNCBN_HIERARCHICAL", "0").strip().lower() in ("1", "true", "yes", "on")
-        if self._shared is None and wanted and allowed and _shm.supported() and self._size > 2:
+        if self._shared is None and self._size > 2:  # every rank: they agree on the choice too
+            wanted = _hier.choice(self._hierarchical_choice)
+            able = allowed and _shm.supported()
             self._hier = _hier.connect(
-                self._rank, self._size, self.process_group, _shm._host_key(), exchange, ProcessGroupSum
+                self._rank,
+                self._size,
+                self.process_group,
+                wanted,
+                able,
+                _shm._host_key(),
+                exchange,
+                ProcessGroupSum,
             )
         self._calls = calls
         self._shared_ready = True
