@@ -33,12 +33,14 @@ on a hierarchical group.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _config
 from ._errors import _AFTER_FAILURE, CollectiveError
 from ._frame import Tag
 from ._refs import group_ranks
@@ -252,12 +254,17 @@ def connect(
     ranks = group_ranks(process_group)
     mine = machines[keys[rank]]
     leaders = [members[0] for members in machines.values()]
+    # The subgroups' own timeout is syncbn's bound: a collective abandoned at the bound (a lost
+    # link) is then given up by gloo itself too, so destroying the groups and exiting never wait
+    # for a longer timeout.
+    bound = _config.get_timeout()
+    extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     local = None
     if len(mine) > 1:
-        pg = dist.new_group([ranks[r] for r in mine], use_local_synchronization=True)
+        pg = dist.new_group([ranks[r] for r in mine], use_local_synchronization=True, **extra)
         local = make_group(pg, shared_memory=True, hierarchical=False)
     cross = None
     if rank == mine[0]:
-        pg = dist.new_group([ranks[r] for r in leaders], use_local_synchronization=True)
+        pg = dist.new_group([ranks[r] for r in leaders], use_local_synchronization=True, **extra)
         cross = make_group(pg, shared_memory=False, hierarchical=False)
     return Hierarchy(local, cross, len(machines), mine[0], size)
