@@ -1,17 +1,30 @@
-"""The hierarchical path on one machine, machines simulated: cost per layer-step against flat paths.
+"""The hierarchical path against the flat paths: cost per layer-step, simulated or namespace machines.
 
-W ranks on this machine are told they sit on ``--machines`` machines (consecutive ranks share a
-host key); per rank, interleaved, the two sums of one layer (``2C + 1`` float64 and ``2C``
-float32 values) through:
+Per rank, interleaved, the two sums of one layer (``2C + 1`` float64 and ``2C`` float32 values)
+through:
 
-* ``shm``: the flat shared-memory path (every rank on one machine: today's default here);
-* ``gloo``: the process group's transport (shared memory off: today's path across machines);
-* ``hier``: the hierarchical path (machine groups through shared memory, leaders over gloo).
+* ``shm``: the flat shared-memory path (every rank on one machine), with the adaptive spin of
+  :class:`syncbn._shm._spin.SpinPolicy`; ``shm-fixed``: the same with the earlier fixed 5 ms spin;
+* ``gloo``: the process group's transport (shared memory off: the flat path across machines);
+* ``hier``: the hierarchical path (machine groups through shared memory, leaders over gloo);
+  ``hier-fixed``: the same with the fixed spin.
 
-On one machine the leaders' gloo hop is loopback TCP, so this measures the path's own cost
-(three framed steps instead of one), not a network. Slowest rank's median, microseconds.
+Two ways to make machines:
 
-    python benchmarks/hierarchical.py [--world-size 4] [--machines 2] [--channels 128] [--iters 200]
+* simulated (default): W ranks on this machine told they sit on ``--machines`` machines
+  (consecutive ranks share a host key); the leaders' gloo hop is loopback TCP, so this
+  measures the path's own cost (three framed steps instead of one), not a network.
+  ``--machines 1``: the flat paths only.
+* ``--netns`` (root): ``--machines`` hosts built from Linux network namespaces joined by veth
+  pairs (``tests/_netns.py``), each with its own hostname; gloo over real TCP between them
+  (no latency emulation: the veths are as fast as the kernel). Flat there is ``gloo``.
+
+With ``--compute N`` every rank multiplies 96x96 matrices N times before each sum, odd ranks 2N
+times, so the others wait (as ranks of a training step do): the wait's spinning then costs
+CPU a peer needs. Slowest rank's median, microseconds, its CPU time per step, the load average.
+
+    python benchmarks/hierarchical.py [--world-size 4] [--machines 2] [--netns] [--channels 128]
+                                      [--iters 200] [--compute 0]
 """
 
 from __future__ import annotations
@@ -29,57 +42,136 @@ from syncbn import _shm, groups
 from syncbn.cli._bench_runner import time_interleaved
 from syncbn.cli._launch import run_ranks
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
+
+def _fixed(group: groups.ProcessGroupSum) -> groups.ProcessGroupSum:
+    """The same group with the earlier fixed 5 ms spin (after its set-up)."""
+    shared = group._shared  # noqa: SLF001 - the benchmark switches the policy under test
+    if shared is None and group._hier is not None and group._hier.local is not None:  # noqa: SLF001
+        shared = group._hier.local._shared  # noqa: SLF001
+    if shared is not None:
+        shared.spin.fixed = True
+    return group
+
+
+def _connected(group: groups.ProcessGroupSum) -> groups.ProcessGroupSum:
+    group.all_reduce_sum(torch.zeros(1, dtype=torch.float64))
+    return group
+
+
+def _variants(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, groups.ProcessGroupSum]:
+    out: dict[str, groups.ProcessGroupSum] = {}
+    if not args.netns:
+        out["shm"] = _connected(groups.ProcessGroupSum(None))
+        out["shm-fixed"] = _fixed(_connected(groups.ProcessGroupSum(None)))
+    out["gloo"] = _connected(groups.ProcessGroupSum(None, shared_memory=False, hierarchical=False))
+    if args.machines > 1:
+        if not args.netns:
+            key = 1000.0 + rank // (world_size // args.machines)
+            _shm._host_key = lambda: key  # type: ignore[assignment]
+        out["hier"] = _connected(groups.ProcessGroupSum(None, hierarchical=True))
+        out["hier-fixed"] = _fixed(_connected(groups.ProcessGroupSum(None, hierarchical=True)))
+        assert out["hier"].hierarchical and out["hier-fixed"].hierarchical
+    return out
+
+
+def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(1)
-    flat = groups.ProcessGroupSum(None)
-    flat.all_reduce_sum(torch.zeros(1, dtype=torch.float64))  # connected before the keys change
-    gloo = groups.ProcessGroupSum(None, shared_memory=False)
-    per = world_size // args.machines
-    key = 1000.0 + rank // per
-    _shm._host_key = lambda: key  # type: ignore[assignment]
-    hier = groups.ProcessGroupSum(None, hierarchical=True)
-    hier.all_reduce_sum(torch.zeros(1, dtype=torch.float64))
-    assert hier.hierarchical
+    variants = _variants(rank, world_size, args)
     fwd = torch.zeros(2 * args.channels + 1, dtype=torch.float64)
     bwd = torch.zeros(2 * args.channels, dtype=torch.float32)
     tf, tb = groups.Tag(5, groups.PHASE_FORWARD), groups.Tag(5, groups.PHASE_BACKWARD)
 
+    work = torch.randn(96, 96)
+    units = args.compute * (1 + rank % 2)  # odd ranks compute twice as long: the others wait
+
     def two(group: groups.ProcessGroupSum) -> Any:
         def step() -> None:
+            for _ in range(units):
+                torch.mm(work, work)
             group.all_reduce_sum(fwd, tf)
+            for _ in range(units):
+                torch.mm(work, work)
             group.all_reduce_sum(bwd, tb)
 
         return step
 
-    times = time_interleaved(
-        {"shm": two(flat), "gloo": two(gloo), "hier": two(hier)}, args.iters, 10, barrier=True, cuda=False
-    )
+    cpu: dict[str, list[float]] = {}
+    steps = {k: two(g) for k, g in variants.items()}
+    times = time_interleaved(steps, args.iters, 10, barrier=True, cuda=False, cpu_times=cpu)
     mine = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    mine.update({f"{k} cpu": statistics.median(v) * 1e6 for k, v in cpu.items()})
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        slowest = {k: max(g[k] for g in gathered) for k in mine}
-        print(
-            f"W={world_size} as {args.machines} simulated machines, C={args.channels},"
-            f" {args.iters} iterations, load {os.getloadavg()[0]:.2f}:"
-            " slowest rank's median us per layer-step (2 sums):"
-        )
-        print("  " + "   ".join(f"{k} {v:.0f}" for k, v in slowest.items()))
-    for g in (flat, gloo, hier):
+    for g in variants.values():
         g.close()
+    return {k: max(g[k] for g in gathered) for k in mine}
+
+
+def _report(slowest: dict[str, float], args: argparse.Namespace) -> None:
+    where = "namespace hosts" if args.netns else "simulated machines"
+    print(
+        f"W={args.world_size} as {args.machines} {where}, C={args.channels}, compute {args.compute},"
+        f" {args.iters} iterations, load {os.getloadavg()[0]:.2f}: slowest rank's median us per"
+        " layer-step (2 sums) / its CPU us:"
+    )
+    names = [k for k in slowest if not k.endswith(" cpu")]
+    print("  " + "   ".join(f"{k} {slowest[k]:.0f}/{slowest[k + ' cpu']:.0f}" for k in names))
+    if "hier" in slowest:
+        print(f"  hier / gloo (flat across machines) = {slowest['hier'] / slowest['gloo']:.3f}")
+    for base in ("shm", "hier"):
+        if base in slowest:
+            print(
+                f"  {base} / {base}-fixed: time {slowest[base] / slowest[base + '-fixed']:.3f},"
+                f" CPU {slowest[base + ' cpu'] / slowest[base + '-fixed cpu']:.3f}"
+            )
+
+
+def _simulated(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    slowest = _measure(rank, world_size, args)
+    if rank == 0:
+        _report(slowest, args)
+
+
+def _on_namespace_host(
+    rank: int, world_size: int, directory: str, args: argparse.Namespace
+) -> dict[str, float]:
+    return _measure(rank, world_size, args)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--machines", type=int, default=2)
+    parser.add_argument("--netns", action="store_true", help="namespace hosts (root; tests/_netns.py)")
     parser.add_argument("--channels", type=int, default=128)
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument(
+        "--compute",
+        type=int,
+        default=0,
+        help="96x96 matmuls before each sum (odd ranks twice as many: the others wait), default 0",
+    )
     args = parser.parse_args(argv)
-    if args.world_size % args.machines or args.world_size // args.machines < 2:
+    if args.world_size % args.machines or (args.machines > 1 and args.world_size // args.machines < 2):
         parser.error("--world-size must be a multiple of --machines, with at least 2 ranks per machine")
-    run_ranks(_rank, args.world_size, "gloo", args)
+    if not args.netns:
+        run_ranks(_simulated, args.world_size, "gloo", args)
+        return 0
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    import _netns
+
+    why = _netns.available()
+    if why:
+        parser.error(f"--netns: {why}")
+    per = args.world_size // args.machines
+    with _netns.Hosts(args.machines) as hosts:
+        results = hosts.launch(_on_namespace_host, [per] * args.machines, args).wait(600)
+    if not isinstance(results[0], dict):
+        print(results[0][1], file=sys.stderr)
+        return 1
+    _report(results[0], args)
     return 0
 
 

@@ -202,3 +202,27 @@ def test_a_setting_made_on_some_ranks_only_is_named_on_every_rank() -> None:
         assert "SYNCBN_HIERARCHICAL" in result["msg"], result["msg"]
         assert "[0, 3] chose it and [1, 2] did not" in result["msg"], result["msg"]
         assert "order" not in result["msg"], result["msg"]
+
+
+def _two_groups_of_the_same_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    syncbn.set_timeout(20.0)
+    _machine(rank)
+    first = groups.ProcessGroupSum(None, hierarchical=True)
+    second = groups.ProcessGroupSum(dist.new_group(list(range(world_size))), hierarchical=True)
+    third = groups.ProcessGroupSum(None, hierarchical=True)
+    sums = []
+    for group in (first, second, third, first):
+        t = torch.full((3,), float(rank + 1), dtype=torch.float64)
+        group.all_reduce_sum(t)
+        sums.append(t.tolist())
+    return {"hier": [g.hierarchical for g in (first, second, third)], "sums": sums}
+
+
+@pytest.mark.timeout(120)
+def test_several_hierarchical_groups_of_the_same_ranks_set_up_and_sum() -> None:
+    # Subgroups made by their members only are named after their ranks: a second one of the same
+    # ranks used to meet the first one's rendezvous and hang.
+    for result in launch(_two_groups_of_the_same_ranks, WORLD, timeout=90):
+        assert result == {"hier": [True] * 3, "sums": [[10.0] * 3] * 4}, result

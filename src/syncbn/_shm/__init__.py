@@ -45,8 +45,11 @@ Ordering: the slot is written before the flag and read after the flags, and
 x86-64 keeps stores in order and loads in order (TSO); this module is used on
 x86-64 Linux only. The wait spins (yielding the core) for a short while, then
 sleeps in growing steps, so a rank that is far behind costs its peers little
-CPU; it gives up after the syncbn timeout, and as soon as a peer process that
-has not arrived no longer exists.
+CPU; how long it spins adapts (:class:`~syncbn._shm._spin.SpinPolicy`): up to 5 ms
+when every rank has a core of its own and waits are short, 50 us when the ranks
+(or the load) outnumber the cores, since a spinning rank then holds the core a
+peer needs to arrive. It gives up after the syncbn timeout, and as soon as a
+peer process that has not arrived no longer exists.
 
 Set-up is collective: :func:`connect` runs on every rank at the same point
 (the first CPU collective of a group) and agrees, over the process group,

@@ -14,10 +14,12 @@ import zlib
 import torch
 from torch import Tensor
 
+from ._spin import SpinPolicy
+
 _LINE = 64  # bytes per rank's flag: one cache line each
 _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (C <= 4095)
-_SPIN_S = 0.005  # busy-wait (yielding) this long before sleeping
 _MAX_SLEEP_S = 0.001
+_FIRST_SLEEP_S = 2e-5
 _LIVENESS_EVERY_S = 0.1
 
 
@@ -135,6 +137,7 @@ class SharedMemorySum:
         self._scratch_bytes = memoryview(self._scratch_buffer)
         self._scratch_views: dict[torch.dtype, Tensor] = {}
         self._seq = 0
+        self.spin = SpinPolicy(world_size)
         self.broken = False
         self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
@@ -362,17 +365,19 @@ class SharedMemorySum:
         flags, index = self._flags, self._flag_index
         pending = 0  # ranks below this one have arrived
         start = time.monotonic()
+        spin = self.spin.budget(start)
         next_check = start + _LIVENESS_EVERY_S
-        sleep = 5e-5
+        sleep = _FIRST_SLEEP_S
         while True:
             while pending < self._size and flags[index[pending]] >= seq:
                 pending += 1
             if pending == self._size:
+                self.spin.record(time.monotonic() - start)
                 return
             if flags[index[pending]] == _WITHDRAWN:
                 raise self._withdrawn(pending, time.monotonic() - start)
             now = time.monotonic()
-            if now - start < _SPIN_S:
+            if now - start < spin:
                 os.sched_yield()
                 continue
             if now - start >= timeout:

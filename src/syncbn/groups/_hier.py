@@ -33,6 +33,7 @@ on a hierarchical group.
 from __future__ import annotations
 
 import os
+import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -261,10 +262,27 @@ def connect(
     extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     local = None
     if len(mine) > 1:
-        pg = dist.new_group([ranks[r] for r in mine], use_local_synchronization=True, **extra)
+        pg = _subgroup([ranks[r] for r in mine], extra)
         local = make_group(pg, shared_memory=True, hierarchical=False)
     cross = None
     if rank == mine[0]:
-        pg = dist.new_group([ranks[r] for r in leaders], use_local_synchronization=True, **extra)
+        pg = _subgroup([ranks[r] for r in leaders], extra)
         cross = make_group(pg, shared_memory=False, hierarchical=False)
     return Hierarchy(local, cross, len(machines), mine[0], size)
+
+
+# default group -> (global ranks) -> the subgroup made for them. A subgroup made by its members
+# only is named after its ranks alone: a second one of the same ranks (a second hierarchical
+# group, over the same or another process group of the same ranks, e.g. JoinableSyncBatchNorm's)
+# would meet the first one's rendezvous and hang. So every hierarchical group of this process
+# reuses the subgroup of a set of ranks (with its own ProcessGroupSum objects and segments).
+_subgroups: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def _subgroup(ranks: list[int], extra: dict[str, Any]) -> Any:
+    made = _subgroups.setdefault(dist.group.WORLD, {})
+    key = tuple(ranks)
+    pg = made.get(key)
+    if pg is None:
+        pg = made[key] = dist.new_group(ranks, use_local_synchronization=True, **extra)
+    return pg
