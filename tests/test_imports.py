@@ -20,7 +20,6 @@ LAYERS = {
     "syncbn._config": 0,
     "syncbn._math": 0,
     "syncbn._shm": 0,
-    "syncbn._shm._spin": 0,
     "syncbn._threads": 0,
     "syncbn._names": 0,
     "syncbn.groups": 1,
