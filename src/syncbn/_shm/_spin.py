@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 
 # The wait: spin (yielding the core) for a budget, then sleep in doubling steps. See SpinPolicy.
-_SPIN_S = 0.005  # the most a wait spins, when every rank has a core of its own
-_SPIN_MIN_S = 5e-5  # what it spins when waits are long or the cores are oversubscribed
-_RECHECK_CORES_S = 2.0
+_SPIN_S = 0.005  # the most a wait spins, when every rank of the machine has a core of its own
+_SPIN_BUSY_S = 0.001  # the most it spins when this machine's ranks outnumber its cores
+_SPIN_MIN_S = 2e-4  # what it spins at least, and all it spins once waits outlast the cap
+_SPIN_TYPICAL_TIMES = 4  # the budget, in typical waits
 
 
 def _cores() -> int:
@@ -25,14 +26,17 @@ def _cores() -> int:
 class SpinPolicy:
     """How long a wait spins before it sleeps, from the cores and from recent waits.
 
-    Spinning answers fastest, but a spinning rank holds a core; where there are more runnable
-    processes than cores (ranks on this machine, or the load average, above the cores this
-    process may use) that core is one a peer rank needs to arrive at all, so the wait spins
-    only :data:`_SPIN_MIN_S`. Otherwise it spins up to twice the typical wait (a moving average
-    of the last waits) plus :data:`_SPIN_MIN_S`, at most :data:`_SPIN_S`, and only
-    :data:`_SPIN_MIN_S` once waits typically last longer than that (a peer far behind: spinning
-    would not catch it). ``fixed=True`` is the earlier policy (always :data:`_SPIN_S`), kept
-    for the benchmark's comparison.
+    Spinning (with ``sched_yield``, so a runnable peer on the same core gets it) answers fastest;
+    but a spinning rank keeps its core busy, so the scheduler cannot move a waiting peer rank
+    onto it, and where this machine's ranks outnumber its cores that peer is one the wait waits
+    for. The wait spins four typical waits (a moving average of the last ones), at least
+    :data:`_SPIN_MIN_S` and at most a cap: :data:`_SPIN_S` when every rank has a core of its
+    own, :data:`_SPIN_BUSY_S` when the ranks outnumber the cores this process may use
+    (``os.sched_getaffinity``); once waits typically outlast the cap (a peer far behind, still
+    computing) it spins only :data:`_SPIN_MIN_S` and then sleeps, freeing the core. The load of
+    other processes is left to ``sched_yield`` (measured: sleeping earlier under other jobs' load
+    made the sums slower, not faster). ``fixed=True`` is the earlier policy (always
+    :data:`_SPIN_S`), kept for the benchmark's comparison.
 
     Args:
         ranks: ranks of the group on this machine.
@@ -42,24 +46,21 @@ class SpinPolicy:
     def __init__(self, ranks: int, fixed: bool = False) -> None:
         self.ranks = ranks
         self.fixed = fixed
-        self.typical = 2e-4
-        self.oversubscribed = False
-        self._checked = -1e9
+        self.typical = 0.0
+        self.cap = _SPIN_BUSY_S if ranks > _cores() else _SPIN_S
+
+    @property
+    def oversubscribed(self) -> bool:
+        """Whether this machine's ranks outnumber the cores this process may use."""
+        return self.cap == _SPIN_BUSY_S
 
     def budget(self, now: float) -> float:
         """Seconds to spin in the wait that starts at ``now`` (``time.monotonic()``)."""
         if self.fixed:
             return _SPIN_S
-        if now - self._checked > _RECHECK_CORES_S:
-            self._checked = now
-            try:
-                load = os.getloadavg()[0]
-            except OSError:
-                load = 0.0
-            self.oversubscribed = max(float(self.ranks), load) > _cores()
-        if self.oversubscribed or self.typical > _SPIN_S:
+        if self.typical > self.cap:
             return _SPIN_MIN_S
-        return min(_SPIN_S, 2 * self.typical + _SPIN_MIN_S)
+        return min(self.cap, max(_SPIN_MIN_S, _SPIN_TYPICAL_TIMES * self.typical))
 
     def record(self, waited: float) -> None:
         """Note how long a wait took."""
