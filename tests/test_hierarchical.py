@@ -226,3 +226,23 @@ def test_several_hierarchical_groups_of_the_same_ranks_set_up_and_sum() -> None:
     # ranks used to meet the first one's rendezvous and hang.
     for result in launch(_two_groups_of_the_same_ranks, WORLD, timeout=90):
         assert result == {"hier": [True] * 3, "sums": [[10.0] * 3] * 4}, result
+
+
+def _default_and_override(rank: int, world_size: int) -> dict[str, Any]:
+    import os
+
+    _machine(rank)
+    os.environ.pop("SYNCBN_HIERARCHICAL", None)
+    default = groups.ProcessGroupSum(None)
+    default.all_reduce_sum(torch.ones(2, dtype=torch.float64))
+    os.environ["SYNCBN_HIERARCHICAL"] = "0"
+    off = groups.ProcessGroupSum(None)
+    t = torch.ones(2, dtype=torch.float64)
+    off.all_reduce_sum(t)
+    return {"default": default.hierarchical, "off": off.hierarchical, "sum": t.tolist()}
+
+
+@pytest.mark.timeout(120)
+def test_a_group_spanning_machines_is_hierarchical_by_default_and_the_setting_overrides_it() -> None:
+    for result in launch(_default_and_override, WORLD, timeout=90):
+        assert result == {"default": True, "off": False, "sum": [4.0, 4.0]}, result

@@ -46,8 +46,8 @@ x86-64 keeps stores in order and loads in order (TSO); this module is used on
 x86-64 Linux only. The wait spins (yielding the core) for a short while, then
 sleeps in growing steps, so a rank that is far behind costs its peers little
 CPU; how long it spins adapts (:class:`~syncbn._shm._spin.SpinPolicy`): four
-typical recent waits, at least 0.2 ms, at most 5 ms when every rank has a core of
-its own and 1 ms when the machine's ranks outnumber its cores, and only 0.2 ms
+typical recent waits, at least 1 ms, at most 5 ms when every rank has a core of
+its own and 2 ms when the machine's ranks outnumber its cores, and only 1 ms
 once waits typically last longer than that (a peer still computing, which a
 spinning rank's core could serve). It gives up after the syncbn timeout, and as soon as a
 peer process that has not arrived no longer exists.

@@ -10,8 +10,8 @@ import os
 
 # The wait: spin (yielding the core) for a budget, then sleep in doubling steps. See SpinPolicy.
 _SPIN_S = 0.005  # the most a wait spins, when every rank of the machine has a core of its own
-_SPIN_BUSY_S = 0.001  # the most it spins when this machine's ranks outnumber its cores
-_SPIN_MIN_S = 2e-4  # what it spins at least, and all it spins once waits outlast the cap
+_SPIN_BUSY_S = 0.002  # the most it spins when this machine's ranks outnumber its cores
+_SPIN_MIN_S = 0.001  # what it spins at least, and all it spins once waits outlast the cap
 _SPIN_TYPICAL_TIMES = 4  # the budget, in typical waits
 
 
@@ -34,9 +34,10 @@ class SpinPolicy:
     own, :data:`_SPIN_BUSY_S` when the ranks outnumber the cores this process may use
     (``os.sched_getaffinity``); once waits typically outlast the cap (a peer far behind, still
     computing) it spins only :data:`_SPIN_MIN_S` and then sleeps, freeing the core. The load of
-    other processes is left to ``sched_yield`` (measured: sleeping earlier under other jobs' load
-    made the sums slower, not faster). ``fixed=True`` is the earlier policy (always
-    :data:`_SPIN_S`), kept for the benchmark's comparison.
+    other processes is left to ``sched_yield``: measured on a 2-core machine under other jobs'
+    load, sleeping after 0.05-0.2 ms made the sums 1.1-1.4x slower and cost more CPU time per
+    call (each wake-up costs more than yielding), hence the 1 ms floor. ``fixed=True`` is the
+    earlier policy (always :data:`_SPIN_S`), kept for the benchmark's comparison.
 
     Args:
         ranks: ranks of the group on this machine.

@@ -33,7 +33,6 @@ on a hierarchical group.
 from __future__ import annotations
 
 import os
-import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -49,7 +48,7 @@ from ._refs import group_ranks
 __all__ = ["DEFAULT", "Hierarchy", "choice", "connect"]
 
 #: Whether a group spanning machines takes the hierarchical path when nothing says otherwise.
-DEFAULT = False
+DEFAULT = True
 
 # The status value a leader hands back after the machine sums (0: the total is good).
 _OK, _TIMED_OUT, _FAILED, _MISMATCH = 0, 1, 2, 3
@@ -260,29 +259,36 @@ def connect(
     # for a longer timeout.
     bound = _config.get_timeout()
     extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
+    sets = [members for members in machines.values() if len(members) > 1] + [leaders]
+    subgroups = _subgroups(ranks, sets, extra)
     local = None
     if len(mine) > 1:
-        pg = _subgroup([ranks[r] for r in mine], extra)
-        local = make_group(pg, shared_memory=True, hierarchical=False)
+        local = make_group(subgroups[tuple(mine)], shared_memory=True, hierarchical=False)
     cross = None
     if rank == mine[0]:
-        pg = _subgroup([ranks[r] for r in leaders], extra)
-        cross = make_group(pg, shared_memory=False, hierarchical=False)
+        cross = make_group(subgroups[tuple(leaders)], shared_memory=False, hierarchical=False)
     return Hierarchy(local, cross, len(machines), mine[0], size)
 
 
-# default group -> (global ranks) -> the subgroup made for them. A subgroup made by its members
-# only is named after its ranks alone: a second one of the same ranks (a second hierarchical
-# group, over the same or another process group of the same ranks, e.g. JoinableSyncBatchNorm's)
-# would meet the first one's rendezvous and hang. So every hierarchical group of this process
-# reuses the subgroup of a set of ranks (with its own ProcessGroupSum objects and segments).
-_subgroups: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+def _subgroups(ranks: list[int], sets: list[list[int]], extra: dict[str, Any]) -> dict[tuple[int, ...], Any]:
+    """The process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks), collectively.
 
-
-def _subgroup(ranks: list[int], extra: dict[str, Any]) -> Any:
-    made = _subgroups.setdefault(dist.group.WORLD, {})
-    key = tuple(ranks)
-    pg = made.get(key)
-    if pg is None:
-        pg = made[key] = dist.new_group(ranks, use_local_synchronization=True, **extra)
-    return pg
+    Where the group holds every rank of the job, every rank makes every subgroup, in the same
+    order: torch names them by its group count, so a second hierarchy over the same ranks (e.g.
+    ``JoinableSyncBatchNorm``'s) gets subgroups of its own. Otherwise only a subgroup's members
+    make it (``use_local_synchronization``), and torch names it after its ranks alone: there, a
+    second hierarchical group over the same ranks would meet the first one's rendezvous (one
+    hierarchical group per set of ranks of a smaller group).
+    """
+    made: dict[tuple[int, ...], Any] = {}
+    if len(ranks) == dist.get_world_size():
+        for members in sets:
+            made[tuple(members)] = dist.new_group([ranks[r] for r in members], **extra)
+        return made
+    me = dist.get_rank()
+    for members in sets:
+        if me in [ranks[r] for r in members]:
+            made[tuple(members)] = dist.new_group(
+                [ranks[r] for r in members], use_local_synchronization=True, **extra
+            )
+    return made
