@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config, _shm
-from . import _hier
+from . import _hier, _own, _plainjoin
 from ._errors import CollectiveError
 from ._frame import (
     ANONYMOUS,
@@ -59,6 +59,14 @@ class ProcessGroupSum(FramedTransport):
             machine through shared memory and across machines over a leaders'
             subgroup (:mod:`syncbn.groups._hier`); ``None`` follows
             ``SYNCBN_HIERARCHICAL`` (off by default). Every rank must choose alike.
+        own_group: ``process_group`` is one syncbn made for this group alone (the
+            ``Join`` group, the hierarchy's subgroups): its frames go over it directly
+            (no group of its own is made), and it is destroyed when this group closes.
+
+    CPU frames travel over a gloo group of this group's own, made at its first CPU
+    collective with the wait bound as its timeout (:mod:`syncbn.groups._own`): gloo itself
+    then gives up at the bound, so a process can recover or exit within seconds of a
+    :class:`CollectiveError`, and syncbn's collectives never meet DDP's.
 
     Example::
 
@@ -74,6 +82,7 @@ class ProcessGroupSum(FramedTransport):
         *,
         shared_memory: bool | None = None,
         hierarchical: bool | None = None,
+        own_group: bool = False,
     ) -> None:
         # Held weakly: a destroyed process group must not survive in syncbn (its sockets, its fds).
         self._default = process_group is None
@@ -99,6 +108,10 @@ class ProcessGroupSum(FramedTransport):
         self._dirty = 0  # payload values of _frame_cpu that may be non-zero
         self._pending: list[_Pending] = []
         self._pg_timeout_s: float | None = None
+        self._own_group = own_group
+        self._wire: Any = None  # the group carrying the CPU frames (_transport._cpu_wire)
+        self._wire_ready = False
+        self._wire_timeout: float | None = None
         #: identity -> name of the layers seen by this process, for error messages.
         self.names: dict[int, str] = {}
         #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).
@@ -239,6 +252,9 @@ class ProcessGroupSum(FramedTransport):
             self._frame_words.release()
             self._frame_words = None
         self._pending.clear()
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            _own.destroy(wire, self._bound_s() + 1.0)
 
     # ------------------------------------------------------------------ per call
 
@@ -263,6 +279,8 @@ class ProcessGroupSum(FramedTransport):
             )
         if self._pending:
             self._check_ready()
+        if _plainjoin._wrappers and not self._own_group:
+            _plainjoin.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
 
     def _shared_path(self) -> _shm.SharedMemorySum | None:
         return self._shared if self._shared_ready else self._connect_shared()
@@ -283,7 +301,7 @@ class ProcessGroupSum(FramedTransport):
             wanted = os.environ.get("SYNCBN_HIERARCHICAL", "0").strip().lower() in ("1", "true", "yes", "on")
         if self._shared is None and wanted and allowed and _shm.supported() and self._size > 2:
             self._hier = _hier.connect(
-                self._rank, self._size, self.process_group, _shm._host_key(), exchange, ProcessGroupSum
+                self._rank, self._size, self.process_group, _shm._host_key(), exchange, _own_sum_group
             )
         self._calls = calls
         self._shared_ready = True
@@ -346,3 +364,9 @@ class ProcessGroupSum(FramedTransport):
 
     def __repr__(self) -> str:
         return f"ProcessGroupSum(rank={self._rank}, size={self._size})"
+
+
+def _own_sum_group(process_group: Any, **kwargs: Any) -> ProcessGroupSum:
+    """A ``ProcessGroupSum`` over a subgroup syncbn made for it (the hierarchy's): destroyed with it."""
+    _own.adopt(process_group)
+    return ProcessGroupSum(process_group, own_group=True, **kwargs)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config
+from . import _own
 from ._errors import CollectiveError, Reporting
 from ._frame import (
     FRAME,
@@ -51,6 +52,10 @@ class FramedTransport(Reporting):
     _payload_views: dict[Any, Tensor]
     _dirty: int
     _pending: list[_Pending]
+    _own_group: bool
+    _wire: Any
+    _wire_ready: bool
+    _wire_timeout: float | None
     last_participants: int
 
     def check_pending(self) -> None:
@@ -198,21 +203,56 @@ class FramedTransport(Reporting):
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
+    def _cpu_wire(self) -> Any:
+        """The group that carries this group's CPU frames: syncbn's own, made at the first CPU frame.
+
+        Every member reaches its first CPU frame at the same collective point, so the group is made
+        there, collectively, with the bound as its timeout (:mod:`syncbn.groups._own`); ``None``
+        (the process group itself) where the process group has no gloo CPU backend.
+        """
+        if not self._wire_ready:
+            bound = self._bound_s()
+            if self._own_group:
+                self._wire = self.process_group
+                if _own.set_timeout(self._wire, bound):
+                    self._wire_timeout = bound
+            else:
+                start = time.monotonic()
+                try:
+                    self._wire = _own.make(self.process_group, bound)
+                except Exception as exc:  # noqa: BLE001 - re-raised with context
+                    raise self._error(exc, time.monotonic() - start, bound) from exc
+                self._wire_timeout = bound
+            self._wire_ready = True
+        elif self._wire is not None and self._wire_timeout is not None:
+            now = _config.get_timeout()
+            if now is not None and now != self._wire_timeout and _own.set_timeout(self._wire, now):
+                self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
+        return self._wire
+
     def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
+        group = self.process_group
+        if tensor.device.type == "cpu":
+            wire = self._cpu_wire()
+            if wire is not None:
+                group = wire
         delta = _config.timeout_delta()
         if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
             start = time.monotonic()
             try:
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
             except Exception as exc:  # noqa: BLE001 - re-raised with context
                 raise self._error(exc, time.monotonic() - start, None) from exc
             return tensor
         start = time.monotonic()
+        work = None
         try:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
             finished = work.wait(timeout=delta)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
+            _own.abandon(work, tensor)
             raise self._error(exc, time.monotonic() - start, _config.get_timeout()) from exc
         if finished is False:  # some backends report a timeout by returning False
+            _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
         return tensor
