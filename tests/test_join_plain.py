@@ -11,8 +11,10 @@ exactly, and training after it needs no Join. Real gloo ranks, both transports, 
 from __future__ import annotations
 
 import glob
+import inspect
 import os
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -23,11 +25,19 @@ from torch.distributed.algorithms.join import Join
 import syncbn
 from dist_harness import launch
 from syncbn import _shm
+from syncbn.groups import UnboundedStepWarning
 
 needs_shm = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
 TRANSPORTS = pytest.mark.parametrize(
     "shared", [pytest.param(True, marks=needs_shm), False], ids=["shared-memory", "process-group"]
 )
+
+
+# DDP without its forward buffer broadcast (the argument's name changed in torch 2.13).
+_DDP_ARGS = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+_NO_BUFFER_SYNC = {
+    "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers": False
+}
 
 
 def _model() -> nn.Module:
@@ -56,8 +66,17 @@ def _plain_join(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
     syncbn.set_timeout(5.0)
     syncbn.set_shared_memory(shared)
     out: dict[str, Any] = {"pid": os.getpid()}
-    ddp = nn.parallel.DistributedDataParallel(_model())
-    _train(ddp, _batches(rank, 1))  # the layer is set up (handshake, transport) before the Join
+    # DDP's buffer broadcast (the first collective of a step) waits up to the group's timeout, 30 s
+    # here, over 2x syncbn's bound: warned once per process; not with broadcast_buffers=False.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet = nn.parallel.DistributedDataParallel(_model(), **_NO_BUFFER_SYNC)
+        _train(quiet, _batches(rank, 1))
+        out["warned_quiet"] = sum(issubclass(w.category, UnboundedStepWarning) for w in caught)
+        ddp = nn.parallel.DistributedDataParallel(_model())
+        _train(ddp, _batches(rank, 2))  # the layer is set up (handshake, transport) before the Join
+        _train(quiet, _batches(rank, 1))
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UnboundedStepWarning)]
     before = _buffers(ddp)
     start = time.monotonic()
     try:
@@ -96,6 +115,8 @@ def _plain_join(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
 def test_plain_join_raises_on_every_rank_at_once_naming_the_joinable(shared: bool) -> None:
     results = launch(_plain_join, 2, shared, timeout=90)
     for r in results:
+        assert r["warned_quiet"] == 0 and len(r["warnings"]) == 1, r["warnings"]
+        assert "broadcast_buffers=False" in r["warnings"][0] and "(30 s)" in r["warnings"][0]
         assert r["plain"] is not None, r
         kind, text = r["plain"]
         assert kind == "PlainJoinError", r["plain"]

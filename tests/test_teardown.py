@@ -185,8 +185,9 @@ def test_a_frozen_peer_ends_in_an_error_at_the_bound_and_the_others_end_within_s
         assert r["failed"] is not None, r
         assert r["timed_out"] and not r["mismatch"], r
         assert 0.5 * BOUND < r["waited"] < BOUND + 4.0, r
-        # Recovery, or exit, within seconds of the error; the group's own timeout is 60 s.
-        assert r["exited"] is not None and r["exited"] - r["raised"] < 12.0, r
+        # Recovery, or exit, within seconds of the error (interpreter exit itself takes seconds on a
+        # loaded 2-core machine); without syncbn's own group, 58 s: the group's own timeout is 60 s.
+        assert r["exited"] is not None and r["exited"] - r["raised"] < 25.0, r
     for r in reports[:2]:
         assert r["synced"] == 3 and r["recover_s"] < 8.0, r
     first, second = (r["buffers"] for r in reports[:2])
@@ -221,7 +222,7 @@ def test_a_process_that_used_syncbn_exits_promptly(zygote: Any) -> None:
     # Rank 0 destroys the process group before it exits; rank 1 leaves everything to the exit.
     for r in _launch(zygote, "_busy", 2):
         assert "error" not in r, r
-        assert r["exited"] is not None and r["exited"] - r["leaving"] < 10.0, r
+        assert r["exited"] is not None and r["exited"] - r["leaving"] < 25.0, r
 
 
 if __name__ == "__main__":

@@ -129,7 +129,8 @@ from __future__ import annotations
 import torch.distributed as dist  # noqa: F401 - syncbn.groups.dist: the tests patch its all_reduce
 
 # Beyond __all__, the seam also re-exports the helpers that syncbn's tools and tests use.
-from . import _own, _plainjoin  # noqa: F401 - syncbn.join and the tests use them
+from . import _ddp, _own  # noqa: F401 - syncbn.join and the tests use them
+from ._ddp import PlainJoinError, UnboundedStepWarning
 from ._errors import CollectiveError
 from ._frame import (  # noqa: F401
     DTYPE_CODES,
@@ -155,7 +156,6 @@ from ._frame import (  # noqa: F401
     header_fields,
     mismatch_message,
 )
-from ._plainjoin import PlainJoinError
 from ._refs import ProcessGroupRef, group_ranks
 from ._resolve import (  # noqa: F401
     _resolved,
@@ -167,7 +167,7 @@ from ._resolve import (  # noqa: F401
 )
 from ._sum import ProcessGroupSum
 
-_plainjoin.install()  # records DDP wrappers as they are built (see _plainjoin)
+_ddp.install()  # records DDP wrappers as they are built (see _ddp)
 
 __all__ = [
     "SumGroup",
@@ -175,6 +175,7 @@ __all__ = [
     "ProcessGroupRef",
     "CollectiveError",
     "PlainJoinError",
+    "UnboundedStepWarning",
     "Tag",
     "ShadowResult",
     "FIELDS",

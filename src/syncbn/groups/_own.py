@@ -12,14 +12,19 @@ exit take seconds. Where torch can change a group's timeout (``_set_default_time
 and later), a later :func:`syncbn.set_timeout` is carried over to the group. The group also keeps
 syncbn's frames apart from DDP's and the user's collectives on the parent group.
 
-Teardown. A tensor that Python dropped while a gloo work still holds it keeps its Python object
-alive, and gloo's worker thread then needs the GIL to free it; a thread holding the GIL while it
-destroys the group (``~ProcessGroupGloo`` joins the worker threads) would wait forever. So every
-tensor handed to a collective that was abandoned (timed out or failed) stays referenced here,
-with its work, until the work has finished, and at exit (``atexit``, before the interpreter
-finalises anything) syncbn waits for those works with the GIL released (each ends at most the
-group's timeout after it started) and destroys the groups it made, so none is left for
-finalisation. syncbn puts no Python callback on any work or future.
+Teardown (found with gdb on torch 2.2.2: the exit hang of issue 23). When Python drops a tensor
+that a gloo work still holds, the tensor keeps its Python object alive, and gloo's worker thread,
+when it releases the finished work, must take the GIL to free it. If at that moment the main
+thread destroys the group (``~ProcessGroupGloo`` joins the worker threads, holding the GIL: a
+``destroy_process_group()``, an ``atexit`` handler, interpreter finalisation), neither moves again.
+So syncbn hands gloo only tensors that outlive the group: each group's frames are kept here
+(:func:`keep`) with the group, and :func:`release` destroys a group in order: it waits (the GIL
+released) for the works syncbn gave up on, destroys the group, drops the last reference to it
+(its worker threads are joined then, with nothing left for them to free), and only then drops
+its frames. syncbn holds these groups only here (a :class:`~syncbn.groups.ProcessGroupSum` holds
+a weak reference and releases its group when it closes or is collected), and releases every one
+still alive at exit (``atexit``, before finalisation). syncbn puts no Python callback on any
+work or future.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["make", "adopt", "owned", "set_timeout", "abandon", "destroy", "destroy_all"]
+__all__ = ["make", "adopt", "keep", "owned", "set_timeout", "abandon", "release", "release_all"]
 
-# id -> (weak reference to a group syncbn made or adopted, the pid that made it).
-_groups: dict[int, tuple[weakref.ref[Any], int]] = {}
+# id -> [a group syncbn made or adopted, the tensors handed to it, the pid that made it].
+_kept: dict[int, list[Any]] = {}
+# Tensors handed to a group that is not syncbn's (a process group without gloo), and in a forked
+# child the parent's groups: kept for good (never freed by a thread that must wait for another).
+_forever: list[Any] = []
 # Works given up on, with the tensor each holds, until they finish (see the module docstring).
 _abandoned: list[tuple[Any, Tensor]] = []
 
@@ -53,8 +61,8 @@ def _gloo_backend(process_group: Any) -> Any:
     return backend if isinstance(backend, dist.ProcessGroupGloo) else None
 
 
-def make(parent: Any, timeout_s: float) -> Any:
-    """A gloo group over ``parent``'s ranks with ``timeout_s`` as its timeout, or ``None``.
+def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
+    """A gloo group over ``parent``'s ranks with ``timeout_s`` as its timeout (a weak reference), or ``None``.
 
     Collective over the parent's members: each must call it at the same point (the
     group's first CPU collective). ``None`` where the parent has no gloo CPU backend (MPI,
@@ -67,28 +75,37 @@ def make(parent: Any, timeout_s: float) -> Any:
         return None
     world = dist.get_world_size()
     ranks = list(range(world)) if parent is None else list(dist.get_process_group_ranks(parent))
-    everyone = len(ranks) == world
     # All world ranks are members: a plain new_group (every rank calls it). A subgroup: only its
     # members call, hence local synchronisation.
     group = dist.new_group(
         ranks,
         timeout=timedelta(seconds=timeout_s),
         backend="gloo",
-        use_local_synchronization=not everyone,
+        use_local_synchronization=len(ranks) != world,
     )
     adopt(group)
-    return group
+    return weakref.ref(group)
 
 
 def adopt(group: Any) -> None:
-    """Count ``group`` among syncbn's own: destroyed at exit if still alive then."""
-    _groups[id(group)] = (weakref.ref(group), os.getpid())
+    """Hold ``group`` as one of syncbn's own, until :func:`release` (or exit)."""
+    if id(group) not in _kept:
+        _kept[id(group)] = [group, [], os.getpid()]
+
+
+def keep(group: Any, tensor: Tensor) -> None:
+    """Keep ``tensor`` referenced for as long as ``group`` (it is handed to the group's collectives)."""
+    entry = _kept.get(id(group))
+    if entry is not None and entry[0] is group:
+        entry[1].append(tensor)
+    else:
+        _forever.append(tensor)
 
 
 def owned(group: Any) -> bool:
     """Whether ``group`` is one syncbn made (not the user's)."""
-    entry = _groups.get(id(group))
-    return entry is not None and entry[0]() is group
+    entry = _kept.get(id(group))
+    return entry is not None and entry[0] is group
 
 
 def set_timeout(group: Any, timeout_s: float) -> bool:
@@ -106,9 +123,13 @@ def set_timeout(group: Any, timeout_s: float) -> bool:
 
 def abandon(work: Any, tensor: Tensor) -> None:
     """Keep ``work`` and its ``tensor`` referenced until the work has finished."""
-    _abandoned[:] = [(w, t) for w, t in _abandoned if not _finished(w)]
+    _prune()
     if work is not None:
         _abandoned.append((work, tensor))
+
+
+def _prune() -> None:
+    _abandoned[:] = [(w, t) for w, t in _abandoned if not _finished(w)]
 
 
 def _finished(work: Any) -> bool:
@@ -130,7 +151,6 @@ def _wait_abandoned(limit_s: float) -> None:
                 work.wait(timeout=timedelta(seconds=left))
         except Exception:  # noqa: BLE001 - it failed or timed out: it has ended or will not
             pass
-    abandon(None, torch.empty(0))
 
 
 def _registered(group: Any) -> bool:
@@ -140,28 +160,37 @@ def _registered(group: Any) -> bool:
         return False
 
 
-def destroy(group: Any, limit_s: float) -> None:
-    """Destroy ``group`` if torch still knows it, after its abandoned works ended (at most ``limit_s``)."""
-    entry = _groups.pop(id(group), None)
-    if group is None or not _registered(group):
+def release(key: int, limit_s: float) -> None:
+    """Destroy syncbn's group ``key`` (its ``id``) in order: works, group, then its frames.
+
+    Args:
+        key: ``id`` of the group, as :func:`adopt` recorded it.
+        limit_s: the longest wait for its abandoned works (each ends at the group's timeout).
+    """
+    entry = _kept.pop(key, None)
+    if entry is None:
         return
-    if entry is not None and entry[1] != os.getpid():
-        return  # a forked child: the group (and its threads) belong to the parent
-    _wait_abandoned(limit_s)
-    try:
-        dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001 - already gone, or torch.distributed torn down
-        pass
+    group, frames, pid = entry
+    del entry
+    if pid != os.getpid():
+        _forever.extend([group, *frames])  # a forked child: the group and its threads are the parent's
+        return
+    if _abandoned:
+        _wait_abandoned(limit_s)
+    if _registered(group):
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - already gone, or torch.distributed torn down
+            pass
+    del group  # the last reference: ~ProcessGroupGloo joins the worker threads here...
+    _prune()
+    del frames  # ...and only then are the tensors they held freed, on this thread
 
 
-def destroy_all(limit_s: float | None = None) -> None:
-    """Destroy every group syncbn made that is still alive (run at exit)."""
-    for key, (ref, pid) in list(_groups.items()):
-        group = ref()
-        if group is None or pid != os.getpid():
-            _groups.pop(key, None)
-            continue
-        destroy(group, _limit(group) if limit_s is None else limit_s)
+def release_all() -> None:
+    """Release every group syncbn holds (at exit, before finalisation)."""
+    for key, entry in list(_kept.items()):
+        release(key, _limit(entry[0]))
 
 
 def _limit(group: Any) -> float:
@@ -173,10 +202,12 @@ def _limit(group: Any) -> float:
 
 
 def _after_fork_in_child() -> None:
-    _groups.clear()
+    for entry in _kept.values():
+        entry[2] = -1  # the parent's: never destroyed (nor freed) here
+    _forever.extend(_abandoned)
     _abandoned.clear()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(destroy_all)
+atexit.register(release_all)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config, _shm
-from . import _hier, _own, _plainjoin
+from . import _ddp, _hier
 from ._errors import CollectiveError
 from ._frame import (
     ANONYMOUS,
@@ -109,7 +109,8 @@ class ProcessGroupSum(FramedTransport):
         self._pending: list[_Pending] = []
         self._pg_timeout_s: float | None = None
         self._own_group = own_group
-        self._wire: Any = None  # the group carrying the CPU frames (_transport._cpu_wire)
+        self._wire_ref: weakref.ref[Any] | None = None  # the group carrying the CPU frames (_cpu_wire)
+        self._release: Any = None  # releases it (syncbn.groups._own.release) when this group goes
         self._wire_ready = False
         self._wire_timeout: float | None = None
         #: identity -> name of the layers seen by this process, for error messages.
@@ -252,9 +253,9 @@ class ProcessGroupSum(FramedTransport):
             self._frame_words.release()
             self._frame_words = None
         self._pending.clear()
-        wire, self._wire = self._wire, None
-        if wire is not None:
-            _own.destroy(wire, self._bound_s() + 1.0)
+        self._wire_ref = None
+        if self._release is not None:
+            self._release()  # destroys the group carrying the frames, in order (see _own)
 
     # ------------------------------------------------------------------ per call
 
@@ -279,8 +280,8 @@ class ProcessGroupSum(FramedTransport):
             )
         if self._pending:
             self._check_ready()
-        if _plainjoin._wrappers and not self._own_group:
-            _plainjoin.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
+        if _ddp._wrappers and not self._own_group:
+            _ddp.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
 
     def _shared_path(self) -> _shm.SharedMemorySum | None:
         return self._shared if self._shared_ready else self._connect_shared()
@@ -368,5 +369,4 @@ class ProcessGroupSum(FramedTransport):
 
 def _own_sum_group(process_group: Any, **kwargs: Any) -> ProcessGroupSum:
     """A ``ProcessGroupSum`` over a subgroup syncbn made for it (the hierarchy's): destroyed with it."""
-    _own.adopt(process_group)
     return ProcessGroupSum(process_group, own_group=True, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import time
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -53,7 +54,8 @@ class FramedTransport(Reporting):
     _dirty: int
     _pending: list[_Pending]
     _own_group: bool
-    _wire: Any
+    _wire_ref: weakref.ref[Any] | None
+    _release: Any
     _wire_ready: bool
     _wire_timeout: float | None
     last_participants: int
@@ -164,7 +166,12 @@ class FramedTransport(Reporting):
 
     def _shadow_process_group(self, dev: torch.device) -> ShadowResult | None:
         """:meth:`ProcessGroupSum.shadow_sum` on the process-group transport."""
-        frame = torch.zeros(FRAME, dtype=torch.float64, device=dev)
+        if dev.type == "cpu":  # the reusable frame: gloo is only ever handed tensors that outlive it
+            frame = self._cpu_frame()[0]
+            frame.zero_()
+            self._dirty = PAYLOAD
+        else:
+            frame = torch.zeros(FRAME, dtype=torch.float64, device=dev)
         self._all_reduce_process_group(frame, host_wait=True)
         agreement = decode_header(frame[:HEADER].tolist(), self._size)
         if agreement.participants == 0:
@@ -207,28 +214,40 @@ class FramedTransport(Reporting):
         """The group that carries this group's CPU frames: syncbn's own, made at the first CPU frame.
 
         Every member reaches its first CPU frame at the same collective point, so the group is made
-        there, collectively, with the bound as its timeout (:mod:`syncbn.groups._own`); ``None``
-        (the process group itself) where the process group has no gloo CPU backend.
+        there, collectively, with the bound as its timeout (:mod:`syncbn.groups._own`, which holds
+        it, with the frame it is handed); ``None`` (the process group itself) where the process
+        group has no gloo CPU backend.
         """
         if not self._wire_ready:
             bound = self._bound_s()
+            ref: weakref.ref[Any] | None
             if self._own_group:
-                self._wire = self.process_group
-                if _own.set_timeout(self._wire, bound):
+                group = self.process_group
+                _own.adopt(group)
+                ref = weakref.ref(group)
+                if _own.set_timeout(group, bound):
                     self._wire_timeout = bound
+                del group
             else:
                 start = time.monotonic()
                 try:
-                    self._wire = _own.make(self.process_group, bound)
+                    ref = _own.make(self.process_group, bound)
                 except Exception as exc:  # noqa: BLE001 - re-raised with context
                     raise self._error(exc, time.monotonic() - start, bound) from exc
                 self._wire_timeout = bound
+            wire = None if ref is None else ref()
+            _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
+            if wire is not None:
+                self._release = weakref.finalize(self, _own.release, id(wire), bound + 1.0)
+            self._wire_ref = ref
             self._wire_ready = True
-        elif self._wire is not None and self._wire_timeout is not None:
+            return wire
+        wire = None if self._wire_ref is None else self._wire_ref()
+        if wire is not None and self._wire_timeout is not None:
             now = _config.get_timeout()
-            if now is not None and now != self._wire_timeout and _own.set_timeout(self._wire, now):
+            if now is not None and now != self._wire_timeout and _own.set_timeout(wire, now):
                 self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
-        return self._wire
+        return wire
 
     def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
         group = self.process_group

@@ -1,4 +1,7 @@
-"""A ``Join([ddp])`` without :class:`syncbn.JoinableSyncBatchNorm`, refused on every rank at once.
+"""What syncbn watches in the DDP wrappers of a process: a plain ``Join([ddp])``, DDP's own bound.
+
+**A ``Join([ddp])`` without** :class:`syncbn.JoinableSyncBatchNorm` **is refused on every rank
+at once.**
 
 Under ``torch.distributed.algorithms.join.Join``, DDP's join hook shadows DDP's own collectives
 for a rank that ran out of inputs; nothing shadows SyncBatchNorm's, so the ranks still training
@@ -17,16 +20,30 @@ A ``Join`` leaves its configuration on the DDP model after the context ends; a m
 through a plain ``Join([ddp])`` (an evaluation loop, say) is still refused when it trains
 later: construct ``Join([ddp], enable=False)`` once to switch join mode off, or train under
 ``Join([syncbn.JoinableSyncBatchNorm(ddp), ddp])``.
+
+**DDP's buffer broadcast is bounded by the process group's timeout, not syncbn's.** With
+``broadcast_buffers=True`` (DDP's default) the first collective of every step is DDP's broadcast
+of the module buffers, so a rank frozen *between* steps is found only at the process group's
+timeout (30 minutes by default), whatever ``SYNCBN_TIMEOUT`` says. The first time syncbn meets
+a DDP model with syncbn layers that broadcasts its buffers over a group whose timeout is more
+than twice syncbn's bound, it warns once per process (:class:`UnboundedStepWarning`), naming
+both remedies: a ``timeout=`` in ``init_process_group``, or ``broadcast_buffers=False``
+(``forward_sync_buffers=False`` from torch 2.13) where only batch-norm buffers need it (syncbn
+keeps those equal on every rank).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
 from torch import nn
 
-__all__ = ["PlainJoinError", "check", "cover", "install"]
+from .. import _config
+from ._errors import _pg_timeout
+
+__all__ = ["PlainJoinError", "UnboundedStepWarning", "check", "cover", "install"]
 
 _installed = False
 _wrappers: list[weakref.ref[nn.Module]] = []
@@ -34,10 +51,16 @@ _wrappers: list[weakref.ref[nn.Module]] = []
 _covered: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 # DDP wrapper -> (the configuration it was looked at under, whether its model holds syncbn layers).
 _holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+_examined: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # looked at for the buffer broadcast
+_warned = False
 
 
 class PlainJoinError(RuntimeError):
     """SyncBatchNorm layers trained under a ``Join`` that has no :class:`~syncbn.JoinableSyncBatchNorm`."""
+
+
+class UnboundedStepWarning(UserWarning):
+    """DDP's buffer broadcast, the first collective of a step, waits longer than syncbn's bound."""
 
 
 def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
@@ -78,6 +101,31 @@ def _has_layers(ddp: nn.Module, config: Any) -> bool:
     return found
 
 
+def _look_at_buffers(ddp: nn.Module, config: Any) -> None:
+    """Warn once per process when ``ddp``'s buffer broadcast is bounded far above syncbn's bound."""
+    global _warned
+    _examined.add(ddp)
+    bound = _config.get_timeout()
+    # DDP's forward buffer sync: broadcast_buffers (from torch 2.13 a property: forward_sync_buffers)
+    if bound is None or not getattr(ddp, "broadcast_buffers", False) or not _has_layers(ddp, config):
+        return
+    group_timeout = _pg_timeout(ddp.__dict__.get("process_group"))
+    if group_timeout <= 2 * bound:
+        return
+    _warned = True
+    warnings.warn(
+        f"syncbn: SYNCBN_TIMEOUT ({bound:g} s) bounds the SyncBatchNorm collectives, but the first "
+        "collective of each DistributedDataParallel step is DDP's own buffer broadcast, bounded by "
+        f"the process group's timeout ({group_timeout:g} s): a rank frozen between steps is found "
+        "only then. Pass timeout=datetime.timedelta(seconds=...) to init_process_group, or use "
+        "DistributedDataParallel(..., broadcast_buffers=False) (forward_sync_buffers=False from torch "
+        "2.13) when only batch-norm buffers need it (syncbn keeps them equal on every rank). See "
+        "docs/robustness.md, 'What bounds a hang'.",
+        UnboundedStepWarning,
+        stacklevel=2,
+    )
+
+
 def check() -> None:
     """Raise :class:`PlainJoinError` when a DDP model of this process is in an unshadowed ``Join``."""
     for ref in _wrappers:
@@ -85,6 +133,8 @@ def check() -> None:
         if ddp is None:
             continue
         config = ddp.__dict__.get("_join_config")
+        if not _warned and ddp not in _examined:
+            _look_at_buffers(ddp, config)
         if config is None or not config.enable or _covered.get(ddp) is config:
             continue
         if not _has_layers(ddp, config):
