@@ -103,9 +103,9 @@ class JoinableSyncBatchNorm(Joinable):
         group = dist.new_group(
             list(range(dist.get_world_size())), timeout=None if bound is None else timedelta(seconds=bound)
         )
-        groups._own.adopt(group)  # held there only: destroyed in order when self._sum goes
+        key = groups._own.adopt(group)  # held there only: destroyed in order when this joinable goes
         self._sum = groups.ProcessGroupSum(group, own_group=True)
-        weakref.finalize(self, groups._own.release, id(group), (bound or 1800.0) + 1.0)
+        weakref.finalize(self, groups._own.release, key, (bound or 1800.0) + 1.0)
         del group
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None

@@ -30,6 +30,7 @@ work or future.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import time
 import weakref
@@ -40,10 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["make", "adopt", "keep", "owned", "set_timeout", "abandon", "release", "release_all"]
+__all__ = ["make", "adopt", "key_of", "keep", "owned", "set_timeout", "abandon", "release", "release_all"]
 
-# id -> [a group syncbn made or adopted, the tensors handed to it, the pid that made it].
+# key -> [a group syncbn made or adopted, the tensors handed to it, the pid that made it]; keys
+# are serial numbers, never reused (an id() can recur once its object is gone).
 _kept: dict[int, list[Any]] = {}
+_keys: dict[int, int] = {}  # id(group) -> its key, while the group is held
+_serial = itertools.count(1)
 # Tensors handed to a group that is not syncbn's (a process group without gloo), and in a forked
 # child the parent's groups: kept for good (never freed by a thread that must wait for another).
 _forever: list[Any] = []
@@ -63,6 +67,8 @@ def _gloo_backend(process_group: Any) -> Any:
 
 def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
     """A gloo group over ``parent``'s ranks with ``timeout_s`` as its timeout (a weak reference), or ``None``.
+
+    The group is held here (:func:`adopt`); :func:`release` with :func:`key_of` destroys it.
 
     Collective over the parent's members: each must call it at the same point (the
     group's first CPU collective). ``None`` where the parent has no gloo CPU backend (MPI,
@@ -87,25 +93,33 @@ def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
     return weakref.ref(group)
 
 
-def adopt(group: Any) -> None:
-    """Hold ``group`` as one of syncbn's own, until :func:`release` (or exit)."""
-    if id(group) not in _kept:
-        _kept[id(group)] = [group, [], os.getpid()]
+def adopt(group: Any) -> int:
+    """Hold ``group`` as one of syncbn's own, until :func:`release` (or exit); its key."""
+    key = _key(group)
+    if key is None:
+        key = _keys[id(group)] = next(_serial)
+        _kept[key] = [group, [], os.getpid()]
+    return key
+
+
+def _key(group: Any) -> int | None:
+    key = _keys.get(id(group))
+    entry = None if key is None else _kept.get(key)
+    return key if entry is not None and entry[0] is group else None
 
 
 def keep(group: Any, tensor: Tensor) -> None:
     """Keep ``tensor`` referenced for as long as ``group`` (it is handed to the group's collectives)."""
-    entry = _kept.get(id(group))
-    if entry is not None and entry[0] is group:
-        entry[1].append(tensor)
+    key = None if group is None else _key(group)
+    if key is not None:
+        _kept[key][1].append(tensor)
     else:
         _forever.append(tensor)
 
 
 def owned(group: Any) -> bool:
     """Whether ``group`` is one syncbn made (not the user's)."""
-    entry = _kept.get(id(group))
-    return entry is not None and entry[0] is group
+    return _key(group) is not None
 
 
 def set_timeout(group: Any, timeout_s: float) -> bool:
@@ -160,11 +174,16 @@ def _registered(group: Any) -> bool:
         return False
 
 
+def key_of(group: Any) -> int:
+    """The key :func:`release` takes for one of syncbn's groups (``adopt`` records it)."""
+    return adopt(group)
+
+
 def release(key: int, limit_s: float) -> None:
-    """Destroy syncbn's group ``key`` (its ``id``) in order: works, group, then its frames.
+    """Destroy syncbn's group ``key`` in order: works, group, then its frames.
 
     Args:
-        key: ``id`` of the group, as :func:`adopt` recorded it.
+        key: the group's key (:func:`key_of`).
         limit_s: the longest wait for its abandoned works (each ends at the group's timeout).
     """
     entry = _kept.pop(key, None)
@@ -172,6 +191,8 @@ def release(key: int, limit_s: float) -> None:
         return
     group, frames, pid = entry
     del entry
+    if _keys.get(id(group)) == key:
+        del _keys[id(group)]
     if pid != os.getpid():
         _forever.extend([group, *frames])  # a forked child: the group and its threads are the parent's
         return

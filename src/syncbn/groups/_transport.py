@@ -238,7 +238,7 @@ class FramedTransport(Reporting):
             wire = None if ref is None else ref()
             _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
             if wire is not None:
-                self._release = weakref.finalize(self, _own.release, id(wire), bound + 1.0)
+                self._release = weakref.finalize(self, _own.release, _own.key_of(wire), bound + 1.0)
             self._wire_ref = ref
             self._wire_ready = True
             return wire
