@@ -411,8 +411,11 @@ def test_after_an_abandoned_collective_sync_buffers_realigns_every_rank(shared: 
     first, second = results
     assert first["type"] == "CollectiveError" and first["timed_out"], first
     assert second["type"] == "CollectiveError", second
-    if not shared:  # gloo: the late rank completed the forward with rank 0's data: buffers differ
-        assert not _same(first["diverged"], second["diverged"])
+    # The late rank does not complete the abandoned call with the data its peer left behind: on
+    # shared memory the peer withdrew its slot; on gloo, gloo itself gave up at the bound on
+    # syncbn's own group (issue 23) and closed the connection. It fails at once, unchanged.
+    assert second["s"] < 1.5 and not second["mismatch"], second
+    assert _same(first["diverged"], second["diverged"])
     assert first["synced"] == second["synced"] == 3
     assert _same(first["buffers"], second["buffers"])
 

@@ -42,7 +42,7 @@ SIZES = [2, 3, 4, 1]  # uneven per-rank batches (2 hosts x 2 ranks)
 BOUND = 3.0  # SYNCBN_TIMEOUT in the link-down case
 # Whether the flat path's collectives run over a process group with syncbn's own timeout
 # (issue 23 item 3), so that a process exits within the bound after a lost link.
-_FLAT_EXIT_FIXED = False
+_FLAT_EXIT_FIXED = True
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,8 @@ inside the ``Join`` context.
 from __future__ import annotations
 
 import threading
+import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -96,8 +98,15 @@ class JoinableSyncBatchNorm(Joinable):
         self._config = _JoinConfig.construct_disabled_join_config()
         super().__init__()
         self._model = model
-        self._group = dist.new_group(list(range(dist.get_world_size())))
-        self._sum = groups.ProcessGroupSum(self._group)
+        # A group of its own, with syncbn's bound as its timeout (so gloo gives up at the bound too).
+        bound = _config.get_timeout()
+        group = dist.new_group(
+            list(range(dist.get_world_size())), timeout=None if bound is None else timedelta(seconds=bound)
+        )
+        key = groups._own.adopt(group)  # held there only: destroyed in order when this joinable goes
+        self._sum = groups.ProcessGroupSum(group, own_group=True)
+        weakref.finalize(self, groups._own.release, key, (bound or 1800.0) + 1.0)
+        del group
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._hook_handle = model.register_forward_pre_hook(self._notify)
@@ -127,6 +136,7 @@ class JoinableSyncBatchNorm(Joinable):
         # does with its own when first (its gradient division may use the count).
         if _function._joining is not self:
             return
+        groups._ddp.cover(self._model)  # this Join shadows syncbn: not a plain Join([ddp])
         work = Join.notify_join_context(self)
         if work is not None and isinstance(module, nn.parallel.DistributedDataParallel):
             module.reducer._set_forward_pass_work_handle(work, module._divide_by_initial_world_size)
@@ -194,6 +204,7 @@ class JoinableSyncBatchNorm(Joinable):
                 if self._thread_error is not None:
                     raise self._thread_error
         finally:
+            groups._ddp.cover(self._model)  # every rank: the Join's configuration stays on DDP
             if _function._joining is self:
                 _function._joining = None
             self._thread = None

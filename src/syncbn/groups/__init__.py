@@ -91,7 +91,12 @@ Every wait is bounded (:mod:`syncbn._config`: ``SYNCBN_TIMEOUT``,
 :func:`syncbn.set_timeout`; with ``SYNCBN_TIMEOUT=none`` the process group's
 own timeout, ``init_process_group(timeout=...)``, on every transport).
 :class:`ProcessGroupSum` starts the ``all_reduce`` asynchronously and waits on
-its work handle with that bound (gloo honours it). On an accelerator a bounded
+its work handle with that bound. CPU frames travel over a gloo group of the
+group's own (``_own``), made at its first CPU collective with the bound as its
+timeout, so that gloo itself gives up at the bound too (a bounded wait alone
+leaves the abandoned collective on gloo's thread until the process group's
+timeout, and destroy and exit wait for it); it also keeps syncbn's frames apart
+from DDP's collectives. On an accelerator a bounded
 host wait would add a device-to-host synchronisation, so there the wait is
 left to the device stream and the bound is the process group's own timeout,
 except in debug mode and for the consistency checks. Any failure of the
@@ -106,7 +111,11 @@ Lifecycle
 A :class:`ProcessGroupSum` belongs to the process that made it: a child forked
 afterwards gets a :class:`CollectiveError` when it tries to use it (it would
 otherwise join its parent's collectives). It holds its process group weakly,
-and refuses use once that group is gone. :func:`resolve` caches one per live
+and refuses use once that group is gone. syncbn's own groups are held by ``_own``
+alone, with the frames handed to them, and destroyed in order (abandoned works,
+the group, then its frames: gloo's worker thread never has to free a Python
+object while the main thread joins it) when their ``ProcessGroupSum`` closes or
+is collected, and at exit. :func:`resolve` caches one per live
 process group and drops (and closes) those of destroyed groups, so
 ``destroy_process_group()`` + ``init_process_group()`` cycles keep file
 descriptors and mappings flat.
@@ -119,7 +128,9 @@ Modules
 -------
 This package is the seam; its parts: ``_frame`` (the header fields, their encoding and check),
 ``_errors`` (:class:`CollectiveError`, the group in words), ``_transport`` (frames over the
-process group), ``_sum`` (:class:`ProcessGroupSum`: transport choice, lifecycle), ``_refs``
+process group), ``_own`` (syncbn's own groups: made with the bound, destroyed in order), ``_ddp``
+(the DDP wrappers of the process: a plain ``Join([ddp])`` refused, DDP's own bound warned about),
+``_sum`` (:class:`ProcessGroupSum`: transport choice, lifecycle), ``_refs``
 (:class:`ProcessGroupRef`) and ``_resolve`` (:func:`resolve` and its cache). Import from
 ``syncbn.groups``, not from the parts.
 """
@@ -129,6 +140,8 @@ from __future__ import annotations
 import torch.distributed as dist  # noqa: F401 - syncbn.groups.dist: the tests patch its all_reduce
 
 # Beyond __all__, the seam also re-exports the helpers that syncbn's tools and tests use.
+from . import _ddp, _own  # noqa: F401 - syncbn.join and the tests use them
+from ._ddp import PlainJoinError, UnboundedStepWarning
 from ._errors import CollectiveError
 from ._frame import (  # noqa: F401
     DTYPE_CODES,
@@ -165,11 +178,15 @@ from ._resolve import (  # noqa: F401
 )
 from ._sum import ProcessGroupSum
 
+_ddp.install()  # records DDP wrappers as they are built (see _ddp)
+
 __all__ = [
     "SumGroup",
     "ProcessGroupSum",
     "ProcessGroupRef",
     "CollectiveError",
+    "PlainJoinError",
+    "UnboundedStepWarning",
     "Tag",
     "ShadowResult",
     "FIELDS",

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import _own
+
 
 def group_ranks(process_group: Any) -> list[int]:
     """Global ranks of the members of ``process_group`` (``None``: the default group)."""
@@ -38,6 +40,8 @@ class ProcessGroupRef:
             return None
         world = dist.distributed_c10d._world
         for group, mapping in world.pg_group_ranks.items():
+            if _own.owned(group):  # syncbn's own groups are never the user's
+                continue
             ordered = sorted(mapping, key=mapping.__getitem__)
             if ordered == self.ranks:
                 return group

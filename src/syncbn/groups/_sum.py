@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config, _shm
-from . import _hier
+from . import _ddp, _hier
 from ._errors import CollectiveError
 from ._frame import (
     ANONYMOUS,
@@ -60,6 +60,14 @@ class ProcessGroupSum(FramedTransport):
             subgroup (:mod:`syncbn.groups._hier`); ``None`` follows
             ``SYNCBN_HIERARCHICAL`` (on by default: measured faster than the flat path
             across machines). Every rank must choose alike (else every rank raises).
+        own_group: ``process_group`` is one syncbn made for this group alone (the
+            ``Join`` group, the hierarchy's subgroups): its frames go over it directly
+            (no group of its own is made), and it is destroyed when this group closes.
+
+    CPU frames travel over a gloo group of this group's own, made at its first CPU
+    collective with the wait bound as its timeout (:mod:`syncbn.groups._own`): gloo itself
+    then gives up at the bound, so a process can recover or exit within seconds of a
+    :class:`CollectiveError`, and syncbn's collectives never meet DDP's.
 
     Example::
 
@@ -75,6 +83,7 @@ class ProcessGroupSum(FramedTransport):
         *,
         shared_memory: bool | None = None,
         hierarchical: bool | None = None,
+        own_group: bool = False,
     ) -> None:
         # Held weakly: a destroyed process group must not survive in syncbn (its sockets, its fds).
         self._default = process_group is None
@@ -100,6 +109,11 @@ class ProcessGroupSum(FramedTransport):
         self._dirty = 0  # payload values of _frame_cpu that may be non-zero
         self._pending: list[_Pending] = []
         self._pg_timeout_s: float | None = None
+        self._own_group = own_group
+        self._wire_ref: weakref.ref[Any] | None = None  # the group carrying the CPU frames (_cpu_wire)
+        self._release: Any = None  # releases it (syncbn.groups._own.release) when this group goes
+        self._wire_ready = False
+        self._wire_timeout: float | None = None
         #: identity -> name of the layers seen by this process, for error messages.
         self.names: dict[int, str] = {}
         #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).
@@ -240,6 +254,9 @@ class ProcessGroupSum(FramedTransport):
             self._frame_words.release()
             self._frame_words = None
         self._pending.clear()
+        self._wire_ref = None
+        if self._release is not None:
+            self._release()  # destroys the group carrying the frames, in order (see _own)
 
     # ------------------------------------------------------------------ per call
 
@@ -264,6 +281,8 @@ class ProcessGroupSum(FramedTransport):
             )
         if self._pending:
             self._check_ready()
+        if _ddp._wrappers and not self._own_group:
+            _ddp.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
 
     def _shared_path(self) -> _shm.SharedMemorySum | None:
         return self._shared if self._shared_ready else self._connect_shared()
@@ -290,7 +309,7 @@ class ProcessGroupSum(FramedTransport):
                 able,
                 _shm._host_key(),
                 exchange,
-                ProcessGroupSum,
+                _own_sum_group,
             )
         self._calls = calls
         self._shared_ready = True
@@ -353,3 +372,8 @@ class ProcessGroupSum(FramedTransport):
 
     def __repr__(self) -> str:
         return f"ProcessGroupSum(rank={self._rank}, size={self._size})"
+
+
+def _own_sum_group(process_group: Any, **kwargs: Any) -> ProcessGroupSum:
+    """A ``ProcessGroupSum`` over a subgroup syncbn made for it (the hierarchy's): destroyed with it."""
+    return ProcessGroupSum(process_group, own_group=True, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import time
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config
+from . import _own
 from ._errors import CollectiveError, Reporting
 from ._frame import (
     FRAME,
@@ -51,6 +53,11 @@ class FramedTransport(Reporting):
     _payload_views: dict[Any, Tensor]
     _dirty: int
     _pending: list[_Pending]
+    _own_group: bool
+    _wire_ref: weakref.ref[Any] | None
+    _release: Any
+    _wire_ready: bool
+    _wire_timeout: float | None
     last_participants: int
 
     def check_pending(self) -> None:
@@ -159,7 +166,12 @@ class FramedTransport(Reporting):
 
     def _shadow_process_group(self, dev: torch.device) -> ShadowResult | None:
         """:meth:`ProcessGroupSum.shadow_sum` on the process-group transport."""
-        frame = torch.zeros(FRAME, dtype=torch.float64, device=dev)
+        if dev.type == "cpu":  # the reusable frame: gloo is only ever handed tensors that outlive it
+            frame = self._cpu_frame()[0]
+            frame.zero_()
+            self._dirty = PAYLOAD
+        else:
+            frame = torch.zeros(FRAME, dtype=torch.float64, device=dev)
         self._all_reduce_process_group(frame, host_wait=True)
         agreement = decode_header(frame[:HEADER].tolist(), self._size)
         if agreement.participants == 0:
@@ -198,21 +210,68 @@ class FramedTransport(Reporting):
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
+    def _cpu_wire(self) -> Any:
+        """The group that carries this group's CPU frames: syncbn's own, made at the first CPU frame.
+
+        Every member reaches its first CPU frame at the same collective point, so the group is made
+        there, collectively, with the bound as its timeout (:mod:`syncbn.groups._own`, which holds
+        it, with the frame it is handed); ``None`` (the process group itself) where the process
+        group has no gloo CPU backend.
+        """
+        if not self._wire_ready:
+            bound = self._bound_s()
+            ref: weakref.ref[Any] | None
+            if self._own_group:
+                group = self.process_group
+                _own.adopt(group)
+                ref = weakref.ref(group)
+                if _own.set_timeout(group, bound):
+                    self._wire_timeout = bound
+                del group
+            else:
+                start = time.monotonic()
+                try:
+                    ref = _own.make(self.process_group, bound)
+                except Exception as exc:  # noqa: BLE001 - re-raised with context
+                    raise self._error(exc, time.monotonic() - start, bound) from exc
+                self._wire_timeout = bound
+            wire = None if ref is None else ref()
+            _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
+            if wire is not None:
+                self._release = weakref.finalize(self, _own.release, _own.key_of(wire), bound + 1.0)
+            self._wire_ref = ref
+            self._wire_ready = True
+            return wire
+        wire = None if self._wire_ref is None else self._wire_ref()
+        if wire is not None and self._wire_timeout is not None:
+            now = _config.get_timeout()
+            if now is not None and now != self._wire_timeout and _own.set_timeout(wire, now):
+                self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
+        return wire
+
     def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
+        group = self.process_group
+        if tensor.device.type == "cpu":
+            wire = self._cpu_wire()
+            if wire is not None:
+                group = wire
         delta = _config.timeout_delta()
         if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
             start = time.monotonic()
             try:
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
             except Exception as exc:  # noqa: BLE001 - re-raised with context
                 raise self._error(exc, time.monotonic() - start, None) from exc
             return tensor
         start = time.monotonic()
+        work = None
         try:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
             finished = work.wait(timeout=delta)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
+            _own.abandon(work, tensor)
             raise self._error(exc, time.monotonic() - start, _config.get_timeout()) from exc
         if finished is False:  # some backends report a timeout by returning False
+            _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
         return tensor

@@ -1,0 +1,152 @@
+"""What syncbn watches in the DDP wrappers of a process: a plain ``Join([ddp])``, DDP's own bound.
+
+**A ``Join([ddp])`` without** :class:`syncbn.JoinableSyncBatchNorm` **is refused on every rank
+at once.**
+
+Under ``torch.distributed.algorithms.join.Join``, DDP's join hook shadows DDP's own collectives
+for a rank that ran out of inputs; nothing shadows SyncBatchNorm's, so the ranks still training
+would wait for it in their next SyncBatchNorm collective (before syncbn had groups of its own,
+DDP's shadow all_reduce even met a syncbn frame and gloo aborted the process). A joined rank
+cannot learn of syncbn's collectives from DDP's hook, so the plain ``Join([ddp])`` cannot be
+made exact; it is refused instead, deterministically: ``Join(...)`` sets an enabled
+``_join_config`` on every joinable of its list, on every rank, before the first forward inside
+it. Every framed call of a :class:`~syncbn.groups.ProcessGroupSum` first looks at the
+``DistributedDataParallel`` wrappers of this process that hold syncbn layers (recorded as they
+are built, through torch's module registration hook); one in join mode whose configuration no
+:class:`~syncbn.JoinableSyncBatchNorm` has covered raises :class:`PlainJoinError` there, on
+every rank alike, before anything is sent and before any state changed.
+
+A ``Join`` leaves its configuration on the DDP model after the context ends; a model that went
+through a plain ``Join([ddp])`` (an evaluation loop, say) is still refused when it trains
+later: construct ``Join([ddp], enable=False)`` once to switch join mode off, or train under
+``Join([syncbn.JoinableSyncBatchNorm(ddp), ddp])``.
+
+**DDP's buffer broadcast is bounded by the process group's timeout, not syncbn's.** With
+``broadcast_buffers=True`` (DDP's default) the first collective of every step is DDP's broadcast
+of the module buffers, so a rank frozen *between* steps is found only at the process group's
+timeout (30 minutes by default), whatever ``SYNCBN_TIMEOUT`` says. The first time syncbn meets
+a DDP model with syncbn layers that broadcasts its buffers over a group whose timeout is more
+than twice syncbn's bound, it warns once per process (:class:`UnboundedStepWarning`), naming
+both remedies: a ``timeout=`` in ``init_process_group``, or ``broadcast_buffers=False``
+(``forward_sync_buffers=False`` from torch 2.13) where only batch-norm buffers need it (syncbn
+keeps those equal on every rank).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+from torch import nn
+
+from .. import _config
+from ._errors import _pg_timeout
+
+__all__ = ["PlainJoinError", "UnboundedStepWarning", "check", "cover", "install"]
+
+_installed = False
+_wrappers: list[weakref.ref[nn.Module]] = []
+# DDP wrapper -> the join configuration a JoinableSyncBatchNorm covered (a new Join makes a new one).
+_covered: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+# DDP wrapper -> (the configuration it was looked at under, whether its model holds syncbn layers).
+_holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+_examined: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # looked at for the buffer broadcast
+_warned = False
+
+
+class PlainJoinError(RuntimeError):
+    """SyncBatchNorm layers trained under a ``Join`` that has no :class:`~syncbn.JoinableSyncBatchNorm`."""
+
+
+class UnboundedStepWarning(UserWarning):
+    """DDP's buffer broadcast, the first collective of a step, waits longer than syncbn's bound."""
+
+
+def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """The registration hook: remember each ``DistributedDataParallel`` as it takes its module."""
+    if name == "module" and child is not None and isinstance(parent, nn.parallel.DistributedDataParallel):
+        _wrappers[:] = [r for r in _wrappers if r() is not None and r() is not parent]
+        _wrappers.append(weakref.ref(parent))
+    return None
+
+
+def install() -> None:
+    """Start recording DDP wrappers (once per process; syncbn does it when it is imported)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    register = getattr(nn.modules.module, "register_module_module_registration_hook", None)
+    if register is not None:  # torch >= 2.0
+        register(_record)
+
+
+def cover(model: nn.Module) -> None:
+    """Mark the join configuration of ``model``'s DDP wrapper (or ``model`` itself) as shadowed by syncbn."""
+    for ref in _wrappers:
+        ddp = ref()
+        if ddp is not None and (ddp is model or ddp.__dict__.get("_modules", {}).get("module") is model):
+            config = ddp.__dict__.get("_join_config")
+            if config is not None:
+                _covered[ddp] = config
+
+
+def _has_layers(ddp: nn.Module, config: Any) -> bool:
+    seen = _holds.get(ddp)
+    if seen is not None and seen[0] is config:
+        return seen[1]
+    found = any("_syncbn_state" in m.__dict__ for m in ddp.modules())
+    _holds[ddp] = (config, found)
+    return found
+
+
+def _look_at_buffers(ddp: nn.Module, config: Any) -> None:
+    """Warn once per process when ``ddp``'s buffer broadcast is bounded far above syncbn's bound."""
+    global _warned
+    _examined.add(ddp)
+    bound = _config.get_timeout()
+    # DDP's forward buffer sync: broadcast_buffers (from torch 2.13 a property: forward_sync_buffers)
+    if bound is None or not getattr(ddp, "broadcast_buffers", False) or not _has_layers(ddp, config):
+        return
+    group_timeout = _pg_timeout(ddp.__dict__.get("process_group"))
+    if group_timeout <= 2 * bound:
+        return
+    _warned = True
+    warnings.warn(
+        f"syncbn: SYNCBN_TIMEOUT ({bound:g} s) bounds the SyncBatchNorm collectives, but the first "
+        "collective of each DistributedDataParallel step is DDP's own buffer broadcast, bounded by "
+        f"the process group's timeout ({group_timeout:g} s): a rank frozen between steps is found "
+        "only then. Pass timeout=datetime.timedelta(seconds=...) to init_process_group, or use "
+        "DistributedDataParallel(..., broadcast_buffers=False) (forward_sync_buffers=False from torch "
+        "2.13) when only batch-norm buffers need it (syncbn keeps them equal on every rank). See "
+        "docs/robustness.md, 'What bounds a hang'.",
+        UnboundedStepWarning,
+        stacklevel=2,
+    )
+
+
+def check() -> None:
+    """Raise :class:`PlainJoinError` when a DDP model of this process is in an unshadowed ``Join``."""
+    for ref in _wrappers:
+        ddp = ref()
+        if ddp is None:
+            continue
+        config = ddp.__dict__.get("_join_config")
+        if not _warned and ddp not in _examined:
+            _look_at_buffers(ddp, config)
+        if config is None or not config.enable or _covered.get(ddp) is config:
+            continue
+        if not _has_layers(ddp, config):
+            continue
+        raise PlainJoinError(
+            "syncbn: a DistributedDataParallel model with SyncBatchNorm layers is training inside "
+            "torch.distributed.algorithms.join.Join without syncbn.JoinableSyncBatchNorm. DDP's join "
+            "hook shadows only DDP's own collectives: a rank that runs out of inputs would leave the "
+            "others waiting in a SyncBatchNorm collective. Put a syncbn.JoinableSyncBatchNorm first in "
+            "the list, on every rank: `with Join([syncbn.JoinableSyncBatchNorm(ddp), ddp]): ...`. "
+            "Raised on every rank at the first SyncBatchNorm collective inside the Join; nothing was "
+            "sent and no state changed. (A Join leaves join mode on the DDP model after the context: "
+            "for a model that went through a plain Join before, construct Join([ddp], enable=False) "
+            "once to switch it off.)"
+        )
