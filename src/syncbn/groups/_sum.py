@@ -97,7 +97,7 @@ class ProcessGroupSum(FramedTransport):
         # Same-machine shared-memory path for CPU tensors: connected on the first CPU collective.
         self._shared: _shm.SharedMemorySum | None = None
         self._shared_ready = False
-        # Several machines (opt-in): machine groups through shared memory, leaders over the network.
+        # Several machines (the default): machine groups through shared memory, leaders over the network.
         self._hierarchical_choice = hierarchical
         self._hier: _hier.Hierarchy | None = None
         self._calls = 0  # framed calls made (the header's sequence field)
