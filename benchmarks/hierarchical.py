@@ -33,13 +33,13 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from syncbn import _shm, groups
-from syncbn.cli._bench_runner import time_interleaved
 from syncbn.cli._launch import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -98,12 +98,7 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
         return step
 
     cpu: dict[str, list[float]] = {}
-    # The ranks leave each barrier up to a gloo latency apart: the first step after it absorbs
-    # that skew. A first step of the first variant, timed and dropped, takes it for every variant.
-    first = next(iter(variants.values()))
-    steps = {"(align)": two(first), **{k: two(g) for k, g in variants.items()}}
-    times = time_interleaved(steps, args.iters, 10, barrier=True, cuda=False, cpu_times=cpu)
-    del times["(align)"], cpu["(align)"]
+    times = _rotated({k: two(g) for k, g in variants.items()}, args.iters, cpu)
     mine = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     mine.update({f"{k} cpu": statistics.median(v) * 1e6 for k, v in cpu.items()})
     gathered: list[Any] = [None] * world_size
@@ -111,6 +106,25 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, 
     for g in variants.values():
         g.close()
     return {k: max(g[k] for g in gathered) for k in mine}
+
+
+def _rotated(steps: dict[str, Any], iters: int, cpu: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each step ``10 + iters`` times after a barrier, the order rotated every round (alike on every
+    rank): whichever variant follows another absorbs the skew the other leaves (ranks leave a
+    collective up to a gloo latency apart), so no variant always follows the same one."""
+    names = list(steps)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for it in range(10 + iters):
+        for j in range(len(names)):
+            name = names[(it + j) % len(names)]
+            dist.barrier()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            steps[name]()
+            elapsed, used = time.perf_counter() - t0, time.thread_time() - c0
+            if it >= 10:
+                times[name].append(elapsed)
+                cpu.setdefault(name, []).append(used)
+    return times
 
 
 def _report(slowest: dict[str, float], args: argparse.Namespace) -> None:

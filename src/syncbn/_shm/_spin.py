@@ -33,11 +33,11 @@ class SpinPolicy:
     :data:`_SPIN_MIN_S` and at most a cap: :data:`_SPIN_S` when every rank has a core of its
     own, :data:`_SPIN_BUSY_S` when the ranks outnumber the cores this process may use
     (``os.sched_getaffinity``); once waits typically outlast the cap (a peer far behind, still
-    computing) it spins only :data:`_SPIN_MIN_S` and then sleeps, freeing the core. The load of
-    other processes is left to ``sched_yield``: measured on a 2-core machine under other jobs'
-    load, sleeping after 0.05-0.2 ms made the sums 1.1-1.4x slower and cost more CPU time per
-    call (each wake-up costs more than yielding), hence the 1 ms floor. ``fixed=True`` is the
-    earlier policy (always :data:`_SPIN_S`), kept for the benchmark's comparison.
+    computing) it spins only :data:`_SPIN_MIN_S` and then sleeps, freeing the core. The floor
+    keeps the common short wait answered by the spin (a sleep's wake-up costs tens of
+    microseconds more than a yield); the load of other processes is left to ``sched_yield``.
+    ``fixed=True`` is the earlier policy (always :data:`_SPIN_S`), kept for the benchmark's
+    comparison (``benchmarks/hierarchical.py``).
 
     Args:
         ranks: ranks of the group on this machine.
