@@ -281,6 +281,44 @@ def test_the_segment_has_no_path_and_only_its_creator_and_token_open_it() -> Non
         os.close(fd)
 
 
+def _proc_refused(rank: int, world_size: int, socket_too: bool) -> dict[str, Any]:
+    """Rank 1 may not open rank 0's /proc/<pid>/fd (as for a non-dumpable process)."""
+    if rank == 1:
+        _shm._open_proc = lambda *args: None  # type: ignore[assignment]
+        if socket_too:
+            _shm._handoff.receive = lambda *args: None  # type: ignore[assignment]
+    layer = syncbn.SyncBatchNorm1d(3).double()
+    x = torch.arange(6.0, dtype=torch.float64).view(2, 3) + 10 * rank
+    layer(x)
+    return {"shared": _group().uses_shared_memory, "mean": layer.running_mean.tolist()}
+
+
+@pytest.mark.parametrize("socket_too", [False, True], ids=["socket-hands-it-over", "both-refused"])
+def test_where_proc_is_refused_the_descriptor_comes_over_a_socket(socket_too: bool) -> None:
+    full = torch.cat([torch.arange(6.0, dtype=torch.float64).view(2, 3) + 10 * r for r in range(2)])
+    for result in launch(_proc_refused, 2, socket_too, timeout=60):
+        assert result["shared"] is not socket_too, result
+        assert result["mean"] == pytest.approx((0.1 * full.mean(0)).tolist(), abs=1e-12)
+
+
+def test_the_socket_hands_the_descriptor_to_the_same_user_only_while_open() -> None:
+    made = _shm._create(f"syncbn-{os.getpid()}-00000000002b", 8192, 43)
+    assert made is not None
+    fd, segment = made
+    name = f"syncbn-{os.getpid()}-00000000002b"
+    server = _shm._handoff.Server(name, fd)
+    try:
+        got = _shm._handoff.receive(name)
+        assert got is not None
+        assert os.fstat(got).st_ino == os.fstat(fd).st_ino  # the very segment
+        os.close(got)
+    finally:
+        server.close()
+        segment.close()
+        os.close(fd)
+    assert _shm._handoff.receive(name, timeout=0.5) is None  # gone with the server: no name left
+
+
 # ------------------------------------------------------- a kill inside the set-up window (item 2)
 
 _PAUSE_S = 60.0

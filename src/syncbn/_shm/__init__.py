@@ -52,23 +52,24 @@ once waits typically last longer than that (a peer still computing, which a
 spinning rank's core could serve). It gives up after the syncbn timeout, and as soon as a
 peer process that has not arrived no longer exists.
 
-Set-up is collective: :func:`connect` runs on every rank at the same point
-(the first CPU collective of a group) and agrees, over the process group,
-whether the shared-memory path is usable everywhere; if not, every rank keeps
-using the process group. Rank 0 creates the segment only after the first
-exchange has shown every rank present, as an anonymous ``memfd`` (no path in
-``/dev/shm`` or anywhere): the peers open it through
-``/proc/<pid of rank 0>/fd/<n>`` (same user or root, same PID namespace) and
-check its size and a 48-bit token rank 0 wrote into it; rank 0 closes its
-descriptor once every rank has mapped it. The memory lives exactly as long as
-a descriptor or a mapping of it: a kill at any instant, of any rank or of all,
-leaves nothing behind. A peer that cannot open it (another PID namespace, as in
-a container; another user; a process made non-dumpable) or finds another
-object there makes every rank keep the process group. Files ``syncbn-<pid>-*``
-that earlier versions left in ``/dev/shm`` are removed at set-up once their
-process is gone. A segment belongs to the process that mapped it:
-:mod:`syncbn.groups` refuses a child forked afterwards. ``SYNCBN_SHM=0`` (or
-:func:`syncbn.set_shared_memory`) turns it off.
+Set-up is collective: :func:`connect` runs on every rank at the same point (the
+first CPU collective of a group) and agrees, over the process group, whether the
+shared-memory path is usable everywhere; if not, every rank keeps using the
+process group. Rank 0 creates the segment only after the first exchange has
+shown every rank present, as an anonymous ``memfd`` (no path in ``/dev/shm`` or
+anywhere): the peers open it through ``/proc/<pid of rank 0>/fd/<n>`` (same user
+or root, same PID namespace) and check its size and a 48-bit token rank 0 wrote
+into it (where ``/proc`` is refused, rank 0 hands the descriptor over an
+abstract unix socket instead, :mod:`._handoff`); rank 0 closes its descriptor
+once every rank has mapped it. The memory lives exactly as long as a descriptor
+or a mapping of it: a kill at any instant, of any rank or of all, leaves nothing
+behind. A peer that cannot open it either way (another PID and network
+namespace, as in a container; another user) or finds another object there makes
+every rank keep the process group. Files ``syncbn-<pid>-*`` that earlier
+versions left in ``/dev/shm`` are removed at set-up once their process is gone.
+A segment belongs to the process that mapped it: :mod:`syncbn.groups` refuses a
+child forked afterwards. ``SYNCBN_SHM=0`` (or :func:`syncbn.set_shared_memory`)
+turns it off.
 
 The per-call exchange (the layout, :class:`SharedMemorySum`) is in ``_exchange``; this module
 holds the set-up and the lifecycle of segments.
@@ -88,6 +89,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from . import _handoff
 from ._exchange import DTYPE_CODES, SharedMemoryError, SharedMemorySum, _alive, _segment_size  # noqa: F401
 
 __all__ = ["SharedMemorySum", "SharedMemoryError", "connect", "supported"]
@@ -179,6 +181,7 @@ def connect(
     """
     want = enabled and supported()
     fd = -1  # rank 0: the memfd, closed once every rank has mapped it (or failed)
+    server: _handoff.Server | None = None  # rank 0: hands the memfd out where /proc is refused
     segment: mmap.mmap | None = None
     size = _segment_size(world_size)
     try:
@@ -199,16 +202,23 @@ def connect(
             if made is not None:
                 fd, segment = made
                 offer[0], offer[1], offer[2] = 1.0, float(token), float(fd)
+                try:  # the fallback to /proc: the descriptor over an abstract socket
+                    server = _handoff.Server(_socket_name(pids[0], token), fd)
+                except OSError:
+                    server = None
         offer = exchange(offer)
         if offer[0].item() != 1:
             return None
         token = int(offer[1].item())
         ok = True
         if rank != 0:
-            segment = _attach(pids[0], int(offer[2].item()), size, token)
+            segment = _attach(pids[0], int(offer[2].item()), size, token, _socket_name(pids[0], token))
             ok = segment is not None
         ok = ok and all(_alive(pid) for pid in pids)
         agreed = exchange(torch.tensor([0.0 if ok else 1.0], dtype=torch.float64))
+        if server is not None:
+            server.close()
+            server = None
         if fd >= 0:
             os.close(fd)
             fd = -1
@@ -218,10 +228,16 @@ def connect(
         segment = None
         return shared
     finally:
+        if server is not None:
+            server.close()
         if segment is not None:
             segment.close()
         if fd >= 0:
             os.close(fd)
+
+
+def _socket_name(pid: int, token: int) -> str:
+    return f"syncbn-{pid}-{token:012x}"
 
 
 def _create(name: str, size: int, token: int) -> tuple[int, mmap.mmap] | None:
@@ -257,17 +273,19 @@ def _read_token(segment: mmap.mmap) -> int:
         return int(words[0])
 
 
-def _attach(pid: int, number: int, size: int, token: int) -> mmap.mmap | None:
+def _attach(pid: int, number: int, size: int, token: int, name: str = "") -> mmap.mmap | None:
     """Map the segment that process ``pid`` holds as descriptor ``number``; ``None`` if not ours.
 
     ``/proc/<pid>/fd/<n>`` opens the very object the creator holds, when this process may
-    read that process's descriptors (same user, or root). In another PID namespace (a
-    container) the number names another process or none: the size and the 48-bit token,
-    written by the creator, then do not match, and the ranks keep the process group.
+    read that process's descriptors (same user, or root). Where that is refused, the creator's
+    abstract socket ``name`` hands the descriptor over (:mod:`._handoff`). In another PID
+    namespace (a container) the number names another process or none: the size and the 48-bit
+    token, written by the creator, then do not match, and the ranks keep the process group.
     """
-    try:
-        fd = os.open(f"/proc/{pid}/fd/{number}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
+    fd = _open_proc(pid, number)
+    if fd is None and name:
+        fd = _handoff.receive(name)
+    if fd is None:
         return None
     try:
         if os.fstat(fd).st_size != size:
@@ -281,6 +299,13 @@ def _attach(pid: int, number: int, size: int, token: int) -> mmap.mmap | None:
         segment.close()
         return None
     return segment
+
+
+def _open_proc(pid: int, number: int) -> int | None:
+    try:
+        return os.open(f"/proc/{pid}/fd/{number}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _unlink(path: str) -> None:
