@@ -64,8 +64,11 @@ class JoinableSyncBatchNorm(Joinable):
     Pass it to ``torch.distributed.algorithms.Join`` first, before the DDP model:
     a rank that has run out of batches then contributes an empty batch to every
     SyncBatchNorm collective of the ranks still training, and nothing hangs.
-    Create it on every rank at the same point (it creates a process group);
-    the layers must synchronise over the default group.
+    Create it on every rank at the same point (it creates a process group, with
+    syncbn's bound as its timeout); the layers must synchronise over the default
+    group. Without it, a ``Join([ddp])`` over SyncBatchNorm layers raises
+    :class:`syncbn.groups.PlainJoinError` on every rank at the first SyncBatchNorm
+    collective inside the ``Join`` (DDP's join hook cannot shadow syncbn's collectives).
 
     Args:
         model: the model, bare or wrapped in ``DistributedDataParallel``.

@@ -244,8 +244,8 @@ class FramedTransport(Reporting):
             return wire
         wire = None if self._wire_ref is None else self._wire_ref()
         if wire is not None and self._wire_timeout is not None:
-            now = _config.get_timeout()
-            if now is not None and now != self._wire_timeout and _own.set_timeout(wire, now):
+            now = self._bound_s()  # syncbn's bound, else the process group's timeout
+            if now != self._wire_timeout and _own.set_timeout(wire, now):
                 self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
         return wire
 
