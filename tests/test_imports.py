@@ -27,6 +27,7 @@ LAYERS: dict[str, float] = {
     "syncbn._checks": 2,
     "syncbn._function": 3,
     "syncbn._abn": 3.5,  # above _function, below parallel
+    "syncbn._abn_traced": 3.5,
     "syncbn.functional": 4,
     "syncbn.parallel": 4,
     "syncbn.modules": 5,

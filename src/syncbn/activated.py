@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _abn, _abn_math, _checks, groups, parallel
+from ._abn_traced import traced_inplace_abn
 from .parallel._abn import replica_inplace_abn
 
 __all__ = ["ActivatedBatchNormBase", "InPlaceSyncBatchNorm", "InPlaceSyncBatchNorm2d"]
@@ -80,6 +81,7 @@ class ActivatedBatchNormBase(nn.Module):
     running_var: Tensor | None
     num_batches_tracked: Tensor | None
     _in_place = True
+    _local = False  # never synchronise (the package's InPlaceABN)
     _input_dims: tuple[int, ...] | None = None
     _input_dims_text = ""
 
@@ -158,10 +160,44 @@ class ActivatedBatchNormBase(nn.Module):
         return float(self.momentum)
 
     def _forward(self, x: Tensor) -> Tensor:
-        """Training or eval forward of the in-place layers; returns ``x``, overwritten."""
+        """Training or eval forward of the in-place layers; returns ``x``, overwritten.
+
+        Under ``torch.compile`` the layer runs eagerly, as one graph break per
+        layer (:func:`torch._dynamo.disable`): the compiled graphs end before it
+        and resume after it, and the layer's result is exact.
+        """
+        if _is_compiling():
+            return self._compiled_forward(x)
+        return self._eager_forward(x)
+
+    def _compiled_forward(self, x: Tensor) -> Tensor:
+        # Traced (no graph break) where the layer is local; the synchronised layer runs eagerly,
+        # as one graph break (torch._dynamo.disable), where its collective is not traceable.
+        if self.__dict__.get("_syncbn_replica") is not None or (not self._local and groups.is_initialized()):
+            return _eager_forward(self, x)
         self._check_input_dim(x)
-        compiling = _is_compiling()
-        recomputing = self.training and not compiling and _current_graph_task_id() != -1
+        tracking = self.training and self.track_running_stats
+        factor: float | Tensor = 0.0
+        if tracking:
+            seen = self.num_batches_tracked
+            if self.momentum is None and seen is not None:
+                factor = 1.0 / (seen + 1).to(torch.float64)
+            else:
+                factor = 0.0 if self.momentum is None else float(self.momentum)
+        act, param = self.activation, float(self.activation_param)
+        running = self.training is False and self.running_mean is not None
+        mean = self.running_mean if (tracking or running) else None
+        var = self.running_var if (tracking or running) else None
+        out = traced_inplace_abn(
+            x, self.weight, self.bias, mean, var, not running, factor, self.eps, act, param, None
+        )
+        if tracking and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return out
+
+    def _eager_forward(self, x: Tensor) -> Tensor:
+        self._check_input_dim(x)
+        recomputing = self.training and _current_graph_task_id() != -1
         tracking = self.training and self.track_running_stats and not recomputing
         factor = self._factor(tracking, recomputing)
         if recomputing and _was_overwritten(x):
@@ -190,7 +226,7 @@ class ActivatedBatchNormBase(nn.Module):
         if replica is not None:
             out = replica_inplace_abn(self, x, factor, replica.replication, replica.index, act, param)
         else:
-            group = groups.resolve(self._group())
+            group = None if self._local else groups.resolve(self._group())
             running_mean = self.running_mean if self.track_running_stats else None
             running_var = self.running_var if self.track_running_stats else None
             out = _abn.inplace_abn_apply(
@@ -209,7 +245,7 @@ class ActivatedBatchNormBase(nn.Module):
             )
             if tracking and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)
-        if not recomputing and not compiling:
+        if not recomputing:
             _remember(out)
         return out
 
@@ -252,6 +288,10 @@ class ActivatedBatchNormBase(nn.Module):
             shared = key in ("process_group", "group")  # a live process group is shared, not copied
             new.__dict__[key] = value if shared else copy.deepcopy(value, memo)
         return new
+
+
+# What torch.compile runs for the in-place layers: the eager layer, opaque to the compiler.
+_eager_forward = torch._dynamo.disable(ActivatedBatchNormBase._eager_forward)
 
 
 class InPlaceSyncBatchNorm(ActivatedBatchNormBase):

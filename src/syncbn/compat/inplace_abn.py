@@ -124,6 +124,7 @@ class InPlaceABN(ABN):
     """
 
     _in_place = True
+    _local = True
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalise and activate ``x`` in place; returns it."""
