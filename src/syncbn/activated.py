@@ -200,7 +200,8 @@ class ActivatedBatchNormBase(nn.Module):
         recomputing = self.training and _current_graph_task_id() != -1
         tracking = self.training and self.track_running_stats and not recomputing
         factor = self._factor(tracking, recomputing)
-        if recomputing and _was_overwritten(x):
+        if recomputing and (_was_overwritten(x) or (x.is_leaf and x.requires_grad)):
+            # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         act, param = self.activation, float(self.activation_param)
         if not self.training and self.running_mean is not None:
