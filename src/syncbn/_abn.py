@@ -136,16 +136,19 @@ def local_sums(
     activation: str,
     param: float,
     stats: ABNStats,
-) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor]:
-    """``(xhat, dz, sum_dz, sum_dz_xhat)`` of one member (``xhat``/``dz`` ``None`` for an empty batch)."""
+) -> tuple[tuple[Tensor, bool] | None, Tensor | None, Tensor, Tensor]:
+    """``((z, scratch), dz, sum_dz, sum_dz_xhat)`` of one member (``None``s for an empty batch).
+
+    ``z`` is the activation's input recovered from ``y``; see :func:`syncbn._abn_math.recover`.
+    """
     if stats.local_count == 0:
         acc = _math.accumulation_dtype(y.dtype)
         zeros = torch.zeros(y.shape[1], dtype=acc, device=y.device)
         return None, None, zeros, zeros.clone()
     scale = _abn_math.abs_scale(weight, eps)
-    xhat, dz = _abn_math.recover(y, grad, scale, bias, activation, param)
-    sum_dz, sum_dz_xhat = _abn_math.recovered_sums(dz, xhat)
-    return xhat, dz, sum_dz, sum_dz_xhat
+    z, dz, scratch = _abn_math.recover(y, grad, activation, param)
+    sum_dz, sum_dz_xhat = _abn_math.recovered_sums(dz, z, scale, bias)
+    return (z, scratch), dz, sum_dz, sum_dz_xhat
 
 
 def finish_grads(
@@ -154,7 +157,7 @@ def finish_grads(
     bias: Tensor | None,
     eps: float,
     stats: ABNStats,
-    xhat: Tensor | None,
+    recovered: tuple[Tensor, bool] | None,
     dz: Tensor | None,
     sum_dz: Tensor,
     sum_dz_xhat: Tensor,
@@ -164,13 +167,15 @@ def finish_grads(
     """``(grad_input, grad_weight, grad_bias)`` from one member's recovered tensors and the summed sums."""
     grad_input = None
     if needs[0]:
-        if xhat is None or dz is None:
+        if recovered is None or dz is None:
             grad_input = torch.zeros_like(y)
         else:
-            a, _ = _abn_math.affine_coefficients(
-                _abn_math.abs_scale(weight, eps), None, torch.zeros_like(stats.var), stats.var, eps
+            z, scratch = recovered
+            invstd = (stats.var + eps).rsqrt()
+            scale = _abn_math.abs_scale(weight, eps)
+            grad_input = _abn_math.input_grad(
+                z, dz, scratch, scale, bias, invstd, stats.total, reduced, y.dtype
             )
-            grad_input = _abn_math.input_grad(dz, xhat, a, stats.total, reduced, y.dtype)
     grad_weight = grad_bias = None
     if weight is not None and needs[1]:
         w = weight.detach()
@@ -194,13 +199,13 @@ def abn_backward(
     needs: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The gradients of one member; ``reduce`` sums the ``(2, C)`` backward sums (training, input grad)."""
-    xhat, dz, sum_dz, sum_dz_xhat = local_sums(y, grad, weight, bias, eps, activation, param, stats)
+    recovered, dz, sum_dz, sum_dz_xhat = local_sums(y, grad, weight, bias, eps, activation, param, stats)
     reduced = None
     if stats.training and needs[0]:
         reduced = _math.pack_grad_sums(sum_dz, sum_dz_xhat)
         if reduce is not None:
             reduced = reduce(reduced)
-    return finish_grads(y, weight, bias, eps, stats, xhat, dz, sum_dz, sum_dz_xhat, reduced, needs)
+    return finish_grads(y, weight, bias, eps, stats, recovered, dz, sum_dz, sum_dz_xhat, reduced, needs)
 
 
 class InPlaceABNFunction(torch.autograd.Function):

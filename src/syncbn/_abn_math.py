@@ -112,7 +112,8 @@ def activate_(x: Tensor, a: Tensor, c: Tensor, activation: str, param: float) ->
     map runs there and is rounded once into ``x``'s dtype, as ``nn.BatchNorm``.
     """
     shape = _math.broadcast_shape(x)
-    torch.addcmul(c.view(shape), x, a.view(shape), out=x)
+    # Two in-place passes: an addcmul whose first operand is broadcast runs several times slower on CPU.
+    x.mul_(a.view(shape)).add_(c.view(shape))
     if activation == "leaky_relu":
         F.leaky_relu(x, float(param), inplace=True)
     elif activation == "elu":
@@ -122,74 +123,90 @@ def activate_(x: Tensor, a: Tensor, c: Tensor, activation: str, param: float) ->
     return x
 
 
-def recover(
-    y: Tensor, grad: Tensor, scale: Tensor | None, bias: Tensor | None, activation: str, param: float
-) -> tuple[Tensor, Tensor]:
-    """``(xhat, dz)`` recovered from the output ``y`` and its gradient ``grad``.
+def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Tensor, Tensor, bool]:
+    """``(z, dz, scratch)``: the activation's input ``z`` and its gradient ``dz``, recovered from ``y``.
 
-    Both in :func:`syncbn._math.accumulation_dtype` of ``y`` (float32 for
-    16-bit outputs), both new tensors (``y`` is kept intact: the next layer
-    keeps it too). ``dz`` is the gradient at the activation's input.
+    Both in :func:`syncbn._math.accumulation_dtype` of ``y`` (float32 for 16-bit
+    outputs). ``y`` is never written (the next layer keeps it too); ``scratch``
+    says whether ``z`` is a new tensor the caller may overwrite (the input
+    gradient is written into it). One pass each for ``leaky_relu``.
     """
     acc = _math.accumulation_dtype(y.dtype)
-    yw = y.to(acc, copy=True)  # becomes xhat, in place
-    gw = _math.cast(grad, acc)
     p = float(param)
+    widen = y.dtype != acc
+    yw = y.to(acc) if widen else y
+    gw = _math.cast(grad, acc)
     if activation == "leaky_relu":
         dz = torch.ops.aten.leaky_relu_backward(gw, yw, p, True)
-        F.leaky_relu(yw, 1.0 / p, inplace=True)  # the inverse of leaky_relu(., p), p > 0
-    elif activation == "elu":
+        if widen:
+            return F.leaky_relu(yw, 1.0 / p, inplace=True), dz, True  # the inverse of leaky_relu(., p)
+        return F.leaky_relu(yw, 1.0 / p), dz, True
+    if activation == "elu":
         dz = torch.ops.aten.elu_backward(gw, p, 1.0, 1.0, True, yw)
-        negative = yw < 0
         # log1p(y / alpha) where y < 0, its argument kept above -1 (a saturated output, y == -alpha).
         inner = torch.div(yw, p).clamp_(min=-1.0 + torch.finfo(acc).eps).log1p_()
-        torch.where(negative, inner, yw, out=yw)
-    else:
-        dz = gw  # only read from here on
-    shape = _math.broadcast_shape(y)
-    if scale is None:
-        inv = torch.ones(y.shape[1], dtype=acc, device=y.device)
-    else:
-        inv = _math.cast(scale, acc).reciprocal()
-    shift = torch.zeros_like(inv) if bias is None else -_math.cast(bias.detach(), acc) * inv
-    torch.addcmul(shift.view(shape), yw, inv.view(shape), out=yw)
-    return yw, dz
+        return torch.where(yw < 0, inner, yw, out=inner), dz, True
+    return yw, gw, widen
 
 
-def recovered_sums(dz: Tensor, xhat: Tensor) -> tuple[Tensor, Tensor]:
-    """Local per-channel ``(sum(dz), sum(dz * xhat))`` in one native pass (``xhat`` given, not rebuilt)."""
-    channels = xhat.shape[1]
-    zero = torch.zeros(channels, dtype=xhat.dtype, device=xhat.device)
-    one = torch.ones(channels, dtype=xhat.dtype, device=xhat.device)
-    # batch norm backward of "x = xhat, mean 0, var 1, eps 0": invstd is exactly 1.
+def _centre(z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per-channel ``(mean, var)`` with ``(z - mean) / sqrt(var) = xhat``: the bias and the squared scale."""
+    channels, acc = z.shape[1], z.dtype
+    mean = (
+        torch.zeros(channels, dtype=acc, device=z.device) if bias is None else _math.cast(bias.detach(), acc)
+    )
+    var = (
+        torch.ones(channels, dtype=acc, device=z.device) if scale is None else _math.cast(scale, acc).square()
+    )
+    return mean, var
+
+
+def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Local per-channel ``(sum(dz), sum(dz * xhat))``, ``xhat = (z - b) / s``, in one native pass.
+
+    Batch norm's backward kernel with mean ``b``, variance ``s^2`` and eps 0
+    (so its ``invstd`` is ``1/s``): ``xhat`` is never materialised.
+    """
+    mean, var = _centre(z, scale, bias)
     _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
-        dz, xhat, None, zero, one, None, None, False, 0.0, [False, True, True]
+        dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
     )
     return sum_dz, sum_dz_xhat
 
 
 def input_grad(
+    z: Tensor,
     dz: Tensor,
-    xhat: Tensor,
-    a: Tensor,
+    scratch: bool,
+    scale: Tensor | None,
+    bias: Tensor | None,
+    invstd: Tensor,
     count: float | Tensor | None,
     sums: Tensor | None,
     dtype: torch.dtype,
 ) -> Tensor:
-    """Input gradient from the recovered ``xhat``, ``dz`` and the per-channel scale ``a = s * invstd``.
+    """Input gradient from the recovered ``z``, ``dz`` (see :func:`recover`), returned in ``dtype``.
 
-    Training (``sums`` the global ``[[sum dz], [sum dz*xhat]]``, ``count`` the
-    global count): ``a * (dz - sum_dz/N - xhat * sum_dz_xhat/N)``, through
-    :func:`syncbn._math.input_grad` with ``x = xhat``, mean 0, variance 1 and
-    eps 0. Eval (``sums`` is ``None``): ``a * dz``. Returned in ``dtype``.
+    With ``a = s * invstd``, ``xhat = (z - b) / s`` and the global
+    ``[[sum dz], [sum dz*xhat]]`` (``sums``) over ``N`` (``count``) values, batch
+    norm's ``a * (dz - sum_dz/N - xhat * sum_dz_xhat/N)`` is evaluated as
+    ``z * B + C + dz * A`` (per-channel ``A = a``, ``B = -a/s * sum_dz_xhat/N``,
+    ``C = -a * sum_dz/N - B * b``): three in-place passes, written into ``z``
+    when it is scratch. Eval (``sums`` is ``None``): ``a * dz``.
     """
-    a = _math.cast(a, xhat.dtype)
+    acc = z.dtype
+    shape = _math.broadcast_shape(z)
+    s = torch.ones_like(invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
+    a = s * _math.cast(invstd, acc)
     if sums is None:
-        return torch.mul(dz, a.view(_math.broadcast_shape(dz))).to(dtype)
+        return torch.mul(dz, a.view(shape)).to(dtype)
     assert count is not None
-    channels = xhat.shape[1]
-    zero = torch.zeros(channels, dtype=xhat.dtype, device=xhat.device)
-    one = torch.ones(channels, dtype=xhat.dtype, device=xhat.device)
-    sums = _math.cast(sums.to(xhat.device), xhat.dtype)
-    grad = _math.input_grad(dz, xhat, a, zero, one, 0.0, count, sums)
-    return grad if grad.dtype == dtype else grad.to(dtype)
+    n = count if isinstance(count, float) else count.to(acc)
+    sums = _math.cast(sums.to(z.device), acc)
+    b_coef = -a / s * sums[1] / n
+    c_coef = -a * sums[0] / n
+    if bias is not None:
+        c_coef = c_coef - b_coef * _math.cast(bias.detach(), acc)
+    out = z.mul_(b_coef.view(shape)) if scratch else torch.mul(z, b_coef.view(shape))
+    out.add_(c_coef.view(shape)).addcmul_(dz, a.view(shape))
+    return out if out.dtype == dtype else out.to(dtype)

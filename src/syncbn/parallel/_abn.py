@@ -153,14 +153,14 @@ class _JointInPlaceABN(torch.autograd.Function):
         grad_inputs, grad_weights, grad_biases = [], [], []
         for k in range(size):
             stats, eps, _, _ = ctx.meta[k]
-            xhat, dz, sum_dz, sum_dz_xhat = parts[k]
+            recovered, dz, sum_dz, sum_dz_xhat = parts[k]
             gi, gw, gb = _abn.finish_grads(
                 ys[k],
                 weights[k],
                 biases[k],
                 eps,
                 stats,
-                xhat,
+                recovered,
                 dz,
                 sum_dz,
                 sum_dz_xhat,
