@@ -130,7 +130,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     print(
-        "dtype act |w| offset | xhat ulps (unsaturated) | ratio to BN+act: y dx dw db | dx err, dw err | within"
+        "dtype act |w| offset | xhat ulps (unsaturated) | to BN+act: y dx dw db | dx err, dw err | within"
     )
     names = ("y", "dx", "dw", "db")
     for dname, dtype in DTYPES.items():
