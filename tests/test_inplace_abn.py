@@ -490,3 +490,22 @@ def test_pickle_deepcopy_and_warning_without_a_process_group() -> None:
         warnings.simplefilter("always")
         inplace_abn_sync(torch.randn(4, 3) * 1.0, None, None, None, None)
     assert any(issubclass(w.category, RuntimeWarning) for w in caught)
+
+
+def test_local_inplace_abn_replicas_normalise_alone() -> None:
+    class Double(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2.0
+
+    model = nn.Sequential(Double(), InPlaceABN(3)).double()
+    x = torch.randn(7, 3, 4, dtype=torch.float64)
+    y = syncbn.parallel.data_parallel(model, x.clone(), [3, 4])
+    expected = torch.cat(
+        [
+            F.leaky_relu(
+                F.batch_norm(2 * c, None, None, torch.full((3,), 1 + 1e-5).double(), training=True), 0.01
+            )
+            for c in x.split([3, 4])
+        ]
+    )
+    assert torch.allclose(y, expected, atol=1e-12)  # weight 1: scale 1 + eps

@@ -252,7 +252,8 @@ class ActivatedBatchNormBase(nn.Module):
 
     def _replicate_for_data_parallel(self) -> ActivatedBatchNormBase:
         replica: ActivatedBatchNormBase = super()._replicate_for_data_parallel()
-        parallel.attach_replica(self, replica)
+        if not self._local:  # the replicas of a synchronised layer synchronise with each other
+            parallel.attach_replica(self, replica)
         return replica
 
     def _load_from_state_dict(
