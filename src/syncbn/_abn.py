@@ -43,7 +43,7 @@ DOUBLE_BACKWARD = (
 class ABNStats(NamedTuple):
     """What a forward computed and its backward needs (besides the output)."""
 
-    var: Tensor  # global biased variance (statistics dtype), or the running variance in eval
+    invstd: Tensor  # 1 / sqrt(var + eps), var the global batch's (statistics dtype) or the running one
     total: float | Tensor  # global count (a float on CPU; 0-dim tensor on a device); 0.0 in eval
     local_count: int  # this member's values per channel
     training: bool
@@ -100,7 +100,14 @@ def abn_forward(
         if count > 0:
             a, c = _abn_math.affine_coefficients(scale, bias, mean, var, eps)
             _abn_math.activate_(x, a, c, activation, param)
-        return ABNStats(var, 0.0, count, False)
+        return ABNStats((var + eps).rsqrt(), 0.0, count, False)
+    if reduce is None and count > 1:
+        # Local: nn.BatchNorm's own training kernel (statistics, normalisation, running update in
+        # one call), copied over the input, then the activation in place.
+        b = None if bias is None else bias.detach()
+        out, _, invstd = torch.native_batch_norm(x, scale, b, running_mean, running_var, True, momentum, eps)
+        _abn_math.activate_(x.copy_(out), None, None, activation, param)
+        return ABNStats(invstd, float(count), count, True)
 
     host = x.device.type == "cpu"
     buffer = _math.moment_buffer(channels, x.device) if host else None
@@ -124,7 +131,7 @@ def abn_forward(
         _abn_math.activate_(x, a, c, activation, param)
     if global_count > 0:
         _math.update_running(running_mean, running_var, mean, unbiased, momentum)
-    return ABNStats(var, total, count, True)
+    return ABNStats((var + eps).rsqrt(), total, count, True)
 
 
 def local_sums(
@@ -171,10 +178,9 @@ def finish_grads(
             grad_input = torch.zeros_like(y)
         else:
             z, scratch = recovered
-            invstd = (stats.var + eps).rsqrt()
             scale = _abn_math.abs_scale(weight, eps)
             grad_input = _abn_math.input_grad(
-                z, dz, scratch, scale, bias, invstd, stats.total, reduced, y.dtype
+                z, dz, scratch, scale, bias, stats.invstd, stats.total, reduced, y.dtype
             )
     grad_weight = grad_bias = None
     if weight is not None and needs[1]:
@@ -199,6 +205,8 @@ def abn_backward(
     needs: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The gradients of one member; ``reduce`` sums the ``(2, C)`` backward sums (training, input grad)."""
+    if reduce is None and stats.training and stats.local_count > 1:
+        return _local_backward(y, grad, weight, bias, eps, activation, param, stats, needs)
     recovered, dz, sum_dz, sum_dz_xhat = local_sums(y, grad, weight, bias, eps, activation, param, stats)
     reduced = None
     if stats.training and needs[0]:
@@ -206,6 +214,44 @@ def abn_backward(
         if reduce is not None:
             reduced = reduce(reduced)
     return finish_grads(y, weight, bias, eps, stats, recovered, dz, sum_dz, sum_dz_xhat, reduced, needs)
+
+
+def _local_backward(
+    y: Tensor,
+    grad: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    activation: str,
+    param: float,
+    stats: ABNStats,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Local training backward: ONE native batch-norm backward call on the recovered ``z``.
+
+    Batch norm's training backward of ``z`` with saved mean ``b``, saved invstd
+    ``1/s`` (so its ``xhat`` is ``(z - b) / s``) and weight ``s^2 * invstd`` (so
+    its scale is ``s * invstd``) is exactly the in-place layer's: input gradient,
+    ``sum(dz * xhat)`` and ``sum(dz)`` in one pass over memory.
+    """
+    z, dz, _ = _abn_math.recover(y, grad, activation, param)
+    acc = z.dtype
+    scale = _abn_math.abs_scale(weight, eps)
+    s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
+    mean = torch.zeros_like(s) if bias is None else _math.cast(bias.detach(), acc)
+    w = s * s * _math.cast(stats.invstd, acc)
+    grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
+        dz, z, w, None, None, mean, s.reciprocal(), True, eps, [needs[0], True, True]
+    )
+    if grad_input is not None and grad_input.dtype != y.dtype:
+        grad_input = grad_input.to(y.dtype)
+    grad_weight = grad_bias = None
+    if weight is not None and needs[1]:
+        wd = weight.detach()
+        grad_weight = torch.where(wd < 0, -sum_dz_xhat, sum_dz_xhat).to(wd.dtype)
+    if bias is not None and needs[2]:
+        grad_bias = sum_dz.to(bias.dtype)
+    return grad_input if needs[0] else None, grad_weight, grad_bias
 
 
 class InPlaceABNFunction(torch.autograd.Function):

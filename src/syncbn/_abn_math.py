@@ -105,15 +105,16 @@ def affine_coefficients(
     return a, c
 
 
-def activate_(x: Tensor, a: Tensor, c: Tensor, activation: str, param: float) -> Tensor:
-    """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``); returns ``x``.
+def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, param: float) -> Tensor:
+    """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``; ``None``: none); returns ``x``.
 
     ``a`` and ``c`` are in the statistics dtype (at least float32): the affine
     map runs there and is rounded once into ``x``'s dtype, as ``nn.BatchNorm``.
     """
-    shape = _math.broadcast_shape(x)
-    # Two in-place passes: an addcmul whose first operand is broadcast runs several times slower on CPU.
-    x.mul_(a.view(shape)).add_(c.view(shape))
+    if a is not None and c is not None:
+        shape = _math.broadcast_shape(x)
+        # Two in-place passes: an addcmul whose first operand is broadcast is several times slower on CPU.
+        x.mul_(a.view(shape)).add_(c.view(shape))
     if activation == "leaky_relu":
         F.leaky_relu(x, float(param), inplace=True)
     elif activation == "elu":
