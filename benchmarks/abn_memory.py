@@ -13,8 +13,9 @@ Models (float32, CPU, one thread):
 
 Variants: ``standard`` (``nn.BatchNorm2d`` + ``nn.LeakyReLU(inplace=True)``), ``abn`` (the
 package's ``ABN``: batch norm, then the activation in place on its output) and ``inplace``
-(``InPlaceABNSync`` over a loopback group of two whose sum is the identity: the whole
-synchronised code path in one process).
+(``InPlaceABN``, local). Timed as well, the synchronised code paths over a loopback group of two
+whose sum is the identity (the whole synchronised path in one process): ``syncbn``
+(``SyncBatchNorm2d`` + ``nn.LeakyReLU(inplace=True)``) and ``inplace-sync`` (``InPlaceABNSync``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
+from syncbn import SyncBatchNorm2d
 from syncbn.cli.bench import LoopbackGroup
-from syncbn.compat.inplace_abn import ABN, InPlaceABNSync
+from syncbn.compat.inplace_abn import ABN, InPlaceABN, InPlaceABNSync
 
 VARIANTS = ("standard", "abn", "inplace")
+# Timed too: the synchronised code paths (a loopback group of two whose sum is the identity).
+SYNC_VARIANTS = ("syncbn", "inplace-sync")
 
 
 def norm_act(kind: str, channels: int, activation: str = "leaky_relu") -> nn.Module:
@@ -44,6 +48,11 @@ def norm_act(kind: str, channels: int, activation: str = "leaky_relu") -> nn.Mod
         block: nn.Module = nn.Sequential(nn.BatchNorm2d(channels), nn.LeakyReLU(0.01, inplace=True))
     elif kind == "abn":
         block = ABN(channels, activation=activation)
+    elif kind == "inplace":
+        block = InPlaceABN(channels, activation=activation)
+    elif kind == "syncbn":
+        bn = SyncBatchNorm2d(channels, process_group=LoopbackGroup())
+        block = nn.Sequential(bn, nn.LeakyReLU(0.01, inplace=True)) if activation != "identity" else bn
     else:
         block = InPlaceABNSync(channels, activation=activation, group=LoopbackGroup())
     block._abn_block = True  # type: ignore[assignment]
@@ -54,7 +63,7 @@ class Bottleneck(nn.Module):
     def __init__(self, kind: str, cin: int, width: int, stride: int) -> None:
         super().__init__()
         cout = 4 * width
-        self.in_place = kind == "inplace"
+        self.in_place = kind.startswith("inplace")
         self.bn0 = norm_act(kind, cin)
         self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
         self.bn1 = norm_act(kind, width)
@@ -218,12 +227,12 @@ def largest_batch(name: str, kind: str, cap: float, batches: list[int], peaks: l
 def step_times(name: str, batch: int, repeats: int) -> dict[str, float]:
     """Median seconds of one training step per variant, the variants interleaved."""
     setups = {}
-    for kind in VARIANTS:
+    for kind in VARIANTS + SYNC_VARIANTS:
         model, shape = _model(name, kind)
         x = torch.randn(batch, *shape)
         _step(model, x)
         setups[kind] = (model, x)
-    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    times: dict[str, list[float]] = {k: [] for k in setups}
     for _ in range(repeats):
         for kind, (model, x) in setups.items():
             model.zero_grad(set_to_none=True)
@@ -250,6 +259,9 @@ def main_models(batches: list[int], repeats: int, json_path: str | None) -> int:
             peaks = [r["peak_bytes"] for r in rec["variants"][kind]["rows"]]
             rec["variants"][kind]["largest_batch"] = largest_batch(name, kind, cap, batches, peaks)
         rec["step_s"] = step_times(name, max(batches), repeats)
+        rec["sync_saved_bytes"] = {
+            k: saved_bytes(name, k, min(batches))["saved_bytes"] for k in SYNC_VARIANTS
+        }
         report["models"][name] = rec
         _print(name, rec)
     if json_path:
@@ -314,3 +326,10 @@ def _print(name: str, rec: dict[str, Any]) -> None:
                 f"{rec['step_s'][kind] / rec['step_s']['standard']:.3f}",
             )
         )
+    sync = rec["step_s"]
+    print(
+        f"synchronised paths (loopback group): step s syncbn+act {sync['syncbn']:.3f}, inplace-sync "
+        f"{sync['inplace-sync']:.3f}, ratio {sync['inplace-sync'] / sync['syncbn']:.3f}; saved bytes at batch "
+        f"{min(rec['batches'])}: "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in rec["sync_saved_bytes"].items())
+    )

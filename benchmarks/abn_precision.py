@@ -129,9 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
-    print(
-        "dtype act |w| offset | xhat ulps (unsaturated) | to BN+act: y dx dw db | dx err, dw err | within"
-    )
+    print("dtype act |w| offset | xhat ulps (unsaturated) | to BN+act: y dx dw db | dx err, dw err | within")
     names = ("y", "dx", "dw", "db")
     for dname, dtype in DTYPES.items():
         for act in ACTS:
