@@ -25,6 +25,8 @@ LAYERS = {
     "syncbn.groups": 1,
     "syncbn._checks": 2,
     "syncbn._function": 3,
+    "syncbn._ops": 3.3,  # the collective operator for torch.compile, above the autograd function
+    "syncbn._compiled": 3.6,  # the traced layer around it
     "syncbn.functional": 4,
     "syncbn.parallel": 4,
     "syncbn.modules": 5,
@@ -82,7 +84,7 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def _layer(module: str) -> int | None:
+def _layer(module: str) -> float | None:
     while module:
         if module in LAYERS:
             return LAYERS[module]
