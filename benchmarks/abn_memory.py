@@ -329,7 +329,8 @@ def _print(name: str, rec: dict[str, Any]) -> None:
     sync = rec["step_s"]
     print(
         f"synchronised paths (loopback group): step s syncbn+act {sync['syncbn']:.3f}, inplace-sync "
-        f"{sync['inplace-sync']:.3f}, ratio {sync['inplace-sync'] / sync['syncbn']:.3f}; saved bytes at batch "
+        f"{sync['inplace-sync']:.3f}, ratio "
+        f"{sync['inplace-sync'] / sync['syncbn']:.3f}; saved bytes at batch "
         f"{min(rec['batches'])}: "
         + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in rec["sync_saved_bytes"].items())
     )

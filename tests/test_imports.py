@@ -26,8 +26,10 @@ LAYERS: dict[str, float] = {
     "syncbn.groups": 1,
     "syncbn._checks": 2,
     "syncbn._function": 3,
-    "syncbn._abn": 3.5,  # above _function, below parallel
+    "syncbn._ops": 3.3,  # the collective operator for torch.compile, above the autograd function
+    "syncbn._abn": 3.5,  # above _function and _ops, below parallel
     "syncbn._abn_traced": 3.5,
+    "syncbn._compiled": 3.6,  # the traced layer around it
     "syncbn.functional": 4,
     "syncbn.parallel": 4,
     "syncbn.modules": 5,
