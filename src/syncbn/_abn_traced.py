@@ -3,23 +3,30 @@
 Same math as :mod:`syncbn._abn` (statistics packed as ``[n, n*mean, n*var + n*mean^2]``
 in float64, ``x <- act(x * a + c)`` in place, only the output saved, ``xhat``
 recovered in backward) written with plain tensor operations only: no host
-reads, no reused buffers, no Python-side collective. The statistics are
-computed outside the autograd function (their derivative is in its backward),
-so the running-statistics update is ordinary traced code. ``reduce`` sums a
-tensor over the group; ``None`` is local.
+reads, no reused buffers. The statistics are computed outside the autograd
+function (their derivative is in its backward), so the running-statistics
+update is ordinary traced code. Over a group (``group``, a handle of
+:func:`syncbn._ops.group_handle`; 0 is local) the two collectives are the one
+opaque operator ``syncbn::all_reduce_sum`` (ordered, never dropped), framed
+with the layer's token: one in forward (the packed moments, with the layer's
+input for the first-use handshake and the "more than 1 value per channel"
+check on every rank when this rank holds fewer than two values), one in
+backward. Everything else is traced, and fused by the compiler.
 
-What the eager path checks with a host read is not checked here: a global
-count of one gives the unbiased factor of a count of two (no error), a global
-count of zero leaves the running statistics unchanged.
+Locally, a global count of one is not checked (no host read); a global count
+of zero leaves the running statistics unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from . import _ops
+from .groups import PHASE_BACKWARD, PHASE_FORWARD
 
 __all__ = ["traced_inplace_abn"]
 
@@ -37,7 +44,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def statistics(
-    x: Tensor, reduce: Callable[[Tensor], Tensor] | None, stat_dtype: torch.dtype
+    x: Tensor, group: int, token: Tensor | None, stat_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(count, mean, biased var, unbiased var)`` over the group: ONE ``reduce`` of the packed moments."""
     n = x.numel() // x.shape[1] if x.shape[1] else 0
@@ -49,8 +56,9 @@ def statistics(
     mean64, var64 = mean_l.double(), var_l.double()
     head = torch.full((1,), float(n), dtype=torch.float64, device=x.device)
     packed = torch.cat([head, n * mean64, n * (var64 + mean64 * mean64)])
-    if reduce is not None:
-        packed = reduce(packed)
+    if group:
+        flags = _ops.CHECK_ONE_VALUE if n < 2 else 0
+        packed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x.detach(), flags)
     total = packed[0]
     sums = packed[1:].view(2, -1)
     mean = sums[0] / total.clamp(min=1.0)
@@ -74,7 +82,8 @@ class TracedInPlaceABN(torch.autograd.Function):
         eps: float,
         activation: str,
         param: float,
-        reduce: Callable[[Tensor], Tensor] | None,
+        group: int,
+        token: Tensor | None,
     ) -> Tensor:
         invstd = torch.rsqrt(var + eps)
         a = invstd if weight is None else invstd * (weight.abs() + eps).to(invstd.dtype)
@@ -87,13 +96,13 @@ class TracedInPlaceABN(torch.autograd.Function):
             elif activation == "elu":
                 F.elu(x, param, inplace=True)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias, invstd, total)
-        ctx.eps, ctx.activation, ctx.param, ctx.reduce = eps, activation, param, reduce
+        ctx.save_for_backward(x, weight, bias, invstd, total, token)
+        ctx.eps, ctx.activation, ctx.param, ctx.group = eps, activation, param, group
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        y, weight, bias, invstd, total = ctx.saved_tensors
+        y, weight, bias, invstd, total, token = ctx.saved_tensors
         eps, activation, p = ctx.eps, ctx.activation, ctx.param
         acc = _acc(y.dtype)
         shape, dims = _shape(y), _dims(y)
@@ -118,7 +127,9 @@ class TracedInPlaceABN(torch.autograd.Function):
             if total is None:  # eval: the statistics are constants
                 grad_input = (dz * a).to(y.dtype)
             else:
-                reduced = sums if ctx.reduce is None else ctx.reduce(sums)
+                reduced = sums
+                if ctx.group:
+                    reduced = _ops._all_reduce_op(sums, ctx.group, token, PHASE_BACKWARD, grad, 0)
                 n = total.to(acc).clamp(min=1.0)
                 mean_dz = (reduced[0] / n).view(shape)
                 mean_dzx = (reduced[1] / n).view(shape)
@@ -128,7 +139,7 @@ class TracedInPlaceABN(torch.autograd.Function):
             grad_weight = torch.where(weight < 0, -sums[1], sums[1]).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             grad_bias = sums[0].to(bias.dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def traced_inplace_abn(
@@ -142,9 +153,14 @@ def traced_inplace_abn(
     eps: float,
     activation: str,
     param: float,
-    reduce: Callable[[Tensor], Tensor] | None,
+    group: int = 0,
+    token: Tensor | None = None,
 ) -> Tensor:
-    """The compiled form of :func:`syncbn._abn.inplace_abn_apply`; returns ``x``, overwritten."""
+    """The compiled form of :func:`syncbn._abn.inplace_abn_apply`; returns ``x``, overwritten.
+
+    ``group``: a :func:`syncbn._ops.group_handle` (0: local); ``token``: the layer's
+    :func:`syncbn._ops.layer_token`.
+    """
     if weight is not None:
         stat_dtype = weight.dtype
     elif running_mean is not None:
@@ -152,16 +168,16 @@ def traced_inplace_abn(
     else:
         stat_dtype = _acc(x.dtype)
     if training:
-        total, mean, var, unbiased = statistics(x, reduce, stat_dtype)
+        total, mean, var, unbiased = statistics(x, group, token, stat_dtype)
         with torch.no_grad():
             for r, s in ((running_mean, mean), (running_var, unbiased)):
                 if r is not None:  # an empty global batch leaves the running statistics as they are
                     r.lerp_(torch.where(total > 0, s.to(r.dtype), r), momentum)  # type: ignore[arg-type]
         out: Tensor = TracedInPlaceABN.apply(
-            x, weight, bias, mean, var, total, eps, activation, param, reduce
+            x, weight, bias, mean, var, total, eps, activation, param, group, token
         )
         return out
     assert running_mean is not None and running_var is not None
     mean, var = running_mean.to(stat_dtype), running_var.to(stat_dtype)
-    out = TracedInPlaceABN.apply(x, weight, bias, mean, var, None, eps, activation, param, None)
+    out = TracedInPlaceABN.apply(x, weight, bias, mean, var, None, eps, activation, param, 0, None)
     return out

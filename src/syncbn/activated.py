@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from . import _abn, _abn_math, _checks, groups, parallel
+from . import _abn, _abn_math, _checks, _ops, groups, parallel
 from ._abn_traced import traced_inplace_abn
 from .parallel._abn import replica_inplace_abn
 
@@ -122,6 +122,7 @@ class ActivatedBatchNormBase(nn.Module):
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
         self._syncbn_state = _checks.LayerState()
+        self._syncbn_state.bind(self)  # the compile token finds this layer
         self.reset_parameters()
 
     def reset_running_stats(self) -> None:
@@ -162,20 +163,21 @@ class ActivatedBatchNormBase(nn.Module):
     def _forward(self, x: Tensor) -> Tensor:
         """Training or eval forward of the in-place layers; returns ``x``, overwritten.
 
-        Under ``torch.compile`` the layer runs eagerly, as one graph break per
-        layer (:func:`torch._dynamo.disable`): the compiled graphs end before it
-        and resume after it, and the layer's result is exact.
+        Under ``torch.compile`` the traced form (:mod:`syncbn._abn_traced`): no
+        graph break, the collectives the one opaque operator of :mod:`syncbn._ops`.
         """
         if _is_compiling():
             return self._compiled_forward(x)
         return self._eager_forward(x)
 
     def _compiled_forward(self, x: Tensor) -> Tensor:
-        # Traced (no graph break) where the layer is local; the synchronised layer runs eagerly,
-        # as one graph break (torch._dynamo.disable), where its collective is not traceable.
-        if self.__dict__.get("_syncbn_replica") is not None or (not self._local and groups.is_initialized()):
+        # Traced, no graph break: only the collective is opaque (syncbn::all_reduce_sum, see
+        # syncbn._abn_traced); nothing guards on which layer this is (the layer is its token).
+        # nn.DataParallel replicas run eagerly (one graph break per layer).
+        if self.__dict__.get("_syncbn_replica") is not None:
             return _eager_forward(self, x)
         self._check_input_dim(x)
+        handle = 0 if self._local or not self.training else _ops.group_handle(self._group())
         tracking = self.training and self.track_running_stats
         factor: float | Tensor = 0.0
         if tracking:
@@ -189,7 +191,18 @@ class ActivatedBatchNormBase(nn.Module):
         mean = self.running_mean if (tracking or running) else None
         var = self.running_var if (tracking or running) else None
         out = traced_inplace_abn(
-            x, self.weight, self.bias, mean, var, not running, factor, self.eps, act, param, None
+            x,
+            self.weight,
+            self.bias,
+            mean,
+            var,
+            not running,
+            factor,
+            self.eps,
+            act,
+            param,
+            handle,
+            _ops.layer_token(self) if handle else None,
         )
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -289,7 +302,12 @@ class ActivatedBatchNormBase(nn.Module):
         for key, value in self.__dict__.items():
             shared = key in ("process_group", "group")  # a live process group is shared, not copied
             new.__dict__[key] = value if shared else copy.deepcopy(value, memo)
+        new._syncbn_state.bind(new)
         return new
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._syncbn_state.bind(self)
 
 
 # What torch.compile runs for the in-place layers: the eager layer, opaque to the compiler.
