@@ -101,15 +101,26 @@ def abn_forward(
             a, c = _abn_math.affine_coefficients(scale, bias, mean, var, eps)
             _abn_math.activate_(x, a, c, activation, param)
         return ABNStats((var + eps).rsqrt(), 0.0, count, False)
+    host = x.device.type == "cpu"
     if reduce is None and count > 1:
         # Local: nn.BatchNorm's own training kernel (statistics, normalisation, running update in
         # one call), copied over the input, then the activation in place.
         b = None if bias is None else bias.detach()
-        out, _, invstd = torch.native_batch_norm(x, scale, b, running_mean, running_var, True, momentum, eps)
-        _abn_math.activate_(x.copy_(out), None, None, activation, param)
+        if host:  # the CPU kernel reads the statistics first, then writes element by element: in place
+            stat = statistics_dtype(x, weight, running_mean)
+            invstd = torch.empty(channels, dtype=stat)
+            torch.ops.aten.native_batch_norm.out(
+                x, scale, b, running_mean, running_var, True, momentum, eps,
+                out=x, save_mean=torch.empty_like(invstd), save_invstd=invstd,
+            )  # fmt: skip
+        else:
+            out, _, invstd = torch.native_batch_norm(
+                x, scale, b, running_mean, running_var, True, momentum, eps
+            )
+            x.copy_(out)
+        _abn_math.activate_(x, None, None, activation, param)
         return ABNStats(invstd, float(count), count, True)
 
-    host = x.device.type == "cpu"
     buffer = _math.moment_buffer(channels, x.device) if host else None
     if count > 0:
         mean_l, var_l = _math.local_moments(x)
