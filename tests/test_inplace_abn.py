@@ -34,7 +34,7 @@ def _params(channels: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("activation,param", ACTIVATIONS)
-@pytest.mark.parametrize("shape", [(6, 3), (5, 4, 7), (3, 4, 3, 5), (2, 3, 2, 3, 2)])
+@pytest.mark.parametrize("shape", [(6, 3), (3, 4, 3, 5), (2, 3, 2, 3, 2)])
 def test_function_matches_batchnorm_then_activation(
     activation: str, param: float, shape: tuple[int, ...]
 ) -> None:
