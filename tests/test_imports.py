@@ -32,6 +32,7 @@ LAYERS: dict[str, float] = {
     "syncbn._compiled": 3.6,  # the traced layer around it
     "syncbn.functional": 4,
     "syncbn.parallel": 4,
+    "syncbn._abn_layer": 4.5,  # above parallel, below the layers
     "syncbn.modules": 5,
     "syncbn.activated": 5,
     "syncbn.convert": 6,

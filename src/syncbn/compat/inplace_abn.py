@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _abn, _abn_math, groups
-from ..activated import ActivatedBatchNormBase
+from .._abn_layer import ActivatedBatchNormBase
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]
 
