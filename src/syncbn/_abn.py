@@ -251,16 +251,9 @@ def _local_backward(
     s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
     mean = torch.zeros_like(s) if bias is None else _math.cast(bias.detach(), acc)
     w = s * s * _math.cast(stats.invstd, acc)
-    args = (dz, z, w, None, None, mean, s.reciprocal(), True, eps, [needs[0], True, True])
-    if y.device.type == "cpu" and dz is not grad and needs[0]:
-        # dz is this function's own: the CPU kernel reduces a channel before it writes it, so the
-        # input gradient may overwrite dz (one activation-sized buffer less at the backward's peak).
-        sum_dz_xhat, sum_dz = torch.empty_like(s), torch.empty_like(s)
-        grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward.out(
-            *args, out0=dz, out1=sum_dz_xhat, out2=sum_dz
-        )
-    else:
-        grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(*args)
+    grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
+        dz, z, w, None, None, mean, s.reciprocal(), True, eps, [needs[0], True, True]
+    )
     if grad_input is not None and grad_input.dtype != y.dtype:
         grad_input = grad_input.to(y.dtype)
     grad_weight = grad_bias = None
