@@ -156,12 +156,8 @@ def main() -> None:
         out = manager.dict()
         mp.start_processes(_worker, args=(2, tmp, args, out), nprocs=2, start_method="fork")
         results = dict(out)
-    print(
-        f"\nW=2 gloo cpu float32, backend {args.backend}, torch {torch.__version__}, steps after warm-up {len(SIZES)}"
-    )
-    print(
-        "model, wrapping, syncbn layers, graphs in warm-up, graphs after, fwd/bwd op calls after (expected), worst"
-    )
+    print(f"\nW=2 gloo cpu float32, backend {args.backend}, torch {torch.__version__}, {len(SIZES)} steps")
+    print("model, wrapping, syncbn layers, graphs in warm-up / after, fwd/bwd op calls (expected), worst")
     for key in results[0]:
         r0, r1 = results[0][key], results[1][key]
         expected = r0["layers"] * len(SIZES)
