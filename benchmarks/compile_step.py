@@ -40,6 +40,18 @@ NETS = {  # name: (block widths, per-rank input (N, C, H, W))
 }
 
 
+class _Net(nn.Module):
+    """A root module of its own: dynamo traces the whole model (a top-level nn.Sequential under
+    ``torch.compile(DDP(model))`` is skipped as torch code, each child compiled as a frame apart)."""
+
+    def __init__(self, body: nn.Sequential) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
 def _model(widths: tuple[int, ...], norm: Callable[[int], nn.Module]) -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
@@ -48,7 +60,7 @@ def _model(widths: tuple[int, ...], norm: Callable[[int], nn.Module]) -> nn.Modu
         layers += [nn.Conv2d(channels, width, 3, padding=1, bias=False), norm(width), nn.ReLU()]
         channels = width
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
-    return nn.Sequential(*layers)
+    return _Net(nn.Sequential(*layers))
 
 
 def _variant(name: str, widths: tuple[int, ...]) -> tuple[nn.Module, nn.Module]:
