@@ -274,7 +274,9 @@ class SyncBatchNorm(_BatchNorm):
             elif not handle:
                 factor = 1.0 / (float(seen.item()) + 1.0)  # what nn.BatchNorm does (a host read)
         if handle:
-            momentum: float | Tensor = factor if factor >= 0.0 or seen is None else 1.0 / (seen + 1.0)
+            momentum: float | Tensor = (
+                factor if factor >= 0.0 or seen is None else 1.0 / (seen.to(torch.float64) + 1.0)
+            )
             out = _compiled.sync_batch_norm(
                 input,
                 running_mean,
