@@ -1,18 +1,19 @@
 """The autograd function of in-place activated synchronised batch norm (InPlace-ABN).
 
-Forward (training): local moments of ``x``, packed as the SyncBatchNorm
-forward packs them (:func:`syncbn._math.pack_moments`), ONE framed
-``all_reduce`` over the group (:func:`syncbn._function._all_reduce`; none
-without a group), then ``x <- act(x * a + c)`` written over the input
-(``a = (|w| + eps) * invstd``, ``c = b - mean * a``) and marked dirty. Eval:
-the running statistics, no communication.
+Forward (training, over a group): local moments of ``x``, packed as the
+SyncBatchNorm forward packs them (:func:`syncbn._math.pack_moments`), ONE
+framed ``all_reduce`` over the group (:func:`syncbn._function._all_reduce`),
+then ``x <- act(x * a + c)`` written over the input (``a = (|w| + eps) *
+invstd``, ``c = b - mean * a``) and marked dirty. Without a group (or a group
+of one): ``nn.BatchNorm``'s own training kernel, written over the input, then
+the activation in place. Eval: the running statistics, no communication.
 
 Saved for backward: the output (which the next layer keeps anyway) and
-per-channel vectors (the global variance; the weight and bias are the
-layer's parameters). Backward recovers ``xhat`` and the gradient at the
-activation's input from the output (:func:`syncbn._abn_math.recover`), sums
-``[sum dz, sum dz*xhat]`` locally, ONE framed ``all_reduce``, and finishes
-the input gradient as batch norm does. Weight and bias gradients stay local
+per-channel vectors (``invstd``; the weight and bias are the layer's
+parameters). Backward recovers the activation's input ``z`` and its gradient
+from the output (:func:`syncbn._abn_math.recover`), sums ``[sum dz,
+sum dz*xhat]`` locally, ONE framed ``all_reduce``, and finishes the input
+gradient as batch norm does (locally: one native batch-norm backward call). Weight and bias gradients stay local
 (DDP sums them): ``d|w|/dw`` is -1 where ``w < 0``, else +1.
 
 Double backward is refused with an error (the recovered ``xhat`` is not a
