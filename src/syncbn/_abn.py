@@ -13,8 +13,9 @@ per-channel vectors (``invstd``; the weight and bias are the layer's
 parameters). Backward recovers the activation's input ``z`` and its gradient
 from the output (:func:`syncbn._abn_math.recover`), sums ``[sum dz,
 sum dz*xhat]`` locally, ONE framed ``all_reduce``, and finishes the input
-gradient as batch norm does (locally: one native batch-norm backward call). Weight and bias gradients stay local
-(DDP sums them): ``d|w|/dw`` is -1 where ``w < 0``, else +1.
+gradient as batch norm does (locally: one native batch-norm backward call).
+Weight and bias gradients stay local (DDP sums them): ``d|w|/dw`` is -1 where
+``w < 0``, else +1.
 
 Double backward is refused with an error (the recovered ``xhat`` is not a
 differentiable function of the saved output the way the forward's was).
