@@ -3,7 +3,7 @@
 One launch of 3 ranks runs every case: uneven and empty per-rank batches, each activation, the
 compat classes, the native layer and the function, momentum None, no running statistics, eval (no
 communication), the collectives' count and size, torch.compile (exact, one frame, no graph break,
-one collective each way), and the global-count-one error on every rank.
+one collective each way), DistributedDataParallel, and the global-count-one error on every rank.
 """
 
 from __future__ import annotations
@@ -177,9 +177,36 @@ def _compiled(rank: int) -> dict[str, Any]:
     }
 
 
+def _ddp(rank: int, world_size: int) -> float:
+    """Under DistributedDataParallel (gloo): W x the averaged gradients equal the global batch's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(3)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), InPlaceABNSync(4, activation="elu", activation_param=0.5)
+        )
+
+    ref, ddp = make().double(), DistributedDataParallel(make().double())
+    gen = torch.Generator().manual_seed(4)
+    sizes = [2, 3, 1][:world_size]
+    x = torch.randn(sum(sizes), 3, 6, 6, generator=gen, dtype=torch.float64)
+    g = torch.randn(sum(sizes), 4, 4, 4, generator=gen, dtype=torch.float64)
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    (ddp(x[start:stop]) * g[start:stop]).sum().backward()
+    torch.nn.functional.elu(  # the reference: BN with weight |w| + eps on the global batch
+        torch.nn.functional.batch_norm(ref[0](x), None, None, ref[1].weight.abs() + 1e-5, ref[1].bias, True),
+        0.5,
+    ).mul(g).sum().backward()
+    return max(
+        max_error(p.grad * world_size, q.grad) for p, q in zip(ddp.module.parameters(), ref.parameters())
+    )
+
+
 def _all_cases(rank: int, world_size: int) -> list[Any]:
     out: list[Any] = [_run_case(rank, case, i) for i, case in enumerate(CASES)]
     out.append(_compiled(rank))
+    out.append(_ddp(rank, world_size))
     # Global count one: every rank raises the same error, before anything changes.
     layer = InPlaceABNSync(3).double()
     before = layer.state_dict()
@@ -206,6 +233,7 @@ def test_equals_global_batchnorm_and_activation_on_every_rank() -> None:
             compiled,
         )
         assert compiled["collectives"] == (4, 4), compiled  # 2 layers x 2 steps, one each way
+        assert per_rank[len(CASES) + 1] <= TOL, ("DDP", rank, per_rank[len(CASES) + 1])
     messages = {r[-1] for r in results}
     assert len(messages) == 1, messages
     text, unchanged = messages.pop()
