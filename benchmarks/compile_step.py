@@ -1,10 +1,21 @@
-"""Compiled vs eager training step of a small Conv-SyncBatchNorm-ReLU network under DDP, 2 gloo ranks.
+"""DDP training step, compiled and eager, of syncbn against a compiled ``nn.BatchNorm2d`` twin, 2 gloo ranks.
 
-    python benchmarks/compile_step.py [--steps 30] [--batch 16] [--threads 1]
+    python benchmarks/compile_step.py [--steps 10] [--rounds 5] [--threads 1] [--nets narrow,wide]
 
-Prints the slowest rank's median step time (forward, backward, SGD step) for
-eager DDP and for ``torch.compile(DDP(model))``, after warm-up (compilation
-time excluded, reported separately). CPU, float32.
+Two networks (Conv-BN-ReLU blocks, then pooling and a linear head):
+
+* ``narrow``: 24 blocks of 16 channels, 16 images of 8x8 per rank (small
+  layers: per-layer overhead decides);
+* ``wide``: 4 blocks of 16-64 channels, 16 images of 32x32 per rank.
+
+Variants, each a fresh model per network: ``bn compiled`` (the same network with
+``nn.BatchNorm2d``, ``torch.compile(DDP(model))``: the reference a compiled
+syncbn model should match), ``syncbn eager`` (``DDP(model)``) and ``syncbn
+compiled`` (``torch.compile(DDP(model))``). Every variant compiles and warms
+up first (the first step's time is reported as its compile time); then the
+variants take turns, ``--rounds`` rounds of ``--steps`` steps each (forward,
+cross-entropy, backward, SGD), a barrier before each step. Printed: the
+slowest rank's median step and the ratios. CPU, float32.
 """
 
 from __future__ import annotations
@@ -15,75 +26,119 @@ import statistics
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+VARIANTS = ("bn compiled", "syncbn eager", "syncbn compiled")
+NETS = {  # name: (block widths, per-rank input (N, C, H, W))
+    "narrow": ((16,) * 24, (16, 3, 8, 8)),
+    "wide": ((16, 32, 32, 64), (16, 3, 32, 32)),
+}
 
-def _model() -> nn.Module:
-    import syncbn
 
+class _Net(nn.Module):
+    """A root module of its own: dynamo traces the whole model (a top-level nn.Sequential under
+    ``torch.compile(DDP(model))`` is skipped as torch code, each child compiled as a frame apart)."""
+
+    def __init__(self, body: nn.Sequential) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
+def _model(widths: tuple[int, ...], norm: Callable[[int], nn.Module]) -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     channels = 3
-    for width in (16, 32, 32, 64):
-        conv = nn.Conv2d(channels, width, 3, padding=1, bias=False)
-        layers += [conv, syncbn.SyncBatchNorm2d(width), nn.ReLU()]
+    for width in widths:
+        layers += [nn.Conv2d(channels, width, 3, padding=1, bias=False), norm(width), nn.ReLU()]
         channels = width
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
-    return nn.Sequential(*layers)
+    return _Net(nn.Sequential(*layers))
 
 
-def _worker(rank: int, world: int, tmp: str, args: argparse.Namespace, out: dict) -> None:
+def _variant(name: str, widths: tuple[int, ...]) -> tuple[nn.Module, nn.Module]:
+    import syncbn
+
+    norm: Callable[[int], nn.Module] = nn.BatchNorm2d if name.startswith("bn") else syncbn.SyncBatchNorm2d
+    ddp = nn.parallel.DistributedDataParallel(_model(widths, norm))
+    return (torch.compile(ddp) if name.endswith("compiled") else ddp), ddp
+
+
+def _worker(rank: int, world: int, tmp: str, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(args.threads)
     store = dist.FileStore(os.path.join(tmp, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    x = torch.randn(args.batch, 3, 32, 32)
-    y = torch.randint(0, 10, (args.batch,))
-    result = {}
-    for name in ("eager", "compiled"):
-        ddp = nn.parallel.DistributedDataParallel(_model())
-        model = torch.compile(ddp) if name == "compiled" else ddp
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    result: dict[str, float] = {}
+    for net in args.nets.split(","):
+        widths, shape = NETS[net]
+        x = torch.randn(*shape)
+        y = torch.randint(0, 10, (shape[0],))
+        steps: dict[str, Callable[[], None]] = {}
+        for name in VARIANTS:
+            model, ddp = _variant(name, widths)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
-        def step() -> None:
-            nn.functional.cross_entropy(model(x), y).backward()  # noqa: B023
-            opt.step()  # noqa: B023
-            opt.zero_grad()  # noqa: B023
+            def step(
+                model: nn.Module = model, opt: torch.optim.Optimizer = opt, x: Any = x, y: Any = y
+            ) -> None:
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
 
-        start = time.perf_counter()
-        for _ in range(3):
-            step()
-        result[f"{name} warm-up s"] = time.perf_counter() - start
-        times = []
-        for _ in range(args.steps):
             dist.barrier()
-            t = time.perf_counter()
+            start = time.perf_counter()
             step()
-            times.append(time.perf_counter() - t)
-        result[name] = statistics.median(times) * 1e3
+            result[f"{net}/{name}/first step s"] = time.perf_counter() - start
+            for _ in range(2):
+                step()
+            steps[name] = step
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        for _ in range(args.rounds):
+            for name in VARIANTS:
+                for _ in range(args.steps):
+                    dist.barrier()
+                    t = time.perf_counter()
+                    steps[name]()
+                    times[name].append(time.perf_counter() - t)
+        for name in VARIANTS:
+            result[f"{net}/{name}"] = statistics.median(times[name]) * 1e3
     out[rank] = result
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=16)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--nets", default="narrow,wide")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_worker, args=(2, tmp, args, out), nprocs=2, start_method="fork")
         results = dict(out)
-    print(f"W=2 gloo cpu float32, batch {args.batch}x3x32x32 per rank, {args.threads} thread(s)/rank")
-    slowest = {key: max(r[key] for r in results.values()) for key in ("eager", "compiled")}
-    for key, ms in slowest.items():
-        print(f"{key:>9}: {ms:8.2f} ms/step (slowest rank's median)")
-    print(f"  speedup: {slowest['eager'] / slowest['compiled']:.2f}x")
-    print(f"  compile warm-up (3 steps): {max(r['compiled warm-up s'] for r in results.values()):.1f} s")
+    print(
+        f"W=2 gloo cpu float32, {args.threads} thread(s)/rank, {args.rounds} rounds x {args.steps} steps "
+        f"interleaved, torch {torch.__version__}, load {open('/proc/loadavg').read().split()[:3]}"
+    )
+    for net in args.nets.split(","):
+        widths, shape = NETS[net]
+        print(f"\n{net}: {len(widths)} blocks {widths[0]}-{widths[-1]} channels, {shape} per rank")
+        slow = {name: max(r[f"{net}/{name}"] for r in results.values()) for name in VARIANTS}
+        for name in VARIANTS:
+            first = max(r[f"{net}/{name}/first step s"] for r in results.values())
+            print(
+                f"  {name:>16}: {slow[name]:8.2f} ms/step (slowest rank's median), first step {first:6.1f} s"
+            )
+        print(f"  syncbn compiled / bn compiled: {slow['syncbn compiled'] / slow['bn compiled']:.2f}x")
+        print(f"  syncbn compiled / syncbn eager: {slow['syncbn compiled'] / slow['syncbn eager']:.2f}x")
 
 
 if __name__ == "__main__":

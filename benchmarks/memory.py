@@ -1,4 +1,4 @@
-"""Memory per layer: bytes saved for backward and peak bytes allocated during forward+backward.
+"""Memory per layer and per model: bytes saved for backward and peak bytes of a training step.
 
 One process (memory does not depend on the transport): syncbn runs its full
 synchronised code path over a loopback group of two members whose "sum" is the
@@ -9,6 +9,19 @@ CPU allocator), saved bytes from ``torch.autograd.graph.saved_tensors_hooks``
 size in bytes).
 
     python benchmarks/memory.py [--shapes 16x64x32x32,...] [--json PATH]
+
+``--models`` (issue 21) measures whole models instead: (a) a ResNet-50-style
+pre-activation bottleneck network with leaky_relu and (b) a DeepLab-style ASPP
+head at high resolution, each with ``nn.BatchNorm2d`` + ``nn.LeakyReLU(inplace=True)``
+("standard"), the ``inplace_abn`` package's ``ABN`` ("abn", not in place) and
+syncbn's in-place ``InPlaceABNSync`` over a loopback group ("inplace", the
+synchronised code path): activation bytes saved for backward (each storage once,
+parameters excluded; the BN+activation blocks' share separately), peak bytes
+allocated in one training step (profiler), peak RSS of a step in a fresh child
+process, the largest per-rank batch whose step stays under the standard model's
+peak at batch 8, and the step time ratio (interleaved, medians).
+
+    python benchmarks/memory.py --models [--batches 2,4,8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -127,7 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--models", action="store_true", help="whole models: standard BN+act vs ABN vs in-place"
+    )
+    parser.add_argument("--batches", default="2,4,8", help="per-rank batch sizes for --models")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant for --models")
     args = parser.parse_args(argv)
+    if args.models:
+        import abn_memory
+
+        return abn_memory.main_models([int(b) for b in args.batches.split(",")], args.repeats, args.json)
     records = run_memory(args.shapes)
     print("memory per layer, float32, training forward+backward (units: one activation = the input's bytes)")
     print(format_memory(records))

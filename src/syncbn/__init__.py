@@ -10,7 +10,9 @@ from ._config import (
     set_timeout,
     shared_memory_enabled,
 )
+from .activated import InPlaceSyncBatchNorm, InPlaceSyncBatchNorm2d
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
+from .fuse import fuse_batchnorm_activation
 from .groups import CollectiveError
 from .join import JoinableSyncBatchNorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
@@ -24,6 +26,9 @@ __all__ = [
     "SyncBatchNorm1d",
     "SyncBatchNorm2d",
     "SyncBatchNorm3d",
+    "InPlaceSyncBatchNorm",
+    "InPlaceSyncBatchNorm2d",
+    "fuse_batchnorm_activation",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
     "sync_running_stats",

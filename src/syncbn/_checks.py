@@ -34,13 +34,24 @@ from torch import Tensor, nn
 from . import _config, _names
 from .groups import CollectiveError, ProcessGroupSum
 
-__all__ = ["LayerState", "name_layers", "layer_name", "before_forward", "before_backward"]
+__all__ = [
+    "LayerState",
+    "name_layers",
+    "layer_name",
+    "layer_for_token",
+    "before_forward",
+    "before_backward",
+]
 
 FIELDS = ("identity", "call", "phase", "channels", "dtype", "config", "nonfinite", "index")
 _PHASES = {1.0: "forward", 2.0: "backward"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _counter = itertools.count()
 _known_names: dict[float, str] = {}  # identity hash -> name, from name_layers (names other ranks')
+_token_counter = itertools.count(1)
+# token -> the LayerState holding it, weakly (a compiled graph carries the token, see LayerState.token).
+_tokens: weakref.WeakValueDictionary[int, LayerState] = weakref.WeakValueDictionary()
+_binding_hook_installed = False
 
 
 def _identity_hash(text: str) -> float:
@@ -65,6 +76,7 @@ class LayerState:
 
     def __init__(self) -> None:
         _names.install(on_wrap=_name_unnamed)  # parent links, for names in error messages
+        _install_binding_hook()
         self.index = next(_counter)
         self.name: str | None = None
         self.calls = 0
@@ -72,6 +84,24 @@ class LayerState:
         self.found_name: str | None = None  # found on an error path (layer_name); never an identity
         # id -> process group, weakly: a destroyed group leaves nothing behind (ids stay unique while alive)
         self._verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._new_token()
+
+    def _new_token(self) -> None:
+        # The layer's identity as a value a compiled graph carries: a 0-dim int64 CPU tensor (a
+        # plain attribute, so model.to(device) leaves it on the host, where the collective
+        # operator reads it without a device synchronisation). Dynamo lifts it as a graph input
+        # and guards its dtype and shape only, never which layer it belongs to: one compiled
+        # frame serves every layer (syncbn._ops).
+        value = next(_token_counter)
+        self.token = torch.tensor(value, dtype=torch.int64)
+        self.owner: weakref.ref[nn.Module] | None = None
+        _tokens[value] = self
+
+    def bind(self, layer: nn.Module) -> None:
+        """Make ``layer`` the module :func:`layer_for_token` finds for this state's token."""
+        owner = self.owner
+        if owner is None or owner() is not layer:
+            self.owner = weakref.ref(layer)
 
     def is_verified(self, process_group: Any) -> bool:
         return self._verified.get(id(process_group)) is process_group
@@ -93,6 +123,7 @@ class LayerState:
         self.name_id = None
         self.found_name = None
         self._verified = weakref.WeakValueDictionary()
+        self._new_token()  # a copy is another layer: its own token
 
 
 def is_layer(module: nn.Module) -> bool:
@@ -107,7 +138,42 @@ def state_of(layer: nn.Module) -> LayerState:
         state = LayerState()
         state.index = -1
         layer.__dict__["_syncbn_state"] = state
+    state.bind(layer)
     return state
+
+
+def layer_for_token(token: int) -> nn.Module | None:
+    """The live layer whose :attr:`LayerState.token` holds ``token``, or ``None``.
+
+    A layer's state is bound to it when the layer is built, copied, unpickled,
+    placed into a parent module or first used eagerly; a state taken over from
+    a template layer and never bound since finds ``None`` (the collective is
+    then framed as an anonymous call).
+    """
+    state = _tokens.get(token)
+    owner = None if state is None or state.owner is None else state.owner()
+    if owner is not None and owner.__dict__.get("_syncbn_state") is not state:
+        return None  # the state has moved on to another module
+    return owner
+
+
+def _bind_child(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """Module registration hook: a syncbn layer placed into a parent is bound to its state."""
+    if child is not None:
+        state = child.__dict__.get("_syncbn_state")
+        if isinstance(state, LayerState):
+            state.bind(child)
+    return None
+
+
+def _install_binding_hook() -> None:
+    global _binding_hook_installed
+    if _binding_hook_installed:
+        return
+    _binding_hook_installed = True
+    register = getattr(nn.modules.module, "register_module_module_registration_hook", None)
+    if register is not None:  # torch >= 2.0
+        register(_bind_child)
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> int:

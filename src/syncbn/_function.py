@@ -11,10 +11,12 @@ count back (``.item()``), to decide between an empty batch, the "more than one
 value per channel" error and the normal path. Every rank whose global count is
 below two is such a rank, so all of them take the same decision.
 
-Three entry points share this code: :class:`SyncBatchNormFunction` (eager),
+Two entry points share this code: :class:`SyncBatchNormFunction` (eager) and
 :class:`TransformableSyncBatchNormFunction` (the ``setup_context`` form, used
-only under ``torch.func`` transforms) and the opaque operators of
-:mod:`syncbn._ops` (used only while ``torch.compile`` traces). With
+only under ``torch.func`` transforms). While ``torch.compile`` traces, the
+layer runs :mod:`syncbn._compiled` instead (traced arithmetic), whose only
+call into this module is the framed sum :func:`_all_reduce`, through the
+collective operator of :mod:`syncbn._ops`. With
 ``create_graph=True`` the backward is differentiable (double backward): its
 collectives are then differentiable all_reduces (:class:`_DifferentiableSum`).
 """

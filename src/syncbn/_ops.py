@@ -1,31 +1,51 @@
-"""Synchronised batch norm as opaque ``torch.library`` operators, for ``torch.compile``.
+"""The collective as one ordered, effectful ``torch.library`` operator, for ``torch.compile``.
 
-The collectives run plain Python (shared memory, bounded waits, handshakes)
-that dynamo must not trace. Under ``torch.compile`` a training
-:class:`~syncbn.SyncBatchNorm` calls ``syncbn::sync_batch_norm`` instead of the
-eager autograd function: one graph node whose fake implementation gives the
-shapes, which returns the batch statistics (the running statistics are
-updated after it in traced operations: torch refuses an autograd formula on an
-operator that mutates its inputs), and whose registered
-autograd formula calls ``syncbn::sync_batch_norm_backward``, a second opaque
-node holding the backward's collective. Both run the same code as eager
-(:func:`syncbn._function.synchronized_forward` and friends), so compiled and
-eager results agree bit for bit.
+Under ``torch.compile`` only the communication is opaque: ``syncbn::all_reduce_sum``
+sums a tensor over a syncbn group through the same framed path as eager
+(:func:`syncbn._function._all_reduce`: shared memory, the frame check on every
+rank, the deferred check on accelerators, ``Join``), while the batch-norm
+arithmetic around it is ordinary traced code (:mod:`syncbn._compiled`) that the
+compiler fuses. The operator is registered as having *ordered side effects*
+(``torch.library._register_effectful_op(..., EffectType.ORDERED)``): AOTAutograd
+threads an effect token through every call, so the calls of a graph are never
+dropped (an empty local batch still takes part), reordered or merged, in the
+forward and in the backward graph alike.
 
-Groups and layers cannot be operator arguments: they are passed as integer
-handles into registries here, looked up when the operator runs. The handle is
-taken while dynamo traces (``torch._dynamo.assume_constant_result``), so a
-compiled graph keeps the group it was traced with; recompile (``torch._dynamo.reset()``)
-after replacing the process group.
+Schema::
 
-The eager path does not use these operators: the autograd function costs fewer
-dispatcher calls per layer.
+    syncbn::all_reduce_sum(Tensor tensor, int group, Tensor? layer, int phase,
+                           Tensor? source, int flags) -> Tensor
+
+* ``group``: an integer handle (:func:`group_handle`) standing for a resolved
+  group; taken while dynamo traces, it is the same for every layer of a group,
+  so it never makes a per-layer guard. A compiled graph keeps the group it was
+  traced with: recompile (``torch._dynamo.reset()``) after replacing it.
+* ``layer``: the layer's token (:attr:`syncbn._checks.LayerState.token`), a
+  0-dim int64 CPU tensor the graph carries as an input: which layer is calling
+  is a value, not a guard, so one compiled frame serves every layer. Read on
+  the host when the operator runs (no device synchronisation). ``None``: an
+  anonymous call.
+* ``phase``: :data:`syncbn.groups.PHASE_FORWARD`, ``PHASE_BACKWARD`` or
+  ``PHASE_OTHER`` (framed into the header).
+* ``source``: the layer's input (forward) or upstream gradient (backward), for
+  the first-use handshake and debug mode's checks; ``None`` skips them.
+* ``flags``: bit 0 (:data:`CHECK_ONE_VALUE`): the summed tensor's first value
+  is the global count; raise the "more than 1 value per channel" ``ValueError``
+  on every rank when it is one (a host read, requested only by a rank holding
+  fewer than two values per channel, as eager).
+
+The result is always a new tensor; the input is never written. The operator's
+autograd formula is its own adjoint (the gradient of a sum over ranks is the
+sum over ranks of the gradient), so it may also be differentiated through.
+
+:func:`all_reduce_sum` is the Python entry point for other layers' traced code
+(eager: the framed sum directly; compiling: this operator).
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -42,16 +62,25 @@ except (ImportError, AttributeError) as exc:
         "layer (with graph breaks)"
     ) from exc
 
-from . import _function, _math, groups
+from . import _checks, _function, groups
+from .groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_NAMES, PHASE_OTHER
 
-__all__ = ["group_handle", "layer_handle", "sync_batch_norm_op"]
+__all__ = ["CHECK_ONE_VALUE", "all_reduce_sum", "group_handle", "layer_token"]
+
+CHECK_ONE_VALUE = 1  # flags bit: raise the one-value error when the summed count (element 0) is 1
 
 _groups: list[Any] = [None]  # handle -> SumGroup (0: no group, run locally)
 _group_ids: dict[int, int] = {}  # id(SumGroup) -> handle
-_layers: dict[int, weakref.ref[Any]] = {}  # handle -> layer
-_layer_handles: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-calls = 0  # how many times the compiled forward operator ran (diagnostics, tests)
-_previous_total: Tensor | None = None  # the last compiled call's count output (an ordering token)
+# How many times the operator ran (diagnostics, tests): forward-phase calls (one per layer per
+# compiled training forward) and the others (backward, adjoints).
+calls = 0
+backward_calls = 0
+
+_PHASES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
+
+_is_compiling: Callable[[], bool] = (
+    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+)
 
 
 @torch._dynamo.assume_constant_result
@@ -67,197 +96,154 @@ def group_handle(process_group: Any) -> int:
     return handle
 
 
-@torch._dynamo.assume_constant_result
-def layer_handle(layer: Any) -> int:
-    """The integer standing for ``layer`` (for error messages and its handshake state)."""
-    handle = _layer_handles.get(layer)
-    if handle is None:
-        handle = len(_layers) + 1
-        _layers[handle] = weakref.ref(layer)
-        _layer_handles[layer] = handle
-    return handle
+def layer_token(layer: Any) -> Tensor | None:
+    """The token a compiled graph carries for ``layer`` (``None``: no layer, or one without syncbn state).
 
-
-def _layer(handle: int) -> Any:
-    ref = _layers.get(handle)
-    return None if ref is None else ref()
-
-
-@_custom_op("syncbn::sync_batch_norm", mutates_args=())
-def _forward_op(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    after: Tensor | None,
-    eps: float,
-    group: int,
-    layer: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Training forward: ``(out, mean, var, unbiased_var, total)``; ``total`` the 0-dim float64 global count.
-
-    The eager forward exactly, with its running-statistics update turned into
-    outputs: a momentum of 1 makes the update write the batch statistics
-    themselves (``lerp`` with weight 1 returns its end point bit for bit),
-    and a global count of zero leaves them zero. ``after`` (unused) is the
-    previous call's count output: a data dependency that keeps the collectives
-    in program order even where the compiler sees no other one (an empty
-    local batch makes every tensor between two layers an empty allocation).
+    Safe in traced code: an attribute read, guarded on its dtype and shape only.
     """
-    global calls
-    calls += 1
-    dtype = _function.statistics_dtype(x, weight, None)
-    batch_mean = x.new_zeros(x.shape[1], dtype=dtype)
-    batch_var = x.new_zeros(x.shape[1], dtype=dtype)
-    result, _ = _function.run_forward(
-        x, weight, bias, batch_mean, batch_var, eps, 1.0, _groups[group], _layer(layer)
-    )
-    total = result.total
-    total = total.clone() if isinstance(total, Tensor) else torch.tensor(total, dtype=torch.float64)
-    return result.out, result.mean.clone(), result.var.clone(), batch_var, total
+    if layer is None:
+        return None
+    state = layer.__dict__.get("_syncbn_state")
+    if state is None:
+        return None
+    token: Tensor = state.token
+    return token
 
 
-@_forward_op.register_fake
-def _forward_fake(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    after: Tensor | None,
-    eps: float,
-    group: int,
-    layer: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dtype = _function.statistics_dtype(x, weight, None)
-    c = x.shape[1]
-    mean, var, unbiased = (x.new_empty(c, dtype=dtype) for _ in range(3))
-    return torch.empty_like(x), mean, var, unbiased, x.new_empty((), dtype=torch.float64)
-
-
-@_custom_op("syncbn::sync_batch_norm_backward", mutates_args=())
-def _backward_op(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    total: Tensor,
-    eps: float,
-    param_dtype: torch.dtype,
-    need_input: bool,
-    group: int,
-    layer: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(grad_input, grad_weight, grad_bias)``; ``grad_input`` is empty unless ``need_input``."""
-    sum_group, owner = _groups[group], _layer(layer)
-    count = x.numel() // x.shape[1] if x.shape[1] else 0
-    global_count: float | Tensor = float(total) if _function._host_side(x) else total
-    sum_dy, sum_dy_xhat = _function.local_grad_sums(grad_output, x, weight, mean, var, eps, count)
-    if need_input:
-        reduced = _function._all_reduce(
-            sum_group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), owner, "backward"
-        )
-        grad_input = _function.finish_input_grad(
-            grad_output, x, weight, mean, var, eps, global_count, count, reduced
-        )
-    else:
-        grad_input = x.new_empty(0)
-    return grad_input, sum_dy_xhat.to(param_dtype), sum_dy.to(param_dtype)
-
-
-@_backward_op.register_fake
-def _backward_fake(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    total: Tensor,
-    eps: float,
-    param_dtype: torch.dtype,
-    need_input: bool,
-    group: int,
-    layer: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    grad_input = torch.empty_like(x) if need_input else x.new_empty(0)
-    c = x.shape[1]
-    return grad_input, x.new_empty(c, dtype=param_dtype), x.new_empty(c, dtype=param_dtype)
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    x, weight, bias = inputs[0], inputs[1], inputs[2]
-    _, mean, var, unbiased, total = output
-    ctx.mark_non_differentiable(mean, var, unbiased, total)
-    ctx.save_for_backward(x, weight, mean, var, total)
-    ctx.eps, ctx.group, ctx.layer = inputs[4], inputs[5], inputs[6]
-    ctx.param_dtype = _function.gradient_dtype(weight, bias, mean)
-
-
-def _backward(ctx: Any, grad_output: Tensor, *unused: Any) -> tuple[Tensor | None, ...]:
-    x, weight, mean, var, total = ctx.saved_tensors
-    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-    grad_input, grad_weight, grad_bias = _backward_op(
-        grad_output.contiguous(memory_format=_memory_format(x)),
-        x,
-        weight,
-        mean,
-        var,
-        total,
-        ctx.eps,
-        ctx.param_dtype,
-        bool(need_input),
-        ctx.group,
-        ctx.layer,
-    )
-    return (
-        grad_input if need_input else None,
-        grad_weight if need_weight else None,
-        grad_bias if need_bias else None,
-        None,
-        None,
-        None,
-        None,
-    )
-
-
-def _memory_format(x: Tensor) -> torch.memory_format:
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
-
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def sync_batch_norm_op(
-    x: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    momentum: float,
-    eps: float,
-    group: int,
-    layer: int,
+@_custom_op("syncbn::all_reduce_sum", mutates_args=())
+def _all_reduce_op(
+    tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Tensor | None, flags: int
 ) -> Tensor:
-    """Training-mode synchronised batch norm through the opaque operator (``group`` a handle > 0).
+    """The framed sum of ``tensor`` over group handle ``group`` (see the module docstring)."""
+    global calls, backward_calls
+    if phase == PHASE_FORWARD:
+        calls += 1
+    else:
+        backward_calls += 1
+    owner = None if layer is None else _checks.layer_for_token(int(layer))
+    if owner is None and layer is not None:
+        _warn_unbound()
+    summed = _framed_sum(_groups[group], tensor, owner, phase, source, flags)
+    if summed.data_ptr() == tensor.data_ptr():  # never an alias of the input
+        summed = summed.clone()
+    return summed
 
-    The running statistics are updated here, in traceable operations, with the
-    batch's global mean and unbiased variance, and only where the global count
-    is positive (no host read: the update weight is ``momentum * (count > 0)``).
+
+_warned_unbound = False
+
+
+def _warn_unbound() -> None:
+    global _warned_unbound
+    if not _warned_unbound:
+        _warned_unbound = True
+        warnings.warn(
+            "syncbn: a compiled SyncBatchNorm's collective carries a layer token no live layer "
+            "holds (a layer built from another's state and never placed into a model or run "
+            "eagerly): its frames are anonymous and its first-use handshake is skipped; call "
+            "syncbn.name_layers(model) or run one eager step first",
+            stacklevel=2,
+        )
+
+
+def _framed_sum(
+    sum_group: Any, tensor: Tensor, layer: Any, phase: int, source: Tensor | None, flags: int
+) -> Tensor:
+    """Handshake or debug check (with ``source``), the framed sum of a copy, the one-value check."""
+    if source is not None and _function._joining is None:  # under Join the header checks agreement
+        if phase == PHASE_FORWARD:
+            _checks.before_forward(sum_group, layer, source)
+        elif phase == PHASE_BACKWARD:
+            call = _checks.state_of(layer).calls if layer is not None else 0
+            _checks.before_backward(sum_group, layer, source, call)
+    work = tensor.clone(memory_format=torch.contiguous_format)
+    summed = _function._all_reduce(sum_group, work, layer, PHASE_NAMES.get(phase, "other"))
+    if flags & CHECK_ONE_VALUE and float(summed.reshape(-1)[0]) == 1.0:
+        raise _function._expected_more_than_one(source if source is not None else tensor, sum_group, layer)
+    return summed
+
+
+@_all_reduce_op.register_fake
+def _all_reduce_fake(
+    tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Tensor | None, flags: int
+) -> Tensor:
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.group, ctx.phase = inputs[1], inputs[3]
+    ctx.layer = inputs[2]
+
+
+def _adjoint(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+    # d(sum over ranks of t_r)/d t_r is the identity: each rank's gradient is the sum of every
+    # rank's upstream gradient, one more collective (on every rank alike).
+    summed = _all_reduce_op(grad, ctx.group, ctx.layer, PHASE_BACKWARD, None, 0)
+    return summed, None, None, None, None, None
+
+
+_all_reduce_op.register_autograd(_adjoint, setup_context=_setup_context)
+
+# The collective is a side effect: keep every call, in program order, even where the output
+# is empty (an empty local batch still takes part) or unused.
+_register_effectful_op("syncbn::all_reduce_sum", EffectType.ORDERED)
+
+
+def all_reduce_sum(
+    tensor: Tensor,
+    group: Any = None,
+    layer: Any = None,
+    phase: str = "forward",
+    *,
+    source: Tensor | None = None,
+    one_value_check: bool = False,
+) -> Tensor:
+    """Sum ``tensor`` over a syncbn group, framed with ``layer`` and ``phase``; eager and compiled.
+
+    The seam for layers built on syncbn's collective (in-place activated batch
+    norm, say): in eager mode the framed sum of
+    :func:`syncbn._function._all_reduce`; while ``torch.compile`` traces, the
+    ordered effectful operator ``syncbn::all_reduce_sum`` (no graph break, no
+    guard on ``layer``, never reordered or dropped). Without a group of more than
+    one member the sum is ``tensor`` itself (copied).
+
+    Args:
+        tensor: the values to sum (float64, float32, float16 or bfloat16; any
+            shape); left unchanged.
+        group: a ``torch.distributed`` process group, ``None`` (the default
+            group), a :class:`~syncbn.groups.ProcessGroupRef` or a resolved
+            :class:`~syncbn.groups.SumGroup`: anything :func:`syncbn.groups.resolve`
+            accepts. Compiled graphs resolve it once, while tracing.
+        layer: the calling module (its name goes into the frame and into
+            errors), or ``None``; a module needs a ``_syncbn_state``
+            (:class:`syncbn._checks.LayerState`) made at construction.
+        phase: ``"forward"``, ``"backward"`` or anything else (framed as
+            another phase).
+        source: the layer's input (forward) or upstream gradient (backward):
+            runs the first-use handshake (ranks agree on channels and dtype) and
+            debug mode's checks before the sum, as syncbn's own layer does.
+        one_value_check: ``tensor``'s first value is this rank's count per
+            channel: raise the "more than 1 value per channel" ``ValueError`` on
+            every rank when the summed count is one (reads it on the host).
+
+    Returns:
+        A new tensor holding the sum over every member of the group.
+
+    Shape:
+        any; the result has ``tensor``'s shape (contiguous).
+
+    Example::
+
+        >>> packed = torch.stack([local_sum, local_sum_sq])         # (2, C)
+        >>> total = syncbn._ops.all_reduce_sum(packed, None, self, "forward")
     """
-    global _previous_total
-    out, mean, _, unbiased, total = _forward_op(x, weight, bias, _previous_total, eps, group, layer)
-    _previous_total = total
-    if running_mean is not None or running_var is not None:
-        weight_t = (total > 0).to(mean.dtype) * momentum
-        for running, batch in ((running_mean, mean), (running_var, unbiased)):
-            if running is not None:
-                running.lerp_(batch.detach().to(running.dtype), weight_t.to(running.dtype))
-    return out
-
-
-# The collectives are side effects: keep every call, in program order, even where the
-# outputs are empty (an empty local batch still takes part) or unused.
-for _op in ("syncbn::sync_batch_norm", "syncbn::sync_batch_norm_backward"):
-    _register_effectful_op(_op, EffectType.ORDERED)
+    code = _PHASES.get(phase, PHASE_OTHER)
+    flags = CHECK_ONE_VALUE if one_value_check else 0
+    if _is_compiling():
+        handle = group_handle(group)
+        if not handle:
+            return tensor.clone()
+        return _all_reduce_op(tensor, handle, layer_token(layer), code, source, flags)  # type: ignore[no-any-return]
+    sum_group = groups.resolve(group)
+    if sum_group is None:
+        return tensor.clone()
+    return _framed_sum(sum_group, tensor, layer, code, source, flags)

@@ -38,6 +38,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 from torch.nn.utils import parametrize
 
 from ._checks import name_layers
+from .activated import InPlaceSyncBatchNorm, plain_equivalent
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, set_converter
 
 __all__ = ["BatchNorm", "ConversionWarning", "convert_sync_batchnorm", "revert_sync_batchnorm"]
@@ -266,6 +267,8 @@ def _plain_class_of(layer: nn.Module) -> type[_BatchNorm]:
 
 
 def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
+    if isinstance(layer, InPlaceSyncBatchNorm):  # -> Sequential(BatchNorm(|w| + eps), activation)
+        return plain_equivalent(layer, BatchNorm)
     if not isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)):
         return layer
     if not _keeps_behaviour(layer, prefix):
@@ -346,7 +349,8 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
         process_group: ``torch.distributed`` group the new layers synchronise
             over; ``None`` is the default group, looked up at call time. A
             ``torch.nn.SyncBatchNorm`` keeps the group it was built with when
-            this is ``None``.
+            this is ``None``. :class:`~syncbn.InPlaceSyncBatchNorm` layers stay
+            as they are, taking ``process_group`` when it is given.
 
     Returns:
         ``module`` with its BatchNorm layers swapped, or the new layer when
@@ -388,6 +392,8 @@ def _convert(
     def swap(mod: nn.Module, prefix: str) -> nn.Module:
         if isinstance(mod, _BatchNorm):
             return _to_sync(mod, prefix, process_group, classes)
+        if isinstance(mod, InPlaceSyncBatchNorm) and process_group is not None:
+            mod.process_group = process_group  # already synchronised: only the group is set
         return mod
 
     converted = _replace(module, swap)
@@ -411,7 +417,9 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     kept as by :func:`convert_sync_batchnorm`; ``process_group`` and ``freeze``
     are dropped (a reverted layer in training mode updates its running stats
     and trains its weight and bias even if the syncbn layer was frozen; in eval
-    it computes the same). ``convert_sync_batchnorm`` then
+    it computes the same). An :class:`~syncbn.InPlaceSyncBatchNorm` becomes
+    ``nn.Sequential(BatchNorm, activation)`` computing the same function (its
+    weight ``|w| + eps``; ``state_dict`` keys gain ``.0``). ``convert_sync_batchnorm`` then
     ``revert_sync_batchnorm`` leaves ``state_dict`` and eval outputs
     bit-identical.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -15,9 +16,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _checks, groups, parallel
 
 try:
-    from . import _ops
+    from . import _compiled, _ops
 except ImportError:  # torch without custom operators: compiled models run the eager layer (graph breaks)
     _ops = None  # type: ignore[assignment]
+    _compiled = None  # type: ignore[assignment]
 from .functional import apply_masked, check_input, synchronized
 
 # torch >= 2.13 BatchNorm layers take a keyword-only ``bias``.
@@ -42,6 +44,13 @@ _is_compiling: Callable[[], bool] = (
     getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 )
 _current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+@torch._dynamo.assume_constant_result
+def _warn_while_tracing(message: str) -> bool:
+    """Warn once per traced graph (dynamo runs this while tracing, never in the compiled code)."""
+    warnings.warn(message, stacklevel=2)
+    return True
 
 
 def _in_backward() -> bool:
@@ -139,7 +148,8 @@ class SyncBatchNorm(_BatchNorm):
             self.register_parameter("bias", None)
         self.process_group = process_group
         self.freeze = freeze
-        self._syncbn_state = _checks.LayerState()  # name, index, handshake state
+        self._syncbn_state = _checks.LayerState()  # name, index, handshake state, compile token
+        self._syncbn_state.bind(self)
 
     _input_dims: tuple[int, ...] | None = None
     _input_dims_text = ""
@@ -164,6 +174,12 @@ class SyncBatchNorm(_BatchNorm):
         """
         self._check_input_dim(input)
         if mask is not None:
+            if _is_compiling():
+                _warn_while_tracing(
+                    f"syncbn: {type(self).__name__}({self.num_features}) called with a mask under "
+                    "torch.compile: selecting the valid positions has a data-dependent shape, so "
+                    "dynamo breaks the graph at this layer (the layer itself still runs exactly)"
+                )
             # The valid positions as an (M, C, 1, ...) batch of input's rank: the same batch-norm
             # logic (and input check) applies to it unchanged; a subclass's own forward (timm's
             # activation, say) runs once, on the scattered result.
@@ -189,6 +205,8 @@ class SyncBatchNorm(_BatchNorm):
         tracking = self.training and self.track_running_stats and not recomputing
         if recomputing:
             factor = 0.0
+        elif self.momentum is None and compiling and self.training and _ops is not None:
+            factor = -1.0  # cumulative: computed as a tensor in _compiled_training_forward
         elif self.momentum is None:
             # Cumulative moving average, as nn.BatchNorm: 1 / (batches seen, this one included).
             seen = self.num_batches_tracked
@@ -215,8 +233,14 @@ class SyncBatchNorm(_BatchNorm):
             out: Tensor = replica.forward(self, input, factor)
             return out
 
-        if _ops is not None and compiling:
-            return self._compiled_training_forward(input, factor, tracking)
+        if compiling:
+            if _ops is not None:
+                return self._compiled_training_forward(input, factor, tracking)
+            _warn_while_tracing(
+                f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile: torch "
+                f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
+                "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
+            )
 
         process_group = self.process_group
         if isinstance(process_group, groups.ProcessGroupRef) and groups.is_initialized():
@@ -237,21 +261,32 @@ class SyncBatchNorm(_BatchNorm):
         return out
 
     def _compiled_training_forward(self, input: Tensor, factor: float, tracking: bool) -> Tensor:
-        # Under torch.compile: the collectives as one opaque operator (syncbn._ops), no graph break.
+        # Under torch.compile: traced arithmetic around the opaque collective (syncbn._compiled).
+        # Nothing here guards on which layer this is: the layer travels as its token, a graph
+        # input, so a frame compiled for one layer serves them all.
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
         handle = _ops.group_handle(self.process_group)
+        seen = self.num_batches_tracked
+        if factor < 0.0:  # momentum=None: 1 / (batches seen, this one included)
+            if not tracking or seen is None:
+                factor = 0.0
+            elif not handle:
+                factor = 1.0 / (float(seen.item()) + 1.0)  # what nn.BatchNorm does (a host read)
         if handle:
-            out = _ops.sync_batch_norm_op(
+            momentum: float | Tensor = (
+                factor if factor >= 0.0 or seen is None else 1.0 / (seen.to(torch.float64) + 1.0)
+            )
+            out = _compiled.sync_batch_norm(
                 input,
                 running_mean,
                 running_var,
                 self.weight,
                 self.bias,
-                factor,
+                momentum,
                 self.eps,
                 handle,
-                _ops.layer_handle(self),
+                _ops.layer_token(self),
             )
         else:
             out = F.batch_norm(
@@ -292,7 +327,12 @@ class SyncBatchNorm(_BatchNorm):
         for key, value in self.__dict__.items():
             # A process group is a handle to live communicators: share it.
             new.__dict__[key] = value if key == "process_group" else copy.deepcopy(value, memo)
+        _bind(new)
         return new
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _bind(self)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None) -> torch.nn.Module:
@@ -305,6 +345,13 @@ class SyncBatchNorm(_BatchNorm):
         if _converter is None:
             raise RuntimeError("syncbn.convert is not imported (import syncbn, not syncbn.modules alone)")
         return _converter(module, process_group)
+
+
+def _bind(layer: nn.Module) -> None:
+    """Bind a copied or unpickled layer's state (a new token) to the layer (see ``_checks.LayerState``)."""
+    state = layer.__dict__.get("_syncbn_state")
+    if isinstance(state, _checks.LayerState):
+        state.bind(layer)
 
 
 class SyncBatchNorm1d(SyncBatchNorm, nn.BatchNorm1d):

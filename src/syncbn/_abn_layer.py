@@ -1,0 +1,314 @@
+"""The layer machinery of the in-place activated layers: :class:`ActivatedBatchNormBase`.
+
+Shared by :mod:`syncbn.activated` and :mod:`syncbn.compat.inplace_abn`:
+parameters and buffers with ``nn.BatchNorm``'s names, torch's momentum
+convention (``None``: cumulative average), training and eval, ``nn.DataParallel``
+replicas (:mod:`syncbn.parallel._abn`), ``torch.compile`` (:mod:`syncbn._abn_traced`),
+activation checkpointing, checkpoint loading, pickling with a process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from . import _abn, _abn_math, _checks, _ops, groups, parallel
+from ._abn_traced import traced_inplace_abn
+from .parallel._abn import replica_inplace_abn
+
+__all__ = ["ActivatedBatchNormBase"]
+
+_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_is_compiling: Callable[[], bool] = (
+    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+)
+
+# Tensors an in-place layer wrote over outside a recomputation: id -> (weak reference, version after
+# the write). A checkpointed region whose recomputation hands a layer one of these (unchanged since)
+# would recompute from overwritten values: that is refused (see ActivatedBatchNormBase._forward).
+_written: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+
+
+def _remember(y: Tensor) -> None:
+    key = id(y)
+
+    def forget(_: Any, key: int = key) -> None:
+        _written.pop(key, None)
+
+    try:
+        _written[key] = (weakref.ref(y, forget), y._version)
+    except TypeError:  # a tensor subclass without weak references
+        pass
+
+
+def _was_overwritten(x: Tensor) -> bool:
+    hit = _written.get(id(x))
+    return hit is not None and hit[0]() is x and hit[1] == x._version
+
+
+OVERWRITTEN_CHECKPOINT_INPUT = (
+    "syncbn: activation checkpointing recomputes an in-place activated batch norm from its input, but "
+    "that input is the tensor the layer overwrote in the first forward (the checkpointed function's "
+    "own input, or a tensor from outside the region): the recomputation would read the layer's output "
+    "instead. Start the checkpointed region with the operation that produces the layer's input (e.g. "
+    "the convolution before it), or use a non-in-place layer there."
+)
+
+
+class ActivatedBatchNormBase(nn.Module):
+    """State and forward machinery of the activated batch norm layers (not used directly).
+
+    Subclasses set ``_in_place`` and implement :meth:`_group` (what to synchronise
+    over). ``weight`` is used as the scale ``|weight| + eps`` by the in-place
+    layers (invertible whatever the weight's sign).
+    """
+
+    _version = 2
+    num_features: int
+    eps: float
+    momentum: float | None
+    affine: bool
+    track_running_stats: bool
+    activation: str
+    activation_param: float
+    weight: Tensor | None
+    bias: Tensor | None
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    num_batches_tracked: Tensor | None
+    _in_place = True
+    _local = False  # never synchronise (the package's InPlaceABN)
+    _input_dims: tuple[int, ...] | None = None
+    _input_dims_text = ""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        _abn_math.check_activation(activation, activation_param, in_place=self._in_place)
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        self.activation = activation
+        self.activation_param = activation_param
+        if affine:
+            self.weight = nn.Parameter(torch.empty(num_features, **factory))
+            self.bias = nn.Parameter(torch.empty(num_features, **factory))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
+            self.register_buffer("running_var", torch.ones(num_features, **factory))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self._syncbn_state = _checks.LayerState()
+        self._syncbn_state.bind(self)  # the compile token finds this layer
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        """Running mean 0, running variance 1, ``num_batches_tracked`` 0."""
+        if self.track_running_stats:
+            self.running_mean.zero_()  # type: ignore[union-attr]
+            self.running_var.fill_(1)  # type: ignore[union-attr]
+            self.num_batches_tracked.zero_()  # type: ignore[union-attr,operator]
+
+    def reset_parameters(self) -> None:
+        """Reset the running statistics; weight 1 and bias 0."""
+        self.reset_running_stats()
+        if self.weight is not None and self.bias is not None:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def _group(self) -> Any:
+        return None
+
+    def _check_input_dim(self, x: Tensor) -> None:
+        if x.dim() < 2 or (self._input_dims is not None and x.dim() not in self._input_dims):
+            expected = self._input_dims_text or "at least 2D"
+            raise ValueError(f"expected {expected} input (got {x.dim()}D input)")
+        if x.shape[1] != self.num_features:
+            raise ValueError(
+                f"expected input with {self.num_features} channels in dimension 1 "
+                f"(got input of size {list(x.shape)})"
+            )
+
+    def _factor(self, tracking: bool, recomputing: bool) -> float:
+        if recomputing:
+            return 0.0
+        if self.momentum is None:
+            seen = self.num_batches_tracked
+            return 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
+        return float(self.momentum)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        """Training or eval forward of the in-place layers; returns ``x``, overwritten.
+
+        Under ``torch.compile`` the traced form (:mod:`syncbn._abn_traced`): no
+        graph break, the collectives the one opaque operator of :mod:`syncbn._ops`.
+        """
+        if _is_compiling():
+            return self._compiled_forward(x)
+        return self._eager_forward(x)
+
+    def _compiled_forward(self, x: Tensor) -> Tensor:
+        # Traced, no graph break: only the collective is opaque (syncbn::all_reduce_sum, see
+        # syncbn._abn_traced); nothing guards on which layer this is (the layer is its token).
+        # nn.DataParallel replicas run eagerly (one graph break per layer).
+        if self.__dict__.get("_syncbn_replica") is not None:
+            return _eager_forward(self, x)
+        self._check_input_dim(x)
+        handle = 0 if self._local or not self.training else _ops.group_handle(self._group())
+        tracking = self.training and self.track_running_stats
+        factor: float | Tensor = 0.0
+        if tracking:
+            seen = self.num_batches_tracked
+            if self.momentum is None and seen is not None:
+                factor = 1.0 / (seen + 1).to(torch.float64)
+            else:
+                factor = 0.0 if self.momentum is None else float(self.momentum)
+        act, param = self.activation, float(self.activation_param)
+        running = self.training is False and self.running_mean is not None
+        mean = self.running_mean if (tracking or running) else None
+        var = self.running_var if (tracking or running) else None
+        out = traced_inplace_abn(
+            x,
+            self.weight,
+            self.bias,
+            mean,
+            var,
+            not running,
+            factor,
+            self.eps,
+            act,
+            param,
+            handle,
+            _ops.layer_token(self) if handle else None,
+        )
+        if tracking and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return out
+
+    def _eager_forward(self, x: Tensor) -> Tensor:
+        self._check_input_dim(x)
+        recomputing = self.training and _current_graph_task_id() != -1
+        tracking = self.training and self.track_running_stats and not recomputing
+        factor = self._factor(tracking, recomputing)
+        if recomputing and (_was_overwritten(x) or (x.is_leaf and x.requires_grad)):
+            # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
+            raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
+        act, param = self.activation, float(self.activation_param)
+        if not self.training and self.running_mean is not None:
+            out = _abn.inplace_abn_apply(
+                x,
+                self.weight,
+                self.bias,
+                self.running_mean,
+                self.running_var,
+                False,
+                0.0,
+                self.eps,
+                act,
+                param,
+                None,
+            )
+            return out
+        if not self.training:  # eval without running statistics: the local batch's, no communication
+            return _abn.inplace_abn_apply(
+                x, self.weight, self.bias, None, None, True, 0.0, self.eps, act, param, None
+            )
+        replica = self.__dict__.get("_syncbn_replica")
+        if replica is not None:
+            out = replica_inplace_abn(self, x, factor, replica.replication, replica.index, act, param)
+        else:
+            group = None if self._local else groups.resolve(self._group())
+            running_mean = self.running_mean if self.track_running_stats else None
+            running_var = self.running_var if self.track_running_stats else None
+            out = _abn.inplace_abn_apply(
+                x,
+                self.weight,
+                self.bias,
+                running_mean,
+                running_var,
+                True,
+                factor,
+                self.eps,
+                act,
+                param,
+                group,
+                self,
+            )
+            if tracking and self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+        if not recomputing:
+            _remember(out)
+        return out
+
+    def _replicate_for_data_parallel(self) -> ActivatedBatchNormBase:
+        replica: ActivatedBatchNormBase = super()._replicate_for_data_parallel()
+        if not self._local:  # the replicas of a synchronised layer synchronise with each other
+            parallel.attach_replica(self, replica)
+        return replica
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        version = local_metadata.get("version", None)
+        key = prefix + "num_batches_tracked"
+        if (version is None or version < 2) and self.track_running_stats and key not in state_dict:
+            # Version-1 checkpoints (inplace-abn < 1.0, BatchNorm before torch 0.4.1) have no
+            # num_batches_tracked: it starts at 0, as the package and nn.BatchNorm do.
+            state_dict[key] = torch.tensor(0, dtype=torch.long)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("process_group", "group"):
+            if key in state:
+                state[key] = groups.to_picklable(state[key])
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ActivatedBatchNormBase:
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            shared = key in ("process_group", "group")  # a live process group is shared, not copied
+            new.__dict__[key] = value if shared else copy.deepcopy(value, memo)
+        new._syncbn_state.bind(new)
+        return new
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._syncbn_state.bind(self)
+
+
+# What torch.compile runs for the in-place layers: the eager layer, opaque to the compiler.
+_eager_forward = torch._dynamo.disable(ActivatedBatchNormBase._eager_forward)

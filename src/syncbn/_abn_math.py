@@ -1,0 +1,213 @@
+"""The arithmetic of in-place activated batch normalization, with no communication.
+
+In-place activated batch norm (InPlace-ABN, Rota Bulò et al., CVPR 2018) writes
+
+.. math::
+    y = \\phi\\big(\\hat x\\, s + b\\big), \\qquad
+    \\hat x = (x - \\mu)\\,\\text{invstd}, \\qquad s = |w| + \\epsilon
+
+over its input and keeps only :math:`y` (and per-channel vectors) for
+backward. Backward recovers what it needs from :math:`y` alone, because the
+activation :math:`\\phi` is invertible and :math:`s > 0`:
+
+.. math::
+    z = \\phi^{-1}(y), \\qquad \\hat x = (z - b) / s, \\qquad
+    \\frac{\\partial L}{\\partial z} = g\\,\\phi'(z),
+
+where :math:`\\phi'` is itself a function of :math:`y`: the slope :math:`a`
+where :math:`y < 0` for ``leaky_relu`` (:math:`\\phi^{-1}(y) = y / a` there),
+:math:`y + \\alpha` where :math:`y \\le 0` for ``elu``
+(:math:`\\phi^{-1}(y) = \\log(1 + y/\\alpha)` there). Then the input gradient is
+batch norm's, with :math:`s\\,\\text{invstd}` as the scale (see
+:func:`syncbn._math.input_grad`).
+
+Conditioning: an error :math:`\\delta` in :math:`y` (its rounding to the input
+dtype) becomes :math:`\\delta / s` in :math:`\\hat x` (divided by the slope too
+where ``leaky_relu`` is negative): small :math:`|w|` amplifies it. ``elu``
+saturates: where :math:`y \\to -\\alpha` the logarithm diverges and the
+recovered :math:`\\hat x` is only known to be very negative; its weight in the
+gradient, :math:`y + \\alpha`, goes to zero there, so only the
+:math:`\\hat x \\sum g\\hat x / N` term of the input gradient feels it. The
+argument of the logarithm is clamped at the dtype's resolution (no infinity,
+no NaN).
+
+Low-precision (float16/bfloat16) outputs are recovered in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _math
+
+__all__ = [
+    "ACTIVATIONS",
+    "activate_",
+    "affine_coefficients",
+    "check_activation",
+    "input_grad",
+    "recover",
+    "recovered_sums",
+]
+
+ACTIVATIONS = ("leaky_relu", "elu", "identity")
+
+
+def check_activation(activation: str, param: float, *, in_place: bool = True) -> None:
+    """Raise ``ValueError`` for an activation the (in-place) layer cannot use.
+
+    Args:
+        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (and ``"relu"``
+            when ``in_place`` is false).
+        param: the slope of ``leaky_relu`` or the ``alpha`` of ``elu``; must be
+            positive for those two (a slope of 0 is ReLU, not invertible).
+        in_place: whether the activation must be invertible.
+    """
+    allowed = ACTIVATIONS if in_place else ("relu", *ACTIVATIONS)
+    if activation == "relu" and in_place:
+        raise ValueError(
+            "activation='relu' cannot be computed in place: ReLU maps every negative value to 0, so "
+            "the input cannot be recovered from the output for backward. Use 'leaky_relu' (a small "
+            "slope, e.g. 0.01), 'elu' or 'identity', or the non-in-place ABN class for ReLU "
+            f"(expected one of {', '.join(repr(a) for a in allowed)}, got 'relu')"
+        )
+    if activation not in allowed:
+        raise ValueError(
+            f"expected activation one of {', '.join(repr(a) for a in allowed)} (got {activation!r})"
+        )
+    if in_place and activation in ("leaky_relu", "elu"):
+        p = float(param)
+        if not p > 0 or p != p or p == float("inf"):
+            what = "negative slope" if activation == "leaky_relu" else "alpha"
+            raise ValueError(
+                f"expected a positive, finite activation_param (the {what} of {activation}) for the "
+                f"in-place layer, which inverts the activation in backward (got {param!r})"
+            )
+
+
+def abs_scale(weight: Tensor | None, eps: float) -> Tensor | None:
+    """The per-channel scale ``|w| + eps`` of the in-place layers (``None`` without a weight: scale 1)."""
+    return None if weight is None else weight.detach().abs() + eps
+
+
+def affine_coefficients(
+    scale: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """``(a, c)``, ``a = s * invstd`` and ``c = b - mean * a``: ``x * a + c`` goes into the activation."""
+    a = (var + eps).rsqrt()
+    if scale is not None:
+        a = a * _math.cast(scale, a.dtype)
+    c = -mean * a
+    if bias is not None:
+        c = c + _math.cast(bias.detach(), c.dtype)
+    return a, c
+
+
+def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, param: float) -> Tensor:
+    """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``; ``None``: none); returns ``x``.
+
+    ``a`` and ``c`` are in the statistics dtype (at least float32): the affine
+    map runs there and is rounded once into ``x``'s dtype, as ``nn.BatchNorm``.
+    """
+    if a is not None and c is not None:
+        shape = _math.broadcast_shape(x)
+        # Two in-place passes: an addcmul whose first operand is broadcast is several times slower on CPU.
+        x.mul_(a.view(shape)).add_(c.view(shape))
+    if activation == "leaky_relu":
+        F.leaky_relu(x, float(param), inplace=True)
+    elif activation == "elu":
+        F.elu(x, float(param), inplace=True)
+    elif activation == "relu":
+        F.relu(x, inplace=True)
+    return x
+
+
+def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Tensor, Tensor, bool]:
+    """``(z, dz, scratch)``: the activation's input ``z`` and its gradient ``dz``, recovered from ``y``.
+
+    Both in :func:`syncbn._math.accumulation_dtype` of ``y`` (float32 for 16-bit
+    outputs). ``y`` is never written (the next layer keeps it too); ``scratch``
+    says whether ``z`` is a new tensor the caller may overwrite (the input
+    gradient is written into it). One pass each for ``leaky_relu``.
+    """
+    acc = _math.accumulation_dtype(y.dtype)
+    p = float(param)
+    widen = y.dtype != acc
+    yw = y.to(acc) if widen else y
+    gw = _math.cast(grad, acc)
+    if activation == "leaky_relu":
+        dz = torch.ops.aten.leaky_relu_backward(gw, yw, p, True)
+        if widen:
+            return F.leaky_relu(yw, 1.0 / p, inplace=True), dz, True  # the inverse of leaky_relu(., p)
+        return F.leaky_relu(yw, 1.0 / p), dz, True
+    if activation == "elu":
+        dz = torch.ops.aten.elu_backward(gw, p, 1.0, 1.0, True, yw)
+        # log1p(y / alpha) where y < 0, its argument kept above -1 (a saturated output, y == -alpha).
+        inner = torch.div(yw, p).clamp_(min=-1.0 + torch.finfo(acc).eps).log1p_()
+        return torch.where(yw < 0, inner, yw, out=inner), dz, True
+    return yw, gw, widen
+
+
+def _centre(z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per-channel ``(mean, var)`` with ``(z - mean) / sqrt(var) = xhat``: the bias and the squared scale."""
+    channels, acc = z.shape[1], z.dtype
+    mean = (
+        torch.zeros(channels, dtype=acc, device=z.device) if bias is None else _math.cast(bias.detach(), acc)
+    )
+    var = (
+        torch.ones(channels, dtype=acc, device=z.device) if scale is None else _math.cast(scale, acc).square()
+    )
+    return mean, var
+
+
+def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Local per-channel ``(sum(dz), sum(dz * xhat))``, ``xhat = (z - b) / s``, in one native pass.
+
+    Batch norm's backward kernel with mean ``b``, variance ``s^2`` and eps 0
+    (so its ``invstd`` is ``1/s``): ``xhat`` is never materialised.
+    """
+    mean, var = _centre(z, scale, bias)
+    _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
+        dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
+    )
+    return sum_dz, sum_dz_xhat
+
+
+def input_grad(
+    z: Tensor,
+    dz: Tensor,
+    scratch: bool,
+    scale: Tensor | None,
+    bias: Tensor | None,
+    invstd: Tensor,
+    count: float | Tensor | None,
+    sums: Tensor | None,
+    dtype: torch.dtype,
+) -> Tensor:
+    """Input gradient from the recovered ``z``, ``dz`` (see :func:`recover`), returned in ``dtype``.
+
+    With ``a = s * invstd``, ``xhat = (z - b) / s`` and the global
+    ``[[sum dz], [sum dz*xhat]]`` (``sums``) over ``N`` (``count``) values, batch
+    norm's ``a * (dz - sum_dz/N - xhat * sum_dz_xhat/N)`` is evaluated as
+    ``z * B + C + dz * A`` (per-channel ``A = a``, ``B = -a/s * sum_dz_xhat/N``,
+    ``C = -a * sum_dz/N - B * b``): three in-place passes, written into ``z``
+    when it is scratch. Eval (``sums`` is ``None``): ``a * dz``.
+    """
+    acc = z.dtype
+    shape = _math.broadcast_shape(z)
+    s = torch.ones_like(invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
+    a = s * _math.cast(invstd, acc)
+    if sums is None:
+        return torch.mul(dz, a.view(shape)).to(dtype)
+    assert count is not None
+    n = count if isinstance(count, float) else count.to(acc)
+    sums = _math.cast(sums.to(z.device), acc)
+    b_coef = -a / s * sums[1] / n
+    c_coef = -a * sums[0] / n
+    if bias is not None:
+        c_coef = c_coef - b_coef * _math.cast(bias.detach(), acc)
+    out = z.mul_(b_coef.view(shape)) if scratch else torch.mul(z, b_coef.view(shape))
+    out.add_(c_coef.view(shape)).addcmul_(dz, a.view(shape))
+    return out if out.dtype == dtype else out.to(dtype)

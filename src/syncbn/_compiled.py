@@ -1,0 +1,153 @@
+"""The training layer as traced operations around the collective, for ``torch.compile``.
+
+While dynamo traces a :class:`~syncbn.SyncBatchNorm` in training, the layer
+runs :func:`sync_batch_norm` here instead of the eager autograd function: an
+``autograd.Function`` whose forward and backward are ordinary tensor
+operations (dynamo traces both; AOTAutograd hands the backward graph to
+inductor), with only the two collectives opaque (``syncbn::all_reduce_sum``,
+:mod:`syncbn._ops`). Inductor then fuses the statistics into the producer's
+epilogue, the normalisation with the activation that follows, and the
+backward's sums and input gradient, as it does for ``nn.BatchNorm``.
+
+Forward (per channel, ``n`` this rank's count)::
+
+    var_l, mean_l = var_mean(x, correction=0)            # accumulation dtype (float32 at least)
+    packed = n * [1, mean_l, var_l + mean_l^2]           # float64, (2C + 1,)
+    [N, S, Q] = all_reduce_sum(packed)                   # one collective
+    mean = S / N;  var = Q / N - mean^2;  unbiased = var * N / (N - 1)
+    y = (x - mean) * (weight * rsqrt(var + eps)) + bias
+
+Backward::
+
+    xhat = (x - mean) * invstd
+    [sum_g, sum_gx] = all_reduce_sum([sum(g), sum(g * xhat)])   # one collective
+    dx = weight * invstd * (g - sum_g / N - xhat * sum_gx / N)
+
+The count is a (symbolic) shape: an empty local batch (``n == 0``, which torch
+specialises) packs zeros, and divisions use ``max(N, 1)``, so no NaN appears
+and no value is read on the host; the running statistics are updated with
+``momentum * (N > 0)``. Only a rank holding fewer than two values per channel
+asks the collective to read the global count (the one-value error), as eager.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _function, _math, _ops
+from .groups import PHASE_BACKWARD, PHASE_FORWARD
+
+__all__ = ["sync_batch_norm"]
+
+
+def _layout(x: Tensor) -> tuple[list[int], list[int]]:
+    return [0, *range(2, x.dim())], [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
+    """The dtype the elementwise work runs in: the statistics' or the input's, whichever is wider."""
+    return torch.promote_types(torch.promote_types(x.dtype, stat), torch.float32)
+
+
+class _TracedSyncBatchNorm(torch.autograd.Function):
+    """Training batch norm over a group, in traceable operations (see the module docstring).
+
+    Returns ``(out, mean, unbiased_var, count)``; only ``out`` is differentiable.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        eps: float,
+        group: int,
+        token: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        channels = x.shape[1]
+        count = x.numel() // channels if channels else 0
+        stat = _function.statistics_dtype(x, weight, None)
+        dims, shape = _layout(x)
+        if count > 0:
+            var_l, mean_l = torch.var_mean(x.to(_math.accumulation_dtype(x.dtype)), dims, correction=0)
+            mean64, var64 = mean_l.to(torch.float64), var_l.to(torch.float64)
+            head = torch.ones(1, dtype=torch.float64, device=x.device)
+            packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
+        else:
+            packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
+        flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
+        summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
+        total = summed[0]
+        n = total.clamp(min=1.0)
+        sums = summed[1:].view(2, channels) / n
+        mean64 = sums[0]
+        var64 = (sums[1] - mean64 * mean64).clamp(min=0.0)
+        unbiased = (var64 * (total / (total - 1.0).clamp(min=1.0))).to(stat)
+        mean, var = mean64.to(stat), var64.to(stat)
+        invstd = torch.rsqrt(var + eps)
+        comp = _compute_dtype(x, stat)
+        scale = invstd if weight is None else invstd * weight
+        y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
+        if bias is not None:
+            y = y + bias.to(comp).view(shape)
+        out = y.to(x.dtype)
+        ctx.mark_non_differentiable(mean, unbiased, total)
+        ctx.save_for_backward(x, weight, mean, invstd, total, token)
+        ctx.group = group
+        ctx.param_dtype = _function.gradient_dtype(weight, bias, mean)
+        return out, mean, unbiased, total
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_output: Tensor, *unused: Any
+    ) -> tuple[Tensor | None, ...]:
+        x, weight, mean, invstd, total, token = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dims, shape = _layout(x)
+        comp = _compute_dtype(x, mean.dtype)
+        xhat = (x.to(comp) - mean.to(comp).view(shape)) * invstd.to(comp).view(shape)
+        g = grad_output.to(comp)
+        sum_dy = g.sum(dims)
+        sum_dy_xhat = (g * xhat).sum(dims)
+        grad_input = None
+        if need_input:
+            packed = torch.stack([sum_dy, sum_dy_xhat])
+            summed = _ops._all_reduce_op(packed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
+            n = total.clamp(min=1.0).to(comp)
+            scale = invstd if weight is None else invstd * weight
+            mean_dy = (summed[0] / n).view(shape)
+            mean_dy_xhat = (summed[1] / n).view(shape)
+            grad_input = (scale.to(comp).view(shape) * (g - mean_dy - xhat * mean_dy_xhat)).to(x.dtype)
+        grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
+        grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def sync_batch_norm(
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    momentum: float | Tensor,
+    eps: float,
+    group: int,
+    token: Tensor | None,
+) -> Tensor:
+    """Training-mode synchronised batch norm in traced operations (``group`` a handle > 0).
+
+    The running statistics are updated here with the batch's global mean and
+    unbiased variance, and only where the global count is positive (the update
+    weight is ``momentum * (N > 0)``, no host read).
+    """
+    out, mean, unbiased, total = _TracedSyncBatchNorm.apply(x, weight, bias, eps, group, token)
+    if running_mean is not None or running_var is not None:
+        weight_t = (total > 0).to(mean.dtype) * momentum
+        for running, batch in ((running_mean, mean), (running_var, unbiased)):
+            if running is not None:
+                running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
+    return out  # type: ignore[no-any-return]

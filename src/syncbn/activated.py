@@ -1,0 +1,195 @@
+"""In-place activated synchronised batch norm as layers: :class:`InPlaceSyncBatchNorm` and its 2d form.
+
+The layer machinery shared with :mod:`syncbn.compat.inplace_abn` lives in
+:class:`syncbn._abn_layer.ActivatedBatchNormBase`; here are the public layers
+and the helpers :mod:`syncbn.convert` and :mod:`syncbn.fuse` use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import groups
+from ._abn_layer import ActivatedBatchNormBase
+
+__all__ = ["ActivatedBatchNormBase", "InPlaceSyncBatchNorm", "InPlaceSyncBatchNorm2d"]
+
+
+class InPlaceSyncBatchNorm(ActivatedBatchNormBase):
+    """Synchronised batch norm and an invertible activation as one in-place operation.
+
+    .. math::
+        y = \\phi\\Big(\\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}}
+            \\,(|\\gamma| + \\epsilon) + \\beta\\Big)
+
+    written over the input and returned; backward keeps only :math:`y` (and
+    per-channel vectors) and recovers the normalised input by inverting
+    :math:`\\phi` and the affine map: about half the activation memory of
+    ``SyncBatchNorm`` followed by an activation. Statistics span the
+    ``process_group`` exactly as :class:`syncbn.SyncBatchNorm`'s (one collective
+    each way, uneven and empty batches); a group of one or no process group is
+    the local layer; ``nn.DataParallel`` replicas synchronise with each other.
+
+    Weight convention: the scale is :math:`|\\gamma| + \\epsilon` (as InPlace-ABN),
+    so it never reaches 0 and the inversion always exists.
+    :func:`syncbn.fuse_batchnorm_activation` converts a trained
+    ``BatchNorm`` + ``LeakyReLU``/``ELU`` pair (setting :math:`\\gamma - \\epsilon`);
+    :func:`syncbn.revert_sync_batchnorm` turns the layer back into
+    ``nn.Sequential(BatchNorm(weight = |γ| + ε), activation)``.
+
+    The input is overwritten: it must be the output of an earlier operation
+    (not a leaf that requires grad), and nothing else may need its old value.
+
+    Args:
+        num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
+        eps: added to the variance and to :math:`|\\gamma|`. Default: 1e-5.
+        momentum: running-statistics factor (torch's convention), or ``None``
+            for a cumulative average. Default: 0.1.
+        affine: learnable :math:`\\gamma` and :math:`\\beta`. Default: ``True``.
+        track_running_stats: keep running statistics for eval. Default: ``True``.
+        process_group: the ``torch.distributed`` group to synchronise over
+            (``None``: the default group, looked up at call time).
+        device: device of the parameters and buffers.
+        dtype: dtype of the parameters and buffers.
+        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"``. Default: ``"leaky_relu"``.
+        activation_param: the negative slope of ``leaky_relu`` or the ``alpha``
+            of ``elu`` (positive). Default: 0.01.
+
+    Shape:
+        - Input: :math:`(N, C, *)`, at least 2 dimensions.
+        - Output: the input tensor itself, overwritten.
+
+    Example::
+
+        >>> layer = syncbn.InPlaceSyncBatchNorm2d(16)
+        >>> h = torch.nn.Conv2d(3, 16, 3)(torch.randn(4, 3, 10, 10))
+        >>> y = layer(h)          # y is h, overwritten
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+    ) -> None:
+        super().__init__(
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            activation,
+            activation_param,
+            device,
+            dtype,
+        )
+        self.process_group = process_group
+
+    def _group(self) -> Any:
+        group = self.process_group
+        if isinstance(group, groups.ProcessGroupRef) and groups.is_initialized():
+            self.process_group = group = group.lookup()
+        return group
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise and activate ``input`` in place; returns it.
+
+        Args:
+            input: :math:`(N, C, *)` tensor, overwritten.
+
+        Returns:
+            ``input``, holding the output.
+        """
+        return self._forward(input)
+
+    def extra_repr(self) -> str:
+        text = (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}, activation={self.activation}"
+        )
+        if self.activation in ("leaky_relu", "elu"):
+            text += f"[{self.activation_param}]"
+        return text
+
+
+class InPlaceSyncBatchNorm2d(InPlaceSyncBatchNorm):
+    """:class:`InPlaceSyncBatchNorm` for 4D input ``(N, C, H, W)`` (checks the rank as ``BatchNorm2d``).
+
+    Shape:
+        - Input: :math:`(N, C, H, W)`
+        - Output: the input tensor itself, overwritten.
+
+    Example::
+
+        >>> layer = syncbn.InPlaceSyncBatchNorm2d(8, activation="elu", activation_param=1.0)
+    """
+
+    _input_dims = (4,)
+    _input_dims_text = "4D"
+
+
+def activation_module(activation: str, param: float) -> nn.Module:
+    """The ``torch.nn`` module of an activation name (in place where torch offers it)."""
+    if activation == "leaky_relu":
+        return nn.LeakyReLU(param, inplace=True)
+    if activation == "elu":
+        return nn.ELU(param, inplace=True)
+    if activation == "relu":
+        return nn.ReLU(inplace=True)
+    return nn.Identity()
+
+
+def activation_of(module: nn.Module) -> tuple[str, float] | None:
+    """``(name, param)`` of an ``nn.LeakyReLU`` (positive slope) or ``nn.ELU``; else ``None``."""
+    if type(module) is nn.LeakyReLU and module.negative_slope > 0:
+        return "leaky_relu", float(module.negative_slope)
+    if type(module) is nn.ELU and module.alpha > 0:
+        return "elu", float(module.alpha)
+    return None
+
+
+def plain_equivalent(layer: ActivatedBatchNormBase, generic: type[nn.Module]) -> nn.Module:
+    """``nn.Sequential(batch norm with weight |w| + eps, activation)``: the layer's function, unsynchronised.
+
+    Args:
+        layer: an in-place activated layer.
+        generic: the plain batch norm class for input of any rank (``syncbn.convert.BatchNorm``,
+            handed down by :mod:`syncbn.convert`), used unless the layer checks for 4D input.
+
+    Returns:
+        The pair, with the layer's statistics, mode, device and dtype; the weight is a new
+        ``Parameter`` holding ``|w| + eps`` (the bias is the layer's own).
+    """
+    cls = nn.BatchNorm2d if layer._input_dims == (4,) else generic
+    ref = layer.weight if layer.weight is not None else layer.running_mean
+    bn: Any = cls(  # type: ignore[call-arg]
+        layer.num_features,
+        layer.eps,
+        layer.momentum,
+        layer.affine,
+        layer.track_running_stats,
+        device=None if ref is None else ref.device,
+        dtype=None if ref is None else ref.dtype,
+    )
+    with torch.no_grad():
+        if layer.weight is not None:
+            bn.weight = nn.Parameter(layer.weight.abs() + layer.eps, requires_grad=layer.weight.requires_grad)
+            bn.bias = layer.bias
+        if layer.running_mean is not None:
+            bn.running_mean, bn.running_var = layer.running_mean, layer.running_var
+            bn.num_batches_tracked = layer.num_batches_tracked
+    bn.train(layer.training)
+    pair = nn.Sequential(bn, activation_module(layer.activation, float(layer.activation_param)))
+    pair.train(layer.training)
+    return pair

@@ -1,0 +1,146 @@
+"""Fuse a model's BatchNorm + LeakyReLU/ELU pairs into :class:`syncbn.InPlaceSyncBatchNorm` layers.
+
+The in-place layer scales by :math:`|\\gamma| + \\epsilon` (so that it stays
+invertible); a trained BatchNorm scales by its weight :math:`w`. The fused
+layer's weight is set to :math:`w - \\epsilon`, which reproduces :math:`w`
+exactly when :math:`w \\ge \\epsilon`. A channel with :math:`w < \\epsilon`
+(negative or nearly zero) cannot be represented: ``strict=True`` (the default)
+refuses the model before changing anything; ``strict=False`` fuses anyway with
+the weight clamped to :math:`0` (scale :math:`\\epsilon`) on those channels and
+a warning, which changes what the layer computes there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._checks import name_layers
+from .activated import InPlaceSyncBatchNorm, InPlaceSyncBatchNorm2d, activation_of
+from .modules import SyncBatchNorm
+
+__all__ = ["fuse_batchnorm_activation"]
+
+_FUSABLE = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, SyncBatchNorm, nn.SyncBatchNorm)
+
+
+def _fusable(bn: nn.Module) -> bool:
+    if not isinstance(bn, _FUSABLE):
+        return False
+    # A subclass with a forward of its own does more than batch norm: leave it.
+    return any(type(bn).forward is cls.forward for cls in _FUSABLE)
+
+
+def _pairs(module: nn.Module) -> list[tuple[str, nn.Sequential, int]]:
+    found = []
+    for name, seq in module.named_modules():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        children = list(seq._modules.values())
+        for i in range(len(children) - 1):
+            bn, act = children[i], children[i + 1]
+            if bn is not None and act is not None and _fusable(bn) and activation_of(act) is not None:
+                found.append((name, seq, i))
+    return found
+
+
+def fuse_batchnorm_activation(
+    module: nn.Module, process_group: Any = None, *, strict: bool = True
+) -> nn.Module:
+    """Replace ``BatchNorm`` -> ``LeakyReLU``/``ELU`` neighbours of ``nn.Sequential`` containers, in place.
+
+    Each pair ``(bn, act)`` at positions ``i, i+1`` becomes
+    ``(InPlaceSyncBatchNorm, nn.Identity())``: the ``state_dict`` keys stay
+    those of the BatchNorm (the activation had none), the ``Parameter``
+    objects and buffers are the BatchNorm's own (an optimizer built before
+    keeps working), the weight's value becomes ``w - eps`` (see the module
+    docstring for ``w < eps``). ``nn.BatchNorm2d`` becomes
+    :class:`~syncbn.InPlaceSyncBatchNorm2d`, the others the generic
+    :class:`~syncbn.InPlaceSyncBatchNorm`. Only ``nn.LeakyReLU`` with a
+    positive slope and ``nn.ELU`` qualify (``ReLU`` is not invertible).
+
+    Args:
+        module: the model.
+        process_group: the group the fused layers synchronise over (``None``:
+            the default group; a ``SyncBatchNorm``'s own group is kept).
+        strict: refuse weights below ``eps`` (``True``) or clamp them (``False``, with a warning).
+
+    Returns:
+        ``module``, with the pairs fused.
+
+    Raises:
+        ValueError: ``strict`` and a BatchNorm weight below ``eps``; nothing is changed.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.LeakyReLU(0.1)
+        ... )
+        >>> model = syncbn.fuse_batchnorm_activation(model)
+        >>> [type(m).__name__ for m in model]
+        ['Conv2d', 'InPlaceSyncBatchNorm2d', 'Identity']
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fuse_batchnorm_activation expected a torch.nn.Module (got {type(module).__name__})")
+    pairs = _pairs(module)
+    bad = []
+    for name, seq, i in pairs:
+        bn: Any = list(seq._modules.values())[i]
+        if bn.weight is not None:
+            low = int((bn.weight.detach() < bn.eps).sum())
+            if low:
+                key = list(seq._modules)[i]
+                bad.append(f"{name + '.' if name else ''}{key} ({low} of {bn.num_features} channels)")
+    if bad and strict:
+        raise ValueError(
+            "syncbn: cannot fuse these BatchNorm layers into in-place layers exactly: their scale "
+            "becomes |weight| + eps, so every weight must be at least eps (got smaller weights in "
+            + ", ".join(bad)
+            + "). Pass strict=False to clamp those weights to 0 (this changes the model), "
+            "or keep them unfused"
+        )
+    if bad:
+        warnings.warn(
+            "syncbn: fused BatchNorm layers with weights below eps, clamped to 0 (the scale becomes eps): "
+            + ", ".join(bad),
+            UserWarning,
+            stacklevel=2,
+        )
+    for _, seq, i in pairs:
+        keys = list(seq._modules)
+        bn = seq._modules[keys[i]]
+        act = seq._modules[keys[i + 1]]
+        assert bn is not None and act is not None
+        seq._modules[keys[i]] = _fused(bn, act, process_group)
+        seq._modules[keys[i + 1]] = nn.Identity()
+    name_layers(module)
+    return module
+
+
+def _fused(bn: Any, act: nn.Module, process_group: Any) -> InPlaceSyncBatchNorm:
+    activation, param = activation_of(act)  # type: ignore[misc]
+    cls = InPlaceSyncBatchNorm2d if isinstance(bn, nn.BatchNorm2d) else InPlaceSyncBatchNorm
+    group = process_group if process_group is not None else getattr(bn, "process_group", None)
+    new = cls(
+        bn.num_features,
+        bn.eps,
+        bn.momentum,
+        bn.affine,
+        bn.track_running_stats,
+        process_group=group,
+        device="meta",
+        activation=activation,
+        activation_param=param,
+    )
+    with torch.no_grad():
+        if bn.weight is not None:
+            bn.weight.sub_(bn.eps).clamp_(min=0.0)
+    for key in ("weight", "bias"):
+        new._parameters[key] = bn._parameters.get(key)
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        new._buffers[key] = bn._buffers.get(key)
+    new.train(bn.training)
+    return new
