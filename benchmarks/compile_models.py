@@ -78,6 +78,7 @@ def _case(model_name: str, wrapping: str, rank: int, args: argparse.Namespace) -
     from syncbn import _ops
 
     torch._dynamo.reset()
+    graphs_before = int(counters["stats"]["unique_graphs"])  # the counter runs for the whole process
     eager_m = syncbn.convert_sync_batchnorm(_build(model_name)).to(_DTYPES[args.dtype])
     for module in eager_m.modules():
         if isinstance(module, nn.Dropout):  # random masks would differ between the two runs
@@ -128,7 +129,7 @@ def _case(model_name: str, wrapping: str, rank: int, args: argparse.Namespace) -
             worst = max(worst, evaluate())
     return {
         "layers": layers,
-        "warm-up graphs": warm_graphs,
+        "warm-up graphs": warm_graphs - graphs_before,
         "warm-up s": warm_s,
         "graphs after": int(counters["stats"]["unique_graphs"]) - warm_graphs,
         "forward calls": _ops.calls - fwd,

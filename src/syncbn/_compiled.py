@@ -104,7 +104,10 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
             y = y + bias.to(comp).view(shape)
         out = y.to(x.dtype)
         ctx.mark_non_differentiable(mean, unbiased, total)
-        ctx.save_for_backward(x, weight, mean, invstd, total, token)
+        # Only tensors are saved (no None: checkpointed regions under compile refuse it).
+        ctx.has_weight, ctx.has_token = weight is not None, token is not None
+        extra = [t for t in (weight, token) if t is not None]
+        ctx.save_for_backward(x, mean, invstd, total, *extra)
         ctx.group = group
         ctx.param_dtype = _function.gradient_dtype(weight, bias, mean)
         return out, mean, unbiased, total
@@ -113,7 +116,9 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad_output: Tensor, *unused: Any
     ) -> tuple[Tensor | None, ...]:
-        x, weight, mean, invstd, total, token = ctx.saved_tensors
+        x, mean, invstd, total, *extra = ctx.saved_tensors
+        weight = extra.pop(0) if ctx.has_weight else None
+        token = extra.pop(0) if ctx.has_token else None
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         dims, shape = _layout(x)
         comp = _compute_dtype(x, mean.dtype)
