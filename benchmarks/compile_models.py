@@ -11,8 +11,8 @@ eval()/train() switch. Printed per case: graphs compiled during and after the
 warm-up (after: should be 0), the syncbn layers, forward and backward
 collective-operator calls after the warm-up (should be layers x steps each:
 no layer ran eagerly), and the largest difference of the outputs and input
-gradients from the same model run eagerly (float32, relative to the largest
-magnitude). The model input's batch dimension is marked dynamic.
+gradients from the same model run eagerly (float64 by default, relative to the
+largest magnitude). The model input's batch dimension is marked dynamic.
 
 Not part of the test suite (minutes per model on 2 cores). ``--backend eager``
 (the default) stops after dynamo, which is where recompilation is decided;
@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 MODELS = ("resnet50", "mobilenet_v3_small", "efficientnet_b0", "blocks50")
 WRAPPINGS = ("compile(DDP(m))", "DDP(compile(m))")
 SIZES = ((3, 2), (2, 4), (4, 3))  # per-rank batch sizes of the steps after the warm-up
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def _build(name: str) -> nn.Module:
@@ -57,7 +58,7 @@ def _build(name: str) -> nn.Module:
     if name == "efficientnet_b0":
         import timm
 
-        return timm.create_model("efficientnet_b0", num_classes=10)
+        return timm.create_model("efficientnet_b0", num_classes=10, drop_rate=0.0)
     layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1)]
     for _ in range(50):
         layers += [nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()]
@@ -77,7 +78,11 @@ def _case(model_name: str, wrapping: str, rank: int, args: argparse.Namespace) -
     from syncbn import _ops
 
     torch._dynamo.reset()
-    eager_m = syncbn.convert_sync_batchnorm(_build(model_name))
+    graphs_before = int(counters["stats"]["unique_graphs"])  # the counter runs for the whole process
+    eager_m = syncbn.convert_sync_batchnorm(_build(model_name)).to(_DTYPES[args.dtype])
+    for module in eager_m.modules():
+        if isinstance(module, nn.Dropout):  # random masks would differ between the two runs
+            module.p = 0.0
     comp_m = copy.deepcopy(eager_m)
     layers = sum(isinstance(m, syncbn.SyncBatchNorm) for m in comp_m.modules())
     eager = nn.parallel.DistributedDataParallel(eager_m)
@@ -89,7 +94,7 @@ def _case(model_name: str, wrapping: str, rank: int, args: argparse.Namespace) -
 
     def step(i: int, sizes: tuple[int, int]) -> float:
         g = torch.Generator().manual_seed(i)
-        x_all = torch.randn(sum(sizes), 3, args.size, args.size, generator=g)
+        x_all = torch.randn(sum(sizes), 3, args.size, args.size, generator=g, dtype=_DTYPES[args.dtype])
         lo = sum(sizes[:rank])
         x = x_all[lo : lo + sizes[rank]]
         outs = []
@@ -103,7 +108,8 @@ def _case(model_name: str, wrapping: str, rank: int, args: argparse.Namespace) -
         return max(_err(outs[0][0], outs[1][0]), _err(outs[0][1], outs[1][1]))
 
     def evaluate() -> float:
-        x = torch.randn(2, 3, args.size, args.size, generator=torch.Generator().manual_seed(99))
+        g = torch.Generator().manual_seed(99)
+        x = torch.randn(2, 3, args.size, args.size, generator=g, dtype=_DTYPES[args.dtype])
         for m in (eager, compiled):
             m.eval()
         with torch.no_grad():
@@ -123,7 +129,7 @@ def _case(model_name: str, wrapping: str, rank: int, args: argparse.Namespace) -
             worst = max(worst, evaluate())
     return {
         "layers": layers,
-        "warm-up graphs": warm_graphs,
+        "warm-up graphs": warm_graphs - graphs_before,
         "warm-up s": warm_s,
         "graphs after": int(counters["stats"]["unique_graphs"]) - warm_graphs,
         "forward calls": _ops.calls - fwd,
@@ -151,12 +157,18 @@ def main() -> None:
     parser.add_argument("--backend", default="eager")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--size", type=int, default=32, help="image side")
+    parser.add_argument(
+        "--dtype",
+        default="float64",
+        choices=sorted(_DTYPES),
+        help="float64 by default: deep models amplify float32 rounding differences past 1e-5",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_worker, args=(2, tmp, args, out), nprocs=2, start_method="fork")
         results = dict(out)
-    print(f"\nW=2 gloo cpu float32, backend {args.backend}, torch {torch.__version__}, {len(SIZES)} steps")
+    print(f"\nW=2 gloo cpu {args.dtype}, backend {args.backend}, torch {torch.__version__}")
     print("model, wrapping, syncbn layers, graphs in warm-up / after, fwd/bwd op calls (expected), worst")
     for key in results[0]:
         r0, r1 = results[0][key], results[1][key]

@@ -1,6 +1,12 @@
 """DDP training step, compiled and eager, of syncbn against a compiled ``nn.BatchNorm2d`` twin, 2 gloo ranks.
 
     python benchmarks/compile_step.py [--steps 10] [--rounds 5] [--threads 1] [--nets narrow,wide]
+    python benchmarks/compile_step.py --eager-forms
+
+``--eager-forms`` times instead, in one process, one layer's eager forward +
+backward through the eager autograd function and through the traced form the
+compiler sees (``syncbn._compiled``, run eagerly), with a loopback group: what
+serving eager mode with the traced form would cost.
 
 Two networks (Conv-BN-ReLU blocks, then pooling and a linear head):
 
@@ -113,13 +119,50 @@ def _worker(rank: int, world: int, tmp: str, args: argparse.Namespace, out: Any)
     dist.destroy_process_group()
 
 
+def _eager_forms() -> None:
+    import syncbn
+    import syncbn.modules
+
+    torch.set_num_threads(1)
+
+    class Loopback:
+        size, rank = 2, 0
+
+        def all_reduce_sum(self, t: torch.Tensor, tag: Any = None, deferred: Any = None) -> torch.Tensor:
+            return t
+
+    print("one layer forward + backward, thread CPU ms (median of 50), loopback group, 1 thread")
+    for shape in ((32, 64), (256, 512), (64, 256, 4, 4), (16, 64, 32, 32)):
+        bn = syncbn.SyncBatchNorm(shape[1], process_group=Loopback())
+        x = torch.randn(*shape, requires_grad=True)
+        g = torch.randn(*shape)
+        res = {}
+        for form in ("eager function", "traced form"):
+            times = []
+            for _ in range(60):
+                if form == "traced form":  # the layer takes its compile path, run eagerly
+                    syncbn.modules._is_compiling = lambda: True
+                t = time.thread_time()
+                bn(x).backward(g)
+                times.append(time.thread_time() - t)
+                syncbn.modules._is_compiling = torch.compiler.is_compiling
+            res[form] = statistics.median(times[10:]) * 1e3
+        ratio = res["traced form"] / res["eager function"]
+        text = ", ".join(f"{k} {v:.3f}" for k, v in res.items())
+        print(f"  {'x'.join(map(str, shape)):>12}: {text} ({ratio:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--nets", default="narrow,wide")
+    parser.add_argument("--eager-forms", action="store_true")
     args = parser.parse_args()
+    if args.eager_forms:
+        _eager_forms()
+        return
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_worker, args=(2, tmp, args, out), nprocs=2, start_method="fork")

@@ -34,8 +34,8 @@ pytestmark = pytest.mark.skipif(
 BLOCKS = 50
 # Per-rank batch sizes of each training step after the warm-up step: changed sizes, uneven ranks.
 SIZES = ((3, 2), (2, 4), (4, 3))
-# The whole model as one graph, and (a top-level nn.Sequential under compile(DDP(m)) traces so)
-# every layer a frame of its own. compile(DDP(m)) of a whole-model root is in test_compile.py.
+# The whole model as one graph, and every layer a frame of its own (a top-level nn.Sequential
+# under torch.compile(DDP(m))). compile(DDP(m)) of a whole-model root is in test_compile.py.
 CASES = ("DDP(compile(m))", "per-layer frames")
 
 
@@ -107,11 +107,12 @@ def _case(name: str, rank: int) -> dict[str, Any]:
     elif name == "DDP(compile(m))":
         compiled = nn.parallel.DistributedDataParallel(torch.compile(comp_m, backend="eager"))
     else:
-        # Every layer a frame of its own (as around graph breaks): one code object, one cache,
-        # 50 layers. Dynamic shapes from the start, as the model input is marked below.
-        for layer in _layers(comp_m):
-            layer.compile(backend="eager", dynamic=True)
-        compiled = nn.parallel.DistributedDataParallel(comp_m)
+        # A top-level nn.Sequential under torch.compile(DDP(m)): dynamo skips the Sequential's
+        # frame (torch code) and compiles every syncbn layer as a frame of its own, 50 layers on
+        # one code object and one cache. dynamic=True: those frames' inputs are not the marked
+        # model input.
+        ddp = nn.parallel.DistributedDataParallel(comp_m)
+        compiled = torch.compile(ddp, backend="eager", dynamic=True)
 
     def step(i: int, sizes: tuple[int, int]) -> float:
         x, gy = _batch(i, sizes, rank)
