@@ -7,6 +7,7 @@ its result cached for the tests that read it.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -139,6 +140,40 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
             eager_ddp, comp, (eager_m, comp_m), rank, conv_steps, ((3, 8, 8), (8, 6, 6))
         )
         out[f"op calls {name}"] = _compiled_calls() - before
+    # torch.utils.checkpoint inside the compiled region: the checkpointed layer breaks the graph
+    # (torch's AOTAutograd cannot recompute an effectful operator) and runs eagerly, warned once;
+    # the layer after it stays compiled. Against the same model uncompiled, two steps.
+    for reentrant in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = _conv()
+        tail = nn.Sequential(nn.Conv2d(8, 2, 1), syncbn.SyncBatchNorm2d(2)).double()
+        ref_block, ref_tail = copy.deepcopy(block), copy.deepcopy(tail)
+
+        def run(b: nn.Module, t: nn.Module, x: Tensor, r: bool = reentrant) -> Tensor:
+            return t(torch.utils.checkpoint.checkpoint(b, x, use_reentrant=r))
+
+        before = _compiled_calls()
+        compiled_run = torch.compile(run, backend="aot_eager")
+        torch.manual_seed(1 + rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n in (2 + rank, 3):
+                x = torch.randn(n, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+                x_ref = x.detach().clone().requires_grad_()
+                g = torch.randn(n, 2, 6, 6, dtype=torch.float64)
+                compiled_run(block, tail, x).backward(g)
+                run(ref_block, ref_tail, x_ref).backward(g)
+        key = f"checkpoint reentrant={reentrant}"
+        out[key] = max(
+            _err(x.grad, x_ref.grad),
+            _state_err(block, ref_block),
+            _state_err(tail, ref_tail),
+            *(_err(a.grad, b.grad) for a, b in zip(block.parameters(), ref_block.parameters())),
+        )
+        out[f"{key} batches"] = int(block[1].num_batches_tracked)
+        out[f"{key} op calls"] = _compiled_calls() - before
+        out[f"{key} warned"] = sum("inside torch.utils.checkpoint" in str(w.message) for w in caught)
     dist.barrier()
     return out
 
@@ -196,3 +231,16 @@ def test_single_process_fullgraph_no_break_equals_eager() -> None:
         ((3, 8, 8), (8, 6, 6)),
     )
     assert worst <= 1e-12
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_inside_a_compiled_region_runs_the_region_eagerly(reentrant: bool) -> None:
+    key = f"checkpoint reentrant={reentrant}"
+    for rank, result in enumerate(_results()):
+        assert result[key] <= 1e-12, (
+            f"rank {rank}: differs from uncompiled checkpointing by {result[key]:.3g}"
+        )
+        assert result[f"{key} batches"] == 2  # statistics updated once per step, not twice
+        assert result[f"{key} op calls"] == 2  # the layer after the checkpoint stays compiled
+        assert result[f"{key} warned"] >= 1

@@ -10,14 +10,20 @@ activation checkpointing, checkpoint loading, pickling with a process group.
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-from . import _abn, _abn_math, _checks, _ops, groups, parallel
-from ._abn_traced import traced_inplace_abn
+from . import _abn, _abn_math, _checks, groups, parallel
+
+try:
+    from . import _ops
+    from ._abn_traced import traced_inplace_abn
+except ImportError:  # torch without ordered effectful custom operators: compiled models run eagerly
+    _ops = None  # type: ignore[assignment]
 from .parallel._abn import replica_inplace_abn
 
 __all__ = ["ActivatedBatchNormBase"]
@@ -57,6 +63,13 @@ OVERWRITTEN_CHECKPOINT_INPUT = (
     "instead. Start the checkpointed region with the operation that produces the layer's input (e.g. "
     "the convolution before it), or use a non-in-place layer there."
 )
+
+
+@torch._dynamo.assume_constant_result
+def _warn_while_tracing(message: str) -> bool:
+    """Warn while dynamo traces (it runs this at trace time, never in the compiled code)."""
+    warnings.warn(message, stacklevel=2)
+    return True
 
 
 class ActivatedBatchNormBase(nn.Module):
@@ -167,7 +180,23 @@ class ActivatedBatchNormBase(nn.Module):
         graph break, the collectives the one opaque operator of :mod:`syncbn._ops`.
         """
         if _is_compiling():
-            return self._compiled_forward(x)
+            if _ops is None or (
+                not self._local
+                and self.training
+                and _ops.group_handle(self._group())
+                and _ops.tracing_a_checkpointed_region()
+            ):
+                # torch without the collective operator, or inside torch.utils.checkpoint (whose
+                # recomputation AOTAutograd cannot do with an effectful operator): break the graph,
+                # so that dynamo runs this layer (or the checkpointed region) eagerly.
+                where = f"on torch {torch.__version__}" if _ops is None else "inside torch.utils.checkpoint"
+                _warn_while_tracing(
+                    f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile {where}: "
+                    "dynamo breaks the graph here and runs the layer eagerly"
+                )
+                torch._dynamo.graph_break()
+            else:
+                return self._compiled_forward(x)
         return self._eager_forward(x)
 
     def _compiled_forward(self, x: Tensor) -> Tensor:

@@ -65,7 +65,13 @@ except (ImportError, AttributeError) as exc:
 from . import _checks, _function, groups
 from .groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_NAMES, PHASE_OTHER
 
-__all__ = ["CHECK_ONE_VALUE", "all_reduce_sum", "group_handle", "layer_token"]
+__all__ = [
+    "CHECK_ONE_VALUE",
+    "all_reduce_sum",
+    "group_handle",
+    "layer_token",
+    "tracing_a_checkpointed_region",
+]
 
 CHECK_ONE_VALUE = 1  # flags bit: raise the one-value error when the summed count (element 0) is 1
 
@@ -108,6 +114,27 @@ def layer_token(layer: Any) -> Tensor | None:
         return None
     token: Tensor = state.token
     return token
+
+
+@torch._dynamo.assume_constant_result
+def tracing_a_checkpointed_region() -> bool:
+    """Whether dynamo is tracing the body of ``torch.utils.checkpoint`` now (run while tracing only).
+
+    torch 2.13's AOTAutograd cannot recompute an ordered effectful operator (the collective) in a
+    checkpointed region; a layer then breaks the graph so that dynamo runs the region eagerly.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tracer: Any = InstructionTranslator.current_tx().output.current_tracer
+    except Exception:  # not tracing, or a torch without these internals
+        return False
+    while tracer is not None:
+        target = getattr(tracer, "source_target", None)
+        if "checkpoint" in str(getattr(target, "__name__", target)):
+            return True
+        tracer = getattr(tracer, "parent", None)
+    return False
 
 
 @_custom_op("syncbn::all_reduce_sum", mutates_args=())

@@ -234,6 +234,18 @@ class SyncBatchNorm(_BatchNorm):
             return out
 
         if compiling:
+            if (
+                _ops is not None
+                and _ops.group_handle(self.process_group)
+                and _ops.tracing_a_checkpointed_region()
+            ):
+                _warn_while_tracing(
+                    f"syncbn: {type(self).__name__}({self.num_features}) inside torch.utils.checkpoint "
+                    "under torch.compile: torch's AOTAutograd cannot recompute syncbn's collective "
+                    "operator in a checkpointed region, so dynamo breaks the graph there and runs "
+                    "the checkpointed region eagerly (statistics synchronised and updated once)"
+                )
+                torch._dynamo.graph_break()
             if _ops is not None:
                 return self._compiled_training_forward(input, factor, tracking)
             _warn_while_tracing(
