@@ -391,6 +391,10 @@ def test_low_precision_inputs(dtype: torch.dtype, tol: float) -> None:
     assert max_error(layer.weight.grad, ref["dw"]) / max(1.0, float(ref["dw"].abs().max())) < tol * 4
 
 
+@pytest.mark.skipif(
+    syncbn.modules._ops is None,
+    reason=f"torch {torch.__version__} has no custom operators with ordered effects (syncbn._ops)",
+)
 def test_compiled_local_layers_trace_without_graph_breaks() -> None:
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters

@@ -205,7 +205,8 @@ def _ddp(rank: int, world_size: int) -> float:
 
 def _all_cases(rank: int, world_size: int) -> list[Any]:
     out: list[Any] = [_run_case(rank, case, i) for i, case in enumerate(CASES)]
-    out.append(_compiled(rank))
+    # torch without ordered effectful custom operators (older than 2.4 or so): no compiled form.
+    out.append(_compiled(rank) if syncbn.modules._ops is not None else None)
     out.append(_ddp(rank, world_size))
     # Global count one: every rank raises the same error, before anything changes.
     layer = InPlaceABNSync(3).double()
@@ -228,11 +229,14 @@ def test_equals_global_batchnorm_and_activation_on_every_rank() -> None:
             assert worst <= TOL, f"rank {rank}, case {case}: {errors}"
     for rank, per_rank in enumerate(results):
         compiled = per_rank[len(CASES)]
-        assert compiled["error"] <= TOL and compiled["frames"] == 1 and compiled["breaks"] == 0, (
-            rank,
-            compiled,
-        )
-        assert compiled["collectives"] == (4, 4), compiled  # 2 layers x 2 steps, one each way
+        if compiled is None:  # no compiled form on this torch
+            assert syncbn.modules._ops is None
+        else:
+            assert compiled["error"] <= TOL and compiled["frames"] == 1 and compiled["breaks"] == 0, (
+                rank,
+                compiled,
+            )
+            assert compiled["collectives"] == (4, 4), compiled  # 2 layers x 2 steps, one each way
         assert per_rank[len(CASES) + 1] <= TOL, ("DDP", rank, per_rank[len(CASES) + 1])
     messages = {r[-1] for r in results}
     assert len(messages) == 1, messages
