@@ -23,6 +23,7 @@ LAYERS: dict[str, float] = {
     "syncbn._shm": 0,
     "syncbn._threads": 0,
     "syncbn._names": 0,
+    "syncbn._accumulating": 0,  # the running-statistics hook of syncbn.accumulation
     "syncbn.groups": 1,
     "syncbn._checks": 2,
     "syncbn._function": 3,
@@ -37,6 +38,7 @@ LAYERS: dict[str, float] = {
     "syncbn.activated": 5,
     "syncbn.convert": 6,
     "syncbn.fuse": 6,
+    "syncbn.accumulation": 6,
 }
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _abn_math, _checks, _math
+from . import _abn_math, _accumulating, _checks, _math
 from ._function import _all_reduce, statistics_dtype
 from .groups import SumGroup
 
@@ -143,6 +143,7 @@ def abn_forward(
         a, c = _abn_math.affine_coefficients(scale, bias, mean, var, eps)
         _abn_math.activate_(x, a, c, activation, param)
     if global_count > 0:
+        _accumulating.observe(running_mean, total, mean, var, momentum)  # syncbn.accumulation
         _math.update_running(running_mean, running_var, mean, unbiased, momentum)
     return ABNStats((var + eps).rsqrt(), total, count, True)
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _checks, _config, _math
+from . import _accumulating, _checks, _config, _math
 from .groups import (
     PHASE_BACKWARD,
     PHASE_FORWARD,
@@ -196,6 +196,7 @@ def synchronized_forward(
     elif out is None:
         out = torch.empty_like(x)
     if global_count > 0:
+        _accumulating.observe(running_mean, total, mean, var, momentum)  # syncbn.accumulation
         _math.update_running(running_mean, running_var, mean, unbiased, momentum)
     return ForwardResult(out, mean, var, total, local_count=count)
 

@@ -1,0 +1,104 @@
+"""The running-statistics hook that :func:`syncbn.accumulation` listens on.
+
+Where the engine updates a layer's running statistics with a training batch's
+global moments, it first calls :func:`observe` with them: the global count, the
+mean and the biased variance that the one forward collective already produced.
+Outside an accumulation block this is one truth test of an empty dict. Inside
+one, the moments of every micro-batch are merged here, exactly (Chan's pairwise
+formulas in float64, no host read), and the block replaces the micro-batches'
+updates by one update with the merged moments when it ends.
+
+The observed layer is recognised by its ``running_mean`` tensor (the engine has
+no other handle on it), so the hook needs no change to any signature: whatever
+path the engine takes, it passes the tensor it is about to update.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["Moments", "observe", "listening"]
+
+# id(running_mean) -> the merged moments of the block that listens on it.
+_listeners: dict[int, Moments] = {}
+
+
+class Moments:
+    """Count, mean and sum of squared deviations per channel, merged in float64.
+
+    Args:
+        running_mean: the buffer whose updates this object collects (kept alive
+            while it listens, so its ``id`` cannot be reused).
+    """
+
+    def __init__(self, running_mean: Tensor) -> None:
+        self.running_mean = running_mean
+        device = running_mean.device
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.mean = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
+        self.m2 = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
+        self.batches = 0  # micro-batches observed
+
+    def add(self, count: float | Tensor, mean: Tensor, var: Tensor) -> None:
+        """Merge one batch of ``count`` values per channel, ``mean`` and biased ``var``.
+
+        Chan et al.'s pairwise update: with ``d = mean_b - mean_a`` and
+        ``n = n_a + n_b``, ``mean = mean_a + d * n_b / n`` and
+        ``m2 = m2_a + m2_b + d^2 * n_a * n_b / n``. An empty batch changes nothing.
+        """
+        n_b = torch.as_tensor(count, dtype=torch.float64, device=self.count.device)
+        mean_b = mean.detach().to(device=self.mean.device, dtype=torch.float64)
+        m2_b = var.detach().to(device=self.mean.device, dtype=torch.float64) * n_b
+        total = self.count + n_b
+        share = n_b / total.clamp(min=1.0)
+        delta = mean_b - self.mean
+        self.mean.add_(delta * share)
+        self.m2.add_(m2_b + delta * delta * (self.count * share))
+        self.count.copy_(total)
+        self.batches += 1
+
+
+def observe(
+    running_mean: Tensor | None, count: float | Tensor, mean: Tensor, var: Tensor, momentum: float | Tensor
+) -> None:
+    """Tell a listening accumulation block about a batch's global moments.
+
+    The engine calls this where it updates ``running_mean`` (and the running
+    variance) with the global ``mean`` and biased ``var`` of ``count`` values per
+    channel. ``momentum`` is the update factor it is about to use: a factor of
+    exactly 0 (a checkpointed recomputation) is not a new batch and is ignored.
+    """
+    if not _listeners or running_mean is None:
+        return
+    moments = _listeners.get(id(running_mean))
+    if moments is None or moments.running_mean is not running_mean:
+        return
+    if isinstance(momentum, float) and momentum == 0.0:
+        return
+    moments.add(count, mean, var)
+
+
+def listening(running_mean: Tensor) -> Moments | None:
+    """The moments collecting ``running_mean``'s updates, or ``None``."""
+    moments = _listeners.get(id(running_mean))
+    return moments if moments is not None and moments.running_mean is running_mean else None
+
+
+def listen(running_mean: Tensor) -> Moments:
+    """Start collecting the updates of ``running_mean``; raises if already collected."""
+    if listening(running_mean) is not None:
+        raise RuntimeError(
+            "syncbn.accumulation: this layer is already inside another accumulation block "
+            "(expected one block per layer at a time, got a nested one)"
+        )
+    moments = Moments(running_mean)
+    _listeners[id(running_mean)] = moments
+    return moments
+
+
+def stop(moments: Moments) -> None:
+    """Stop collecting for ``moments`` (no error if it already stopped)."""
+    key = id(moments.running_mean)
+    if _listeners.get(key) is moments:
+        del _listeners[key]

@@ -1,0 +1,244 @@
+"""``syncbn.accumulation``: one exact running-statistics update over k micro-batches of W ranks.
+
+The reference for each layer is ``nn.BatchNorm`` (float64) run once on the concatenation of the
+inputs that layer saw in all k micro-batches of all ranks, starting from the same statistics.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import syncbn
+from dist_harness import launch
+from syncbn import groups
+
+pytestmark = pytest.mark.timeout(180)
+
+TOL = 1e-12
+C1, C2 = 4, 5
+
+
+def _plain(seed: int = 0, momentum: float | None = 0.1) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(3, C1, 3, padding=1),
+        nn.BatchNorm2d(C1, momentum=momentum),
+        nn.Conv2d(C1, C2, 1),
+        nn.BatchNorm2d(C2, momentum=momentum),
+    ).double()
+    with torch.no_grad():
+        for layer in (model[1], model[3]):
+            layer.running_mean.uniform_(-1, 1)
+            layer.running_var.uniform_(0.5, 2)
+            layer.num_batches_tracked.fill_(3)
+            layer.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def _ours(plain: nn.Sequential, inplace: bool) -> nn.Sequential:
+    """The plain model with syncbn layers (the last one in-place when ``inplace``)."""
+    model = syncbn.convert_sync_batchnorm(copy.deepcopy(plain))
+    if inplace:
+        last = plain[3]
+        layer = syncbn.InPlaceSyncBatchNorm2d(C2, momentum=last.momentum, activation="identity").double()
+        layer.load_state_dict(last.state_dict())
+        model[3] = layer  # last: its own (|w| + eps) scale changes no other layer's input
+    return model
+
+
+def _expected(plain: nn.Sequential, micro: list[Tensor]) -> list[dict[str, Tensor]]:
+    """Each BN layer's state after one forward on the concatenation of its k micro-batch inputs."""
+    seen: dict[int, list[Tensor]] = {1: [], 3: []}
+    ref = copy.deepcopy(plain)
+    hooks = [ref[i].register_forward_pre_hook(lambda m, a, i=i: seen[i].append(a[0].detach())) for i in seen]
+    for x in micro:  # each micro-batch normalised on its own, as in the block
+        ref(x)
+    for h in hooks:
+        h.remove()
+    out = []
+    for i, inputs in seen.items():
+        bn = copy.deepcopy(plain[i])
+        bn(torch.cat(inputs))
+        out.append({k: v.clone() for k, v in bn.state_dict().items()})
+    return out
+
+
+def _error(model: nn.Module, expected: list[dict[str, Tensor]]) -> float:
+    worst = 0.0
+    for layer, state in zip((model[1], model[3]), expected):
+        assert int(layer.num_batches_tracked) == int(state["num_batches_tracked"])
+        for key in ("running_mean", "running_var"):
+            worst = max(worst, (getattr(layer, key) - state[key]).abs().max().item())
+    return worst
+
+
+def _data(seed: int, sizes: list[list[int]]) -> list[list[Tensor]]:
+    """``sizes[m][r]`` samples for micro-batch m on rank r, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(n, 3, 4, 4, generator=gen, dtype=torch.float64) * 2 + 1 for n in row] for row in sizes
+    ]
+
+
+# --- one process ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_single_process_matches_the_concatenated_batch(momentum: float | None, inplace: bool) -> None:
+    plain = _plain(momentum=momentum)
+    model = _ours(plain, inplace)
+    micro = [b[0] for b in _data(1, [[3], [2], [5]])]
+    with syncbn.accumulation(model):
+        for x in micro:
+            model(x).square().mean().backward()
+    assert _error(model, _expected(plain, micro)) < TOL
+
+
+def test_plain_batchnorm_and_masked_input() -> None:
+    bn = nn.BatchNorm1d(3).double()
+    ours = syncbn.SyncBatchNorm(3).double()
+    xs = [torch.randn(n, 3, 6, dtype=torch.float64) + 3 for n in (2, 4)]
+    masks = [torch.rand(n, 6) > 0.4 for n in (2, 4)]
+    with syncbn.accumulation(bn), syncbn.accumulation(ours):
+        for x, mask in zip(xs, masks):
+            bn(x)
+            ours(x, mask)
+    ref = nn.BatchNorm1d(3).double()
+    ref(torch.cat(xs))
+    assert torch.allclose(bn.running_var, ref.running_var, atol=TOL, rtol=0)
+    valid = torch.cat([x.movedim(1, -1)[m] for x, m in zip(xs, masks)])  # (M, C)
+    ref = nn.BatchNorm1d(3).double()
+    ref(valid)
+    assert torch.allclose(ours.running_mean, ref.running_mean, atol=TOL, rtol=0)
+    assert torch.allclose(ours.running_var, ref.running_var, atol=TOL, rtol=0)
+    assert int(ours.num_batches_tracked) == 1
+
+
+def test_an_exception_leaves_the_statistics_as_before() -> None:
+    model = _ours(_plain(), inplace=True)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(KeyError):
+        with syncbn.accumulation(model):
+            model(torch.randn(4, 3, 4, 4, dtype=torch.float64))
+            raise KeyError("stop")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_eval_forwards_and_no_forward_change_nothing() -> None:
+    model = _ours(_plain(), inplace=False)
+    before = copy.deepcopy(model.state_dict())
+    with syncbn.accumulation(model):
+        pass
+    model.eval()
+    with syncbn.accumulation(model):
+        model(torch.randn(2, 3, 4, 4, dtype=torch.float64))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_manual_begin_commit_and_errors() -> None:
+    plain = _plain()
+    model = _ours(plain, inplace=False)
+    micro = [b[0] for b in _data(2, [[2], [3]])]
+    block = syncbn.accumulation(model)
+    for _ in range(2):  # the same object serves every optimizer step
+        block.begin()
+        assert block.active
+        for x in micro:
+            model(x)
+        block.commit()
+        assert not block.active
+    ref = copy.deepcopy(plain)
+    for _ in range(2):  # the second step starts from the first one's statistics
+        for i, state in zip((1, 3), _expected(ref, micro)):
+            ref[i].load_state_dict(state)
+    assert _error(model, [ref[1].state_dict(), ref[3].state_dict()]) < TOL
+    with pytest.raises(RuntimeError, match="expected begin"):
+        block.commit()
+    with syncbn.accumulation(model):
+        with pytest.raises(RuntimeError, match="nested"):
+            syncbn.accumulation(model).begin()
+    with pytest.raises(TypeError, match="torch.nn.SyncBatchNorm"):
+        syncbn.accumulation(nn.SyncBatchNorm(3)).begin()
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        syncbn.accumulation("model")  # type: ignore[arg-type]
+
+
+# --- W gloo ranks -----------------------------------------------------------------------------
+
+SIZES = [[2, 3, 1], [4, 0, 2], [1, 1, 3]]  # micro-batch m, rank r (uneven; an empty rank)
+
+
+def _ranks(rank: int, world: int) -> dict[str, Any]:
+    calls = {"n": 0}
+    original = groups.ProcessGroupSum.all_reduce_sum
+
+    def counting(self: Any, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        calls["n"] += 1
+        return original(self, tensor, *args, **kwargs)
+
+    groups.ProcessGroupSum.all_reduce_sum = counting  # type: ignore[method-assign]
+    result: dict[str, Any] = {}
+    data = _data(7, SIZES)
+    for momentum in (0.1, None):
+        for inplace in (False, True):
+            plain = _plain(momentum=momentum)
+            expected = _expected(plain, [torch.cat(row) for row in data])
+            # without the block: k updates, and the number of collectives to compare with
+            model = _ours(plain, inplace)
+            calls["n"] = 0
+            for row in data:
+                model(row[rank]).square().mean().backward()
+            without = calls["n"]
+            model = _ours(plain, inplace)
+            calls["n"] = 0
+            with syncbn.accumulation(model):
+                for row in data:
+                    grad = torch.randn_like(row[rank])
+                    model(row[rank]).backward(grad[:, :1].expand(-1, C2, -1, -1).contiguous())
+            result[f"plain m={momentum} inplace={inplace}"] = (_error(model, expected), calls["n"] - without)
+
+    # DDP with no_sync for all but the last micro-batch (no empty rank: DDP needs a graph)
+    sizes = [[2, 3, 1], [4, 1, 2], [1, 2, 3]]
+    data = _data(8, sizes)
+    plain = _plain()
+    expected = _expected(plain, [torch.cat(row) for row in data])
+    ddp = nn.parallel.DistributedDataParallel(_ours(plain, inplace=True))
+    with syncbn.accumulation(ddp):
+        for m, row in enumerate(data):
+            if m < len(data) - 1:
+                with ddp.no_sync():
+                    ddp(row[rank]).square().mean().backward()
+            else:
+                ddp(row[rank]).square().mean().backward()
+    result["ddp no_sync"] = (_error(ddp.module, expected), 0)
+
+    # an exception inside the block, on every rank: the statistics as before
+    model = _ours(_plain(), inplace=True)
+    before = copy.deepcopy(model.state_dict())
+    try:
+        with syncbn.accumulation(model):
+            model(data[0][rank])
+            raise ValueError("stop")
+    except ValueError:
+        pass
+    result["exception"] = (max((v - before[k]).abs().max().item() for k, v in model.state_dict().items()), 0)
+    dist.barrier()
+    return result
+
+
+def test_ranks_match_the_concatenated_micro_batches_without_extra_collectives() -> None:
+    results = launch(_ranks, 3, timeout=150)
+    for rank, result in enumerate(results):
+        for case, (error, extra) in result.items():
+            assert error < TOL, (rank, case, error)
+            assert extra == 0, (rank, case, f"{extra} extra collectives")
+    assert results[0] == results[1] == results[2]
