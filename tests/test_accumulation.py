@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._dynamo.testing import CompileCounter
 
 import syncbn
 from dist_harness import launch
@@ -121,6 +122,24 @@ def test_plain_batchnorm_and_masked_input() -> None:
     assert int(ours.num_batches_tracked) == 1
 
 
+def test_compiled_single_process() -> None:
+    for inplace in (False, True):
+        plain = _plain()
+        model = _ours(plain, inplace)
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter)
+        micro = [b[0] for b in _data(3, [[3], [3]])]
+        ref = copy.deepcopy(plain)
+        for _ in range(2):
+            with syncbn.accumulation(model):
+                for x in micro:
+                    compiled(x).square().mean().backward()
+            for i, state in zip((1, 3), _expected(ref, micro)):
+                ref[i].load_state_dict(state)
+        assert _error(model, [ref[1].state_dict(), ref[3].state_dict()]) < TOL
+        assert counter.frame_count == 1
+
+
 def test_an_exception_leaves_the_statistics_as_before() -> None:
     model = _ours(_plain(), inplace=True)
     before = copy.deepcopy(model.state_dict())
@@ -221,6 +240,24 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
                 ddp(row[rank]).square().mean().backward()
     result["ddp no_sync"] = (_error(ddp.module, expected), 0)
 
+    # torch.compile: the traced layers show their moments too (no graph break, no recompilation)
+    sizes = [[2, 3, 1]] * 3
+    data = _data(9, sizes)
+    for inplace in (False, True):
+        plain = _plain()
+        model = _ours(plain, inplace)
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter)
+        ref = copy.deepcopy(plain)
+        for _ in range(2):
+            with syncbn.accumulation(model):
+                for row in data:
+                    compiled(row[rank]).square().mean().backward()
+            for i, state in zip((1, 3), _expected(ref, [torch.cat(row) for row in data])):
+                ref[i].load_state_dict(state)
+        error = _error(model, [ref[1].state_dict(), ref[3].state_dict()])
+        result[f"compiled inplace={inplace}"] = (error, counter.frame_count - 1)
+
     # an exception inside the block, on every rank: the statistics as before
     model = _ours(_plain(), inplace=True)
     before = copy.deepcopy(model.state_dict())
@@ -240,5 +277,5 @@ def test_ranks_match_the_concatenated_micro_batches_without_extra_collectives() 
     for rank, result in enumerate(results):
         for case, (error, extra) in result.items():
             assert error < TOL, (rank, case, error)
-            assert extra == 0, (rank, case, f"{extra} extra collectives")
+            assert extra == 0, (rank, case, f"{extra} extra collectives (or compiled frames)")
     assert results[0] == results[1] == results[2]

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _ops
+from . import _accumulating, _ops
 from .groups import PHASE_BACKWARD, PHASE_FORWARD
 
 __all__ = ["traced_inplace_abn"]
@@ -169,6 +169,8 @@ def traced_inplace_abn(
         stat_dtype = _acc(x.dtype)
     if training:
         total, mean, var, unbiased = statistics(x, group, token, stat_dtype)
+        if group:  # syncbn.accumulation (local layers are seen by its forward hooks)
+            _accumulating.observe(running_mean, total, mean, var, momentum)
         with torch.no_grad():
             for r, s in ((running_mean, mean), (running_var, unbiased)):
                 if r is not None:  # an empty global batch leaves the running statistics as they are

@@ -38,36 +38,45 @@ class Moments:
         self.count = torch.zeros((), dtype=torch.float64, device=device)
         self.mean = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
         self.m2 = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
-        self.batches = 0  # micro-batches observed
 
-    def add(self, count: float | Tensor, mean: Tensor, var: Tensor) -> None:
+    def add(self, count: float | Tensor, mean: Tensor, var: Tensor, unbiased: bool = False) -> None:
         """Merge one batch of ``count`` values per channel, ``mean`` and biased ``var``.
 
         Chan et al.'s pairwise update: with ``d = mean_b - mean_a`` and
         ``n = n_a + n_b``, ``mean = mean_a + d * n_b / n`` and
         ``m2 = m2_a + m2_b + d^2 * n_a * n_b / n``. An empty batch changes nothing.
+        With ``unbiased``, ``var`` is the unbiased variance (``m2_b / (n_b - 1)``).
+        Only tensor operations (no Python state changes): ``torch.compile`` traces
+        it without a guard on the values.
         """
         n_b = torch.as_tensor(count, dtype=torch.float64, device=self.count.device)
         mean_b = mean.detach().to(device=self.mean.device, dtype=torch.float64)
-        m2_b = var.detach().to(device=self.mean.device, dtype=torch.float64) * n_b
+        m2_b = var.detach().to(device=self.mean.device, dtype=torch.float64)
+        m2_b = m2_b * ((n_b - 1.0).clamp(min=0.0) if unbiased else n_b)
         total = self.count + n_b
         share = n_b / total.clamp(min=1.0)
         delta = mean_b - self.mean
         self.mean.add_(delta * share)
         self.m2.add_(m2_b + delta * delta * (self.count * share))
         self.count.copy_(total)
-        self.batches += 1
 
 
 def observe(
-    running_mean: Tensor | None, count: float | Tensor, mean: Tensor, var: Tensor, momentum: float | Tensor
+    running_mean: Tensor | None,
+    count: float | Tensor,
+    mean: Tensor,
+    var: Tensor,
+    momentum: float | Tensor,
+    *,
+    unbiased: bool = False,
 ) -> None:
     """Tell a listening accumulation block about a batch's global moments.
 
     The engine calls this where it updates ``running_mean`` (and the running
     variance) with the global ``mean`` and biased ``var`` of ``count`` values per
-    channel. ``momentum`` is the update factor it is about to use: a factor of
-    exactly 0 (a checkpointed recomputation) is not a new batch and is ignored.
+    channel (``unbiased``: ``var`` is the unbiased variance). ``momentum`` is the
+    update factor it is about to use: a factor of exactly 0 (a checkpointed
+    recomputation) is not a new batch and is ignored. Traceable by ``torch.compile``.
     """
     if not _listeners or running_mean is None:
         return
@@ -76,7 +85,7 @@ def observe(
         return
     if isinstance(momentum, float) and momentum == 0.0:
         return
-    moments.add(count, mean, var)
+    moments.add(count, mean, var, unbiased)
 
 
 def listening(running_mean: Tensor) -> Moments | None:

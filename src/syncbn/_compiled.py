@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _function, _math, _ops
+from . import _accumulating, _function, _math, _ops
 from .groups import PHASE_BACKWARD, PHASE_FORWARD
 
 __all__ = ["sync_batch_norm"]
@@ -158,6 +158,7 @@ def sync_batch_norm(
     weight is ``momentum * (N > 0)``, no host read).
     """
     out, mean, unbiased, total = _TracedSyncBatchNorm.apply(x, weight, bias, eps, group, token)
+    _accumulating.observe(running_mean, total, mean, unbiased, momentum, unbiased=True)  # syncbn.accumulation
     if running_mean is not None or running_var is not None:
         weight_t = (total > 0).to(mean.dtype) * momentum
         for running, batch in ((running_mean, mean), (running_var, unbiased)):

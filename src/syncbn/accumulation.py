@@ -34,7 +34,12 @@ from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
 
-_in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _recomputing() -> bool:
+    """A forward inside a backward pass: ``torch.utils.checkpoint`` recomputing (eager only)."""
+    return not torch.compiler.is_compiling() and _graph_task() != -1
 
 
 def _is_local(layer: nn.Module) -> bool:
@@ -93,7 +98,7 @@ class _Layer:
     def _before(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.pending = None
         frozen = bool(getattr(layer, "freeze", False))
-        if not layer.training or frozen or not layer.track_running_stats or _in_backward() != -1:
+        if not layer.training or frozen or not layer.track_running_stats or _recomputing():
             return
         if layer.__dict__.get("_syncbn_replica") is not None or not args or not isinstance(args[0], Tensor):
             return
@@ -121,7 +126,7 @@ class _Layer:
                 return
             if ran and self.batches is not None:
                 self.batches.add_(1)
-            count = float(self.moments.count.item()) if self.moments.batches else 0.0
+            count = float(self.moments.count.item())
             if count <= 0.0:
                 return
             momentum: Any = self.layer.momentum

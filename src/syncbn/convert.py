@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 from torch.nn.utils import parametrize
 
+from . import groups
 from ._checks import name_layers
 from .activated import InPlaceSyncBatchNorm, plain_equivalent
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, set_converter
@@ -319,7 +320,9 @@ def _check_module(module: Any, function: str) -> None:
         raise TypeError(f"{function} expected a torch.nn.Module (got {type(module).__name__})")
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
+def convert_sync_batchnorm(
+    module: nn.Module, process_group: Any = None, *, group_size: int | str | None = None
+) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` by a syncbn layer.
 
     ``nn.BatchNorm1d/2d/3d`` become :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``
@@ -351,6 +354,10 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
             ``torch.nn.SyncBatchNorm`` keeps the group it was built with when
             this is ``None``. :class:`~syncbn.InPlaceSyncBatchNorm` layers stay
             as they are, taking ``process_group`` when it is given.
+        group_size: synchronise over groups of this many consecutive ranks, or
+            ``"node"`` for the ranks of each machine: the one-line form of
+            ``process_group=syncbn.groups.subgroup(group_size)`` (collective: call
+            it on every rank, after ``init_process_group``). Not with ``process_group``.
 
     Returns:
         ``module`` with its BatchNorm layers swapped, or the new layer when
@@ -359,7 +366,8 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: the model holds an uninitialised ``nn.LazyBatchNorm*d``
-            (run one forward pass first).
+            (run one forward pass first); ``group_size`` does not divide the world
+            size, or comes with ``process_group``.
 
     Example::
 
@@ -369,6 +377,13 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
         'SyncBatchNorm2d'
     """
     _check_module(module, "convert_sync_batchnorm")
+    if group_size is not None:
+        if process_group is not None:
+            raise ValueError(
+                "convert_sync_batchnorm: expected process_group or group_size, not both "
+                f"(got process_group={process_group!r}, group_size={group_size!r})"
+            )
+        process_group = groups.subgroup(group_size)
     return _convert(module, process_group, _TO_SYNC)
 
 

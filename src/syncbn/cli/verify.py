@@ -8,7 +8,9 @@ running statistics with ``nn.BatchNorm`` on the whole global batch in float64.
 The command prints a pass/fail table with the worst measured error of each case
 over all ranks, and exits 0 only when every case passes (1 otherwise, 2 for a
 usage error). Under ``torchrun`` it checks the launcher's ranks, across nodes
-too; rank 0 prints.
+too; rank 0 prints. ``--group-size k`` (or ``node``) runs the matrix on the
+groups of :func:`syncbn.groups.subgroup` instead: every group against
+``nn.BatchNorm`` on that group's batch.
 """
 
 from __future__ import annotations
@@ -54,22 +56,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
     parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    parser.add_argument(
+        "--group-size",
+        type=_group_size,
+        default=None,
+        metavar="K",
+        help="synchronise over syncbn.groups.subgroup(K): groups of K consecutive ranks, or 'node' "
+        "(the ranks of each machine); each group is checked against its own batch",
+    )
 
 
-def _check_rank(rank: int, world_size: int, device_name: str) -> list[dict[str, Any]]:
+def _group_size(text: str) -> int | str:
+    if text == groups.NODE:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive int or {groups.NODE!r} (got {text!r})"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or {groups.NODE!r} (got {text!r})")
+    return value
+
+
+def _check_rank(
+    rank: int, world_size: int, device_name: str, group_size: int | str | None = None
+) -> list[dict[str, Any]]:
     """Run the matrix on this rank; return every rank's results (gathered on all)."""
     device = rank_device(device_name)
     mine: dict[str, Any] = {}
-    for case in standard_cases(world_size):
+    process_group = None if group_size is None else groups.subgroup(group_size)
+    size = dist.get_world_size(process_group)
+    for case in standard_cases(size):
         try:
-            mine[case.name] = run_case(case, rank, device=device)
+            mine[case.name] = run_case(
+                case, rank, group=process_group, group_rank=dist.get_rank(process_group), device=device
+            )
         except Exception as exc:  # noqa: BLE001 - reported per case
             mine[case.name] = f"{type(exc).__name__}: {exc}"
-    group = groups.resolve(None)
+    mine[_GROUP] = groups.group_ranks(process_group)
+    group = groups.resolve(process_group)
     mine[_TRANSPORT] = (
         "shared memory (same machine)"
         if isinstance(group, groups.ProcessGroupSum) and group.uses_shared_memory
         else f"the {dist.get_backend()} process group"
+        if group is not None
+        else "no collective (a group of one rank is plain BatchNorm)"
     )
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
@@ -77,6 +110,7 @@ def _check_rank(rank: int, world_size: int, device_name: str) -> list[dict[str, 
 
 
 _TRANSPORT = "_transport"  # not a case name: how this rank's collectives travelled
+_GROUP = "_group"  # not a case name: the global ranks this rank synchronised with
 
 
 def _summarise(case: Case, per_rank: list[Any], scale: float) -> dict[str, Any]:
@@ -122,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         print(f"syncbn verify: --world-size must be at least 1 (got {args.world_size})", file=sys.stderr)
         return 2
+    group_size = getattr(args, "group_size", None)
     backend = args.backend or default_backend(args.device)
     main = is_main_process()
     world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
@@ -131,22 +166,36 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if main:
+    if isinstance(group_size, int) and world_size % group_size:
         print(
-            f"syncbn {__version__} verify: {world_size} ranks, backend {backend}, device {args.device}, "
-            f"torch {torch.__version__}",
+            f"syncbn verify: --group-size must divide the world size {world_size} "
+            f"(got group size {group_size})",
+            file=sys.stderr,
+        )
+        return 2
+    if main:
+        grouping = "" if group_size is None else f" in groups of subgroup({group_size!r})"
+        print(
+            f"syncbn {__version__} verify: {world_size} ranks{grouping}, backend {backend}, "
+            f"device {args.device}, torch {torch.__version__}",
             flush=True,
         )
     start = time.perf_counter()
     try:
-        per_rank = run_ranks(_check_rank, world_size, backend, args.device, timeout_s=args.timeout)
+        per_rank = run_ranks(
+            _check_rank, world_size, backend, args.device, group_size, timeout_s=args.timeout
+        )
     except Exception as exc:  # noqa: BLE001 - a rank died or timed out: that is a failed check
         if main:
             print(f"syncbn verify: FAILED, a rank did not finish: {exc}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start
-    cases = standard_cases(world_size)
-    summaries = [_summarise(c, [r[c.name] for r in per_rank], args.tolerance_scale) for c in cases]
+    sizes = sorted({len(r.get(_GROUP, ())) for r in per_rank if isinstance(r, dict)} or {world_size})
+    cases = standard_cases(sizes[0])
+    missing = "no result (its group has another size)"
+    summaries = [
+        _summarise(c, [r.get(c.name, missing) for r in per_rank], args.tolerance_scale) for c in cases
+    ]
     passed = sum(s["passed"] for s in summaries)
     if main:
         rows = []
@@ -174,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
         transport = per_rank[0].get(_TRANSPORT, "-")
         print(f"{passed}/{len(summaries)} cases passed ({verdict}) in {elapsed:.1f}s", flush=True)
         print(f"collectives went through {transport}", flush=True)
+        if group_size is not None:
+            listed = sorted({tuple(r[_GROUP]) for r in per_rank if isinstance(r, dict) and _GROUP in r})
+            print(f"groups (global ranks): {', '.join(str(list(g)) for g in listed)}", flush=True)
         if args.json:
             report = {
                 "syncbn_version": __version__,
@@ -183,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 "device": args.device,
                 "tolerance_scale": args.tolerance_scale,
                 "collectives": transport,
+                "group_size": group_size,
                 "seconds": elapsed,
                 "passed": passed == len(summaries),
                 "cases": summaries,

@@ -131,7 +131,8 @@ This package is the seam; its parts: ``_frame`` (the header fields, their encodi
 process group), ``_own`` (syncbn's own groups: made with the bound, destroyed in order), ``_ddp``
 (the DDP wrappers of the process: a plain ``Join([ddp])`` refused, DDP's own bound warned about),
 ``_sum`` (:class:`ProcessGroupSum`: transport choice, lifecycle), ``_refs``
-(:class:`ProcessGroupRef`) and ``_resolve`` (:func:`resolve` and its cache). Import from
+(:class:`ProcessGroupRef`), ``_resolve`` (:func:`resolve` and its cache) and ``_subgroup``
+(:func:`subgroup`: groups of k ranks or of one machine, made safely on every rank). Import from
 ``syncbn.groups``, not from the parts.
 """
 
@@ -176,6 +177,7 @@ from ._resolve import (  # noqa: F401
     resolve,
     to_picklable,
 )
+from ._subgroup import NODE, subgroup
 from ._sum import ProcessGroupSum
 
 _ddp.install()  # records DDP wrappers as they are built (see _ddp)
@@ -201,4 +203,6 @@ __all__ = [
     "DTYPE_CODES",
     "resolve",
     "group_ranks",
+    "subgroup",
+    "NODE",
 ]

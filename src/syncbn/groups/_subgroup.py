@@ -1,0 +1,127 @@
+"""Groups of ``k`` consecutive ranks, or of one machine's ranks: :func:`subgroup`.
+
+``torch.distributed.new_group`` is collective over the whole job: every rank must
+create every subgroup, in the same order, or the job hangs (pytorch#48804). This
+module does that once per setting and default group: each rank creates all
+``W / k`` groups (or one group per machine) in rank order, keeps its own, and
+caches it, so a second call (another layer, ``convert_sync_batchnorm`` again) is
+free and never collective. The cache belongs to the default group it was made
+under: after ``destroy_process_group()`` (which destroys the subgroups too) the
+next call creates fresh groups in the new job.
+
+Machines are told apart by the same key as :mod:`syncbn._shm` uses for its
+shared-memory segments (host name, boot id and PID namespace): ranks in two
+containers of one host are two machines, as they cannot share memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import _shm
+
+__all__ = ["subgroup", "NODE"]
+
+#: The ``size`` of :func:`subgroup` that asks for the ranks of this machine.
+NODE = "node"
+
+# key ("size", k) or ("node",) -> (weak reference to the default group it was made under, group).
+_made: dict[tuple[Any, ...], tuple[weakref.ref[Any], Any]] = {}
+
+
+def _check_size(size: Any, world: int) -> None:
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"syncbn.groups.subgroup: expected an int group size or {NODE!r} (got {size!r})")
+    if size < 1 or world % size != 0:
+        raise ValueError(
+            f"syncbn.groups.subgroup: expected a group size that divides the world size {world} "
+            f"(got group size {size})"
+        )
+
+
+def _machines(world: int) -> list[list[int]]:
+    """Every rank's machine, exchanged over the default group: the ranks of each machine, in rank order."""
+    keys: list[Any] = [None] * world
+    dist.all_gather_object(keys, _shm._host_key())
+    machines: dict[float, list[int]] = {}
+    for rank, key in enumerate(keys):
+        machines.setdefault(float(key), []).append(rank)
+    return sorted(machines.values(), key=lambda members: members[0])
+
+
+def subgroup(size: int | str) -> Any:
+    """This rank's process group of ``size`` consecutive ranks, or of this machine's ranks.
+
+    Every rank of the job must call it (it is collective the first time, as
+    ``torch.distributed.new_group``); each rank creates every group in the same
+    order, so no rank hangs waiting for a group another rank never makes. The
+    result is cached per ``size`` for the life of the default group: later calls
+    return the same group without communicating. The groups are destroyed with
+    the default group (``destroy_process_group()``).
+
+    Use the result as ``process_group=`` of any syncbn layer (or of
+    ``torch.distributed`` calls); :func:`syncbn.convert_sync_batchnorm` takes
+    ``group_size=`` as the one-line form. A group whose ranks share one machine
+    synchronises through shared memory like the default group.
+
+    Args:
+        size: ``k``, a group size that divides the world size (ranks
+            ``[i*k, (i+1)*k)`` form group ``i``; ``k`` = world size is the default
+            group, ``k = 1`` makes each rank its own group: plain BatchNorm), or
+            ``"node"``: the ranks on this machine, as syncbn's shared memory sees
+            machines (host name, boot id and PID namespace).
+
+    Returns:
+        This rank's ``torch.distributed.ProcessGroup``; the default group when
+        the group holds every rank.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: ``size`` does not divide the world size (the message names both).
+        TypeError: ``size`` is neither an int nor ``"node"``.
+
+    Example::
+
+        >>> group = syncbn.groups.subgroup(8)          # under torchrun, on every rank
+        >>> bn = syncbn.SyncBatchNorm2d(64, process_group=group)
+        >>> node = syncbn.groups.subgroup("node")      # the ranks of this machine
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"syncbn.groups.subgroup({size!r}) needs torch.distributed initialised "
+            "(call torch.distributed.init_process_group first, on every rank)"
+        )
+    world = dist.get_world_size()
+    if size != NODE:
+        _check_size(size, world)
+    key: tuple[Any, ...] = (NODE,) if size == NODE else ("size", size)
+    default = dist.group.WORLD
+    cached = _made.get(key)
+    if cached is not None and cached[0]() is default and _alive(cached[1]):
+        return cached[1]
+    for stale in [k for k, (ref, _) in _made.items() if ref() is not default]:
+        del _made[stale]
+    rank = dist.get_rank()
+    if size == NODE:
+        sets = _machines(world)
+    else:
+        assert isinstance(size, int)
+        sets = [list(range(start, start + size)) for start in range(0, world, size)]
+    mine: Any = None
+    if len(sets) == 1:
+        mine = default
+    else:
+        for members in sets:  # every rank creates every group, in the same order
+            group = dist.new_group(members)
+            if rank in members:
+                mine = group
+    _made[key] = (weakref.ref(default), mine)
+    return mine
+
+
+def _alive(group: Any) -> bool:
+    """Whether ``group`` is still a live process group of this job."""
+    return group is dist.group.WORLD or group in dist.distributed_c10d._world.pg_map

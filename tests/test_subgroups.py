@@ -1,0 +1,188 @@
+"""``syncbn.groups.subgroup``: groups of k ranks or of one machine, made safely, exact within each group.
+
+One launch of 4 gloo ranks checks groups of 2 and of 1 (the verify matrix: uneven and empty
+batches, momentum None, dtypes, against ``nn.BatchNorm`` on the group's batch in float64), the
+in-place family, ``convert_sync_batchnorm(group_size=...)``, the cache, the shared-memory path,
+errors that name the group, and fresh groups after ``destroy_process_group`` + a new job.
+``"node"`` on two simulated hosts (``tests/_netns.py``) is in the last test.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import _netns
+import syncbn
+from dist_harness import launch
+from syncbn import groups
+from syncbn.cli._checks import run_case, standard_cases
+
+pytestmark = pytest.mark.timeout(180)
+
+TOL = 1e-11
+
+
+def _matrix(rank: int, group: Any) -> float:
+    """Worst float64 error of the verify matrix's float64 cases on ``group``."""
+    worst = 0.0
+    for case in standard_cases(dist.get_world_size(group)):
+        if case.dtype != torch.float64 or "mean1000" in case.name:
+            continue
+        errors = run_case(case, rank, group=group, group_rank=dist.get_rank(group))
+        worst = max([worst] + [v for k, v in errors.items() if k != "num_batches_tracked"])
+        assert errors.get("num_batches_tracked", 0.0) == 0.0, case.name
+    return worst
+
+
+def _inplace(group: Any) -> float:
+    """In-place layer on ``group`` against BatchNorm (weight |w| + eps) + leaky_relu on the group's batch."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    sizes = [2, 0, 3, 1][:size] if size > 1 else [3]
+    gen = torch.Generator().manual_seed(5)
+    ours = syncbn.InPlaceSyncBatchNorm2d(3, process_group=group, activation="leaky_relu").double()
+    ref = nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        w = torch.rand(3, generator=gen, dtype=torch.float64) + 0.5
+        ours.weight.copy_(w)
+        ref.weight.copy_(w + ours.eps)
+    worst = 0.0
+    for _ in range(2):
+        full = torch.randn(sum(sizes), 3, 4, 4, generator=gen, dtype=torch.float64) * 2 + 1
+        lo = sum(sizes[:me])
+        expected = nn.functional.leaky_relu(ref(full), 0.01)[lo : lo + sizes[me]]
+        got = ours(full[lo : lo + sizes[me]].clone())
+        worst = max(worst, (got - expected).abs().max().item() if got.numel() else 0.0)
+    worst = max(worst, (ours.running_var - ref.running_var).abs().max().item())
+    return worst
+
+
+def _ranks(rank: int, world: int, second_store: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    syncbn.set_timeout(20.0)
+    pairs = groups.subgroup(2)
+    out["pairs"] = groups.group_ranks(pairs)
+    out["cached"] = groups.subgroup(2) is pairs
+    out["pairs error"] = _matrix(rank, pairs)
+    out["pairs inplace"] = _inplace(pairs)
+    summed = groups.resolve(pairs)
+    out["shared memory"] = isinstance(summed, groups.ProcessGroupSum) and summed.uses_shared_memory
+
+    singles = groups.subgroup(1)
+    out["singles"] = groups.group_ranks(singles)
+    out["singles error"] = _matrix(rank, singles)
+    out["singles inplace"] = _inplace(singles)
+    out["whole"] = groups.subgroup(4) is dist.group.WORLD
+
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), syncbn.InPlaceSyncBatchNorm2d(3))
+    model = syncbn.convert_sync_batchnorm(model, group_size=2)
+    out["converted"] = [m.process_group is pairs for m in (model[1], model[2])]
+
+    for bad in (3, 0, "nodes", 2.0):
+        try:
+            groups.subgroup(bad)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as exc:
+            out[f"error {bad!r}"] = f"{type(exc).__name__}: {exc}"
+    try:
+        syncbn.convert_sync_batchnorm(nn.BatchNorm1d(2), process_group=pairs, group_size=2)
+    except ValueError as exc:
+        out["both"] = str(exc)
+
+    # Errors inside a group: a disagreement is raised on both of its ranks (and no other); a
+    # rank that skips the layer makes its peer give up at the bound, naming the group.
+    if rank >= 2:
+        layer = syncbn.SyncBatchNorm2d(3 if rank == 2 else 4, process_group=pairs).double()
+        try:
+            layer(torch.randn(2, layer.num_features, 2, 2, dtype=torch.float64))
+        except ValueError as exc:
+            out["mismatch"] = str(exc)
+    dist.barrier()
+    if rank >= 2:
+        syncbn.set_timeout(2.0)
+        layer = syncbn.SyncBatchNorm2d(3, process_group=pairs).double()
+        if rank == 2:
+            try:
+                layer(torch.randn(2, 3, 2, 2, dtype=torch.float64))
+            except syncbn.CollectiveError as exc:
+                out["timeout"] = str(exc)
+    dist.barrier()
+
+    # A new job after destroy_process_group: fresh groups, not the destroyed ones.
+    dist.destroy_process_group()
+    store = dist.FileStore(second_store, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    again = groups.subgroup(2)
+    out["fresh"] = again is not pairs and groups.group_ranks(again) == out["pairs"]
+    out["fresh error"] = _matrix(rank, again)
+    dist.barrier()
+    return out
+
+
+def test_groups_of_two_and_one_on_four_ranks() -> None:
+    with tempfile.TemporaryDirectory(prefix="syncbn-subgroups-") as tmp:
+        results = launch(_ranks, 4, os.path.join(tmp, "second"), timeout=170)
+    for rank, out in enumerate(results):
+        assert isinstance(out, dict), out
+        assert out["pairs"] == ([0, 1] if rank < 2 else [2, 3])
+        assert out["singles"] == [rank]
+        assert out["cached"] and out["whole"] and out["fresh"]
+        assert out["converted"] == [True, True]
+        assert out["shared memory"] is True
+        for key in ("pairs error", "pairs inplace", "singles error", "singles inplace", "fresh error"):
+            assert out[key] < TOL, (rank, key, out[key])
+        assert out["error 3"] == (
+            "ValueError: syncbn.groups.subgroup: expected a group size that divides the world size 4 "
+            "(got group size 3)"
+        )
+        assert out["error 0"].startswith("ValueError") and "(got group size 0)" in out["error 0"]
+        assert out["error 'nodes'"].startswith("TypeError") and "'node'" in out["error 'nodes'"]
+        assert out["error 2.0"].startswith("TypeError")
+        assert "not both" in out["both"]
+        if rank >= 2:
+            assert "disagree on the channel count" in out["mismatch"], out["mismatch"]
+        if rank == 2:
+            assert "global ranks [2, 3]" in out["timeout"], out["timeout"]
+
+
+def test_subgroup_needs_an_initialised_job() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        groups.subgroup(2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        syncbn.convert_sync_batchnorm(nn.BatchNorm1d(2), group_size="node")
+
+
+_WHY = _netns.available()
+
+
+def _node(rank: int, world: int, directory: str) -> dict[str, Any]:
+    syncbn.set_timeout(20.0)
+    node = groups.subgroup("node")
+    summed = groups.resolve(node)
+    error = _matrix(rank, node)
+    return {
+        "ranks": groups.group_ranks(node),
+        "error": error,
+        "inplace": _inplace(node),
+        "shared": isinstance(summed, groups.ProcessGroupSum) and summed.uses_shared_memory,
+        "pairs": groups.group_ranks(groups.subgroup(2)),
+    }
+
+
+@pytest.mark.skipif(bool(_WHY), reason=_WHY or "-")
+def test_node_groups_on_two_simulated_hosts() -> None:
+    with _netns.Hosts(2) as hosts:
+        results = hosts.launch(_node, [2, 2]).wait(120)
+    for rank, out in enumerate(results):
+        assert isinstance(out, dict), out
+        assert out["ranks"] == ([0, 1] if rank < 2 else [2, 3])
+        assert out["pairs"] == out["ranks"]
+        assert out["shared"] is True  # each machine's group takes its shared memory
+        assert out["error"] < TOL and out["inplace"] < TOL, (rank, out)
