@@ -124,6 +124,24 @@ def test_verify_passes_and_prints_a_table(verify_run) -> None:
         assert set(case) >= {"case", "sizes", "dtype", "errors", "tolerance"}
 
 
+def test_verify_group_size(tmp_path: Path) -> None:
+    proc = _syncbn(
+        "verify", "--world-size", "4", "--group-size", "2", "--json", str(tmp_path / "v.json"), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4 ranks in groups of subgroup(2)" in proc.stdout
+    assert "groups (global ranks): [0, 1], [2, 3]" in proc.stdout
+    assert "FAIL" not in proc.stdout and "cases passed (all passed)" in proc.stdout
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["passed"] is True and report["group_size"] == 2
+    assert [c["sizes"] for c in report["cases"] if c["case"] == "3d-uneven"] == [[1, 2]]  # per group rank
+    bad = _syncbn("verify", "--world-size", "4", "--group-size", "3", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "--group-size must divide the world size 4 (got group size 3)" in bad.stderr
+    bad = _syncbn("verify", "--group-size", "x", cwd=tmp_path)
+    assert bad.returncode == 2 and "expected a positive int or 'node' (got 'x')" in bad.stderr
+
+
 def _torchrun() -> str | None:
     beside = Path(sys.executable).parent / "torchrun"
     return str(beside) if beside.exists() else shutil.which("torchrun")

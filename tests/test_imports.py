@@ -38,7 +38,7 @@ LAYERS: dict[str, float] = {
     "syncbn.activated": 5,
     "syncbn.convert": 6,
     "syncbn.fuse": 6,
-    "syncbn.accumulation": 6,
+    "syncbn.accumulate": 6,  # syncbn.accumulation (the module is not named after the class it exports)
 }
 
 

@@ -10,7 +10,7 @@ from ._config import (
     set_timeout,
     shared_memory_enabled,
 )
-from .accumulation import accumulation
+from .accumulate import accumulation
 from .activated import InPlaceSyncBatchNorm, InPlaceSyncBatchNorm2d
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .fuse import fuse_batchnorm_activation

@@ -1,4 +1,4 @@
-"""The running-statistics hook that :func:`syncbn.accumulation` listens on.
+"""The running-statistics hook that :class:`syncbn.accumulation` listens on.
 
 Where the engine updates a layer's running statistics with a training batch's
 global moments, it first calls :func:`observe` with them: the global count, the
