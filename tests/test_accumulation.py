@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounter
 
@@ -140,6 +141,34 @@ def test_compiled_single_process() -> None:
         assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_data_parallel_replicas(inplace: bool) -> None:
+    # syncbn.parallel.data_parallel: the CPU code path of nn.DataParallel (replica 0 updates the
+    # original buffers with the replicas' joint statistics; the block sees them once).
+    plain = _plain()
+    model = _ours(plain, inplace)
+    micro = [b[0] for b in _data(4, [[4], [6], [2]])]
+    with syncbn.accumulation(model):
+        for x in micro:
+            syncbn.parallel.data_parallel(model, x, chunks=2).square().mean().backward()
+    assert _error(model, _expected(plain, micro)) < TOL
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_forwards_count_once(reentrant: bool) -> None:
+    # The recomputation inside backward is not a new micro-batch.
+    from torch.utils.checkpoint import checkpoint
+
+    plain = _plain()
+    model = _ours(plain, inplace=False)
+    micro = [b[0] for b in _data(5, [[3], [4]])]
+    with syncbn.accumulation(model):
+        for x in micro:
+            x = x.clone().requires_grad_()
+            checkpoint(model, x, use_reentrant=reentrant).square().mean().backward()
+    assert _error(model, _expected(plain, micro)) < TOL
+
+
 def test_an_exception_leaves_the_statistics_as_before() -> None:
     model = _ours(_plain(), inplace=True)
     before = copy.deepcopy(model.state_dict())
@@ -224,6 +253,15 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
                     grad = torch.randn_like(row[rank])
                     model(row[rank]).backward(grad[:, :1].expand(-1, C2, -1, -1).contiguous())
             result[f"plain m={momentum} inplace={inplace}"] = (_error(model, expected), calls["n"] - without)
+    # checkpointed (recomputed in backward: not a new micro-batch)
+    plain = _plain()
+    expected = _expected(plain, [torch.cat(row) for row in data])
+    model = _ours(plain, inplace=False)
+    with syncbn.accumulation(model):
+        for row in data:
+            x = row[rank].clone().requires_grad_()
+            torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).square().mean().backward()
+    result["checkpoint"] = (_error(model, expected), 0)
 
     # DDP with no_sync for all but the last micro-batch (no empty rank: DDP needs a graph)
     sizes = [[2, 3, 1], [4, 1, 2], [1, 2, 3]]
