@@ -317,3 +317,25 @@ def test_ranks_match_the_concatenated_micro_batches_without_extra_collectives() 
             assert error < TOL, (rank, case, error)
             assert extra == 0, (rank, case, f"{extra} extra collectives (or compiled frames)")
     assert results[0] == results[1] == results[2]
+
+
+# --- accelerate: the documented recipe ---------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_recipe(tmp_path: Any) -> None:
+    pytest.importorskip("accelerate")
+    import os
+    import socket
+
+    from integration_models import run_script
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    run_script("run_accelerate_accumulation.py", str(tmp_path), port, timeout=480)
+    for rank in (0, 1):
+        result = torch.load(os.path.join(tmp_path, f"accumulation_rank{rank}.pt"))
+        assert result["world"] == 2 and result["commits"] == 2
+        assert result["batches"] == 2  # one update per optimizer step, not per micro-batch
+        assert max(result["errors"]) < TOL, result["errors"]
