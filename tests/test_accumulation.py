@@ -339,3 +339,20 @@ def test_accelerate_recipe(tmp_path: Any) -> None:
         assert result["world"] == 2 and result["commits"] == 2
         assert result["batches"] == 2  # one update per optimizer step, not per micro-batch
         assert max(result["errors"]) < TOL, result["errors"]
+
+
+@pytest.mark.timeout(600)
+def test_lightning_callback(tmp_path: Any) -> None:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+
+    from integration_models import run_script
+
+    run_script("run_lightning_accumulation.py", str(tmp_path), timeout=480)
+    for rank in (0, 1):
+        result = torch.load(os.path.join(tmp_path, f"lightning_accumulation_rank{rank}.pt"))
+        assert len(result["errors"]) == 2 and result["batches"] == 2, result
+        assert max(result["errors"]) < TOL, result["errors"]

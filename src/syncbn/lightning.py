@@ -9,6 +9,9 @@ into torch's). Pass :class:`SyncBatchNorm` in ``plugins`` instead (without
         accelerator="cpu", devices=2, strategy="ddp", plugins=[syncbn.lightning.SyncBatchNorm()]
     )
 
+With ``Trainer(accumulate_grad_batches=k)``, add the :class:`AccumulatedStatistics` callback for
+one exact running-statistics update per optimizer step (:class:`syncbn.accumulation`).
+
 Importing this module imports Lightning (``lightning.pytorch``, or the
 standalone ``pytorch_lightning`` package when only that is installed);
 ``import syncbn`` alone never does. Install with ``pip install "syncbn[lightning]"``.
@@ -20,12 +23,15 @@ from typing import Any
 
 from torch import nn
 
+from .accumulate import accumulation
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 
 try:
+    from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins import LayerSync
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
         from pytorch_lightning.plugins import LayerSync  # type: ignore[no-redef,assignment]
     except ImportError as exc:
         raise ImportError(
@@ -33,7 +39,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
             "neither lightning.pytorch nor pytorch_lightning could be imported"
         ) from exc
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "AccumulatedStatistics"]
 
 
 class SyncBatchNorm(LayerSync):  # type: ignore[misc]
@@ -87,3 +93,52 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r})"
+
+
+class AccumulatedStatistics(Callback):  # type: ignore[misc]
+    """Lightning callback: one running-statistics update per optimizer step under gradient accumulation.
+
+    With ``Trainer(accumulate_grad_batches=k)`` every batch-norm layer would take
+    ``k`` momentum steps per optimizer step. This callback opens a
+    :class:`syncbn.accumulation` block at the first micro-batch of each step and
+    commits it in ``on_before_optimizer_step``, after the ``k`` backward passes:
+    the running statistics then take one exact update over all micro-batches of
+    all ranks (see :class:`syncbn.accumulation`). A step Lightning skips leaves
+    its micro-batches to the next update; the block is committed at the end of
+    each training epoch, and discarded when training raises.
+
+    Example::
+
+        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=4,
+        ...                     plugins=[syncbn.lightning.SyncBatchNorm()],
+        ...                     callbacks=[syncbn.lightning.AccumulatedStatistics()])
+    """
+
+    def __init__(self) -> None:
+        self.block: accumulation | None = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
+        """Open the block at the first micro-batch of an optimizer step."""
+        if self.block is None or not self.block.active:
+            self.block = accumulation(pl_module).begin()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: nn.Module, optimizer: Any) -> None:
+        """Apply the one update, after the step's last backward pass."""
+        self._close(commit=True)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: nn.Module) -> None:
+        """Apply what is left open at the end of an epoch."""
+        self._close(commit=True)
+
+    def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
+        """Put the statistics back as they were before the interrupted step."""
+        self._close(commit=False)
+
+    def _close(self, commit: bool) -> None:
+        block, self.block = self.block, None
+        if block is None or not block.active:
+            return
+        if commit:
+            block.commit()
+        else:
+            block.discard()
