@@ -10,6 +10,7 @@ errors that name the group, and fresh groups after ``destroy_process_group`` + a
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from datetime import timedelta
 from typing import Any
@@ -84,6 +85,10 @@ def _ranks(rank: int, world: int, second_store: str) -> dict[str, Any]:
     model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), syncbn.InPlaceSyncBatchNorm2d(3))
     model = syncbn.convert_sync_batchnorm(model, group_size=2)
     out["converted"] = [m.process_group is pairs for m in (model[1], model[2])]
+    # A saved layer names its group by its global ranks and finds it again when it next trains.
+    loaded = pickle.loads(pickle.dumps(model[1].double()))
+    loaded(torch.randn(2, 3, 2, 2, dtype=torch.float64))
+    out["reloaded"] = loaded.process_group is pairs
 
     for bad in (3, 0, "nodes", 2.0):
         try:
@@ -133,7 +138,7 @@ def test_groups_of_two_and_one_on_four_ranks() -> None:
         assert out["pairs"] == ([0, 1] if rank < 2 else [2, 3])
         assert out["singles"] == [rank]
         assert out["cached"] and out["whole"] and out["fresh"]
-        assert out["converted"] == [True, True]
+        assert out["converted"] == [True, True] and out["reloaded"]
         assert out["shared memory"] is True
         for key in ("pairs error", "pairs inplace", "singles error", "singles inplace", "fresh error"):
             assert out[key] < TOL, (rank, key, out[key])
