@@ -25,7 +25,13 @@ _listeners: dict[int, Moments] = {}
 
 
 class Moments:
-    """Count, mean and sum of squared deviations per channel, merged in float64.
+    """The count, mean and sum of squared deviations per channel of the batches seen, in float64.
+
+    Eager batches are kept as they come (one ``stack`` of the mean and variance
+    per batch: a single small copy, as the engine may reuse its buffers) and
+    merged at the end in one exact two-pass reduction; batches seen while
+    ``torch.compile`` traces are merged on the spot with Chan's pairwise
+    formulas (traced tensor operations, fused by the compiler).
 
     Args:
         running_mean: the buffer whose updates this object collects (kept alive
@@ -38,17 +44,24 @@ class Moments:
         self.count = torch.zeros((), dtype=torch.float64, device=device)
         self.mean = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
         self.m2 = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
+        self.batches: list[tuple[float | Tensor, Tensor]] = []  # eager: (count, stack(mean, var))
 
     def add(self, count: float | Tensor, mean: Tensor, var: Tensor, unbiased: bool = False) -> None:
-        """Merge one batch of ``count`` values per channel, ``mean`` and biased ``var``.
+        """Add one batch of ``count`` values per channel, ``mean`` and biased ``var``.
 
-        Chan et al.'s pairwise update: with ``d = mean_b - mean_a`` and
-        ``n = n_a + n_b``, ``mean = mean_a + d * n_b / n`` and
-        ``m2 = m2_a + m2_b + d^2 * n_a * n_b / n``. An empty batch changes nothing.
-        With ``unbiased``, ``var`` is the unbiased variance (``m2_b / (n_b - 1)``).
-        Only tensor operations (no Python state changes): ``torch.compile`` traces
-        it without a guard on the values.
+        With ``unbiased``, ``var`` is the unbiased variance (``m2 / (count - 1)``).
+        Under ``torch.compile`` only tensor operations run (no Python state
+        changes), so dynamo traces it without a guard on the values.
         """
+        if unbiased or torch.compiler.is_compiling():
+            self._merge(count, mean, var, unbiased)
+            return
+        kept = count.detach().clone() if isinstance(count, Tensor) else float(count)
+        self.batches.append((kept, torch.stack((mean.detach(), var.detach()))))
+
+    def _merge(self, count: float | Tensor, mean: Tensor, var: Tensor, unbiased: bool) -> None:
+        # Chan et al.: with d = mean_b - mean_a and n = n_a + n_b, mean = mean_a + d * n_b / n
+        # and m2 = m2_a + m2_b + d^2 * n_a * n_b / n. An empty batch changes nothing.
         n_b = torch.as_tensor(count, dtype=torch.float64, device=self.count.device)
         mean_b = mean.detach().to(device=self.mean.device, dtype=torch.float64)
         m2_b = var.detach().to(device=self.mean.device, dtype=torch.float64)
@@ -59,6 +72,21 @@ class Moments:
         self.mean.add_(delta * share)
         self.m2.add_(m2_b + delta * delta * (self.count * share))
         self.count.copy_(total)
+
+    def result(self) -> tuple[float, Tensor, Tensor]:
+        """``(count, mean, m2)`` of every batch added (float64; reads the count on the host)."""
+        if self.batches:
+            device = self.mean.device
+            counts = torch.stack(
+                [torch.as_tensor(c, dtype=torch.float64, device=device) for c, _ in self.batches]
+            ).view(-1, 1)
+            stats = torch.stack([s for _, s in self.batches]).to(device=device, dtype=torch.float64)
+            total = counts.sum()
+            mean = (counts * stats[:, 0]).sum(0) / total.clamp(min=1.0)
+            m2 = (counts * (stats[:, 1] + (stats[:, 0] - mean) ** 2)).sum(0)
+            self.batches = []
+            self._merge(total, mean, m2 / total.clamp(min=1.0), False)
+        return float(self.count.item()), self.mean, self.m2
 
 
 def observe(

@@ -12,9 +12,10 @@ concatenation would do.
 
 How: the synchronised layers already sum ``[count, sum, sum of squares]`` over
 the ranks for every micro-batch; the engine shows those global moments to the
-block (:mod:`syncbn._accumulating`), which merges them exactly in float64
-(Chan's pairwise formulas). No collective is added, and nothing is read on the
-host before the block ends. Layers that run locally (no process group, a group
+block (:mod:`syncbn._accumulating`), which keeps them (one small copy per layer
+and micro-batch) and merges them exactly in float64 when the block ends (Chan's
+pairwise formulas as traced operations under ``torch.compile``). No collective
+is added, and nothing is read on the host before the block ends. Layers that run locally (no process group, a group
 of one, plain ``nn.BatchNorm``) have their micro-batches' moments computed in
 float64 by a forward pre-hook.
 """
@@ -126,7 +127,7 @@ class _Layer:
                 return
             if ran and self.batches is not None:
                 self.batches.add_(1)
-            count = float(self.moments.count.item())
+            count, mean, m2 = self.moments.result()
             if count <= 0.0:
                 return
             momentum: Any = self.layer.momentum
@@ -135,8 +136,8 @@ class _Layer:
                 factor = 1.0 / max(seen, 1.0)
             else:
                 factor = float(momentum)
-            unbiased = self.moments.m2 / max(count - 1.0, 1.0)
-            for running, batch in ((self.running_mean, self.moments.mean), (self.running_var, unbiased)):
+            unbiased = m2 / max(count - 1.0, 1.0)
+            for running, batch in ((self.running_mean, mean), (self.running_var, unbiased)):
                 running.lerp_(batch.to(running.dtype), factor)
 
 
