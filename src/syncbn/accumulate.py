@@ -15,9 +15,9 @@ the ranks for every micro-batch; the engine shows those global moments to the
 block (:mod:`syncbn._accumulating`), which keeps them (one small copy per layer
 and micro-batch) and merges them exactly in float64 when the block ends (Chan's
 pairwise formulas as traced operations under ``torch.compile``). No collective
-is added, and nothing is read on the host before the block ends. Layers that run locally (no process group, a group
-of one, plain ``nn.BatchNorm``) have their micro-batches' moments computed in
-float64 by a forward pre-hook.
+is added, and nothing is read on the host before the block ends. Layers that
+run locally (no process group, a group of one, plain ``nn.BatchNorm``) have
+their micro-batches' moments computed in float64 by a forward pre-hook.
 """
 
 from __future__ import annotations
