@@ -53,6 +53,8 @@ def test_plugin_is_a_layersync_that_converts_and_reverts_like_the_converter() ->
     assert [type(m).__name__ for m in back] == PLAIN_TYPES and type(back[4]) is SubclassBN
     group = object()
     assert syncbn.lightning.SyncBatchNorm(group).apply(nn.BatchNorm2d(2)).process_group is group
+    with pytest.raises(RuntimeError, match="init_process_group"):  # group_size: syncbn.groups.subgroup
+        syncbn.lightning.SyncBatchNorm(group_size="node").apply(nn.BatchNorm2d(2))
     # The Trainer takes it as its layer-sync plugin (without sync_batchnorm=True).
     trainer = L.Trainer(
         accelerator="cpu", devices=1, plugins=[plugin], logger=False, enable_progress_bar=False

@@ -354,10 +354,9 @@ def convert_sync_batchnorm(
             ``torch.nn.SyncBatchNorm`` keeps the group it was built with when
             this is ``None``. :class:`~syncbn.InPlaceSyncBatchNorm` layers stay
             as they are, taking ``process_group`` when it is given.
-        group_size: synchronise over groups of this many consecutive ranks, or
-            ``"node"`` for the ranks of each machine: the one-line form of
-            ``process_group=syncbn.groups.subgroup(group_size)`` (collective: call
-            it on every rank, after ``init_process_group``). Not with ``process_group``.
+        group_size: ``k`` (groups of k consecutive ranks) or ``"node"``: the same as
+            ``process_group=syncbn.groups.subgroup(group_size)``, whose rules apply
+            (every rank calls it, after ``init_process_group``; not with ``process_group``).
 
     Returns:
         ``module`` with its BatchNorm layers swapped, or the new layer when
@@ -366,8 +365,7 @@ def convert_sync_batchnorm(
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         ValueError: the model holds an uninitialised ``nn.LazyBatchNorm*d``
-            (run one forward pass first); ``group_size`` does not divide the world
-            size, or comes with ``process_group``.
+            (run one forward pass first).
 
     Example::
 
@@ -377,13 +375,7 @@ def convert_sync_batchnorm(
         'SyncBatchNorm2d'
     """
     _check_module(module, "convert_sync_batchnorm")
-    if group_size is not None:
-        if process_group is not None:
-            raise ValueError(
-                "convert_sync_batchnorm: expected process_group or group_size, not both "
-                f"(got process_group={process_group!r}, group_size={group_size!r})"
-            )
-        process_group = groups.subgroup(group_size)
+    process_group = groups.group_for(process_group, group_size, "convert_sync_batchnorm")
     return _convert(module, process_group, _TO_SYNC)
 
 

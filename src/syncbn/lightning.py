@@ -56,6 +56,9 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         process_group: the group the layers synchronise over; ``None`` (the
             default) is the default group, looked up when the layers run, so
             the plugin can be built before the processes start.
+        group_size: synchronise over groups of this many consecutive ranks, or
+            ``"node"`` for each machine's ranks (:func:`syncbn.groups.subgroup`,
+            made when the Trainer sets the strategy up, on every rank).
 
     Example::
 
@@ -66,8 +69,9 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         >>> trainer.fit(lit_module, train_loader)
     """
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: Any = None, group_size: int | str | None = None) -> None:
         self.process_group = process_group
+        self.group_size = group_size
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Convert every BatchNorm layer of ``model`` to a syncbn layer (in place).
@@ -78,7 +82,7 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         Returns:
             The converted model.
         """
-        return convert_sync_batchnorm(model, self.process_group)
+        return convert_sync_batchnorm(model, self.process_group, group_size=self.group_size)
 
     def revert(self, model: nn.Module) -> nn.Module:
         """Turn every syncbn layer of ``model`` back into the class it came from.
@@ -92,7 +96,8 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         return revert_sync_batchnorm(model)
 
     def __repr__(self) -> str:
-        return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r})"
+        size = "" if self.group_size is None else f", group_size={self.group_size!r}"
+        return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r}{size})"
 
 
 class AccumulatedStatistics(Callback):  # type: ignore[misc]

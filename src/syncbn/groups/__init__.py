@@ -177,7 +177,7 @@ from ._resolve import (  # noqa: F401
     resolve,
     to_picklable,
 )
-from ._subgroup import NODE, subgroup
+from ._subgroup import NODE, group_for, subgroup  # noqa: F401 - group_for: syncbn.convert
 from ._sum import ProcessGroupSum
 
 _ddp.install()  # records DDP wrappers as they are built (see _ddp)

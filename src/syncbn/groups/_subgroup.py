@@ -122,6 +122,22 @@ def subgroup(size: int | str) -> Any:
     return mine
 
 
+def group_for(process_group: Any, group_size: int | str | None, caller: str) -> Any:
+    """``process_group``, or :func:`subgroup` of ``group_size`` when that is given (not both).
+
+    Raises:
+        ValueError: both are given (on every rank alike, before anything is made).
+    """
+    if group_size is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError(
+            f"{caller}: expected process_group or group_size, not both "
+            f"(got process_group={process_group!r}, group_size={group_size!r})"
+        )
+    return subgroup(group_size)
+
+
 def _alive(group: Any) -> bool:
     """Whether ``group`` is still a live process group of this job."""
     return group is dist.group.WORLD or group in dist.distributed_c10d._world.pg_map
