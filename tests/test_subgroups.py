@@ -68,6 +68,12 @@ def _inplace(group: Any) -> float:
 def _ranks(rank: int, world: int, second_store: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     syncbn.set_timeout(20.0)
+    # Ranks that ask for different sizes (before anything is cached): the same error on every
+    # rank, nothing made.
+    try:
+        groups.subgroup(2 if rank < 2 else 4)
+    except ValueError as exc:
+        out["differ"] = str(exc)
     pairs = groups.subgroup(2)
     out["pairs"] = groups.group_ranks(pairs)
     out["cached"] = groups.subgroup(2) is pairs
@@ -150,6 +156,10 @@ def test_groups_of_two_and_one_on_four_ranks() -> None:
         assert out["error 'nodes'"].startswith("TypeError") and "'node'" in out["error 'nodes'"]
         assert out["error 2.0"].startswith("TypeError")
         assert "not both" in out["both"]
+        assert out["differ"] == (
+            "syncbn.groups.subgroup: expected the same size on every rank "
+            "(got rank 0: 2, rank 1: 2, rank 2: 4, rank 3: 4); no group was made"
+        )
         if rank >= 2:
             assert "disagree on the channel count" in out["mismatch"], out["mismatch"]
         if rank == 2:

@@ -28,8 +28,8 @@ __all__ = ["subgroup", "NODE"]
 #: The ``size`` of :func:`subgroup` that asks for the ranks of this machine.
 NODE = "node"
 
-# key ("size", k) or ("node",) -> (weak reference to the default group it was made under, group).
-_made: dict[tuple[Any, ...], tuple[weakref.ref[Any], Any]] = {}
+# key ("size", repr(k)) or ("node",) -> (weak reference to the default group it was made under, group).
+_made: dict[tuple[str, ...], tuple[weakref.ref[Any], Any]] = {}
 
 
 def _check_size(size: Any, world: int) -> None:
@@ -42,22 +42,39 @@ def _check_size(size: Any, world: int) -> None:
         )
 
 
-def _machines(world: int) -> list[list[int]]:
-    """Every rank's machine, exchanged over the default group: the ranks of each machine, in rank order."""
-    keys: list[Any] = [None] * world
-    dist.all_gather_object(keys, _shm._host_key())
-    machines: dict[float, list[int]] = {}
-    for rank, key in enumerate(keys):
-        machines.setdefault(float(key), []).append(rank)
-    return sorted(machines.values(), key=lambda members: members[0])
+def _exchange(size: Any, world: int) -> list[list[int]]:
+    """Every rank's request and machine, exchanged over the default group (one ``all_gather_object``).
+
+    Returns the member sets to create, in rank order: ``W / k`` runs of ``k`` ranks, or the
+    ranks of each machine. Raises on every rank alike when the ranks asked for different
+    sizes, or for a size that does not divide the world size.
+    """
+    mine = (repr(size), _shm._host_key())
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    asked = [request for request, _ in everyone]
+    if len(set(asked)) > 1:
+        listed = ", ".join(f"rank {r}: {request}" for r, request in enumerate(asked))
+        raise ValueError(
+            f"syncbn.groups.subgroup: expected the same size on every rank (got {listed}); no group was made"
+        )
+    if size == NODE:
+        machines: dict[float, list[int]] = {}
+        for rank, (_, key) in enumerate(everyone):
+            machines.setdefault(float(key), []).append(rank)
+        return sorted(machines.values(), key=lambda members: members[0])
+    _check_size(size, world)
+    return [list(range(start, start + size)) for start in range(0, world, size)]
 
 
 def subgroup(size: int | str) -> Any:
     """This rank's process group of ``size`` consecutive ranks, or of this machine's ranks.
 
     Every rank of the job must call it (it is collective the first time, as
-    ``torch.distributed.new_group``); each rank creates every group in the same
-    order, so no rank hangs waiting for a group another rank never makes. The
+    ``torch.distributed.new_group``); the ranks first compare their ``size``
+    (one ``all_gather_object``, which also tells them each other's machine), then
+    each rank creates every group in the same order, so no rank hangs waiting for
+    a group another rank never makes. The
     result is cached per ``size`` for the life of the default group: later calls
     return the same group without communicating. The groups are destroyed with
     the default group (``destroy_process_group()``).
@@ -80,8 +97,10 @@ def subgroup(size: int | str) -> Any:
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError: ``size`` does not divide the world size (the message names both).
-        TypeError: ``size`` is neither an int nor ``"node"``.
+        ValueError: ``size`` does not divide the world size (the message names
+            both), or the ranks asked for different sizes (named per rank); raised
+            on every rank alike, before any group is made.
+        TypeError: ``size`` is neither an int nor ``"node"`` (on every rank alike).
 
     Example::
 
@@ -95,9 +114,7 @@ def subgroup(size: int | str) -> Any:
             "(call torch.distributed.init_process_group first, on every rank)"
         )
     world = dist.get_world_size()
-    if size != NODE:
-        _check_size(size, world)
-    key: tuple[Any, ...] = (NODE,) if size == NODE else ("size", size)
+    key = (NODE,) if size == NODE else ("size", repr(size))
     default = dist.group.WORLD
     cached = _made.get(key)
     if cached is not None and cached[0]() is default and _alive(cached[1]):
@@ -105,11 +122,7 @@ def subgroup(size: int | str) -> Any:
     for stale in [k for k, (ref, _) in _made.items() if ref() is not default]:
         del _made[stale]
     rank = dist.get_rank()
-    if size == NODE:
-        sets = _machines(world)
-    else:
-        assert isinstance(size, int)
-        sets = [list(range(start, start + size)) for start in range(0, world, size)]
+    sets = _exchange(size, world)  # collective: every rank, the same sets or the same error
     mine: Any = None
     if len(sets) == 1:
         mine = default
