@@ -57,9 +57,11 @@ class Check(L.Callback):
         self.seen: list[torch.Tensor] = []
         self.errors: list[float] = []
         self.shadow: nn.BatchNorm2d | None = None
+        self.group: list[int] = []
 
     def on_train_start(self, trainer: L.Trainer, module: Module) -> None:
         layer = module.net[1]
+        self.group = dist.get_process_group_ranks(layer.process_group)
         self.shadow = nn.BatchNorm2d(layer.num_features).double()
         self.shadow.load_state_dict(layer.state_dict())
         layer.register_forward_pre_hook(lambda m, args: self.seen.append(args[0].detach().clone()))
@@ -87,7 +89,7 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         strategy="ddp",
-        plugins=[syncbn.lightning.SyncBatchNorm()],
+        plugins=[syncbn.lightning.SyncBatchNorm(group_size=2)],  # the plugin's subgroup path, too
         callbacks=[syncbn.lightning.AccumulatedStatistics(), check],
         accumulate_grad_batches=K,
         precision="64-true",
@@ -99,7 +101,11 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(module)
-    result = {"errors": check.errors, "batches": int(module.net[1].num_batches_tracked)}
+    result = {
+        "errors": check.errors,
+        "batches": int(module.net[1].num_batches_tracked),
+        "group": check.group,
+    }
     torch.save(result, os.path.join(out, f"lightning_accumulation_rank{trainer.global_rank}.pt"))
 
 

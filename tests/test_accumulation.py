@@ -355,4 +355,5 @@ def test_lightning_callback(tmp_path: Any) -> None:
     for rank in (0, 1):
         result = torch.load(os.path.join(tmp_path, f"lightning_accumulation_rank{rank}.pt"))
         assert len(result["errors"]) == 2 and result["batches"] == 2, result
+        assert result["group"] == [0, 1]  # SyncBatchNorm(group_size=2): subgroup(2) of 2 ranks
         assert max(result["errors"]) < TOL, result["errors"]
