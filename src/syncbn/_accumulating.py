@@ -75,18 +75,26 @@ class Moments:
 
     def result(self) -> tuple[float, Tensor, Tensor]:
         """``(count, mean, m2)`` of every batch added (float64; reads the count on the host)."""
-        if self.batches:
-            device = self.mean.device
-            counts = torch.stack(
-                [torch.as_tensor(c, dtype=torch.float64, device=device) for c, _ in self.batches]
-            ).view(-1, 1)
-            stats = torch.stack([s for _, s in self.batches]).to(device=device, dtype=torch.float64)
-            total = counts.sum()
-            mean = (counts * stats[:, 0]).sum(0) / total.clamp(min=1.0)
-            m2 = (counts * (stats[:, 1] + (stats[:, 0] - mean) ** 2)).sum(0)
-            self.batches = []
-            self._merge(total, mean, m2 / total.clamp(min=1.0), False)
-        return float(self.count.item()), self.mean, self.m2
+        traced = float(self.count.item())  # batches merged while compiled (usually none or all)
+        if not self.batches:
+            return traced, self.mean, self.m2
+        device = self.mean.device
+        kept = [c for c, _ in self.batches]
+        if all(isinstance(c, float) for c in kept):
+            counts = torch.tensor(kept, dtype=torch.float64, device=device)
+        else:
+            counts = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=device) for c in kept])
+        stats = torch.stack([s for _, s in self.batches]).to(device=device, dtype=torch.float64)
+        self.batches = []
+        counts = counts.view(-1, 1)
+        total = counts.sum()
+        n = float(total.item())
+        mean = (counts * stats[:, 0]).sum(0) / max(n, 1.0)
+        m2 = (counts * (stats[:, 1] + (stats[:, 0] - mean).square())).sum(0)
+        if traced == 0.0:
+            return n, mean, m2
+        self._merge(total, mean, m2 / max(n, 1.0), False)
+        return traced + n, self.mean, self.m2
 
 
 def observe(
