@@ -18,7 +18,7 @@ from torch._dynamo.testing import CompileCounter
 
 import syncbn
 from dist_harness import launch
-from syncbn import groups
+from syncbn import _accumulating, groups
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -214,8 +214,12 @@ def test_manual_begin_commit_and_errors() -> None:
     with syncbn.accumulation(model):
         with pytest.raises(RuntimeError, match="nested"):
             syncbn.accumulation(model).begin()
+    refused = nn.Sequential(syncbn.SyncBatchNorm(3), nn.SyncBatchNorm(3))
     with pytest.raises(TypeError, match="torch.nn.SyncBatchNorm"):
-        syncbn.accumulation(nn.SyncBatchNorm(3)).begin()
+        syncbn.accumulation(refused).begin()
+    with syncbn.accumulation(refused[0]):  # the refusal left no layer listening
+        pass
+    assert not _accumulating._listeners
     with pytest.raises(TypeError, match="expected an nn.Module"):
         syncbn.accumulation("model")  # type: ignore[arg-type]
 

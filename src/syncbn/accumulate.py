@@ -80,6 +80,7 @@ class _Layer:
     """One layer's state in a block: the snapshot to restore and the moments merged so far."""
 
     def __init__(self, layer: nn.Module) -> None:
+        local = _is_local(layer)  # may refuse the layer: before anything is registered
         self.layer = layer
         running_mean, running_var = layer.running_mean, layer.running_var
         assert isinstance(running_mean, Tensor) and isinstance(running_var, Tensor)
@@ -92,7 +93,7 @@ class _Layer:
         self.moments = _accumulating.listen(running_mean)
         self.pending: tuple[int, Tensor, Tensor] | None = None
         self.hooks: list[Any] = []
-        if _is_local(layer):
+        if local:
             self.hooks.append(layer.register_forward_pre_hook(self._before, with_kwargs=True))
             self.hooks.append(layer.register_forward_hook(self._after))
 
