@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
-from torch._dynamo.testing import CompileCounter
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import syncbn
 from dist_harness import launch
@@ -127,7 +127,7 @@ def test_compiled_single_process() -> None:
     for inplace in (False, True):
         plain = _plain()
         model = _ours(plain, inplace)
-        counter = CompileCounter()
+        counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd, as inductor sees it
         compiled = torch.compile(model, backend=counter)
         micro = [b[0] for b in _data(3, [[3], [3]])]
         ref = copy.deepcopy(plain)
@@ -272,15 +272,17 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     data = _data(8, sizes)
     plain = _plain()
     expected = _expected(plain, [torch.cat(row) for row in data])
-    ddp = nn.parallel.DistributedDataParallel(_ours(plain, inplace=True))
-    with syncbn.accumulation(ddp):
-        for m, row in enumerate(data):
-            if m < len(data) - 1:
-                with ddp.no_sync():
-                    ddp(row[rank]).square().mean().backward()
-            else:
-                ddp(row[rank]).square().mean().backward()
-    result["ddp no_sync"] = (_error(ddp.module, expected), 0)
+    for compiled in (False, True):
+        ddp = nn.parallel.DistributedDataParallel(_ours(plain, inplace=True))
+        run = torch.compile(ddp, backend="aot_eager") if compiled else ddp
+        with syncbn.accumulation(ddp):
+            for m, row in enumerate(data):
+                if m < len(data) - 1:
+                    with ddp.no_sync():
+                        run(row[rank]).square().mean().backward()
+                else:
+                    run(row[rank]).square().mean().backward()
+        result[f"ddp no_sync compiled={compiled}"] = (_error(ddp.module, expected), 0)
 
     # torch.compile: the traced layers show their moments too (no graph break, no recompilation)
     sizes = [[2, 3, 1]] * 3
@@ -288,7 +290,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     for inplace in (False, True):
         plain = _plain()
         model = _ours(plain, inplace)
-        counter = CompileCounter()
+        counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd, as inductor sees it
         compiled = torch.compile(model, backend=counter)
         ref = copy.deepcopy(plain)
         for _ in range(2):

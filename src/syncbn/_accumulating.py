@@ -41,7 +41,9 @@ class Moments:
     def __init__(self, running_mean: Tensor) -> None:
         self.running_mean = running_mean
         device = running_mean.device
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        # One element, not 0-dim: AOTAutograd (torch 2.13, aot_eager and inductor) dropped the
+        # in-place update of a 0-dim tensor reached this way, and kept those of 1-dim ones.
+        self.count = torch.zeros(1, dtype=torch.float64, device=device)
         self.mean = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
         self.m2 = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
         self.batches: list[tuple[float | Tensor, Tensor]] = []  # eager: (count, stack(mean, var))
