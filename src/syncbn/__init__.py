@@ -1,6 +1,6 @@
 """syncbn: exact Synchronized Batch Normalization for PyTorch, everywhere you train."""
 
-from . import functional, parallel
+from . import functional, parallel, quantization
 from ._checks import name_layers
 from ._config import (
     debug_enabled,
@@ -35,6 +35,7 @@ __all__ = [
     "recompute_running_stats",
     "functional",
     "parallel",
+    "quantization",
     "set_timeout",
     "get_timeout",
     "set_debug",
