@@ -61,6 +61,13 @@ def test_replace_syncbn_is_opt_in_and_undone() -> None:
     assert type(build_norm_layer(dict(type="SyncBN"), 4)[1]) is torch_cls
 
 
+def test_a_model_built_with_mmcv_syncbn_converts() -> None:
+    model = ConvModule(3, 4, 3, norm_cfg=dict(type="SyncBN", requires_grad=True))
+    weight = model.bn.weight
+    model = syncbn.convert_sync_batchnorm(model)  # mmengine's SyncBatchNorm adds no forward of its own
+    assert type(model.bn) is syncbn.SyncBatchNorm and model.bn.weight is weight
+
+
 def _stack_cfg(norm: str) -> list[dict[str, Any]]:
     return [
         dict(type="ConvModule", in_channels=3, out_channels=6, kernel_size=3, norm_cfg=dict(type=norm)),

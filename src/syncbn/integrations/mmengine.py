@@ -3,15 +3,12 @@
 Importing this module registers, in mmengine's root ``MODELS`` registry (which
 mmdetection's, mmsegmentation's and mmpretrain's registries fall back to):
 
-========================  ==========================================================
-name                      layer
-========================  ==========================================================
-``"ExactSyncBN"``         :class:`syncbn.SyncBatchNorm` (any input with >= 2 dims,
-                          as mmcv's ``"SyncBN"``)
-``"ExactSyncBN1d"``       :class:`syncbn.SyncBatchNorm1d` (``2d``, ``3d`` alike)
-``"ExactInPlaceSyncBN"``  :class:`syncbn.InPlaceSyncBatchNorm` (batch norm and
-                          activation in one in-place layer: set ``act_cfg=None``)
-========================  ==========================================================
+- ``"ExactSyncBN"``: :class:`syncbn.SyncBatchNorm` (any input with at least 2 dims,
+  as mmcv's ``"SyncBN"``);
+- ``"ExactSyncBN1d"``, ``"ExactSyncBN2d"``, ``"ExactSyncBN3d"``:
+  :class:`syncbn.SyncBatchNorm1d` and its siblings;
+- ``"ExactInPlaceSyncBN"``: :class:`syncbn.InPlaceSyncBatchNorm` (batch norm and
+  activation in one in-place layer: give the ``ConvModule`` ``act_cfg=None``),
 
 so that a config names them: ``norm_cfg=dict(type="ExactSyncBN", requires_grad=True)``,
 with ``custom_imports=dict(imports=["syncbn.integrations.mmengine"],
