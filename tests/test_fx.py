@@ -6,6 +6,7 @@ Also torchvision's ``create_feature_extractor`` (built on FX) on a converted Res
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
@@ -97,6 +98,31 @@ def test_symbolic_trace_of_in_place_masked_and_subclassed_layers() -> None:
     ref = copy.deepcopy(sub)
     torch.testing.assert_close(gm(x), ref(x), rtol=0, atol=0)
     torch.testing.assert_close(gm.get_submodule("0").running_var, ref[0].running_var, rtol=0, atol=0)
+
+
+def test_compat_layers_trace_and_traced_modules_pickle() -> None:
+    from syncbn.compat import inplace_abn, megengine
+
+    torch.manual_seed(2)
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    for layer in (
+        inplace_abn.ABN(3),
+        inplace_abn.InPlaceABN(3),
+        inplace_abn.InPlaceABNSync(3),
+        megengine.SyncBatchNorm(3),  # its forward calls SyncBatchNorm.forward: a call_forward node
+        _Scaled(3),
+    ):
+        model = nn.Sequential(nn.Conv2d(3, 3, 1), layer).double()
+        ref = copy.deepcopy(model)
+        gm = torch.fx.symbolic_trace(model)
+        ops = [n.op for n in gm.graph.nodes]
+        assert ops.count("call_module") + ops.count("get_attr") == 2, (type(layer).__name__, ops)
+        buffer = io.BytesIO()
+        torch.save(gm, buffer)  # the graph's targets are importable
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        for module in (gm, loaded):
+            torch.testing.assert_close(module(x.clone()), ref(x.clone()), rtol=0, atol=1e-12)
 
 
 def _traced_on_ranks(rank: int, world_size: int) -> dict[str, float]:

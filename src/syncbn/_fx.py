@@ -14,9 +14,9 @@ names as for the unconverted model.
 
 A subclass whose own ``forward`` calls the layer's ``forward`` (and does more
 around it) is traced through; the layer's part is then recorded as a call of
-that ``forward`` function on the layer (a ``get_attr`` node and a
-``call_function`` node), so the subclass's extra work stays in the graph and
-runs once.
+that ``forward`` on the layer (a ``get_attr`` node and a ``call_function``
+node of :func:`call_forward`), so the subclass's extra work stays in the graph
+and runs once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["leaf_call"]
+__all__ = ["call_forward", "leaf_call"]
 
 
 def leaf_call(module: nn.Module, forward: Callable[..., Any], *args: Any) -> Any:
@@ -55,5 +55,37 @@ def leaf_call(module: nn.Module, forward: Callable[..., Any], *args: Any) -> Any
         # The module's own forward: one node for the whole layer, as torch.nn's leaves get.
         return tracer.create_proxy("call_module", path, args, {})
     # Reached from a subclass's forward: record this part only, as a call on the layer.
+    owner = next(cls for cls in type(module).__mro__ if cls.__dict__.get("forward") is forward)
     layer = tracer.create_proxy("get_attr", path, (), {})
-    return tracer.create_proxy("call_function", forward, (layer, *args), {})
+    return tracer.create_proxy("call_function", call_forward, (layer, _name(owner), *args), {})
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_FORWARDS: dict[tuple[type, str], Callable[..., Any]] = {}
+
+
+def call_forward(layer: nn.Module, owner: str, *args: Any) -> Any:
+    """Run the ``forward`` defined by ``owner``, a class of ``layer``'s MRO, on ``layer``.
+
+    What a traced subclass's graph calls for the layer's part (an importable
+    function, so the ``GraphModule`` pickles).
+
+    Args:
+        layer: the layer.
+        owner: ``"module.QualifiedName"`` of the class whose ``forward`` to run.
+        *args: the forward's arguments.
+
+    Returns:
+        What that ``forward`` returns.
+    """
+    key = (type(layer), owner)
+    forward = _FORWARDS.get(key)
+    if forward is None:
+        found = [cls for cls in type(layer).__mro__ if _name(cls) == owner and "forward" in cls.__dict__]
+        if not found:
+            raise TypeError(f"{type(layer).__name__} has no class {owner} with a forward in its MRO")
+        forward = _FORWARDS[key] = found[0].__dict__["forward"]
+    return forward(layer, *args)
