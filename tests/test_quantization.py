@@ -61,6 +61,15 @@ def test_fuse_modules_in_eval_folds_the_batch_norm() -> None:
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
     torch.testing.assert_close(fused(x), ref(x), rtol=0, atol=1e-12)
 
+    # the generic class (mmengine's "ExactSyncBN") fuses too
+    generic = nn.Sequential(nn.Conv2d(3, 4, 1), syncbn.SyncBatchNorm(4), nn.ReLU()).double().eval()
+    want = generic(x)
+    fused = fuse_modules(generic, [["0", "1", "2"]])
+    assert type(fused[0]) is nni.ConvReLU2d
+    torch.testing.assert_close(fused(x), want)
+    qat = fuse_modules_qat(generic.train(), [["0", "1", "2"]])
+    assert type(qat[0]) is syncbn.quantization.ConvSyncBnReLU2d
+
     pair = nn.Sequential(syncbn.SyncBatchNorm2d(3), nn.ReLU()).eval()
     bn_relu = fuse_modules(pair, [["0", "1"]])[0]
     assert type(bn_relu) is nni.BNReLU2d and type(bn_relu[0]) is nn.BatchNorm2d  # eval: a plain copy

@@ -45,7 +45,7 @@ import torch.ao.nn.intrinsic.qat as nniqat
 from torch import nn
 
 from .convert import revert_sync_batchnorm
-from .modules import SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __all__ = [
     "ConvSyncBn1d",
@@ -93,13 +93,13 @@ _DOC = """Torch's fused ``{torch}`` holding a synchronised batch norm (``fuse_mo
     ``prepare_qat`` turns it into torch's QAT ``{torch}`` whose ``bn`` is the
     synchronised layer itself.
     """
-ConvSyncBn1d = _fused(nni.ConvBn1d, (nn.Conv1d, SyncBatchNorm1d), _DOC.format(torch="ConvBn1d"))
-ConvSyncBn2d = _fused(nni.ConvBn2d, (nn.Conv2d, SyncBatchNorm2d), _DOC.format(torch="ConvBn2d"))
-ConvSyncBn3d = _fused(nni.ConvBn3d, (nn.Conv3d, SyncBatchNorm3d), _DOC.format(torch="ConvBn3d"))
-ConvSyncBnReLU1d = _fused(nni.ConvBnReLU1d, (nn.Conv1d, SyncBatchNorm1d), _DOC.format(torch="ConvBnReLU1d"))
-ConvSyncBnReLU2d = _fused(nni.ConvBnReLU2d, (nn.Conv2d, SyncBatchNorm2d), _DOC.format(torch="ConvBnReLU2d"))
-ConvSyncBnReLU3d = _fused(nni.ConvBnReLU3d, (nn.Conv3d, SyncBatchNorm3d), _DOC.format(torch="ConvBnReLU3d"))
-LinearSyncBn1d = _fused(nni.LinearBn1d, (nn.Linear, SyncBatchNorm1d), _DOC.format(torch="LinearBn1d"))
+ConvSyncBn1d = _fused(nni.ConvBn1d, (nn.Conv1d, SyncBatchNorm), _DOC.format(torch="ConvBn1d"))
+ConvSyncBn2d = _fused(nni.ConvBn2d, (nn.Conv2d, SyncBatchNorm), _DOC.format(torch="ConvBn2d"))
+ConvSyncBn3d = _fused(nni.ConvBn3d, (nn.Conv3d, SyncBatchNorm), _DOC.format(torch="ConvBn3d"))
+ConvSyncBnReLU1d = _fused(nni.ConvBnReLU1d, (nn.Conv1d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU1d"))
+ConvSyncBnReLU2d = _fused(nni.ConvBnReLU2d, (nn.Conv2d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU2d"))
+ConvSyncBnReLU3d = _fused(nni.ConvBnReLU3d, (nn.Conv3d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU3d"))
+LinearSyncBn1d = _fused(nni.LinearBn1d, (nn.Linear, SyncBatchNorm), _DOC.format(torch="LinearBn1d"))
 
 # ours -> (torch's float fused class, torch's QAT class)
 _QAT: dict[type, tuple[type, type]] = {
@@ -171,12 +171,14 @@ def fuser_methods() -> dict[tuple[type, ...], Callable[..., nn.Module]]:
     found: dict[tuple[type, ...], Callable[..., nn.Module]] = {}
     for dim, sync in ((1, SyncBatchNorm1d), (2, SyncBatchNorm2d), (3, SyncBatchNorm3d)):
         conv = getattr(nn, f"Conv{dim}d")
-        found[(conv, sync)] = _conv_bn(globals()[f"ConvSyncBn{dim}d"], fm.fuse_conv_bn)
-        found[(conv, sync, nn.ReLU)] = _conv_bn(globals()[f"ConvSyncBnReLU{dim}d"], fm.fuse_conv_bn_relu)
-        found[(getattr(nn, f"ConvTranspose{dim}d"), sync)] = fm.fuse_convtranspose_bn
+        for bn in (sync, SyncBatchNorm):  # the generic class too (mmengine's "ExactSyncBN" builds it)
+            found[(conv, bn)] = _conv_bn(globals()[f"ConvSyncBn{dim}d"], fm.fuse_conv_bn)
+            found[(conv, bn, nn.ReLU)] = _conv_bn(globals()[f"ConvSyncBnReLU{dim}d"], fm.fuse_conv_bn_relu)
+            found[(getattr(nn, f"ConvTranspose{dim}d"), bn)] = fm.fuse_convtranspose_bn
         if dim > 1:
             found[(sync, nn.ReLU)] = _bn_relu(getattr(nni, f"BNReLU{dim}d"))
-    found[(nn.Linear, SyncBatchNorm1d)] = _conv_bn(LinearSyncBn1d, fm.fuse_linear_bn)
+    for bn in (SyncBatchNorm1d, SyncBatchNorm):
+        found[(nn.Linear, bn)] = _conv_bn(LinearSyncBn1d, fm.fuse_linear_bn)
     return found
 
 
