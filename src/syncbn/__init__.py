@@ -1,6 +1,6 @@
 """syncbn: exact Synchronized Batch Normalization for PyTorch, everywhere you train."""
 
-from . import functional, parallel, quantization
+from . import functional, parallel
 from ._checks import name_layers
 from ._config import (
     debug_enabled,
@@ -18,6 +18,11 @@ from .join import JoinableSyncBatchNorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 from .recovery import sync_buffers
 from .stats import recompute_running_stats, sync_running_stats
+
+try:  # adds syncbn's layer types to torch.ao.quantization's fusion and QAT tables
+    from . import quantization
+except ImportError:  # pragma: no cover - a torch without torch.ao.quantization's eager modules
+    pass
 
 __version__ = "0.1.0"
 
