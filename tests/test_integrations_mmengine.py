@@ -61,6 +61,20 @@ def test_replace_syncbn_is_opt_in_and_undone() -> None:
     assert type(build_norm_layer(dict(type="SyncBN"), 4)[1]) is torch_cls
 
 
+def test_conv_module_with_the_in_place_layer() -> None:
+    torch.manual_seed(3)
+    act = dict(type="LeakyReLU", negative_slope=0.01)
+    ref = ConvModule(3, 4, 3, norm_cfg=dict(type="BN"), act_cfg=act)
+    ours = ConvModule(3, 4, 3, norm_cfg=dict(type="ExactInPlaceSyncBN", activation="leaky_relu"), act_cfg=None)
+    assert ours.norm_name == "bn" and type(ours.bn) is syncbn.InPlaceSyncBatchNorm
+    ours.conv.load_state_dict(ref.conv.state_dict())
+    x = torch.randn(4, 3, 6, 6)
+    # init_weights sets weight 1: the in-place layer scales by |1| + eps, BN by 1
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-4, atol=1e-4)
+    ours(x).square().mean().backward()
+    assert ours.conv.weight.grad is not None
+
+
 def test_a_model_built_with_mmcv_syncbn_converts() -> None:
     model = ConvModule(3, 4, 3, norm_cfg=dict(type="SyncBN", requires_grad=True))
     weight = model.bn.weight
