@@ -65,7 +65,8 @@ def test_conv_module_with_the_in_place_layer() -> None:
     torch.manual_seed(3)
     act = dict(type="LeakyReLU", negative_slope=0.01)
     ref = ConvModule(3, 4, 3, norm_cfg=dict(type="BN"), act_cfg=act)
-    ours = ConvModule(3, 4, 3, norm_cfg=dict(type="ExactInPlaceSyncBN", activation="leaky_relu"), act_cfg=None)
+    norm = dict(type="ExactInPlaceSyncBN", activation="leaky_relu")
+    ours = ConvModule(3, 4, 3, norm_cfg=norm, act_cfg=None)  # the layer is the activation
     assert ours.norm_name == "bn" and type(ours.bn) is syncbn.InPlaceSyncBatchNorm
     ours.conv.load_state_dict(ref.conv.state_dict())
     x = torch.randn(4, 3, 6, 6)
