@@ -37,6 +37,8 @@ LAYERS: dict[str, float] = {
     "syncbn.activated": 5,
     "syncbn.convert": 6,
     "syncbn.fuse": 6,
+    "syncbn._fx": 0,  # how layers appear in torch.fx graphs (torch only)
+    "syncbn.quantization": 6.5,  # torch.ao's fusion tables, above convert
 }
 
 
