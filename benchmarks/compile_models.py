@@ -44,7 +44,7 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def _build(name: str) -> nn.Module:
-    import _torchvision_shim  # noqa: F401  (torchvision on a CPU torch)
+    from _helpers import torchvision_shim  # noqa: F401  (torchvision on a CPU torch)
 
     torch.manual_seed(0)
     if name == "resnet50":

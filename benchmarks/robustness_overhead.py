@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import torch  # noqa: E402
 
 import syncbn  # noqa: E402
-from dist_harness import launch  # noqa: E402
+from _helpers.dist_harness import launch  # noqa: E402
 
 SETTINGS = ("unbounded", "default", "debug")
 

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import syncbn  # noqa: E402
-from dist_harness import launch  # noqa: E402
+from _helpers.dist_harness import launch  # noqa: E402
 
 LAYERS = 10
 CHANNELS = 16
