@@ -5,7 +5,7 @@ result is cached for the tests that read it. The graphs are compiled with the
 ``aot_eager`` backend: recompilation is dynamo's matter and the effect tokens,
 the traced autograd function and the backward graph are AOTAutograd's, all of
 which it runs; inductor's code generation is exercised by ``test_compile.py``
-and at scale by ``benchmarks/compile_models.py``.
+and at scale by ``benchmarks/compile/compile_models.py``.
 
 Counted per case, after the warm-up (the first training step and the first
 eval call: eval is another graph, as for ``nn.BatchNorm``): graphs compiled (0),

@@ -23,7 +23,7 @@ With ``--compute N`` every rank multiplies 96x96 matrices N times before each su
 times, so the others wait (as ranks of a training step do): the wait's spinning then costs
 CPU a peer needs. Slowest rank's median, microseconds, its CPU time per step, the load average.
 
-    python benchmarks/hierarchical.py [--world-size 4] [--machines 2] [--netns] [--channels 128]
+    python benchmarks/speed/hierarchical.py [--world-size 4] [--machines 2] [--netns] [--channels 128]
                                       [--iters 200] [--compute 0]
 """
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.netns:
         run_ranks(_simulated, args.world_size, "gloo", args)
         return 0
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests"))
     from _helpers import netns
 
     why = netns.available()
