@@ -18,6 +18,7 @@ from torch import nn
 
 import syncbn
 from _helpers.marks import needs_2_gpus, needs_cuda
+from _helpers.modules import Scale
 from syncbn import parallel
 from syncbn._function import SyncBatchNormFunction
 from syncbn._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
@@ -31,17 +32,6 @@ SHAPES = {
     "3d": (syncbn.SyncBatchNorm3d, nn.BatchNorm3d, (3, 2, 3, 4)),
     "generic": (syncbn.SyncBatchNorm, nn.BatchNorm2d, (4, 3, 3)),
 }
-
-
-class Scale(nn.Module):
-    """A per-channel learnable scale, so that gradients flow to parameters upstream of the BN."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight.view([1, -1] + [1] * (x.dim() - 2))
 
 
 def make_pair(bn_cls, ref_cls, channels, dtype=torch.float64, **kwargs):

@@ -14,7 +14,7 @@ from torch import nn
 import syncbn
 from _helpers.dist_harness import launch, launch_once
 from _helpers.equivalence import Case, run_case, run_standard_cases, standard_cases, tolerance
-from syncbn import groups
+from _helpers.modules import CountingGroup
 
 
 def _results(world_size: int) -> list[dict[str, Any]]:
@@ -94,18 +94,8 @@ def test_eval_and_freeze_never_communicate() -> None:
     assert launch(_eval_never_communicates, 2, timeout=60) == [True, True]
 
 
-class _CountingGroup(groups.ProcessGroupSum):
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.calls: list[int] = []
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.calls.append(tensor.numel())
-        return super().all_reduce_sum(tensor)
-
-
 def _collectives(rank: int, world_size: int) -> list[int]:
-    group = _CountingGroup()
+    group = CountingGroup()
     bn = syncbn.SyncBatchNorm2d(8, process_group=group)
     x = torch.randn(4 + rank, 8, 5, 5, requires_grad=True)
     bn(x).backward(torch.randn_like(x))

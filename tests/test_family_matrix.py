@@ -27,6 +27,7 @@ import syncbn
 from _helpers.abn_reference import max_error
 from _helpers.dist_harness import launch_once
 from _helpers.marks import needs_compiled_ops
+from _helpers.modules import CountingGroup, Scale
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,19 +66,20 @@ class Family:
     """One layer family: its synchronised layer and the plain-torch module it must equal.
 
     Attributes:
-        layer: builds the synchronised layer for ``(N, C, L)`` inputs from the channel count.
+        layer: builds the synchronised layer for ``(N, C, L)`` inputs from the channel count and
+            a ``process_group`` keyword (``None``: the default group).
         reference: builds the reference (float64 after ``.double()``), whose ``state_dict``
             keys are the layer's: the test loads the layer's state into it.
     """
 
-    layer: Callable[[int], nn.Module]
+    layer: Callable[..., nn.Module]
     reference: Callable[[int], nn.Module]
 
 
 FAMILIES: dict[str, Family] = {
     "batchnorm": Family(syncbn.SyncBatchNorm1d, nn.BatchNorm1d),
     "inplace_abn": Family(
-        lambda c: syncbn.InPlaceSyncBatchNorm(c, activation="elu", activation_param=0.6),
+        lambda c, **kw: syncbn.InPlaceSyncBatchNorm(c, activation="elu", activation_param=0.6, **kw),
         lambda c: _InPlaceReference(c, lambda t: F.elu(t, 0.6)),
     ),
 }
@@ -102,29 +104,17 @@ def _param(family: str, case: str, *values: Any) -> Any:
     return pytest.param(family, *values, marks=marks, id=f"{family}-{case}")
 
 
-class _Scale(nn.Module):
-    """A per-channel learnable scale before the layer: gradients reach upstream parameters, and an
-    in-place layer never writes over the test's input."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, channels))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.weight.view(1, -1, 1)
-
-
-def _models(family: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
-    """The model under test in ``dtype`` and its float64 reference, with equal state."""
+def _models(family: str, dtype: torch.dtype, group: Any = None) -> tuple[nn.Module, nn.Module]:
+    """The model under test in ``dtype`` (its layer over ``group``) and its float64 reference."""
     fam = FAMILIES[family]
     torch.manual_seed(0)
-    ours = nn.Sequential(_Scale(CHANNELS), fam.layer(CHANNELS))
+    ours = nn.Sequential(Scale(CHANNELS), fam.layer(CHANNELS, process_group=group))
     with torch.no_grad():
         ours[1].weight.uniform_(0.5, 1.5)
         ours[1].weight[0] *= -1  # a negative weight
         ours[1].bias.uniform_(-0.5, 0.5)
     ours = ours.to(dtype)
-    ref = nn.Sequential(_Scale(CHANNELS), fam.reference(CHANNELS)).double()
+    ref = nn.Sequential(Scale(CHANNELS), fam.reference(CHANNELS)).double()
     ref.load_state_dict(ours.state_dict())
     return ours, ref
 
@@ -155,8 +145,14 @@ def _state_error(ours: nn.Module, ref: nn.Module) -> float:
 
 
 def _train(family: str, path: str, dtype: torch.dtype, sizes: tuple[int, ...], rank: int) -> dict[str, float]:
-    """``STEPS`` steps of the model on one path against the reference on the global batch."""
-    ours, ref = _models(family, dtype)
+    """``STEPS`` steps of the model on one path against the reference on the global batch.
+
+    Returns the largest error of each quantity and step (relative to max(1, |reference|)); on the
+    eager path also ``collectives``: 0 when every step made one collective each way, sized by the
+    channels (``2C + 1`` values forward, ``2C`` backward), else the number of steps that did not.
+    """
+    group = CountingGroup() if path == "eager" else None
+    ours, ref = _models(family, dtype, group)
     if path == "ddp":
         run: nn.Module = nn.parallel.DistributedDataParallel(ours)
     elif path == "compiled":
@@ -191,6 +187,11 @@ def _train(family: str, path: str, dtype: torch.dtype, sizes: tuple[int, ...], r
         opt.step()
         opt.zero_grad()
         errors[f"state{step}"] = _state_error(ours, ref)
+        if group is not None:
+            errors["collectives"] = errors.get("collectives", 0.0) + float(
+                group.calls != [2 * CHANNELS + 1, 2 * CHANNELS]
+            )
+            group.calls.clear()
     if path == "compiled":
         errors["graph breaks"] = float(sum(counters["graph_break"].values()))
     return errors

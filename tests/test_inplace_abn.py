@@ -19,6 +19,7 @@ from torch import nn
 import syncbn
 from _helpers.abn_reference import max_error, reference
 from _helpers.marks import needs_compiled_ops
+from _helpers.modules import Scale
 from syncbn.compat import inplace_abn as compat
 from syncbn.compat.inplace_abn import ABN, InPlaceABN, InPlaceABNSync, inplace_abn, inplace_abn_sync
 
@@ -275,17 +276,8 @@ def test_backward_keeps_only_the_output(activation: str) -> None:
 
 def test_compat_layer_data_parallel_replicas_match_the_whole_batch(short_replica_timeout: float) -> None:
     """The inplace-abn drop-in under DataParallel (the native layer is in ``test_family_matrix.py``)."""
-
-    class Scale(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.weight.view(1, -1, 1)
-
     layer = InPlaceABNSync(4, activation="elu", activation_param=0.6)
-    model = nn.Sequential(Scale(), layer).double()
+    model = nn.Sequential(Scale(4), layer).double()
     w, b = _params(4, 5)
     with torch.no_grad():
         model[1].weight.copy_(w)

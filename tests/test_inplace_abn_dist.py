@@ -18,23 +18,13 @@ import torch.distributed as dist
 import syncbn
 from _helpers.abn_reference import max_error, reference
 from _helpers.dist_harness import launch
-from syncbn import groups
+from _helpers.modules import CountingGroup
 from syncbn.compat.inplace_abn import InPlaceABNSync, inplace_abn_sync
 
 pytestmark = pytest.mark.timeout(120)
 
 WORLD = 3
 TOL = 1e-12
-
-
-class _CountingGroup(groups.ProcessGroupSum):
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.calls: list[int] = []
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.calls.append(tensor.numel())
-        return super().all_reduce_sum(tensor)
 
 
 CASES: list[dict[str, Any]] = [
@@ -67,7 +57,7 @@ def _run_case(rank: int, case: dict[str, Any], index: int) -> dict[str, float]:
     weight[0] = -weight[0]  # a negative weight: scale |w| + eps, gradient sign -1
     bias = torch.randn(channels, generator=gen, dtype=torch.float64)
     errors: dict[str, float] = {}
-    group = _CountingGroup()
+    group = CountingGroup()
     layer = _layer(case, channels, group) if case["kind"] != "function" else None
     if layer is not None and layer.weight is not None:
         with torch.no_grad():
