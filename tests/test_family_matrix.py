@@ -5,7 +5,8 @@ replicas) x dtype (float64, float32) x per-rank batches (uneven, one rank empty)
 steps each with an SGD step between them, plus DDP under ``Join`` (ranks holding 3 and 1
 batches, debug checks on and off). A family is one entry of :data:`FAMILIES`: how to build its
 synchronised layer and its reference module (plain torch, float64, same ``state_dict`` keys);
-every case then runs for it.
+every case then runs for it. A case a family fails today is listed in :data:`KNOWN_FAILURES`
+with the reason (``xfail``, not strict) and leaves the list with the fix.
 
 The distributed paths run in one launch of 2 gloo ranks for the whole module; each test reads
 its case from that launch. DataParallel runs in this process (replica threads on CPU).
@@ -84,7 +85,8 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
-# Cases known to fail today, as (family, case) -> reason: marked xfail (not strict) until fixed.
+# Cases known to fail today, (family, case) -> reason, marked xfail (not strict) until fixed. A case is
+# a path ("eager", "compiled", "ddp", "data_parallel") or "join" / "join-debug".
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("inplace_abn", "join-debug"): (
         "issue 26: the in-place path runs the per-call debug checks under Join (CollectiveError "
@@ -97,11 +99,11 @@ BATCHES = {"uneven": (3, 5), "empty": (4, 0)}  # per-rank batch sizes (every ste
 DIST_PATHS = ("eager", "compiled", "ddp")
 
 
-def _param(family: str, case: str, *values: Any) -> Any:
+def _param(family: str, case: str, *values: Any, marks: tuple[Any, ...] = ()) -> Any:
     """``pytest.param(family, *values)`` with id ``family-case``, xfail where :data:`KNOWN_FAILURES` says."""
     reason = KNOWN_FAILURES.get((family, case))
-    marks = [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
-    return pytest.param(family, *values, marks=marks, id=f"{family}-{case}")
+    known = (pytest.mark.xfail(strict=False, reason=reason),) if reason else ()
+    return pytest.param(family, *values, marks=(*marks, *known), id=f"{family}-{case}")
 
 
 def _models(family: str, dtype: torch.dtype, group: Any = None) -> tuple[nn.Module, nn.Module]:
@@ -218,7 +220,7 @@ def _dist_matrix(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "family, path",
     [
-        pytest.param(f, p, marks=[needs_compiled_ops] if p == "compiled" else [])
+        _param(f, p, p, marks=(needs_compiled_ops,) if p == "compiled" else ())
         for f in FAMILIES
         for p in DIST_PATHS
     ],
@@ -237,7 +239,7 @@ def test_two_ranks_equal_the_reference_on_the_global_batch(
 
 @pytest.mark.parametrize("batches", list(BATCHES))
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [_param(f, "data_parallel") for f in FAMILIES])
 def test_data_parallel_replicas_equal_the_reference_on_the_whole_batch(
     family: str, dtype: str, batches: str, short_replica_timeout: float
 ) -> None:
