@@ -27,7 +27,7 @@ from torch.distributed.algorithms import Join
 import syncbn
 from _helpers.abn_reference import max_error
 from _helpers.dist_harness import launch_once
-from _helpers.marks import needs_compiled_ops
+from _helpers.marks import HAS_COMPILED_OPS, needs_compiled_ops
 from _helpers.modules import CountingGroup, Scale
 
 pytestmark = pytest.mark.timeout(300)
@@ -207,7 +207,7 @@ def _dist_matrix(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for family in FAMILIES:
         for path in DIST_PATHS:
-            if path == "compiled" and syncbn.modules._ops is None:
+            if path == "compiled" and not HAS_COMPILED_OPS:
                 continue
             for dname, (dtype, _) in DTYPES.items():
                 for bname, sizes in BATCHES.items():
