@@ -6,7 +6,7 @@ above the shared-memory slot, functional calls in different dtypes, swapped
 equal-channel layers), an alive but absent peer with ``SYNCBN_TIMEOUT=none``, a
 job killed during set-up, a forked child, re-initialised process groups, an
 abandoned collective, a rejected debug call, a foreign write into a slot. Each
-runs on 2 forked ranks (``tests/dist_harness.py``: FileStore, bounded) and
+runs on 2 forked ranks (``tests/_helpers/dist_harness.py``: FileStore, bounded) and
 asserts the error text on every rank, that no rank died of a signal (the
 harness fails on any rank that did not return), that ``/dev/shm`` holds no
 ``syncbn-<pid>-*`` file of the ranks, and that the state promised unchanged is.
@@ -34,11 +34,11 @@ import torch.distributed as dist
 from torch import nn
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
+from _helpers.marks import needs_shm
 from syncbn import _checks, _function, _shm, groups
 
 SHORT = 2.0
-needs_shm = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
 TRANSPORTS = pytest.mark.parametrize(
     "shared", [pytest.param(True, marks=needs_shm), False], ids=["shared-memory", "process-group"]
 )

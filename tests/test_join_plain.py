@@ -23,11 +23,10 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import syncbn
-from dist_harness import launch
-from syncbn import _shm
+from _helpers.dist_harness import launch
+from _helpers.marks import needs_shm
 from syncbn.groups import UnboundedStepWarning
 
-needs_shm = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
 TRANSPORTS = pytest.mark.parametrize(
     "shared", [pytest.param(True, marks=needs_shm), False], ids=["shared-memory", "process-group"]
 )

@@ -10,7 +10,7 @@ promptly through a plain interpreter exit, with or without ``destroy_process_gro
 
 Each rank is forked from a "zygote" (this file run as a script: torch is imported once) and
 leaves through ``sys.exit``, a real interpreter exit with its atexit handlers and finalisation (a
-child of ``multiprocessing`` or of ``tests/dist_harness.py`` leaves through ``os._exit``); the
+child of ``multiprocessing`` or of ``tests/_helpers/dist_harness.py`` leaves through ``os._exit``); the
 zygote times every exit.
 """
 

@@ -14,7 +14,7 @@ of all variants alternate in one loop; each rank's median step time is taken and
 slowest rank reported, with the ratios to plain (targets: deep <= 1.10,
 resnet <= 1.03).
 
-    python benchmarks/e2e.py [--model deep,resnet] [--world-size 2] [--batch 16] [--steps 20]
+    python benchmarks/speed/e2e.py [--model deep,resnet] [--world-size 2] [--batch 16] [--steps 20]
                              [--fused-bound] [--json PATH]
 """
 

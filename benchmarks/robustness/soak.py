@@ -9,7 +9,7 @@ it exceeds ``--max-growth-mib``.
 
 Usage::
 
-    python benchmarks/soak.py [--steps 1000] [--debug] [--max-growth-mib 8]
+    python benchmarks/robustness/soak.py [--steps 1000] [--debug] [--max-growth-mib 8]
 
 Result recorded in ``docs/robustness.md``.
 """
@@ -23,13 +23,13 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import syncbn  # noqa: E402
-from dist_harness import launch  # noqa: E402
+from _helpers.dist_harness import launch  # noqa: E402
 
 LAYERS = 10
 CHANNELS = 16

@@ -14,7 +14,7 @@ very same input values:
 Weights are drawn from ``|w| in [0.5, 2]`` (well conditioned) and ``|w| in [1e-3, 1e-2]`` (small:
 the recovery divides by ``|w| + eps``), data offsets ``|mean|/std`` of 0, 10 and 100.
 
-    python benchmarks/abn_precision.py [--trials 4] [--json benchmarks/results/abn_precision.json]
+    python benchmarks/precision/abn_precision.py [--trials 4] [--json benchmarks/results/abn_precision.json]
 """
 
 from __future__ import annotations

@@ -123,3 +123,34 @@ def launch(
     if missing:
         raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout:.0f}s")
     return [value if ok else ("error", value) for ok, value in (results[r] for r in range(world_size))]
+
+
+_LAUNCHED: dict[tuple[Any, ...], tuple[bool, Any]] = {}
+
+
+def launch_once(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """:func:`launch` once per ``(fn, world_size, args)`` for the whole session; later calls reuse it.
+
+    A module runs many cases in one launch and its parametrised tests each read their case
+    from the cached result. A failed launch is cached too: every test that reads it fails with
+    the same error, without starting the ranks again.
+
+    Args:
+        fn: module-level function run on each rank (see :func:`launch`).
+        world_size: number of ranks.
+        *args: extra arguments; hashable, they are part of the key.
+        timeout: seconds before every child is killed.
+
+    Returns:
+        Each rank's return value, in rank order.
+    """
+    key = (fn, world_size, *args)
+    if key not in _LAUNCHED:
+        try:
+            _LAUNCHED[key] = (True, launch(fn, world_size, *args, timeout=timeout))
+        except (AssertionError, TimeoutError) as exc:
+            _LAUNCHED[key] = (False, exc)
+    ok, value = _LAUNCHED[key]
+    if not ok:
+        raise value
+    return value

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _torchvision_shim  # noqa: E402  (before lightning imports torchvision)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from _helpers import torchvision_shim  # noqa: E402  (before lightning imports torchvision)
 
-_torchvision_shim.install()
+torchvision_shim.install()
 
 import torch  # noqa: E402
 
@@ -22,7 +22,7 @@ from lightning.fabric import Fabric  # noqa: E402
 from torch import nn  # noqa: E402
 
 import syncbn  # noqa: E402
-from integration_models import STEPS, make_data, make_net, shard  # noqa: E402
+from _helpers.integration_models import STEPS, make_data, make_net, shard  # noqa: E402
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ in a job on one machine) uses shared memory.
 
 Usage::
 
-    python benchmarks/robustness_overhead.py [--steps 400] [--channels 512] [--batch 256]
+    python benchmarks/robustness/robustness_overhead.py [--steps 400] [--channels 512] [--batch 256]
         [--transport shm|gloo]
 
 Prints medians in microseconds from rank 0. Not part of CI (timings are noisy).
@@ -48,12 +48,12 @@ import sys
 import time
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 import torch  # noqa: E402
 
 import syncbn  # noqa: E402
-from dist_harness import launch  # noqa: E402
+from _helpers.dist_harness import launch  # noqa: E402
 
 SETTINGS = ("unbounded", "default", "debug")
 

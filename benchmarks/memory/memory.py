@@ -8,7 +8,7 @@ CPU allocator), saved bytes from ``torch.autograd.graph.saved_tensors_hooks``
 (distinct storages). Both are reported in units of one activation (the input's
 size in bytes).
 
-    python benchmarks/memory.py [--shapes 16x64x32x32,...] [--json PATH]
+    python benchmarks/memory/memory.py [--shapes 16x64x32x32,...] [--json PATH]
 
 ``--models`` (issue 21) measures whole models instead: (a) a ResNet-50-style
 pre-activation bottleneck network with leaky_relu and (b) a DeepLab-style ASPP
@@ -21,7 +21,7 @@ allocated in one training step (profiler), peak RSS of a step in a fresh child
 process, the largest per-rank batch whose step stays under the standard model's
 peak at batch 8, and the step time ratio (interleaved, medians).
 
-    python benchmarks/memory.py --models [--batches 2,4,8] [--json PATH]
+    python benchmarks/memory/memory.py --models [--batches 2,4,8] [--json PATH]
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ With the ranks ordered by machine, one ring hop per machine crosses its link, so
 all_reduce of S bytes puts ``2 (W-1)/W * S`` on each link, a ring all_gather ``(W-1) * S``.
 Every ring hop is charged the network latency (gloo's same-machine hops are TCP too).
 
-    python benchmarks/scaling.py [--alpha-us 10] [--bandwidth-gbs 25] [--gloo-alpha-us 50]
+    python benchmarks/speed/scaling.py [--alpha-us 10] [--bandwidth-gbs 25] [--gloo-alpha-us 50]
         [--gloo-bandwidth-gbs 1.25] [--shm-round-us 20] [--json PATH]
 """
 

@@ -5,7 +5,7 @@ the collective, so the time is syncbn's own work per layer (Python, dispatcher
 calls, passes over memory): what a code change to the eager path can make
 slower. Run it against two source trees, alternating, in fresh processes::
 
-    python benchmarks/eager_overhead.py --src OLD/src --src NEW/src --rounds 3
+    python benchmarks/speed/eager_overhead.py --src OLD/src --src NEW/src --rounds 3
 
 Prints the median forward+backward thread CPU time per shape and source tree (ms, one
 thread) and their ratio.

@@ -1,7 +1,7 @@
 """DDP training step, compiled and eager, of syncbn against a compiled ``nn.BatchNorm2d`` twin, 2 gloo ranks.
 
-    python benchmarks/compile_step.py [--steps 10] [--rounds 5] [--threads 1] [--nets narrow,wide]
-    python benchmarks/compile_step.py --eager-forms
+    python benchmarks/compile/compile_step.py [--steps 10] [--rounds 5] [--threads 1] [--nets narrow,wide]
+    python benchmarks/compile/compile_step.py --eager-forms
 
 ``--eager-forms`` times instead, in one process, one layer's eager forward +
 backward through the eager autograd function and through the traced form the

@@ -16,14 +16,14 @@ Two ways to make machines:
   measures the path's own cost (three framed steps instead of one), not a network.
   ``--machines 1``: the flat paths only.
 * ``--netns`` (root): ``--machines`` hosts built from Linux network namespaces joined by veth
-  pairs (``tests/_netns.py``), each with its own hostname; gloo over real TCP between them
+  pairs (``tests/_helpers/netns.py``), each with its own hostname; gloo over real TCP between them
   (no latency emulation: the veths are as fast as the kernel). Flat there is ``gloo``.
 
 With ``--compute N`` every rank multiplies 96x96 matrices N times before each sum, odd ranks 2N
 times, so the others wait (as ranks of a training step do): the wait's spinning then costs
 CPU a peer needs. Slowest rank's median, microseconds, its CPU time per step, the load average.
 
-    python benchmarks/hierarchical.py [--world-size 4] [--machines 2] [--netns] [--channels 128]
+    python benchmarks/speed/hierarchical.py [--world-size 4] [--machines 2] [--netns] [--channels 128]
                                       [--iters 200] [--compute 0]
 """
 
@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--machines", type=int, default=2)
-    parser.add_argument("--netns", action="store_true", help="namespace hosts (root; tests/_netns.py)")
+    parser.add_argument(
+        "--netns", action="store_true", help="namespace hosts (root; tests/_helpers/netns.py)"
+    )
     parser.add_argument("--channels", type=int, default=128)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument(
@@ -177,14 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.netns:
         run_ranks(_simulated, args.world_size, "gloo", args)
         return 0
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-    import _netns
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests"))
+    from _helpers import netns
 
-    why = _netns.available()
+    why = netns.available()
     if why:
         parser.error(f"--netns: {why}")
     per = args.world_size // args.machines
-    with _netns.Hosts(args.machines) as hosts:
+    with netns.Hosts(args.machines) as hosts:
         results = hosts.launch(_on_namespace_host, [per] * args.machines, args).wait(600)
     if not isinstance(results[0], dict):
         print(results[0][1], file=sys.stderr)

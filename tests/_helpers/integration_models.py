@@ -62,15 +62,16 @@ def shard(rank: int, step: int) -> slice:
 
 
 def run_script(script: str, *args: str, timeout: float = 300.0) -> None:
-    """Run ``tests/<script>`` in a fresh interpreter (it starts its own processes), bounded in time."""
+    """Run ``tests/_helpers/<script>`` in a fresh interpreter (it starts its own processes), bounded."""
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)
     env = dict(os.environ)
-    src = os.path.join(os.path.dirname(here), "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, here, env.get("PYTHONPATH", "")])
+    src = os.path.join(os.path.dirname(tests), "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, tests, env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(
         [sys.executable, os.path.join(here, script), *args],

@@ -190,13 +190,14 @@ def child_rss(name: str, kind: str, batch: int) -> dict[str, float]:
     # The child resets its RSS high-water mark (VmHWM, /proc/self/clear_refs) after building the
     # model and its input, so the mark is the step's own peak: RSS at the start plus what it grew.
     code = (
-        "import sys, torch; sys.path.insert(0, 'benchmarks'); import abn_memory as m; "
+        "import sys, torch; sys.path.insert(0, sys.argv[4]); import abn_memory as m; "
         "torch.set_num_threads(1); model, shape = m._model(sys.argv[1], sys.argv[2]); "
         "x = torch.randn(int(sys.argv[3]), *shape); before = m._status('VmRSS'); "
         "open('/proc/self/clear_refs', 'w').write('5'); m._step(model, x); print(before, m._status('VmHWM'))"
     )
+    here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [sys.executable, "-c", code, name, kind, str(batch)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, name, kind, str(batch), here], capture_output=True, text=True, check=True
     )
     before, after = (float(v) for v in proc.stdout.split())
     return {"rss_peak_bytes": after, "rss_step_bytes": after - before}

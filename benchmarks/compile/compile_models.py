@@ -1,6 +1,6 @@
 """Real models under torch.compile with syncbn, 2 gloo ranks: recompilations, compiled-op calls, equality.
 
-    python benchmarks/compile_models.py [--backend eager] [--models resnet50,mobilenet_v3_small,...]
+    python benchmarks/compile/compile_models.py [--backend eager] [--models resnet50,mobilenet_v3_small,...]
 
 For torchvision ``resnet50`` and ``mobilenet_v3_small``, timm ``efficientnet_b0``
 and a 50-block Conv-BN-ReLU net, each converted with
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 MODELS = ("resnet50", "mobilenet_v3_small", "efficientnet_b0", "blocks50")
 WRAPPINGS = ("compile(DDP(m))", "DDP(compile(m))")
@@ -44,7 +44,7 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def _build(name: str) -> nn.Module:
-    import _torchvision_shim  # noqa: F401  (torchvision on a CPU torch)
+    from _helpers import torchvision_shim  # noqa: F401  (torchvision on a CPU torch)
 
     torch.manual_seed(0)
     if name == "resnet50":

@@ -22,8 +22,8 @@ ATen operator counts of ``bn``, ``loopback`` and ``seam`` (``torch.profiler``).
 For instruction counts, run one shape under ``valgrind --tool=callgrind`` with
 ``--callgrind-only METHOD`` (counts that do not depend on the machine's load)::
 
-    python benchmarks/profile_layer.py [--shapes 64x128,8x32x8x8] [--iters 400] [--profile]
-    valgrind --tool=callgrind --callgrind-out-file=cg.out python benchmarks/profile_layer.py \\
+    python benchmarks/speed/profile_layer.py [--shapes 64x128,8x32x8x8] [--iters 400] [--profile]
+    valgrind --tool=callgrind --callgrind-out-file=cg.out python benchmarks/speed/profile_layer.py \\
         --shapes 64x128 --callgrind-only seam --iters 200
 """
 

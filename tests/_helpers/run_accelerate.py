@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -18,7 +18,7 @@ from accelerate import Accelerator, notebook_launcher  # noqa: E402
 from torch import nn  # noqa: E402
 
 import syncbn  # noqa: E402
-from integration_models import STEPS, make_data, make_net, shard  # noqa: E402
+from _helpers.integration_models import STEPS, make_data, make_net, shard  # noqa: E402
 
 
 def train(out: str) -> None:

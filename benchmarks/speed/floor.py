@@ -28,7 +28,7 @@ lose waiting for each other at a layer's two collectives beyond the collectives'
 own latency. Each rank's median per block, the slowest rank's value, then the
 median over blocks::
 
-    python benchmarks/floor.py [--shapes 64x128,8x32x8x8,256x512] [--steps 100] [--blocks 5]
+    python benchmarks/speed/floor.py [--shapes 64x128,8x32x8x8,256x512] [--steps 100] [--blocks 5]
 """
 
 from __future__ import annotations

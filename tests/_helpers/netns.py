@@ -12,7 +12,7 @@ Needs root and ``ip``; :func:`available` says whether this machine has them.
 Names carry this process's pid, so concurrent runs never collide, and everything made is
 removed on exit, on failure too (and namespaces of dead earlier runs at the next start).
 
-Every rank is forked from the test's process (as ``tests/dist_harness.py`` does: no second
+Every rank is forked from the test's process (as ``tests/_helpers/dist_harness.py`` does: no second
 import of torch) and enters its host's namespaces itself (``setns``, ``unshare`` through libc).
 """
 
