@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import _torchvision_shim
 import syncbn
-from dist_harness import launch
+from _helpers import torchvision_shim as _torchvision_shim
+from _helpers.dist_harness import launch
 
 
 def _model() -> nn.Sequential:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-import _torchvision_shim
 import syncbn
-from dist_harness import launch
+from _helpers import torchvision_shim as _torchvision_shim
+from _helpers.dist_harness import launch
 
 _torchvision_shim.install()  # mmengine's Runner imports torchvision (to log the environment)
 

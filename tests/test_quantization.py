@@ -18,7 +18,7 @@ from torch import nn
 from torch.ao.quantization import QConfig, convert, fuse_modules, fuse_modules_qat, prepare_qat
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
