@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config
-from ._errors import _AFTER_FAILURE, CollectiveError
+from . import _own
+from ._errors import _AFTER_FAILURE, CollectiveError, _pg_timeout
 from ._frame import Tag
 from ._refs import group_ranks
 
@@ -260,7 +261,14 @@ def connect(
     bound = _config.get_timeout()
     extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     sets = [members for members in machines.values() if len(members) > 1] + [leaders]
-    subgroups = _subgroups(ranks, sets, extra)
+    # syncbn's own wires over the job's store (only each set's members meet: overlapping user
+    # groups never need a rank outside theirs); torch's subgroups where that is not available.
+    wires = _own.make_sets(process_group, sets, bound if bound is not None else _pg_timeout(process_group))
+    subgroups: dict[tuple[int, ...], Any]
+    if wires is None:
+        subgroups = _subgroups(ranks, sets, extra)
+    else:
+        subgroups = {members: ref() for members, ref in wires.items()}
     local = None
     if len(mine) > 1:
         local = make_group(subgroups[tuple(mine)], shared_memory=True, hierarchical=False)

@@ -91,8 +91,11 @@ class ProcessGroupSum(FramedTransport):
             dist.group.WORLD if process_group is None else process_group
         )
         self._shared_memory_choice = shared_memory
-        self._size = dist.get_world_size(process_group)
-        self._rank = dist.get_rank(process_group)
+        if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (_hier)
+            self._size, self._rank = process_group.size(), process_group.rank()
+        else:
+            self._size = dist.get_world_size(process_group)
+            self._rank = dist.get_rank(process_group)
         self._owner = _pid
         # Same-machine shared-memory path for CPU tensors: connected on the first CPU collective.
         self._shared: _shm.SharedMemorySum | None = None
@@ -311,6 +314,8 @@ class ProcessGroupSum(FramedTransport):
                 exchange,
                 _own_sum_group,
             )
+        if self._shared is None and self._hier is None:
+            self._make_wire()  # the CPU frames' own gloo group: every member is here, just shown alive
         self._calls = calls
         self._shared_ready = True
         return self._shared

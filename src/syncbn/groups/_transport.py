@@ -211,43 +211,53 @@ class FramedTransport(Reporting):
         return tensor
 
     def _cpu_wire(self) -> Any:
-        """The group that carries this group's CPU frames: syncbn's own, made at the first CPU frame.
+        """The group that carries this group's CPU frames, or ``None``: the process group itself.
 
-        Every member reaches its first CPU frame at the same collective point, so the group is made
-        there, collectively, with the bound as its timeout (:mod:`syncbn.groups._own`, which holds
-        it, with the frame it is handed); ``None`` (the process group itself) where the process
-        group has no gloo CPU backend.
+        syncbn's own wire (:mod:`syncbn.groups._own`: a gloo group over the same members with the
+        bound as its timeout, holding the frame it is handed) once :meth:`_make_wire` made it
+        after set-up; until then (the set-up exchanges) the process group itself, whose
+        connections already exist, so that a peer that died before its first call is found at
+        once. A group syncbn made for itself (``own_group``) is its own wire.
         """
         if not self._wire_ready:
-            bound = self._bound_s()
-            ref: weakref.ref[Any] | None
-            if self._own_group:
-                group = self.process_group
-                _own.adopt(group)
-                ref = weakref.ref(group)
-                if _own.set_timeout(group, bound):
-                    self._wire_timeout = bound
-                del group
-            else:
-                start = time.monotonic()
-                try:
-                    ref = _own.make(self.process_group, bound)
-                except Exception as exc:  # noqa: BLE001 - re-raised with context
-                    raise self._error(exc, time.monotonic() - start, bound) from exc
-                self._wire_timeout = bound
-            wire = None if ref is None else ref()
-            _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
-            if wire is not None:
-                self._release = weakref.finalize(self, _own.release, _own.key_of(wire), bound + 1.0)
-            self._wire_ref = ref
-            self._wire_ready = True
-            return wire
+            if not self._own_group:
+                return None  # set-up: over the process group
+            group = self.process_group
+            _own.adopt(group)
+            if _own.set_timeout(group, self._bound_s()):
+                self._wire_timeout = self._bound_s()
+            self._attach_wire(weakref.ref(group), self._bound_s())
+            del group
         wire = None if self._wire_ref is None else self._wire_ref()
         if wire is not None and self._wire_timeout is not None:
             now = self._bound_s()  # syncbn's bound, else the process group's timeout
             if now != self._wire_timeout and _own.set_timeout(wire, now):
                 self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
         return wire
+
+    def _make_wire(self) -> None:
+        """Make syncbn's own wire for the CPU frames (collective: right after set-up, every member)."""
+        if self._wire_ready:
+            return
+        if self._own_group:
+            self._cpu_wire()
+            return
+        bound = self._bound_s()
+        start = time.monotonic()
+        try:
+            ref = _own.make(self.process_group, bound)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise self._error(exc, time.monotonic() - start, bound) from exc
+        self._wire_timeout = bound
+        self._attach_wire(ref, bound)
+
+    def _attach_wire(self, ref: weakref.ref[Any] | None, bound: float) -> None:
+        wire = None if ref is None else ref()
+        _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
+        if wire is not None:
+            self._release = weakref.finalize(self, _own.release, _own.key_of(wire), bound + 1.0)
+        self._wire_ref = ref
+        self._wire_ready = True
 
     def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
         group = self.process_group
@@ -259,14 +269,15 @@ class FramedTransport(Reporting):
         if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
             start = time.monotonic()
             try:
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+                work = start_all_reduce(tensor, group)
+                work.wait()
             except Exception as exc:  # noqa: BLE001 - re-raised with context
                 raise self._error(exc, time.monotonic() - start, None) from exc
             return tensor
         start = time.monotonic()
         work = None
         try:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = start_all_reduce(tensor, group)
             finished = work.wait(timeout=delta)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             _own.abandon(work, tensor)
@@ -275,3 +286,12 @@ class FramedTransport(Reporting):
             _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
         return tensor
+
+
+def start_all_reduce(tensor: Tensor, group: Any) -> Any:
+    """Start the summing ``all_reduce`` of ``tensor`` over ``group`` (a process group or a wire); its work."""
+    if isinstance(group, dist.ProcessGroupGloo):  # syncbn's own wire: not registered with torch
+        options: Any = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        return group.allreduce([tensor], options)  # type: ignore[attr-defined]
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
