@@ -117,6 +117,7 @@ class ProcessGroupSum(FramedTransport):
         self._release: Any = None  # releases it (syncbn.groups._own.release) when this group goes
         self._wire_ready = False
         self._wire_timeout: float | None = None
+        self._wire_stuck: float | None = None  # a bound this torch could not carry to the wire (warned)
         #: identity -> name of the layers seen by this process, for error messages.
         self.names: dict[int, str] = {}
         #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).

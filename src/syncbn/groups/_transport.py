@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import time
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from .. import _config
 from . import _own
-from ._errors import CollectiveError, Reporting
+from ._errors import CollectiveError, Reporting, _pg_timeout
 from ._frame import (
     FRAME,
     HEADER,
@@ -58,6 +59,7 @@ class FramedTransport(Reporting):
     _release: Any
     _wire_ready: bool
     _wire_timeout: float | None
+    _wire_stuck: float | None
     last_participants: int
 
     def check_pending(self) -> None:
@@ -224,15 +226,21 @@ class FramedTransport(Reporting):
                 return None  # set-up: over the process group
             group = self.process_group
             _own.adopt(group)
-            if _own.set_timeout(group, self._bound_s()):
-                self._wire_timeout = self._bound_s()
+            # Its timeout is now the bound, or (a torch that cannot change it) what it was made with.
+            self._wire_timeout = (
+                self._bound_s() if _own.set_timeout(group, self._bound_s()) else _pg_timeout(group)
+            )
             self._attach_wire(weakref.ref(group), self._bound_s())
             del group
         wire = None if self._wire_ref is None else self._wire_ref()
         if wire is not None and self._wire_timeout is not None:
             now = self._bound_s()  # syncbn's bound, else the process group's timeout
-            if now != self._wire_timeout and _own.set_timeout(wire, now):
-                self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
+            if now != self._wire_timeout:
+                if _own.set_timeout(wire, now):
+                    self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
+                elif now != self._wire_stuck:
+                    self._wire_stuck = now
+                    warnings.warn(_stuck_timeout(self._wire_timeout, now, self.describe()), stacklevel=4)
         return wire
 
     def _make_wire(self) -> None:
@@ -286,6 +294,25 @@ class FramedTransport(Reporting):
             _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
         return tensor
+
+
+def _stuck_timeout(kept: float, wanted: float, group: str) -> str:
+    return (
+        f"syncbn: the wait bound changed to {wanted:g} s after the set-up of the group over {group}, "
+        f"and torch {torch.__version__} cannot change the timeout of syncbn's gloo group for it "
+        "(ProcessGroupGloo._set_default_timeout: torch 2.3 and later). The wait on this rank now "
+        f"ends at {wanted:g} s, but gloo still gives up on the group's collectives at "
+        f"{kept:g} s, the bound when the group was set up: "
+        + (
+            f"a collective that takes longer than {kept:g} s fails then (a CollectiveError), "
+            f"before the new bound"
+            if wanted > kept
+            else f"a collective abandoned at {wanted:g} s stays on gloo's thread until {kept:g} s "
+            "(destroying the group or exiting waits for it)"
+        )
+        + ". Call syncbn.set_timeout (or set SYNCBN_TIMEOUT) before the first training step, or "
+        "upgrade torch."
+    )
 
 
 def start_all_reduce(tensor: Tensor, group: Any) -> Any:
