@@ -208,7 +208,7 @@ def connect(
     shared-memory path proved unusable). One ``exchange`` (a summing all_reduce
     over the whole group) tells every rank every rank's choice, whether it can
     use shared memory, and its machine; the subgroups are then made by their own
-    members only (``new_group(use_local_synchronization=True)``).
+    members only (syncbn's own gloo wires, :func:`syncbn.groups._own.make_sets`).
 
     Args:
         rank: this rank's index in the group.
@@ -280,6 +280,8 @@ def connect(
 
 def _subgroups(ranks: list[int], sets: list[list[int]], extra: dict[str, Any]) -> dict[tuple[int, ...], Any]:
     """The process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks), collectively.
+
+    The fallback where syncbn's own wires cannot be made (no store or group name to meet under).
 
     Where the group holds every rank of the job, every rank makes every subgroup, in the same
     order: torch names them by its group count, so a second hierarchy over the same ranks (e.g.
