@@ -122,6 +122,9 @@ class ProcessGroupSum(FramedTransport):
         self.names: dict[int, str] = {}
         #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).
         self.layer_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        #: ordinals handed out so far (never reused: a collected layer's number is not given again,
+        #: so the numbering follows the order of first calls, whenever other layers are collected).
+        self.layer_ordinals = 0
         self.last_participants = self._size
         self.closed = False
 
