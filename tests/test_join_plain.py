@@ -10,6 +10,7 @@ exactly, and training after it needs no Join. Real gloo ranks, both transports, 
 
 from __future__ import annotations
 
+import copy
 import glob
 import inspect
 import os
@@ -161,6 +162,9 @@ def _throwing_join(rank: int, world_size: int, layer: str, shared: bool) -> dict
     norm = syncbn.SyncBatchNorm1d(4) if layer == "syncbn" else nn.BatchNorm1d(4)
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), norm, nn.Linear(4, 1)).double())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    copied = copy.deepcopy(ddp)  # syncbn's join hook follows the copy, never the original
+    hooks = Join([copied], enable=False)._join_hooks
+    copied_ok = all(getattr(getattr(h, "inner", h), "ddp", None) is copied for h in hooks)
     steps = 0
     start = time.monotonic()
     error = None
@@ -173,7 +177,7 @@ def _throwing_join(rank: int, world_size: int, layer: str, shared: bool) -> dict
                 steps += 1
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         error = (type(exc).__name__, str(exc))
-    out: dict[str, Any] = {"error": error, "steps": steps, "s": time.monotonic() - start}
+    out: dict[str, Any] = {"error": error, "steps": steps, "s": time.monotonic() - start, "copy": copied_ok}
     # Training goes on afterwards on the same model, outside any Join, on every rank.
     _train(ddp, _batches(rank + 7, 1))
     out["params"] = [p.detach().clone() for p in ddp.parameters()]
@@ -190,6 +194,7 @@ def test_torchs_throw_on_early_termination_pattern_behaves_as_with_batchnorm(sha
         assert mine["error"] == theirs["error"], (mine["error"], theirs["error"])
         assert mine["steps"] == theirs["steps"]
         assert mine["s"] < 4.0, mine["s"]  # at once, not after the 5 s bound
+        assert mine["copy"]
     assert got[0]["error"][0] == "RuntimeError" and "Detected at least one rank" in got[0]["error"][1]
     assert got[1]["error"][0] == "RuntimeError" and "exhausted all inputs" in got[1]["error"][1]
     for a, b in zip(got[0]["params"], got[1]["params"]):

@@ -92,19 +92,30 @@ class _Watched(JoinHook):
             self.done = True
 
 
-def _watch(ddp: nn.Module) -> None:
-    """Make ``ddp.join_hook`` hand ``Join`` a :class:`_Watched` hook (an instance attribute)."""
-    ref = weakref.ref(ddp)
-    original = type(ddp).join_hook  # type: ignore[attr-defined]
+class _JoinHookOf:
+    """``join_hook`` of one DDP model (an instance attribute): DDP's hook, handed over watched.
 
-    def join_hook(**kwargs: Any) -> JoinHook:
-        owner = ref()
-        hook = _Watched(original(owner, **kwargs))
-        if owner is not None:
-            _hooks[owner] = weakref.ref(hook)
+    Holds the model weakly (no reference cycle); a pickled or deep-copied model gets one of its
+    own (``__reduce__``), never one that builds hooks for the original.
+    """
+
+    def __init__(self, ddp: nn.Module) -> None:
+        self._ddp = weakref.ref(ddp)
+
+    def __call__(self, **kwargs: Any) -> JoinHook:
+        ddp = self._ddp()
+        assert ddp is not None  # called through the model that holds it
+        hook = _Watched(type(ddp).join_hook(ddp, **kwargs))  # type: ignore[attr-defined]
+        _hooks[ddp] = weakref.ref(hook)
         return hook
 
-    ddp.__dict__["join_hook"] = join_hook
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_JoinHookOf, (self._ddp(),))
+
+
+def _watch(ddp: nn.Module) -> None:
+    """Make ``ddp.join_hook`` hand ``Join`` a :class:`_Watched` hook."""
+    ddp.__dict__["join_hook"] = _JoinHookOf(ddp)
 
 
 def _join_live(ddp: nn.Module) -> bool:
