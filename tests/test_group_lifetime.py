@@ -30,7 +30,7 @@ from syncbn import _shm, groups
 _ops = pytest.importorskip("syncbn._ops", reason="no ordered effectful custom operators in this torch")
 
 _SEGMENT = re.compile(r"syncbn-\d+-[0-9a-f]{12}")
-CYCLES = 5
+CYCLES = 3
 
 
 def _fds() -> int:
