@@ -149,13 +149,13 @@ def test_frames_have_one_size_whatever_the_call() -> None:
 def _wire_sizes(rank: int, world_size: int) -> dict[str, Any]:
     syncbn.set_shared_memory(False)
     sizes: list[tuple[int, torch.dtype]] = []
-    real = dist.all_reduce
+    real = groups._transport.start_all_reduce
 
-    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def spy(tensor: torch.Tensor, group: Any) -> Any:
         sizes.append((tensor.numel(), tensor.dtype))
-        return real(tensor, *args, **kwargs)
+        return real(tensor, group)
 
-    groups.dist.all_reduce = spy  # type: ignore[assignment]
+    groups._transport.start_all_reduce = spy  # type: ignore[assignment]
     refused = []
     try:
         for channels in (3, 2047, 2040 + rank * 100, 4100, 9000):
@@ -163,7 +163,7 @@ def _wire_sizes(rank: int, world_size: int) -> dict[str, Any]:
             x = torch.randn(4, channels, requires_grad=True)
             refused.append(_attempt(lambda bn=bn, x=x: bn(x).backward(torch.randn_like(x)))["type"])
     finally:
-        groups.dist.all_reduce = real  # type: ignore[assignment]
+        groups._transport.start_all_reduce = real  # type: ignore[assignment]
     return {"sizes": sorted(set(sizes), key=str), "refused": refused}
 
 
