@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 import syncbn
 import syncbn.modules
-from dist_harness import launch
+from _helpers.dist_harness import launch
 
 pytestmark = pytest.mark.skipif(
     syncbn.modules._ops is None,

@@ -516,6 +516,10 @@ def _cycles(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     bn = syncbn.SyncBatchNorm1d(4)
     fds, maps, kept = [], [], []
+    # Every rank has finished joining the harness's group before any rank destroys it (a rank
+    # that destroys its side first can close the mesh under a peer still connecting: seen on
+    # torch 2.2.2 as "Gloo connectFullMesh failed ... Connection closed by peer").
+    dist.barrier()
     for cycle in range(5):
         old = weakref.ref(dist.group.WORLD)
         dist.destroy_process_group()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
 from syncbn import _shm, groups
 
 _ops = pytest.importorskip("syncbn._ops", reason="no ordered effectful custom operators in this torch")
@@ -63,6 +63,7 @@ def _use(process_group: Any) -> None:
 
 def _cycles(rank: int, world_size: int, tmp: str, shared: bool) -> dict[str, Any]:
     syncbn.set_shared_memory(shared)
+    dist.barrier()  # every rank is connected before one destroys its side (a peer may still connect)
     dist.destroy_process_group()  # the harness's group: start from a clean slate
     # The baseline: one cycle of torch's own (gloo keeps 5 descriptors after its first groups).
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "b"), 2), rank=rank, world_size=2)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
 from syncbn import _shm, groups
 
 BOUND = 10.0

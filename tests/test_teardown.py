@@ -68,6 +68,9 @@ def _job(name: str, world_size: int, tmp: str, args: list[Any], frozen: int | No
     for r in range(world_size):
         pid = os.fork()
         if pid == 0:
+            # The zygote's stdout is its reply channel: a rank's own output (gloo prints its
+            # connection count to stdout on some torch releases, e.g. 2.8) goes to stderr.
+            os.dup2(2, 1)
             _child(name, r, world_size, tmp, args)  # never returns: sys.exit unwinds to the top
         pids.append(pid)
     exited: dict[int, Any] = {}

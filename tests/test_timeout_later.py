@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
 from syncbn import groups
 
 
