@@ -1,8 +1,11 @@
-"""The test suite on the oldest and the newest torch syncbn supports.
+"""The test suite on the oldest, a middle and the newest torch syncbn supports.
 
-    nox                      # both sessions
-    nox -s "tests(oldest)"   # torch 2.2.2 only
-    nox -s "tests(newest)" -- tests/test_property.py -x   # arguments after -- go to pytest
+    nox -s torch_range                      # all three, oldest first
+    nox -s "torch_range(oldest)"            # torch 2.2.2 only
+    nox -s "torch_range(newest)" -- tests/test_property.py -x   # arguments after -- go to pytest
+
+Where pip is capped to the releases on local disk (a constraints file under /etc/xdg/pip),
+``PIP_CONFIG_FILE=/dev/null nox -s torch_range`` lets it take the newest from the registry.
 
 Each session is its own virtual environment (``.nox/``, kept between runs:
 ``nox -r`` skips the installs once they are there) with the registry's torch
@@ -24,6 +27,7 @@ nox.options.reuse_existing_virtualenvs = True
 # batch norm on CPU, for nn.BatchNorm either); the newest is the latest release tested.
 TORCH = {
     "oldest": ("2.2.2", ["numpy<2"]),  # built against numpy 1.x
+    "middle": ("2.8.0", ["numpy"]),
     "newest": ("2.15.0", ["numpy"]),
 }
 
@@ -32,8 +36,8 @@ TEST_DEPS = ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6.100", "scikit-le
 
 @nox.session
 @nox.parametrize("version", list(TORCH), ids=list(TORCH))
-def tests(session: nox.Session, version: str) -> None:
-    """Run the test suite on one torch release (``oldest`` or ``newest``)."""
+def torch_range(session: nox.Session, version: str) -> None:
+    """Run the test suite on one torch release (``oldest``, ``middle`` or ``newest``)."""
     torch_version, extra = TORCH[version]
     session.install(f"torch=={torch_version}", *extra, *TEST_DEPS)
     session.env["PYTHONPATH"] = os.path.join(os.getcwd(), "src")  # subprocesses import this copy

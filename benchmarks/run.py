@@ -4,11 +4,11 @@
     python benchmarks/run.py --quick    # small settings, a smoke test
 
 1. per-layer timing on 2 gloo ranks: ``python -m syncbn bench`` (the same code);
-2. memory per layer (``benchmarks/memory.py``);
-3. end-to-end ResNet-style training step on 2 ranks (``benchmarks/e2e.py``);
-4. traffic/latency table for W = 2..1024 (``benchmarks/scaling.py``);
+2. memory per layer (``benchmarks/memory/memory.py``);
+3. end-to-end ResNet-style training step on 2 ranks (``benchmarks/speed/e2e.py``);
+4. traffic/latency table for W = 2..1024 (``benchmarks/speed/scaling.py``);
 5. the floor under a Python synchronised layer, syncbn's own work and the ranks' lockstep
-   (``benchmarks/floor.py``).
+   (``benchmarks/speed/floor.py``).
 
 The GPU checks are separate: ``bash benchmarks/gpu_check.sh`` on a CUDA machine.
 """
@@ -22,7 +22,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# The scripts live in folders by purpose; each folder is a plain directory of scripts.
+sys.path[:0] = [os.path.join(HERE, "speed"), os.path.join(HERE, "memory")]
 
 import e2e  # noqa: E402
 import floor  # noqa: E402

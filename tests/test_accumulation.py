@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
 from syncbn import _accumulating, groups
 
 pytestmark = pytest.mark.timeout(180)
@@ -334,7 +334,7 @@ def test_accelerate_recipe(tmp_path: Any) -> None:
     import os
     import socket
 
-    from integration_models import run_script
+    from _helpers.integration_models import run_script
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -355,7 +355,7 @@ def test_lightning_callback(tmp_path: Any) -> None:
     if importlib.util.find_spec("lightning") is None:
         pytest.skip("lightning is not installed")
 
-    from integration_models import run_script
+    from _helpers.integration_models import run_script
 
     run_script("run_lightning_accumulation.py", str(tmp_path), timeout=480)
     for rank in (0, 1):

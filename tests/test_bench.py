@@ -16,6 +16,8 @@ from syncbn.cli.bench import NaiveSyncBatchNorm, parse_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
+SPEED = os.path.join(BENCHMARKS, "speed")  # benchmarks/ keeps its scripts in folders by purpose
+MEMORY = os.path.join(BENCHMARKS, "memory")
 ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
@@ -116,7 +118,7 @@ def test_bench_rejects_bad_shapes() -> None:
 
 def test_scaling_table(tmp_path) -> None:
     out = tmp_path / "scaling.json"
-    proc = _run([os.path.join(BENCHMARKS, "scaling.py"), "--json", str(out)])
+    proc = _run([os.path.join(SPEED, "scaling.py"), "--json", str(out)])
     assert proc.returncode == 0, proc.stderr
     assert "| 1024 | 2048 |" in proc.stdout
     data = json.loads(out.read_text())
@@ -161,11 +163,11 @@ def test_naive_reference_is_batchnorm_in_one_process() -> None:
 
 
 def test_memory_per_layer_saves_at_most_one_extra_activation() -> None:
-    sys.path.insert(0, BENCHMARKS)
+    sys.path.insert(0, MEMORY)
     try:
         import memory
     finally:
-        sys.path.remove(BENCHMARKS)
+        sys.path.remove(MEMORY)
     rec = memory.run_memory([(4, 8, 6, 6)])[0]
     assert rec["local"]["saved_activations"] >= 1.0
     assert rec["syncbn_extra_saved_activations"] <= 1.0
@@ -196,7 +198,7 @@ def test_bench_cuda_without_a_gpu_says_so() -> None:
 def test_e2e_script_reports_both_models(tmp_path) -> None:
     out = tmp_path / "e2e.json"
     proc = _run(
-        [os.path.join(BENCHMARKS, "e2e.py"), "--steps", "1", "--warmup", "0", "--batch", "4"]
+        [os.path.join(SPEED, "e2e.py"), "--steps", "1", "--warmup", "0", "--batch", "4"]
         + ["--fused-bound", "--json", str(out)],
         timeout=280,
     )
@@ -215,7 +217,7 @@ def test_e2e_script_reports_both_models(tmp_path) -> None:
 def test_floor_script_reports_the_decomposition(tmp_path) -> None:
     out = tmp_path / "floor.json"
     proc = _run(
-        [os.path.join(BENCHMARKS, "floor.py"), "--shapes", "8x4,4x3x2x2", "--steps", "2", "--blocks", "1"]
+        [os.path.join(SPEED, "floor.py"), "--shapes", "8x4,4x3x2x2", "--steps", "2", "--blocks", "1"]
         + ["--json", str(out)],
         timeout=180,
     )
@@ -245,11 +247,11 @@ class _CountingSum:
 def test_fused_bound_is_a_batch_norm_with_the_layers_two_collectives() -> None:
     # The emulated compiled-kernel bound must do a real batch norm's work (its timing stands
     # for one), and hand the group a layer's two buffers: 2C + 1 values forward, 2C backward.
-    sys.path.insert(0, BENCHMARKS)
+    sys.path.insert(0, SPEED)
     try:
         from fused_bound import FusedBoundBatchNorm2d
     finally:
-        sys.path.remove(BENCHMARKS)
+        sys.path.remove(SPEED)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 5, 3, 4, generator=gen) * 3 + 2
     dy = torch.randn(6, 5, 3, 4, generator=gen)

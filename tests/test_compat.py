@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import syncbn
-from compare import assert_same_step
-from dist_harness import launch
+from _helpers.compare import assert_same_step
+from _helpers.dist_harness import launch_once
+from _helpers.marks import needs_cuda
 from syncbn.compat import megengine as mge
 from syncbn.compat import sync_batchnorm as sb
 from syncbn.convert import BatchNorm
@@ -104,7 +105,7 @@ def test_convert_model_rewraps_data_parallel_without_gpus() -> None:
     assert out(torch.randn(5, 3)).shape == (5, 4)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="nn.DataParallel with device_ids needs a CUDA GPU")
+@needs_cuda
 def test_convert_model_keeps_device_ids_output_device_and_dim() -> None:
     inner = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).cuda()
     dp = nn.DataParallel(inner, device_ids=[0], output_device=0, dim=0)
@@ -174,7 +175,7 @@ def test_patch_replication_callback_wraps_replicate_once() -> None:
         sb.patch_replication_callback(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="nn.DataParallel replication needs a CUDA GPU")
+@needs_cuda
 def test_data_parallel_with_callback_on_a_gpu() -> None:
     log: list[tuple[int, int, int]] = []
     dp = sb.DataParallelWithCallback(_Recorder(log).cuda(), device_ids=[0])
@@ -486,8 +487,6 @@ def _conv_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
 
 
-_results: list[dict[str, Any]] = []
-
 CASE_NAMES = [
     "synchronized-1d-2D",
     "synchronized-1d-3D",
@@ -508,9 +507,7 @@ CASE_NAMES = [
 
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_compat_layers_on_two_ranks_equal_batchnorm_on_the_global_batch(name: str) -> None:
-    if not _results:
-        _results.extend(launch(_dist_cases, 2, timeout=120))
-    for rank, result in enumerate(_results):
+    for rank, result in enumerate(launch_once(_dist_cases, 2, timeout=120)):
         errors = result[name]
         assert isinstance(errors, dict), f"rank {rank}: {errors}"
         assert errors, f"rank {rank}: nothing compared"

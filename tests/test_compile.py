@@ -17,12 +17,10 @@ from torch import Tensor, nn
 
 import syncbn
 import syncbn.modules
-from dist_harness import launch
+from _helpers.dist_harness import launch_once
+from _helpers.marks import needs_compiled_ops
 
-pytestmark = pytest.mark.skipif(
-    syncbn.modules._ops is None,
-    reason=f"torch {torch.__version__} has no custom operators with ordered effects (syncbn._ops)",
-)
+pytestmark = needs_compiled_ops
 
 # Per-rank batch sizes per step: uneven, and one step where rank 1 has an empty batch.
 STEPS = ((3, 5), (4, 4), (2, 0), (3, 5))
@@ -178,13 +176,8 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-_cache: list[Any] = []
-
-
 def _results() -> list[dict[str, Any]]:
-    if not _cache:
-        _cache.append(launch(_distributed, 2, timeout=540))
-    return _cache[0]
+    return launch_once(_distributed, 2, timeout=540)
 
 
 @pytest.mark.timeout(600)

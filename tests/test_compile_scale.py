@@ -5,7 +5,7 @@ result is cached for the tests that read it. The graphs are compiled with the
 ``aot_eager`` backend: recompilation is dynamo's matter and the effect tokens,
 the traced autograd function and the backward graph are AOTAutograd's, all of
 which it runs; inductor's code generation is exercised by ``test_compile.py``
-and at scale by ``benchmarks/compile_models.py``.
+and at scale by ``benchmarks/compile/compile_models.py``.
 
 Counted per case, after the warm-up (the first training step and the first
 eval call: eval is another graph, as for ``nn.BatchNorm``): graphs compiled (0),
@@ -24,12 +24,10 @@ from torch import Tensor, nn
 
 import syncbn
 import syncbn.modules
-from dist_harness import launch
+from _helpers.dist_harness import launch_once
+from _helpers.marks import needs_compiled_ops
 
-pytestmark = pytest.mark.skipif(
-    syncbn.modules._ops is None,
-    reason=f"torch {torch.__version__} has no custom operators with ordered effects (syncbn._ops)",
-)
+pytestmark = needs_compiled_ops
 
 BLOCKS = 50
 # Per-rank batch sizes of each training step after the warm-up step: changed sizes, uneven ranks.
@@ -168,13 +166,8 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-_cache: list[Any] = []
-
-
 def _results() -> list[dict[str, Any]]:
-    if not _cache:
-        _cache.append(launch(_distributed, 2, timeout=540))
-    return _cache[0]
+    return launch_once(_distributed, 2, timeout=540)
 
 
 @pytest.mark.timeout(600)

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import syncbn
-from compare import assert_same_step
-from dist_harness import launch
+from _helpers.compare import assert_same_step
+from _helpers.dist_harness import launch
 from syncbn.convert import BatchNorm, ConversionWarning
 
 

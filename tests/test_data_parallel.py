@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 import syncbn
+from _helpers.marks import needs_2_gpus, needs_cuda
+from _helpers.modules import Scale
 from syncbn import parallel
 from syncbn._function import SyncBatchNormFunction
 from syncbn._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("short_replica_timeout")]
 
 SHAPES = {
     "1d-2D": (syncbn.SyncBatchNorm1d, nn.BatchNorm1d, (4,)),
@@ -30,24 +32,6 @@ SHAPES = {
     "3d": (syncbn.SyncBatchNorm3d, nn.BatchNorm3d, (3, 2, 3, 4)),
     "generic": (syncbn.SyncBatchNorm, nn.BatchNorm2d, (4, 3, 3)),
 }
-
-
-@pytest.fixture(autouse=True)
-def short_timeout():
-    old = parallel.set_replica_timeout(1.0)
-    yield
-    parallel.set_replica_timeout(old)
-
-
-class Scale(nn.Module):
-    """A per-channel learnable scale, so that gradients flow to parameters upstream of the BN."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight.view([1, -1] + [1] * (x.dim() - 2))
 
 
 def make_pair(bn_cls, ref_cls, channels, dtype=torch.float64, **kwargs):
@@ -463,9 +447,6 @@ def test_plain_data_parallel_without_gpus_is_batchnorm() -> None:
 # ----------------------------------------------------------------------------------------------
 # CUDA: nn.DataParallel itself
 # ----------------------------------------------------------------------------------------------
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices")
 
 
 def cuda_check(device_ids: list[int], chunks_rows: int) -> None:

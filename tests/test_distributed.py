@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 from typing import Any
 
 import pytest
@@ -13,17 +12,13 @@ import torch.distributed as dist
 from torch import nn
 
 import syncbn
-from dist_harness import launch
-from equivalence import Case, run_case, run_standard_cases, standard_cases, tolerance
-from syncbn import groups
-
-_cache: dict[Any, Any] = {}
+from _helpers.dist_harness import launch, launch_once
+from _helpers.equivalence import Case, run_case, run_standard_cases, standard_cases, tolerance
+from _helpers.modules import CountingGroup
 
 
 def _results(world_size: int) -> list[dict[str, Any]]:
-    if world_size not in _cache:
-        _cache[world_size] = launch(run_standard_cases, world_size, timeout=240)
-    return _cache[world_size]
+    return launch_once(run_standard_cases, world_size, timeout=240)
 
 
 @pytest.mark.parametrize("world_size, name", [(w, c.name) for w in (2, 3, 4) for c in standard_cases(w)])
@@ -99,18 +94,8 @@ def test_eval_and_freeze_never_communicate() -> None:
     assert launch(_eval_never_communicates, 2, timeout=60) == [True, True]
 
 
-class _CountingGroup(groups.ProcessGroupSum):
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.calls: list[int] = []
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.calls.append(tensor.numel())
-        return super().all_reduce_sum(tensor)
-
-
 def _collectives(rank: int, world_size: int) -> list[int]:
-    group = _CountingGroup()
+    group = CountingGroup()
     bn = syncbn.SyncBatchNorm2d(8, process_group=group)
     x = torch.randn(4 + rank, 8, 5, 5, requires_grad=True)
     bn(x).backward(torch.randn_like(x))
@@ -147,56 +132,3 @@ def _copy_and_save(rank: int, world_size: int) -> list[float]:
 def test_deepcopy_and_torch_save_keep_an_explicit_group() -> None:
     for errors in launch(_copy_and_save, 4):
         assert max(errors) < 1e-12, errors
-
-
-def _ddp_train(rank: int, world_size: int, steps: int, batch: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    net = _small_net(syncbn.SyncBatchNorm2d).double()
-    ddp = nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(123)
-    for _ in range(steps):
-        x = torch.randn(batch * world_size, 3, 8, 8, generator=gen, dtype=torch.float64)
-        t = torch.randn(batch * world_size, 5, generator=gen, dtype=torch.float64)
-        sl = slice(rank * batch, (rank + 1) * batch)
-        opt.zero_grad()
-        loss = ((ddp(x[sl]) - t[sl]) ** 2).mean()
-        loss.backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}
-
-
-def _small_net(norm: type[nn.Module]) -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        norm(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1, stride=2),
-        norm(8),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(8, 5),
-    )
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_training_matches_single_process_full_batch(world_size: int) -> None:
-    steps, batch = 4, 4
-    states = launch(_ddp_train, world_size, steps, batch)
-    torch.manual_seed(0)
-    net = _small_net(nn.BatchNorm2d).double()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(123)
-    for _ in range(steps):
-        x = torch.randn(batch * world_size, 3, 8, 8, generator=gen, dtype=torch.float64)
-        t = torch.randn(batch * world_size, 5, generator=gen, dtype=torch.float64)
-        opt.zero_grad()
-        ((net(x) - t) ** 2).mean().backward()
-        opt.step()
-    expected = net.state_dict()
-    for rank, state in enumerate(states):
-        assert state.keys() == expected.keys()
-        for key, value in expected.items():
-            diff = (state[key].double() - value.double()).abs().max().item()
-            assert diff < 1e-10 or math.isclose(diff, 0.0), f"rank {rank} {key}: {diff}"

@@ -6,7 +6,7 @@ above the shared-memory slot, functional calls in different dtypes, swapped
 equal-channel layers), an alive but absent peer with ``SYNCBN_TIMEOUT=none``, a
 job killed during set-up, a forked child, re-initialised process groups, an
 abandoned collective, a rejected debug call, a foreign write into a slot. Each
-runs on 2 forked ranks (``tests/dist_harness.py``: FileStore, bounded) and
+runs on 2 forked ranks (``tests/_helpers/dist_harness.py``: FileStore, bounded) and
 asserts the error text on every rank, that no rank died of a signal (the
 harness fails on any rank that did not return), that ``/dev/shm`` holds no
 ``syncbn-<pid>-*`` file of the ranks, and that the state promised unchanged is.
@@ -34,11 +34,11 @@ import torch.distributed as dist
 from torch import nn
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
+from _helpers.marks import needs_shm
 from syncbn import _checks, _function, _shm, groups
 
 SHORT = 2.0
-needs_shm = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
 TRANSPORTS = pytest.mark.parametrize(
     "shared", [pytest.param(True, marks=needs_shm), False], ids=["shared-memory", "process-group"]
 )
@@ -149,13 +149,13 @@ def test_frames_have_one_size_whatever_the_call() -> None:
 def _wire_sizes(rank: int, world_size: int) -> dict[str, Any]:
     syncbn.set_shared_memory(False)
     sizes: list[tuple[int, torch.dtype]] = []
-    real = dist.all_reduce
+    real = groups._transport.start_all_reduce
 
-    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def spy(tensor: torch.Tensor, group: Any) -> Any:
         sizes.append((tensor.numel(), tensor.dtype))
-        return real(tensor, *args, **kwargs)
+        return real(tensor, group)
 
-    groups.dist.all_reduce = spy  # type: ignore[assignment]
+    groups._transport.start_all_reduce = spy  # type: ignore[assignment]
     refused = []
     try:
         for channels in (3, 2047, 2040 + rank * 100, 4100, 9000):
@@ -163,7 +163,7 @@ def _wire_sizes(rank: int, world_size: int) -> dict[str, Any]:
             x = torch.randn(4, channels, requires_grad=True)
             refused.append(_attempt(lambda bn=bn, x=x: bn(x).backward(torch.randn_like(x)))["type"])
     finally:
-        groups.dist.all_reduce = real  # type: ignore[assignment]
+        groups._transport.start_all_reduce = real  # type: ignore[assignment]
     return {"sizes": sorted(set(sizes), key=str), "refused": refused}
 
 
@@ -516,6 +516,10 @@ def _cycles(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     bn = syncbn.SyncBatchNorm1d(4)
     fds, maps, kept = [], [], []
+    # Every rank has finished joining the harness's group before any rank destroys it (a rank
+    # that destroys its side first can close the mesh under a peer still connecting: seen on
+    # torch 2.2.2 as "Gloo connectFullMesh failed ... Connection closed by peer").
+    dist.barrier()
     for cycle in range(5):
         old = weakref.ref(dist.group.WORLD)
         dist.destroy_process_group()

@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
+from _helpers.marks import needs_shm
 from syncbn import _shm, groups
 
-pytestmark = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
+pytestmark = needs_shm
 
 WORLD = 4
 C = 5

@@ -39,6 +39,8 @@ LAYERS: dict[str, float] = {
     "syncbn.convert": 6,
     "syncbn.fuse": 6,
     "syncbn.accumulate": 6,  # syncbn.accumulation (the module is not named after the class it exports)
+    "syncbn._fx": 0,  # how layers appear in torch.fx graphs (torch only)
+    "syncbn.quantization": 6.5,  # torch.ao's fusion tables, above convert
 }
 
 

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import syncbn
-from _abn_reference import max_error, reference
+from _helpers.abn_reference import max_error, reference
+from _helpers.marks import needs_compiled_ops
+from _helpers.modules import Scale
 from syncbn.compat import inplace_abn as compat
 from syncbn.compat.inplace_abn import ABN, InPlaceABN, InPlaceABNSync, inplace_abn, inplace_abn_sync
 
@@ -272,48 +274,34 @@ def test_backward_keeps_only_the_output(activation: str) -> None:
     assert len(big) == 2
 
 
-def test_data_parallel_replicas_match_the_whole_batch() -> None:
-    class Scale(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.weight.view(1, -1, 1)
-
-    old = syncbn.parallel.set_replica_timeout(5.0)
-    try:
-        for layer in (
-            InPlaceABNSync(4, activation="elu", activation_param=0.6),
-            syncbn.InPlaceSyncBatchNorm(4),
-        ):
-            model = nn.Sequential(Scale(), layer).double()
-            w, b = _params(4, 5)
-            with torch.no_grad():
-                model[1].weight.copy_(w)
-                model[1].bias.copy_(b)
-            gen = torch.Generator().manual_seed(6)
-            running = (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
-            for chunks in ([3, 4], [2, 0, 5], 3):
-                x = torch.randn(7, 4, 5, generator=gen, dtype=torch.float64) + 1
-                grad = torch.randn(x.shape, generator=gen, dtype=torch.float64)
-                scale = model[0].weight.detach().view(1, -1, 1)
-                ref = reference(
-                    x * scale, grad, w, b, running, activation=layer.activation, param=layer.activation_param
-                )
-                running = (ref["rm"], ref["rv"])
-                leaf = x.clone().requires_grad_()
-                model.zero_grad()
-                y = syncbn.parallel.data_parallel(model, leaf, chunks)
-                y.backward(grad)
-                assert max_error(y, ref["y"]) < 1e-12
-                assert max_error(leaf.grad, ref["dx"] * scale) < 1e-12
-                assert max_error(model[1].weight.grad, ref["dw"]) < 1e-12
-                assert max_error(model[1].bias.grad, ref["db"]) < 1e-12
-                assert max_error(model[1].running_var, ref["rv"]) < 1e-12
-            assert int(model[1].num_batches_tracked) == 3
-    finally:
-        syncbn.parallel.set_replica_timeout(old)
+def test_compat_layer_data_parallel_replicas_match_the_whole_batch(short_replica_timeout: float) -> None:
+    """The inplace-abn drop-in under DataParallel (the native layer is in ``test_family_matrix.py``)."""
+    layer = InPlaceABNSync(4, activation="elu", activation_param=0.6)
+    model = nn.Sequential(Scale(4), layer).double()
+    w, b = _params(4, 5)
+    with torch.no_grad():
+        model[1].weight.copy_(w)
+        model[1].bias.copy_(b)
+    gen = torch.Generator().manual_seed(6)
+    running = (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
+    for chunks in ([3, 4], [2, 0, 5], 3):
+        x = torch.randn(7, 4, 5, generator=gen, dtype=torch.float64) + 1
+        grad = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+        scale = model[0].weight.detach().view(1, -1, 1)
+        ref = reference(
+            x * scale, grad, w, b, running, activation=layer.activation, param=layer.activation_param
+        )
+        running = (ref["rm"], ref["rv"])
+        leaf = x.clone().requires_grad_()
+        model.zero_grad()
+        y = syncbn.parallel.data_parallel(model, leaf, chunks)
+        y.backward(grad)
+        assert max_error(y, ref["y"]) < 1e-12
+        assert max_error(leaf.grad, ref["dx"] * scale) < 1e-12
+        assert max_error(model[1].weight.grad, ref["dw"]) < 1e-12
+        assert max_error(model[1].bias.grad, ref["db"]) < 1e-12
+        assert max_error(model[1].running_var, ref["rv"]) < 1e-12
+    assert int(model[1].num_batches_tracked) == 3
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -391,10 +379,7 @@ def test_low_precision_inputs(dtype: torch.dtype, tol: float) -> None:
     assert max_error(layer.weight.grad, ref["dw"]) / max(1.0, float(ref["dw"].abs().max())) < tol * 4
 
 
-@pytest.mark.skipif(
-    syncbn.modules._ops is None,
-    reason=f"torch {torch.__version__} has no custom operators with ordered effects (syncbn._ops)",
-)
+@needs_compiled_ops
 def test_compiled_local_layers_trace_without_graph_breaks() -> None:
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters

@@ -2,8 +2,9 @@
 
 One launch of 3 ranks runs every case: uneven and empty per-rank batches, each activation, the
 compat classes, the native layer and the function, momentum None, no running statistics, eval (no
-communication), the collectives' count and size, torch.compile (exact, one frame, no graph break,
-one collective each way), DistributedDataParallel, and the global-count-one error on every rank.
+communication), the collectives' count and size, and the global-count-one error on every rank.
+torch.compile, DistributedDataParallel, DataParallel and Join, the same for every family, are in
+``test_family_matrix.py``.
 """
 
 from __future__ import annotations
@@ -15,25 +16,15 @@ import torch
 import torch.distributed as dist
 
 import syncbn
-from _abn_reference import max_error, reference
-from dist_harness import launch
-from syncbn import groups
+from _helpers.abn_reference import max_error, reference
+from _helpers.dist_harness import launch
+from _helpers.modules import CountingGroup
 from syncbn.compat.inplace_abn import InPlaceABNSync, inplace_abn_sync
 
 pytestmark = pytest.mark.timeout(120)
 
 WORLD = 3
 TOL = 1e-12
-
-
-class _CountingGroup(groups.ProcessGroupSum):
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.calls: list[int] = []
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.calls.append(tensor.numel())
-        return super().all_reduce_sum(tensor)
 
 
 CASES: list[dict[str, Any]] = [
@@ -66,7 +57,7 @@ def _run_case(rank: int, case: dict[str, Any], index: int) -> dict[str, float]:
     weight[0] = -weight[0]  # a negative weight: scale |w| + eps, gradient sign -1
     bias = torch.randn(channels, generator=gen, dtype=torch.float64)
     errors: dict[str, float] = {}
-    group = _CountingGroup()
+    group = CountingGroup()
     layer = _layer(case, channels, group) if case["kind"] != "function" else None
     if layer is not None and layer.weight is not None:
         with torch.no_grad():
@@ -136,78 +127,8 @@ def _run_case(rank: int, case: dict[str, Any], index: int) -> dict[str, float]:
     return errors
 
 
-def _compiled(rank: int) -> dict[str, Any]:
-    """torch.compile of synchronised in-place layers: equal to eager, one frame, no graph break."""
-    from torch._dynamo.testing import CompileCounter
-    from torch._dynamo.utils import counters
-
-    from syncbn import _ops
-
-    def make() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(
-            torch.nn.Conv2d(3, 6, 3),
-            InPlaceABNSync(6),
-            torch.nn.Conv2d(6, 4, 1),
-            syncbn.InPlaceSyncBatchNorm2d(4, activation="elu", activation_param=1.0, momentum=None),
-        ).double()
-
-    model, ref = make(), make()
-    torch._dynamo.reset()
-    counters.clear()
-    backend = CompileCounter()
-    compiled = torch.compile(model, backend=backend)
-    gen = torch.Generator().manual_seed(1)
-    errors = []
-    calls = (_ops.calls, _ops.backward_calls)
-    for _ in range(2):
-        x = torch.randn(5, 3, 8, 8, generator=gen, dtype=torch.float64)[2 * rank : 3 * rank + 2]
-        g = torch.randn(5, 4, 6, 6, generator=gen, dtype=torch.float64)[2 * rank : 3 * rank + 2]
-        y, y_ref = compiled(x), ref(x)
-        y.backward(g)
-        y_ref.backward(g)
-        errors.append(max_error(y, y_ref))
-    errors += [max_error(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
-    errors += [max_error(p, q) for p, q in zip(model.buffers(), ref.buffers())]
-    return {
-        "error": max(errors),
-        "frames": backend.frame_count,
-        "breaks": sum(counters["graph_break"].values()),
-        "collectives": (_ops.calls - calls[0], _ops.backward_calls - calls[1]),
-    }
-
-
-def _ddp(rank: int, world_size: int) -> float:
-    """Under DistributedDataParallel (gloo): W x the averaged gradients equal the global batch's."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    def make() -> torch.nn.Module:
-        torch.manual_seed(3)
-        return torch.nn.Sequential(
-            torch.nn.Conv2d(3, 4, 3), InPlaceABNSync(4, activation="elu", activation_param=0.5)
-        )
-
-    ref, ddp = make().double(), DistributedDataParallel(make().double())
-    gen = torch.Generator().manual_seed(4)
-    sizes = [2, 3, 1][:world_size]
-    x = torch.randn(sum(sizes), 3, 6, 6, generator=gen, dtype=torch.float64)
-    g = torch.randn(sum(sizes), 4, 4, 4, generator=gen, dtype=torch.float64)
-    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
-    (ddp(x[start:stop]) * g[start:stop]).sum().backward()
-    torch.nn.functional.elu(  # the reference: BN with weight |w| + eps on the global batch
-        torch.nn.functional.batch_norm(ref[0](x), None, None, ref[1].weight.abs() + 1e-5, ref[1].bias, True),
-        0.5,
-    ).mul(g).sum().backward()
-    return max(
-        max_error(p.grad * world_size, q.grad) for p, q in zip(ddp.module.parameters(), ref.parameters())
-    )
-
-
 def _all_cases(rank: int, world_size: int) -> list[Any]:
     out: list[Any] = [_run_case(rank, case, i) for i, case in enumerate(CASES)]
-    # torch without ordered effectful custom operators (older than 2.4 or so): no compiled form.
-    out.append(_compiled(rank) if syncbn.modules._ops is not None else None)
-    out.append(_ddp(rank, world_size))
     # Global count one: every rank raises the same error, before anything changes.
     layer = InPlaceABNSync(3).double()
     before = layer.state_dict()
@@ -227,17 +148,6 @@ def test_equals_global_batchnorm_and_activation_on_every_rank() -> None:
         for case, errors in zip(CASES, per_rank[: len(CASES)]):
             worst = max(errors.values())
             assert worst <= TOL, f"rank {rank}, case {case}: {errors}"
-    for rank, per_rank in enumerate(results):
-        compiled = per_rank[len(CASES)]
-        if compiled is None:  # no compiled form on this torch
-            assert syncbn.modules._ops is None
-        else:
-            assert compiled["error"] <= TOL and compiled["frames"] == 1 and compiled["breaks"] == 0, (
-                rank,
-                compiled,
-            )
-            assert compiled["collectives"] == (4, 4), compiled  # 2 layers x 2 steps, one each way
-        assert per_rank[len(CASES) + 1] <= TOL, ("DDP", rank, per_rank[len(CASES) + 1])
     messages = {r[-1] for r in results}
     assert len(messages) == 1, messages
     text, unchanged = messages.pop()

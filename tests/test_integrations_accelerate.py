@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from integration_models import max_error, reference_state, run_script
+from _helpers.integration_models import max_error, reference_state, run_script
 
 pytest.importorskip("accelerate")
 

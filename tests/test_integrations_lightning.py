@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-import _torchvision_shim
 import syncbn
-from integration_models import SubclassBN, make_net, max_error, reference_state, run_script
+from _helpers import torchvision_shim
+from _helpers.integration_models import SubclassBN, make_net, max_error, reference_state, run_script
 
-_torchvision_shim.install()
+torchvision_shim.install()
 L = pytest.importorskip("lightning.pytorch")
 import syncbn.lightning  # noqa: E402
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-import _torchvision_shim  # noqa: F401  (before timm imports torchvision)
 import syncbn
-from dist_harness import launch
+from _helpers import torchvision_shim  # noqa: F401  (before timm imports torchvision)
+from _helpers.dist_harness import launch
 
 timm = pytest.importorskip("timm")
 from timm.layers import BatchNormAct2d, FrozenBatchNormAct2d, freeze_batch_norm_2d  # noqa: E402

@@ -10,6 +10,7 @@ exactly, and training after it needs no Join. Real gloo ranks, both transports, 
 
 from __future__ import annotations
 
+import copy
 import glob
 import inspect
 import os
@@ -23,11 +24,10 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import syncbn
-from dist_harness import launch
-from syncbn import _shm
+from _helpers.dist_harness import launch
+from _helpers.marks import needs_shm
 from syncbn.groups import UnboundedStepWarning
 
-needs_shm = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
 TRANSPORTS = pytest.mark.parametrize(
     "shared", [pytest.param(True, marks=needs_shm), False], ids=["shared-memory", "process-group"]
 )
@@ -94,8 +94,8 @@ def _plain_join(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
     _train(ddp, _batches(rank + 5, 1))  # after the Join: no Join needed
     out["after_joinable"] = _buffers(ddp)
 
-    # A plain Join that trained no syncbn layer leaves join mode on the model: refused later on
-    # every rank alike, until Join(..., enable=False) switches it off.
+    # A plain Join that trained no syncbn layer (an evaluation loop) leaves its configuration on
+    # the model; a later training loop, outside any Join, is not refused.
     with Join([ddp]):
         with torch.no_grad():
             ddp.eval()(_batches(rank, 1)[0])
@@ -105,7 +105,12 @@ def _plain_join(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
         out["later"] = None
     except Exception as exc:  # noqa: BLE001
         out["later"] = type(exc).__name__
-    Join([ddp], enable=False)
+    # Nor after a plain Join that was refused (it ended through the exception).
+    try:
+        with Join([ddp]):
+            _train(ddp, _batches(rank, 1))
+    except syncbn.groups.PlainJoinError:
+        out["refused_again"] = True
     _train(ddp, _batches(rank, 1))
     out["final"] = _buffers(ddp)
     return out
@@ -124,7 +129,7 @@ def test_plain_join_raises_on_every_rank_at_once_naming_the_joinable(shared: boo
         assert "Join([syncbn.JoinableSyncBatchNorm(ddp), ddp])" in text
         assert r["plain_s"] < 4.0, r["plain_s"]  # at once: not after the 5 s bound
         assert r["unchanged"], "the refused step changed the model"
-        assert r["later"] == "PlainJoinError"
+        assert r["later"] is None and r["refused_again"]
         assert glob.glob(f"/dev/shm/syncbn-{r['pid']}-*") == []
     first, second = results
     for key in ("after_joinable", "final"):
@@ -143,3 +148,53 @@ def _plain_batchnorm_control(rank: int, world_size: int) -> float:
 def test_the_plain_join_with_plain_batchnorm_is_untouched() -> None:
     for seconds in launch(_plain_batchnorm_control, 2, timeout=60):
         assert seconds < 10.0
+
+
+# ----------------------------------------- torch's pattern: Join(..., throw_on_early_termination=True)
+
+
+def _throwing_join(rank: int, world_size: int, layer: str, shared: bool) -> dict[str, Any]:
+    """torch's documented SyncBatchNorm pattern for uneven inputs: rank 0 has 4 batches, rank 1 has 2."""
+    syncbn.set_timeout(5.0)
+    syncbn.set_shared_memory(shared)
+    torch.manual_seed(0)
+    norm = syncbn.SyncBatchNorm1d(4) if layer == "syncbn" else nn.BatchNorm1d(4)
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), norm, nn.Linear(4, 1)).double())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    copied = copy.deepcopy(ddp)  # syncbn's join hook follows the copy, never the original
+    hooks = Join([copied], enable=False)._join_hooks
+    copied_ok = all(getattr(getattr(h, "inner", h), "ddp", None) is copied for h in hooks)
+    steps = 0
+    start = time.monotonic()
+    error = None
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            for x in _batches(rank, 4 - 2 * rank):
+                opt.zero_grad()
+                ddp(x).pow(2).sum().backward()
+                opt.step()
+                steps += 1
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        error = (type(exc).__name__, str(exc))
+    out: dict[str, Any] = {"error": error, "steps": steps, "s": time.monotonic() - start, "copy": copied_ok}
+    # Training goes on afterwards on the same model, outside any Join, on every rank.
+    _train(ddp, _batches(rank + 7, 1))
+    out["params"] = [p.detach().clone() for p in ddp.parameters()]
+    return out
+
+
+@pytest.mark.parametrize(
+    "shared", [pytest.param(True, marks=needs_shm), False], ids=["shared-memory", "process-group"]
+)
+def test_torchs_throw_on_early_termination_pattern_behaves_as_with_batchnorm(shared: bool) -> None:
+    control = launch(_throwing_join, 2, "batchnorm", shared, timeout=60)
+    got = launch(_throwing_join, 2, "syncbn", shared, timeout=60)
+    for mine, theirs in zip(got, control):
+        assert mine["error"] == theirs["error"], (mine["error"], theirs["error"])
+        assert mine["steps"] == theirs["steps"]
+        assert mine["s"] < 4.0, mine["s"]  # at once, not after the 5 s bound
+        assert mine["copy"]
+    assert got[0]["error"][0] == "RuntimeError" and "Detected at least one rank" in got[0]["error"][1]
+    assert got[1]["error"][0] == "RuntimeError" and "exhausted all inputs" in got[1]["error"][1]
+    for a, b in zip(got[0]["params"], got[1]["params"]):
+        assert torch.equal(a, b)

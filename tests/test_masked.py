@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
 from syncbn.functional import sync_batch_norm
 
 F64 = torch.float64

@@ -1,7 +1,7 @@
 """Several machines, simulated with Linux namespaces: gloo over real TCP between hosts (issue 23).
 
 Each host is a network namespace with its own hostname, joined to the others by veth pairs
-on a private subnet (``tests/_netns.py``); its ranks run in it. Checked, one launch per
+on a private subnet (``tests/_helpers/netns.py``); its ranks run in it. Checked, one launch per
 topology, many checks per launch:
 
 * 2 hosts x 2 ranks: the flat path (gloo across every rank), the hierarchical path (shared
@@ -29,12 +29,12 @@ import pytest
 import torch
 from torch import nn
 
-import _netns
 import syncbn
+from _helpers import netns
 from syncbn import groups
 from syncbn.groups import _hier
 
-_WHY = _netns.available()
+_WHY = netns.available()
 pytestmark = [pytest.mark.skipif(bool(_WHY), reason=_WHY or "-"), pytest.mark.timeout(120)]
 
 C = 4
@@ -118,13 +118,13 @@ def _check_paths(results: list[Any], *, hostnames: list[str], machines: int, fla
 
 
 def test_two_hosts_of_two_ranks_flat_hierarchical_and_default_are_exact() -> None:
-    with _netns.Hosts(2) as hosts:
+    with netns.Hosts(2) as hosts:
         results = hosts.launch(_paths, [2, 2]).wait(90)
     _check_paths(results, hostnames=["host0", "host0", "host1", "host1"], machines=2, flat_shared=False)
 
 
 def test_containers_sharing_a_hostname_but_not_dev_shm_are_told_apart() -> None:
-    with _netns.Hosts(2, hostnames=["node", "node"]) as hosts:
+    with netns.Hosts(2, hostnames=["node", "node"]) as hosts:
         results = hosts.launch(_paths, [2, 2], private_shm=True, own_pids=True).wait(90)
     _check_paths(results, hostnames=["node"] * 4, machines=2, flat_shared=False)
 
@@ -132,7 +132,7 @@ def test_containers_sharing_a_hostname_but_not_dev_shm_are_told_apart() -> None:
 def test_containers_sharing_the_pid_namespace_share_memory_exactly() -> None:
     # A private /dev/shm does not stop ranks of one kernel and one PID namespace from sharing
     # memory: the segment is a memfd reached through /proc; the set-up proves it by mapping it.
-    with _netns.Hosts(2, hostnames=["node", "node"]) as hosts:
+    with netns.Hosts(2, hostnames=["node", "node"]) as hosts:
         results = hosts.launch(_paths, [2, 2], private_shm=True).wait(90)
     _check_paths(results, hostnames=["node"] * 4, machines=1, flat_shared=True)
 
@@ -175,7 +175,7 @@ def _until_the_link_goes(rank: int, world_size: int, directory: str, path: str) 
 def test_a_link_taken_down_is_an_error_on_every_rank_and_every_process_exits_within_the_bound(
     path: str,
 ) -> None:
-    with _netns.Hosts(2) as hosts:
+    with netns.Hosts(2) as hosts:
         launch = hosts.launch(_until_the_link_goes, [2, 2], path, exit_normally=True, pg_timeout=60.0)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(

@@ -48,7 +48,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import syncbn  # noqa: E402
-from dist_harness import launch  # noqa: E402
+from _helpers.dist_harness import launch  # noqa: E402
 from syncbn import _function, _math  # noqa: E402
 from syncbn.parallel import data_parallel  # noqa: E402
 

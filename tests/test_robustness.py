@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
 from syncbn import groups
 
 SHORT = 2.0  # seconds: the syncbn timeout in scenarios that expect one
@@ -70,14 +70,6 @@ class _Net(nn.Module):
 
 
 # --------------------------------------------------------------------------- settings
-
-
-@pytest.fixture(autouse=True)
-def _fresh_settings() -> Any:
-    """Re-read the environment after each test (autouse: torn down after monkeypatch)."""
-    yield
-    syncbn.set_timeout("default")
-    syncbn.set_debug(None)
 
 
 def test_timeout_setting_env_and_override(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 import syncbn
-from dist_harness import launch
-from equivalence import run_standard_cases, standard_cases, tolerance
+from _helpers.dist_harness import launch
+from _helpers.equivalence import run_standard_cases, standard_cases, tolerance
+from _helpers.marks import needs_shm
 from syncbn import _shm, groups
 
-pytestmark = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
+pytestmark = needs_shm
 
 SHORT = 2.0
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import syncbn
-from compare import assert_same_step
+from _helpers.compare import assert_same_step
 from syncbn import _math
 from syncbn._function import SyncBatchNormFunction
 from syncbn.cli.bench import LoopbackGroup

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch
 from syncbn import groups
 
 F64 = torch.float64

@@ -4,7 +4,7 @@ One launch of 4 gloo ranks checks groups of 2 and of 1 (the verify matrix: uneve
 batches, momentum None, dtypes, against ``nn.BatchNorm`` on the group's batch in float64), the
 in-place family, ``convert_sync_batchnorm(group_size=...)``, the cache, the shared-memory path,
 errors that name the group, and fresh groups after ``destroy_process_group`` + a new job.
-``"node"`` on two simulated hosts (``tests/_netns.py``) is in the last test.
+``"node"`` on two simulated hosts (``tests/_helpers/netns.py``) is in the last test.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import _netns
 import syncbn
-from dist_harness import launch
+from _helpers import netns as _netns
+from _helpers.dist_harness import launch
 from syncbn import groups
 from syncbn.cli._checks import run_case, standard_cases
 

@@ -10,7 +10,7 @@ promptly through a plain interpreter exit, with or without ``destroy_process_gro
 
 Each rank is forked from a "zygote" (this file run as a script: torch is imported once) and
 leaves through ``sys.exit``, a real interpreter exit with its atexit handlers and finalisation (a
-child of ``multiprocessing`` or of ``tests/dist_harness.py`` leaves through ``os._exit``); the
+child of ``multiprocessing`` or of ``tests/_helpers/dist_harness.py`` leaves through ``os._exit``); the
 zygote times every exit.
 """
 
@@ -68,6 +68,9 @@ def _job(name: str, world_size: int, tmp: str, args: list[Any], frozen: int | No
     for r in range(world_size):
         pid = os.fork()
         if pid == 0:
+            # The zygote's stdout is its reply channel: a rank's own output (gloo prints its
+            # connection count to stdout on some torch releases, e.g. 2.8) goes to stderr.
+            os.dup2(2, 1)
             _child(name, r, world_size, tmp, args)  # never returns: sys.exit unwinds to the top
         pids.append(pid)
     exited: dict[int, Any] = {}

@@ -24,7 +24,7 @@ from torch.distributed.algorithms import Join
 from torch.utils.checkpoint import checkpoint
 
 import syncbn
-from dist_harness import launch
+from _helpers.dist_harness import launch, launch_once
 
 SIZES = (3, 5)  # per-rank batch sizes of the 2-rank cases (uneven on purpose)
 
@@ -241,13 +241,8 @@ def _run_cases(rank: int, world_size: int, shared_memory: bool) -> dict[str, Any
     return out
 
 
-_cache: dict[bool, list[dict[str, Any]]] = {}
-
-
 def _results(shared_memory: bool) -> list[dict[str, Any]]:
-    if shared_memory not in _cache:
-        _cache[shared_memory] = launch(_run_cases, 2, shared_memory, timeout=240)
-    return _cache[shared_memory]
+    return launch_once(_run_cases, 2, shared_memory, timeout=240)
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])

@@ -20,6 +20,11 @@ from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchN
 from .recovery import sync_buffers
 from .stats import recompute_running_stats, sync_running_stats
 
+try:  # adds syncbn's layer types to torch.ao.quantization's fusion and QAT tables
+    from . import quantization
+except ImportError:  # pragma: no cover - a torch without torch.ao.quantization's eager modules
+    pass
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -36,6 +41,7 @@ __all__ = [
     "recompute_running_stats",
     "functional",
     "parallel",
+    "quantization",
     "set_timeout",
     "get_timeout",
     "set_debug",

@@ -271,11 +271,14 @@ def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
     known = ids.get(state)
     if known is not None:
         return known
-    ident = 0x80000000 | (len(ids) + 1)
+    # A counter, not len(ids): layers collected meanwhile (at times that differ between ranks,
+    # e.g. held by one rank's recompiled graphs) must not change the numbers (issue 27).
+    group.layer_ordinals += 1
+    ident = 0x80000000 | group.layer_ordinals
     ids[state] = ident
     group.names[ident] = (
         f"#{state.index} {type(layer).__name__}({getattr(layer, 'num_features', '?')}), "
-        f"the layer first used as number {len(ids)} on this group"
+        f"the layer first used as number {group.layer_ordinals} on this group"
     )
     return ident
 

@@ -44,7 +44,10 @@ sum over ranks of the gradient), so it may also be differentiated through.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -75,8 +78,12 @@ __all__ = [
 
 CHECK_ONE_VALUE = 1  # flags bit: raise the one-value error when the summed count (element 0) is 1
 
-_groups: list[Any] = [None]  # handle -> SumGroup (0: no group, run locally)
-_group_ids: dict[int, int] = {}  # id(SumGroup) -> handle
+# handle -> a weak reference to its SumGroup (0: no group, run locally; handles are never reused).
+# Weak: a group lives as long as syncbn.groups' cache (or the layer) holds it, and is released
+# with its process group; a compiled graph still holding the handle of a released group is told so.
+_groups: dict[int, Callable[[], Any]] = {}
+_group_ids: dict[int, int] = {}  # id(SumGroup) -> handle, while the group lives
+_handles = itertools.count(1)
 # How many times the operator ran (diagnostics, tests): forward-phase calls (one per layer per
 # compiled training forward) and the others (backward, adjoints).
 calls = 0
@@ -96,10 +103,51 @@ def group_handle(process_group: Any) -> int:
     if group is None:
         return 0
     handle = _group_ids.get(id(group))
-    if handle is None or _groups[handle] is not group:
-        _groups.append(group)
-        handle = _group_ids[id(group)] = len(_groups) - 1
+    if handle is None or group_of(handle) is not group:
+        _prune()
+        handle = next(_handles)
+        try:
+            ref: Callable[[], Any] = weakref.ref(group)
+        except TypeError:  # a SumGroup that cannot be weakly referenced: held for good
+            ref = functools.partial(_identity, group)
+        _groups[handle] = ref
+        _group_ids[id(group)] = handle
     return handle
+
+
+def _identity(group: Any) -> Any:
+    return group
+
+
+def group_of(handle: int) -> Any:
+    """The live group of ``handle``, or ``None`` (released, closed, or never made)."""
+    ref = _groups.get(handle)
+    group = None if ref is None else ref()
+    return None if group is None or getattr(group, "closed", False) else group
+
+
+def _prune() -> None:
+    """Forget the handles of groups that were released or closed (their process group destroyed)."""
+    for handle in [h for h in _groups if group_of(h) is None]:
+        del _groups[handle]
+    live = {id(g) for g in map(group_of, _groups) if g is not None}
+    for key in [k for k in _group_ids if k not in live]:
+        del _group_ids[key]
+
+
+def _live_group(handle: int) -> Any:
+    group = group_of(handle)
+    if group is None:
+        raise groups.CollectiveError(
+            "syncbn: a compiled graph calls the collective of a SyncBatchNorm group that no longer "
+            "exists (its process group was destroyed, e.g. by destroy_process_group() before a new "
+            "init_process_group()); a compiled graph keeps the group it was traced with: call "
+            "torch._dynamo.reset() after re-initialising the process group",
+            timed_out=False,
+            waited=0.0,
+            group_size=0,
+        )
+    return group
 
 
 def layer_token(layer: Any) -> Tensor | None:
@@ -150,7 +198,7 @@ def _all_reduce_op(
     owner = None if layer is None else _checks.layer_for_token(int(layer))
     if owner is None and layer is not None:
         _warn_unbound()
-    summed = _framed_sum(_groups[group], tensor, owner, phase, source, flags)
+    summed = _framed_sum(_live_group(group), tensor, owner, phase, source, flags)
     if summed.data_ptr() == tensor.data_ptr():  # never an alias of the input
         summed = summed.clone()
     return summed

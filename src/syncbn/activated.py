@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import groups
+from . import _fx, groups
 from ._abn_layer import ActivatedBatchNormBase
 
 __all__ = ["ActivatedBatchNormBase", "InPlaceSyncBatchNorm", "InPlaceSyncBatchNorm2d"]
@@ -111,6 +111,8 @@ class InPlaceSyncBatchNorm(ActivatedBatchNormBase):
         Returns:
             ``input``, holding the output.
         """
+        if isinstance(input, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
+            return _fx.leaf_call(self, InPlaceSyncBatchNorm.forward, input)
         return self._forward(input)
 
     def extra_repr(self) -> str:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _checks, groups, parallel
+from . import _checks, _fx, groups, parallel
 
 try:
     from . import _compiled, _ops
@@ -172,6 +172,8 @@ class SyncBatchNorm(_BatchNorm):
         Returns:
             The normalised tensor, same shape and dtype as ``input``.
         """
+        if isinstance(input, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
+            return _fx.leaf_call(self, SyncBatchNorm.forward, *((input,) if mask is None else (input, mask)))
         self._check_input_dim(input)
         if mask is not None:
             if _is_compiling():

@@ -37,7 +37,7 @@ class SpinPolicy:
     keeps the common short wait answered by the spin (a sleep's wake-up costs tens of
     microseconds more than a yield); the load of other processes is left to ``sched_yield``.
     ``fixed=True`` is the earlier policy (always :data:`_SPIN_S`), kept for the benchmark's
-    comparison (``benchmarks/hierarchical.py``).
+    comparison (``benchmarks/speed/hierarchical.py``).
 
     Args:
         ranks: ranks of the group on this machine.

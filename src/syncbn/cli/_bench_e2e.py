@@ -1,4 +1,4 @@
-"""End-to-end training steps for ``syncbn bench`` and ``benchmarks/e2e.py``: syncbn against plain BN.
+"""End-to-end training steps for ``syncbn bench`` and ``benchmarks/speed/e2e.py``: syncbn against plain BN.
 
 Two models, each built with a normalisation factory so that the same network
 runs with :class:`syncbn.SyncBatchNorm2d` and with ``nn.BatchNorm2d``:

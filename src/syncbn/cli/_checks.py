@@ -1,6 +1,6 @@
 """Equivalence checks: syncbn on W ranks vs ``nn.BatchNorm`` on the global batch in float64.
 
-Shared by ``python -m syncbn verify`` and the test suite (``tests/equivalence.py``
+Shared by ``python -m syncbn verify`` and the test suite (``tests/_helpers/equivalence.py``
 re-exports these names). Every rank builds the same global batch and upstream
 gradient from one seed, takes its shard, and compares with a float64
 ``nn.BatchNorm`` run on the whole batch on the CPU of the same process. The

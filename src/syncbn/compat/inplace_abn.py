@@ -30,10 +30,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _abn, _abn_math, groups
+from .. import _abn, _abn_math, _fx, groups
 from .._abn_layer import ActivatedBatchNormBase
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]
@@ -79,6 +80,8 @@ class ABN(ActivatedBatchNormBase):
 
     def forward(self, x: Tensor) -> Tensor:
         """Batch norm, then the activation (in place on batch norm's output)."""
+        if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
+            return _fx.leaf_call(self, ABN.forward, x)
         self._check_input_dim(x)
         tracking = self.training and self.track_running_stats
         factor = self._factor(tracking, False)
@@ -128,6 +131,8 @@ class InPlaceABN(ABN):
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalise and activate ``x`` in place; returns it."""
+        if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
+            return _fx.leaf_call(self, InPlaceABN.forward, x)
         return self._forward(x)
 
 
@@ -191,6 +196,8 @@ class InPlaceABNSync(ABN):
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalise (over the group) and activate ``x`` in place; returns it."""
+        if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
+            return _fx.leaf_call(self, InPlaceABNSync.forward, x)
         return self._forward(x)
 
 

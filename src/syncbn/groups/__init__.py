@@ -91,12 +91,19 @@ Every wait is bounded (:mod:`syncbn._config`: ``SYNCBN_TIMEOUT``,
 :func:`syncbn.set_timeout`; with ``SYNCBN_TIMEOUT=none`` the process group's
 own timeout, ``init_process_group(timeout=...)``, on every transport).
 :class:`ProcessGroupSum` starts the ``all_reduce`` asynchronously and waits on
-its work handle with that bound. CPU frames travel over a gloo group of the
-group's own (``_own``), made at its first CPU collective with the bound as its
-timeout, so that gloo itself gives up at the bound too (a bounded wait alone
-leaves the abandoned collective on gloo's thread until the process group's
-timeout, and destroy and exit wait for it); it also keeps syncbn's frames apart
-from DDP's collectives. On an accelerator a bounded
+its work handle with that bound. A group's set-up (its first CPU collective: the
+shared-memory agreement) runs over the process group itself, whose connections already
+exist, so a peer that died before its first call is found at once (its connections are
+closed), not at the bound. Right after it, where shared memory is not used, CPU frames get a
+gloo *wire* of the group's own (``_own``): a bare gloo backend whose members meet in the
+job's store under a key of syncbn's own (the group's name and a count of wires made over it),
+with the bound as its timeout, so that gloo itself gives up at the bound too (a bounded wait
+alone leaves the abandoned collective on gloo's thread until the process group's timeout, and
+destroy and exit wait for it); it also keeps syncbn's frames apart from DDP's collectives.
+Only the group's members take part (``torch.distributed.new_group`` would need every rank of
+the job, or name the group after a count of groups that differs between ranks of overlapping
+groups), so overlapping user groups reached in different orders on different ranks never wait
+for each other. On an accelerator a bounded
 host wait would add a device-to-host synchronisation, so there the wait is
 left to the device stream and the bound is the process group's own timeout,
 except in debug mode and for the consistency checks. Any failure of the
@@ -111,8 +118,9 @@ Lifecycle
 A :class:`ProcessGroupSum` belongs to the process that made it: a child forked
 afterwards gets a :class:`CollectiveError` when it tries to use it (it would
 otherwise join its parent's collectives). It holds its process group weakly,
-and refuses use once that group is gone. syncbn's own groups are held by ``_own``
-alone, with the frames handed to them, and destroyed in order (abandoned works,
+and refuses use once that group is gone. syncbn's own wires are held by ``_own``
+alone (never registered with ``torch.distributed``), with the frames handed to
+them, and destroyed in order (abandoned works,
 the group, then its frames: gloo's worker thread never has to free a Python
 object while the main thread joins it) when their ``ProcessGroupSum`` closes or
 is collected, and at exit. :func:`resolve` caches one per live
@@ -141,7 +149,7 @@ from __future__ import annotations
 import torch.distributed as dist  # noqa: F401 - syncbn.groups.dist: the tests patch its all_reduce
 
 # Beyond __all__, the seam also re-exports the helpers that syncbn's tools and tests use.
-from . import _ddp, _own  # noqa: F401 - syncbn.join and the tests use them
+from . import _ddp, _own, _transport  # noqa: F401 - syncbn.join and the tests use them
 from ._ddp import PlainJoinError, UnboundedStepWarning
 from ._errors import CollectiveError
 from ._frame import (  # noqa: F401

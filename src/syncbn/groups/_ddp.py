@@ -16,10 +16,19 @@ are built, through torch's module registration hook); one in join mode whose con
 :class:`~syncbn.JoinableSyncBatchNorm` has covered raises :class:`PlainJoinError` there, on
 every rank alike, before anything is sent and before any state changed.
 
-A ``Join`` leaves its configuration on the DDP model after the context ends; a model that went
-through a plain ``Join([ddp])`` (an evaluation loop, say) is still refused when it trains
-later: construct ``Join([ddp], enable=False)`` once to switch join mode off, or train under
-``Join([syncbn.JoinableSyncBatchNorm(ddp), ddp])``.
+Two forms of ``Join`` are not refused:
+
+* ``Join([ddp], throw_on_early_termination=True)`` (``ddp.join(throw_on_early_termination=True)``,
+  torch's documented pattern for SyncBatchNorm on uneven inputs): no rank ever shadows. The first
+  rank to run out raises DDP's ``Rank k exhausted all inputs`` when it leaves the context, and
+  every other rank raises DDP's ``Detected at least one rank that exhausted inputs`` in DDP's
+  forward, before any SyncBatchNorm collective: exactly as with ``nn.BatchNorm``.
+* a ``Join`` that has ended. ``Join`` leaves its configuration on the DDP model after the
+  context, so the configuration alone cannot tell; syncbn watches the Join's life instead: each
+  recorded DDP wrapper's ``join_hook`` hands ``Join`` a hook of syncbn's that forwards to DDP's,
+  and the ``Join`` has ended once that hook's ``post_hook`` has run or the hook is gone (the
+  ``Join`` object holds it, and is freed when its ``with`` statement ends, normally or through
+  an exception). A later training loop on the same model is therefore never refused.
 
 **DDP's buffer broadcast is bounded by the process group's timeout, not syncbn's.** With
 ``broadcast_buffers=True`` (DDP's default) the first collective of every step is DDP's broadcast
@@ -39,6 +48,7 @@ import weakref
 from typing import Any
 
 from torch import nn
+from torch.distributed.algorithms.join import JoinHook
 
 from .. import _config
 from ._errors import _pg_timeout
@@ -51,6 +61,8 @@ _wrappers: list[weakref.ref[nn.Module]] = []
 _covered: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 # DDP wrapper -> (the configuration it was looked at under, whether its model holds syncbn layers).
 _holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+# DDP wrapper -> the join hook syncbn handed its latest Join (alive while that Join is).
+_hooks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Watched]] = weakref.WeakKeyDictionary()
 _examined: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # looked at for the buffer broadcast
 _warned = False
 
@@ -63,11 +75,65 @@ class UnboundedStepWarning(UserWarning):
     """DDP's buffer broadcast, the first collective of a step, waits longer than syncbn's bound."""
 
 
+class _Watched(JoinHook):
+    """DDP's join hook, forwarded; tells syncbn when its ``Join`` has run its post-hooks."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.done = False
+
+    def main_hook(self) -> None:
+        self.inner.main_hook()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        try:
+            self.inner.post_hook(is_last_joiner)
+        finally:
+            self.done = True
+
+
+class _JoinHookOf:
+    """``join_hook`` of one DDP model (an instance attribute): DDP's hook, handed over watched.
+
+    Holds the model weakly (no reference cycle); a pickled or deep-copied model gets one of its
+    own (``__reduce__``), never one that builds hooks for the original.
+    """
+
+    def __init__(self, ddp: nn.Module) -> None:
+        self._ddp = weakref.ref(ddp)
+
+    def __call__(self, **kwargs: Any) -> JoinHook:
+        ddp = self._ddp()
+        assert ddp is not None  # called through the model that holds it
+        hook = _Watched(type(ddp).join_hook(ddp, **kwargs))  # type: ignore[attr-defined]
+        _hooks[ddp] = weakref.ref(hook)
+        return hook
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_JoinHookOf, (self._ddp(),))
+
+
+def _watch(ddp: nn.Module) -> None:
+    """Make ``ddp.join_hook`` hand ``Join`` a :class:`_Watched` hook."""
+    ddp.__dict__["join_hook"] = _JoinHookOf(ddp)
+
+
+def _join_live(ddp: nn.Module) -> bool:
+    """Whether the latest ``Join`` over ``ddp`` is still going (unknown: assumed so)."""
+    ref = _hooks.get(ddp)
+    if ref is None:
+        return True
+    hook = ref()
+    return hook is not None and not hook.done
+
+
 def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     """The registration hook: remember each ``DistributedDataParallel`` as it takes its module."""
     if name == "module" and child is not None and isinstance(parent, nn.parallel.DistributedDataParallel):
         _wrappers[:] = [r for r in _wrappers if r() is not None and r() is not parent]
         _wrappers.append(weakref.ref(parent))
+        if "join_hook" not in parent.__dict__:
+            _watch(parent)
     return None
 
 
@@ -137,7 +203,9 @@ def check() -> None:
             _look_at_buffers(ddp, config)
         if config is None or not config.enable or _covered.get(ddp) is config:
             continue
-        if not _has_layers(ddp, config):
+        if getattr(config, "throw_on_early_termination", False):
+            continue  # no rank shadows: DDP's own errors, on every rank, as with nn.BatchNorm
+        if not _join_live(ddp) or not _has_layers(ddp, config):
             continue
         raise PlainJoinError(
             "syncbn: a DistributedDataParallel model with SyncBatchNorm layers is training inside "
@@ -145,8 +213,7 @@ def check() -> None:
             "hook shadows only DDP's own collectives: a rank that runs out of inputs would leave the "
             "others waiting in a SyncBatchNorm collective. Put a syncbn.JoinableSyncBatchNorm first in "
             "the list, on every rank: `with Join([syncbn.JoinableSyncBatchNorm(ddp), ddp]): ...`. "
-            "Raised on every rank at the first SyncBatchNorm collective inside the Join; nothing was "
-            "sent and no state changed. (A Join leaves join mode on the DDP model after the context: "
-            "for a model that went through a plain Join before, construct Join([ddp], enable=False) "
-            "once to switch it off.)"
+            "Or use torch's pattern, Join([ddp], throw_on_early_termination=True), where every rank "
+            "raises DDP's error once one runs out. Raised on every rank at the first SyncBatchNorm "
+            "collective inside the Join; nothing was sent and no state changed."
         )

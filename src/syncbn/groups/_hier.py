@@ -41,7 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config
-from ._errors import _AFTER_FAILURE, CollectiveError
+from . import _own
+from ._errors import _AFTER_FAILURE, CollectiveError, _pg_timeout
 from ._frame import Tag
 from ._refs import group_ranks
 
@@ -207,7 +208,7 @@ def connect(
     shared-memory path proved unusable). One ``exchange`` (a summing all_reduce
     over the whole group) tells every rank every rank's choice, whether it can
     use shared memory, and its machine; the subgroups are then made by their own
-    members only (``new_group(use_local_synchronization=True)``).
+    members only (syncbn's own gloo wires, :func:`syncbn.groups._own.make_sets`).
 
     Args:
         rank: this rank's index in the group.
@@ -260,7 +261,14 @@ def connect(
     bound = _config.get_timeout()
     extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     sets = [members for members in machines.values() if len(members) > 1] + [leaders]
-    subgroups = _subgroups(ranks, sets, extra)
+    # syncbn's own wires over the job's store (only each set's members meet: overlapping user
+    # groups never need a rank outside theirs); torch's subgroups where that is not available.
+    wires = _own.make_sets(process_group, sets, bound if bound is not None else _pg_timeout(process_group))
+    subgroups: dict[tuple[int, ...], Any]
+    if wires is None:
+        subgroups = _subgroups(ranks, sets, extra)
+    else:
+        subgroups = {members: ref() for members, ref in wires.items()}
     local = None
     if len(mine) > 1:
         local = make_group(subgroups[tuple(mine)], shared_memory=True, hierarchical=False)
@@ -272,6 +280,8 @@ def connect(
 
 def _subgroups(ranks: list[int], sets: list[list[int]], extra: dict[str, Any]) -> dict[tuple[int, ...], Any]:
     """The process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks), collectively.
+
+    The fallback where syncbn's own wires cannot be made (no store or group name to meet under).
 
     Where the group holds every rank of the job, every rank makes every subgroup, in the same
     order: torch names them by its group count, so a second hierarchy over the same ranks (e.g.

@@ -5,12 +5,20 @@ Why a group of its own. Gloo gives up on a collective at its *group's* timeout: 
 gloo's worker thread until the group's timeout (torch's default: 30 minutes), and
 ``destroy_process_group()``, ``~ProcessGroupGloo`` and so interpreter exit wait for it (measured on
 torch 2.2.2 and 2.13: exit 30 s after a 2 s bound with a 30 s group timeout). So each
-:class:`~syncbn.groups.ProcessGroupSum` runs its CPU collectives over a gloo group of its own, made
-at its first CPU collective (a collective point every member reaches in the same order) with
-syncbn's bound as the group's timeout: gloo itself then gives up at the bound, and recovery or
-exit take seconds. Where torch can change a group's timeout (``_set_default_timeout``, torch 2.3
-and later), a later :func:`syncbn.set_timeout` is carried over to the group. The group also keeps
-syncbn's frames apart from DDP's and the user's collectives on the parent group.
+:class:`~syncbn.groups.ProcessGroupSum` without shared memory runs its CPU collectives over a
+*wire* of its own (:func:`make`), made right after its set-up (a collective point every member
+reaches in the same order, just shown alive) with syncbn's bound as its timeout: gloo itself then
+gives up at the bound, and recovery or exit take seconds. Where torch can change a group's timeout
+(``_set_default_timeout``, torch 2.3 and later), a later :func:`syncbn.set_timeout` is carried
+over to the wire. The wire also keeps syncbn's frames apart from DDP's and the user's collectives.
+
+A wire is a bare ``dist.ProcessGroupGloo`` whose members meet in the job's store under
+``syncbn/wire/<the parent group's name>/<generation>/<members>/``: the parent's name is the same
+on every member, and the generation counts the wires this process made over that parent, which
+every member makes at the same collective points. Nothing else takes part: unlike
+``dist.new_group`` (a collective of the whole job, or, with local synchronisation, a name derived
+from each rank's own count of groups, which differs between ranks of overlapping groups), a wire
+never needs a rank outside its group. Wires are not registered with ``torch.distributed``.
 
 Teardown (found with gdb on torch 2.2.2: the exit hang of issue 23). When Python drops a tensor
 that a gloo work still holds, the tensor keeps its Python object alive, and gloo's worker thread,
@@ -41,13 +49,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["make", "adopt", "key_of", "keep", "owned", "set_timeout", "abandon", "release", "release_all"]
+__all__ = [
+    "make",
+    "make_sets",
+    "wire_ranks",
+    "adopt",
+    "key_of",
+    "keep",
+    "owned",
+    "set_timeout",
+    "abandon",
+    "release",
+    "release_all",
+]
 
 # key -> [a group syncbn made or adopted, the tensors handed to it, the pid that made it]; keys
 # are serial numbers, never reused (an id() can recur once its object is gone).
 _kept: dict[int, list[Any]] = {}
 _keys: dict[int, int] = {}  # id(group) -> its key, while the group is held
 _serial = itertools.count(1)
+_ranks: dict[int, list[int]] = {}  # key -> the global ranks of a wire made here (make_sets)
 # Tensors handed to a group that is not syncbn's (a process group without gloo), and in a forked
 # child the parent's groups: kept for good (never freed by a thread that must wait for another).
 _forever: list[Any] = []
@@ -57,6 +78,8 @@ _abandoned: list[tuple[Any, Tensor]] = []
 
 def _gloo_backend(process_group: Any) -> Any:
     """The gloo backend of ``process_group`` for CPU tensors, or ``None``."""
+    if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (:func:`make`)
+        return process_group
     try:
         group = dist.group.WORLD if process_group is None else process_group
         backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
@@ -65,32 +88,85 @@ def _gloo_backend(process_group: Any) -> Any:
     return backend if isinstance(backend, dist.ProcessGroupGloo) else None
 
 
+# Parent group's name -> how many wires this process made over it: the members of a group make
+# its wires at the same collective points, in the same order, so they agree on this count.
+_generations: dict[str, int] = {}
+
+
+def _store_for(parent: Any) -> tuple[Any, str] | None:
+    """The job's store and ``parent``'s name (the same on every member), or ``None``."""
+    c10d = dist.distributed_c10d
+    group: Any = dist.group.WORLD if parent is None else parent
+    try:
+        name = c10d._world.pg_names.get(group)
+        store = c10d._world.pg_map[c10d._get_default_group()][1]
+    except Exception:  # noqa: BLE001 - torch internals moved
+        return None
+    return None if name is None or store is None else (store, str(name))
+
+
 def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
-    """A gloo group over ``parent``'s ranks with ``timeout_s`` as its timeout (a weak reference), or ``None``.
+    """A gloo wire over ``parent``'s members, ``timeout_s`` its timeout (a weak reference), or ``None``.
 
-    The group is held here (:func:`adopt`); :func:`release` with :func:`key_of` destroys it.
+    The wire is a bare gloo backend (``dist.ProcessGroupGloo``) that meets its peers under a key
+    of syncbn's own in the job's store: the parent group's name (the same on every member) and
+    how many times this process made wires over that group before. Unlike ``dist.new_group`` (a
+    collective over the whole world, or, with local synchronisation, named after a count of
+    groups that differs between ranks of overlapping groups), only the parent's members take
+    part, and members of different groups never need each other. Not registered with
+    ``torch.distributed``: invisible to the user's group lookups, destroyed by :func:`release`.
 
-    Collective over the parent's members: each must call it at the same point (the
-    group's first CPU collective). ``None`` where the parent has no gloo CPU backend (MPI,
-    NCCL only): the parent then carries the CPU collectives, as before.
+    Collective over the parent's members: each must call it at the same point (right after the
+    group's first collective, which showed every member present). ``None`` where the parent has
+    no gloo CPU backend (MPI, NCCL only) or torch's internals differ: the parent then carries
+    the CPU collectives.
 
     Raises:
-        RuntimeError: the members did not all arrive within ``timeout_s`` (torch's error).
+        RuntimeError: the members did not all meet within ``timeout_s`` (gloo's error).
     """
     if _gloo_backend(parent) is None:
         return None
-    world = dist.get_world_size()
-    ranks = list(range(world)) if parent is None else list(dist.get_process_group_ranks(parent))
-    # All world ranks are members: a plain new_group (every rank calls it). A subgroup: only its
-    # members call, hence local synchronisation.
-    group = dist.new_group(
-        ranks,
-        timeout=timedelta(seconds=timeout_s),
-        backend="gloo",
-        use_local_synchronization=len(ranks) != world,
-    )
-    adopt(group)
-    return weakref.ref(group)
+    size = dist.get_world_size(parent)
+    made = make_sets(parent, [list(range(size))], timeout_s)
+    return None if made is None else made.get(tuple(range(size)))
+
+
+def make_sets(
+    parent: Any, sets: list[list[int]], timeout_s: float
+) -> dict[tuple[int, ...], weakref.ref[Any]] | None:
+    """Wires over several sets of ``parent``'s members (group ranks), those this rank belongs to.
+
+    As :func:`make` (every member of ``parent`` calls it at the same point, with the same
+    ``sets``), but each set's members meet only each other. ``None`` where torch's internals
+    differ (no store or group name to meet under).
+
+    Returns:
+        set (a tuple of group ranks) -> a weak reference to its wire, for the sets holding this rank.
+    """
+    found = _store_for(parent)
+    if found is None:
+        return None
+    store, name = found
+    generation = _generations[name] = _generations.get(name, 0) + 1
+    me = dist.get_rank(parent)
+    ranks = list(range(dist.get_world_size())) if parent is None else dist.get_process_group_ranks(parent)
+    made: dict[tuple[int, ...], weakref.ref[Any]] = {}
+    for members in sets:
+        if me not in members:
+            continue
+        where = "-".join(map(str, members))
+        prefixed = dist.PrefixStore(f"syncbn/wire/{name}/{generation}/{where}/", store)
+        wire = dist.ProcessGroupGloo(prefixed, members.index(me), len(members), timedelta(seconds=timeout_s))
+        key = adopt(wire)
+        _ranks[key] = [ranks[r] for r in members]
+        made[tuple(members)] = weakref.ref(wire)
+    return made
+
+
+def wire_ranks(group: Any) -> list[int] | None:
+    """The global ranks of one of syncbn's wires, in its rank order (``None``: not a wire)."""
+    key = _key(group)
+    return None if key is None else _ranks.get(key)
 
 
 def adopt(group: Any) -> int:
@@ -187,6 +263,7 @@ def release(key: int, limit_s: float) -> None:
         limit_s: the longest wait for its abandoned works (each ends at the group's timeout).
     """
     entry = _kept.pop(key, None)
+    _ranks.pop(key, None)
     if entry is None:
         return
     group, frames, pid = entry

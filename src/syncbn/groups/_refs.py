@@ -13,6 +13,9 @@ def group_ranks(process_group: Any) -> list[int]:
     """Global ranks of the members of ``process_group`` (``None``: the default group)."""
     if process_group is None:
         return list(range(dist.get_world_size()))
+    wire = _own.wire_ranks(process_group)  # one of syncbn's own (not registered with torch)
+    if wire is not None:
+        return list(wire)
     return list(dist.get_process_group_ranks(process_group))
 
 

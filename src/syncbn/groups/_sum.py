@@ -91,8 +91,11 @@ class ProcessGroupSum(FramedTransport):
             dist.group.WORLD if process_group is None else process_group
         )
         self._shared_memory_choice = shared_memory
-        self._size = dist.get_world_size(process_group)
-        self._rank = dist.get_rank(process_group)
+        if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (_hier)
+            self._size, self._rank = process_group.size(), process_group.rank()
+        else:
+            self._size = dist.get_world_size(process_group)
+            self._rank = dist.get_rank(process_group)
         self._owner = _pid
         # Same-machine shared-memory path for CPU tensors: connected on the first CPU collective.
         self._shared: _shm.SharedMemorySum | None = None
@@ -114,10 +117,14 @@ class ProcessGroupSum(FramedTransport):
         self._release: Any = None  # releases it (syncbn.groups._own.release) when this group goes
         self._wire_ready = False
         self._wire_timeout: float | None = None
+        self._wire_stuck: float | None = None  # a bound this torch could not carry to the wire (warned)
         #: identity -> name of the layers seen by this process, for error messages.
         self.names: dict[int, str] = {}
         #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).
         self.layer_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        #: ordinals handed out so far (never reused: a collected layer's number is not given again,
+        #: so the numbering follows the order of first calls, whenever other layers are collected).
+        self.layer_ordinals = 0
         self.last_participants = self._size
         self.closed = False
 
@@ -311,6 +318,8 @@ class ProcessGroupSum(FramedTransport):
                 exchange,
                 _own_sum_group,
             )
+        if self._shared is None and self._hier is None:
+            self._make_wire()  # the CPU frames' own gloo group: every member is here, just shown alive
         self._calls = calls
         self._shared_ready = True
         return self._shared

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import time
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from .. import _config
 from . import _own
-from ._errors import CollectiveError, Reporting
+from ._errors import CollectiveError, Reporting, _pg_timeout
 from ._frame import (
     FRAME,
     HEADER,
@@ -58,6 +59,7 @@ class FramedTransport(Reporting):
     _release: Any
     _wire_ready: bool
     _wire_timeout: float | None
+    _wire_stuck: float | None
     last_participants: int
 
     def check_pending(self) -> None:
@@ -211,43 +213,59 @@ class FramedTransport(Reporting):
         return tensor
 
     def _cpu_wire(self) -> Any:
-        """The group that carries this group's CPU frames: syncbn's own, made at the first CPU frame.
+        """The group that carries this group's CPU frames, or ``None``: the process group itself.
 
-        Every member reaches its first CPU frame at the same collective point, so the group is made
-        there, collectively, with the bound as its timeout (:mod:`syncbn.groups._own`, which holds
-        it, with the frame it is handed); ``None`` (the process group itself) where the process
-        group has no gloo CPU backend.
+        syncbn's own wire (:mod:`syncbn.groups._own`: a gloo group over the same members with the
+        bound as its timeout, holding the frame it is handed) once :meth:`_make_wire` made it
+        after set-up; until then (the set-up exchanges) the process group itself, whose
+        connections already exist, so that a peer that died before its first call is found at
+        once. A group syncbn made for itself (``own_group``) is its own wire.
         """
         if not self._wire_ready:
-            bound = self._bound_s()
-            ref: weakref.ref[Any] | None
-            if self._own_group:
-                group = self.process_group
-                _own.adopt(group)
-                ref = weakref.ref(group)
-                if _own.set_timeout(group, bound):
-                    self._wire_timeout = bound
-                del group
-            else:
-                start = time.monotonic()
-                try:
-                    ref = _own.make(self.process_group, bound)
-                except Exception as exc:  # noqa: BLE001 - re-raised with context
-                    raise self._error(exc, time.monotonic() - start, bound) from exc
-                self._wire_timeout = bound
-            wire = None if ref is None else ref()
-            _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
-            if wire is not None:
-                self._release = weakref.finalize(self, _own.release, _own.key_of(wire), bound + 1.0)
-            self._wire_ref = ref
-            self._wire_ready = True
-            return wire
+            if not self._own_group:
+                return None  # set-up: over the process group
+            group = self.process_group
+            _own.adopt(group)
+            # Its timeout is now the bound, or (a torch that cannot change it) what it was made with.
+            self._wire_timeout = (
+                self._bound_s() if _own.set_timeout(group, self._bound_s()) else _pg_timeout(group)
+            )
+            self._attach_wire(weakref.ref(group), self._bound_s())
+            del group
         wire = None if self._wire_ref is None else self._wire_ref()
         if wire is not None and self._wire_timeout is not None:
             now = self._bound_s()  # syncbn's bound, else the process group's timeout
-            if now != self._wire_timeout and _own.set_timeout(wire, now):
-                self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
+            if now != self._wire_timeout:
+                if _own.set_timeout(wire, now):
+                    self._wire_timeout = now  # a later syncbn.set_timeout, carried over to gloo
+                elif now != self._wire_stuck:
+                    self._wire_stuck = now
+                    warnings.warn(_stuck_timeout(self._wire_timeout, now, self.describe()), stacklevel=4)
         return wire
+
+    def _make_wire(self) -> None:
+        """Make syncbn's own wire for the CPU frames (collective: right after set-up, every member)."""
+        if self._wire_ready:
+            return
+        if self._own_group:
+            self._cpu_wire()
+            return
+        bound = self._bound_s()
+        start = time.monotonic()
+        try:
+            ref = _own.make(self.process_group, bound)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise self._error(exc, time.monotonic() - start, bound) from exc
+        self._wire_timeout = bound
+        self._attach_wire(ref, bound)
+
+    def _attach_wire(self, ref: weakref.ref[Any] | None, bound: float) -> None:
+        wire = None if ref is None else ref()
+        _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
+        if wire is not None:
+            self._release = weakref.finalize(self, _own.release, _own.key_of(wire), bound + 1.0)
+        self._wire_ref = ref
+        self._wire_ready = True
 
     def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
         group = self.process_group
@@ -259,14 +277,15 @@ class FramedTransport(Reporting):
         if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
             start = time.monotonic()
             try:
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+                work = start_all_reduce(tensor, group)
+                work.wait()
             except Exception as exc:  # noqa: BLE001 - re-raised with context
                 raise self._error(exc, time.monotonic() - start, None) from exc
             return tensor
         start = time.monotonic()
         work = None
         try:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = start_all_reduce(tensor, group)
             finished = work.wait(timeout=delta)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             _own.abandon(work, tensor)
@@ -275,3 +294,31 @@ class FramedTransport(Reporting):
             _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
         return tensor
+
+
+def _stuck_timeout(kept: float, wanted: float, group: str) -> str:
+    return (
+        f"syncbn: the wait bound changed to {wanted:g} s after the set-up of the group over {group}, "
+        f"and torch {torch.__version__} cannot change the timeout of syncbn's gloo group for it "
+        "(ProcessGroupGloo._set_default_timeout: torch 2.3 and later). The wait on this rank now "
+        f"ends at {wanted:g} s, but gloo still gives up on the group's collectives at "
+        f"{kept:g} s, the bound when the group was set up: "
+        + (
+            f"a collective that takes longer than {kept:g} s fails then (a CollectiveError), "
+            f"before the new bound"
+            if wanted > kept
+            else f"a collective abandoned at {wanted:g} s stays on gloo's thread until {kept:g} s "
+            "(destroying the group or exiting waits for it)"
+        )
+        + ". Call syncbn.set_timeout (or set SYNCBN_TIMEOUT) before the first training step, or "
+        "upgrade torch."
+    )
+
+
+def start_all_reduce(tensor: Tensor, group: Any) -> Any:
+    """Start the summing ``all_reduce`` of ``tensor`` over ``group`` (a process group or a wire); its work."""
+    if isinstance(group, dist.ProcessGroupGloo):  # syncbn's own wire: not registered with torch
+        options: Any = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        return group.allreduce([tensor], options)  # type: ignore[attr-defined]
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)

@@ -2,6 +2,8 @@
 
 - :mod:`syncbn.integrations.timm`: the synchronised form of timm's ``BatchNormAct2d``,
   used by :func:`syncbn.convert_sync_batchnorm` when a model holds one.
+- :mod:`syncbn.integrations.mmengine`: syncbn's layers by name in mmengine's ``MODELS``
+  (``"ExactSyncBN"``); :mod:`syncbn.integrations.mmengine_syncbn` makes ``"SyncBN"`` mean them.
 
 The Lightning plugin lives in :mod:`syncbn.lightning`.
 """

@@ -1,0 +1,105 @@
+"""syncbn's layers by name in OpenMMLab configs (mmengine's ``MODELS``, mmcv's ``build_norm_layer``).
+
+Importing this module registers, in mmengine's root ``MODELS`` registry (which
+mmdetection's, mmsegmentation's and mmpretrain's registries fall back to):
+
+- ``"ExactSyncBN"``: :class:`syncbn.SyncBatchNorm` (any input with at least 2 dims,
+  as mmcv's ``"SyncBN"``);
+- ``"ExactSyncBN1d"``, ``"ExactSyncBN2d"``, ``"ExactSyncBN3d"``:
+  :class:`syncbn.SyncBatchNorm1d` and its siblings;
+- ``"ExactInPlaceSyncBN"``: :class:`syncbn.InPlaceSyncBatchNorm` (batch norm and
+  activation in one in-place layer: give the ``ConvModule`` ``act_cfg=None``),
+
+so that a config names them: ``norm_cfg=dict(type="ExactSyncBN", requires_grad=True)``,
+with ``custom_imports=dict(imports=["syncbn.integrations.mmengine"],
+allow_failed_imports=False)`` in the config (or ``import syncbn.integrations.mmengine``
+in the training script). mmcv's ``build_norm_layer`` then returns ``("bn", layer)``.
+
+To make an existing config's ``"SyncBN"`` mean :class:`syncbn.SyncBatchNorm`
+without editing it, opt in with :func:`replace_syncbn` (or import
+:mod:`syncbn.integrations.mmengine_syncbn`, which calls it, from
+``custom_imports``). Needs ``mmengine`` (``pip install "syncbn[mmengine]"``);
+mmcv (``mmcv-lite`` is enough) for ``build_norm_layer`` and ``ConvModule``.
+
+Example::
+
+    >>> import syncbn.integrations.mmengine
+    >>> from mmcv.cnn import build_norm_layer
+    >>> name, layer = build_norm_layer(dict(type="ExactSyncBN", requires_grad=True), 64)
+    >>> name, type(layer).__name__
+    ('bn', 'SyncBatchNorm')
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from torch import nn
+
+from ..activated import InPlaceSyncBatchNorm
+from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+
+try:
+    from mmengine.registry import MODELS
+except ImportError as exc:  # pragma: no cover - only without mmengine
+    raise ImportError(
+        "syncbn.integrations.mmengine needs mmengine (pip install 'syncbn[mmengine]'); got: " + str(exc)
+    ) from exc
+
+__all__ = ["NAMES", "register", "replace_syncbn"]
+
+NAMES: dict[str, type[nn.Module]] = {
+    "ExactSyncBN": SyncBatchNorm,
+    "ExactSyncBN1d": SyncBatchNorm1d,
+    "ExactSyncBN2d": SyncBatchNorm2d,
+    "ExactSyncBN3d": SyncBatchNorm3d,
+    "ExactInPlaceSyncBN": InPlaceSyncBatchNorm,
+}
+
+# What "SyncBN" meant before replace_syncbn (mmcv registers torch.nn.SyncBatchNorm under it).
+_replaced: list[Any] = []
+
+
+def register() -> None:
+    """Register :data:`NAMES` in mmengine's ``MODELS`` (done on import; idempotent).
+
+    Raises:
+        KeyError: one of the names is registered already for another class.
+    """
+    for name, cls in NAMES.items():
+        if MODELS.get(name) is not cls:
+            MODELS.register_module(name, module=cls)
+
+
+def _load_mmcv_norms() -> None:
+    # mmcv registers "SyncBN" when mmcv.cnn is imported, without force: it must come first,
+    # or its own registration would fail ("SyncBN is already registered").
+    if importlib.util.find_spec("mmcv") is not None:
+        importlib.import_module("mmcv.cnn")
+
+
+def replace_syncbn(enable: bool = True) -> None:
+    """Make ``"SyncBN"`` in configs build :class:`syncbn.SyncBatchNorm` (``enable=False`` undoes it).
+
+    Opt-in and process-wide: every ``build_norm_layer(dict(type="SyncBN"), ...)``
+    and ``MODELS.build(dict(type="SyncBN", ...))`` after it builds syncbn's layer,
+    in every OpenMMLab codebase sharing mmengine's root registry. Call it on every
+    rank before the model is built (a config's ``custom_imports`` of
+    :mod:`syncbn.integrations.mmengine_syncbn` does).
+
+    Args:
+        enable: ``True`` to map ``"SyncBN"`` to :class:`syncbn.SyncBatchNorm`,
+            ``False`` to restore what it meant before (mmcv's ``torch.nn.SyncBatchNorm``).
+    """
+    _load_mmcv_norms()
+    current = MODELS.get("SyncBN")
+    if enable:
+        if current is not SyncBatchNorm:
+            _replaced.append(current)
+            MODELS.register_module("SyncBN", module=SyncBatchNorm, force=True)
+    elif current is SyncBatchNorm and _replaced:
+        MODELS.register_module("SyncBN", module=_replaced.pop(), force=True)
+
+
+register()

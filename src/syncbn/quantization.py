@@ -1,0 +1,206 @@
+"""Eager-mode quantization with syncbn's layers: ``fuse_modules``, ``fuse_modules_qat``, ``prepare_qat``.
+
+``torch.ao.quantization`` finds how to fuse a list of modules in a table keyed by
+their exact types, and swaps fused modules for their quantization-aware (QAT)
+counterparts through another. Importing :mod:`syncbn` adds syncbn's layer
+types to both tables (entries for syncbn's own types only: nothing changes for
+any other model), so that on a converted model:
+
+- ``fuse_modules(model.eval(), [["conv", "bn", "relu"]])`` folds the batch
+  norm into the convolution (or the linear layer), as for ``nn.BatchNorm``:
+  eval uses the running statistics, there is nothing left to synchronise.
+  A ``[bn, relu]`` pair becomes torch's ``BNReLU2d``/``BNReLU3d`` around a plain
+  ``nn.BatchNorm`` copy of the layer (eval never communicates).
+- ``fuse_modules_qat(model.train(), ...)`` gives :class:`ConvSyncBn2d` and its
+  siblings: torch's fused containers holding the synchronised layer. Then
+  ``prepare_qat`` swaps each for torch's own QAT module (``ConvBn2d``,
+  ``ConvBnReLU2d``, ``LinearBn1d`` of ``torch.ao.nn.intrinsic.qat``) whose
+  ``bn`` is the synchronised layer itself, with its parameters, buffers and
+  process group: the fused module's batch statistics span every rank, exactly,
+  and ``torch.ao.quantization.convert`` later folds it as usual.
+
+``[bn, relu]`` pairs are not fused for QAT (torch has no QAT module for them;
+leave them unfused: ``ValueError`` says so). On a torch whose private tables
+moved, :func:`fuser_methods` gives the same methods for
+``fuse_custom_config_dict={"additional_fuser_method_mapping": ...}``.
+
+Example::
+
+    >>> import torch, syncbn
+    >>> from torch.ao.quantization import fuse_modules_qat, get_default_qat_qconfig, prepare_qat
+    >>> model = syncbn.convert_sync_batchnorm(
+    ...     torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()))
+    >>> model = fuse_modules_qat(model.train(), [["0", "1", "2"]])
+    >>> model.qconfig = get_default_qat_qconfig("x86")
+    >>> model = prepare_qat(model)   # model[0].bn is a syncbn.SyncBatchNorm2d
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch.ao.nn.intrinsic as nni
+import torch.ao.nn.intrinsic.qat as nniqat
+from torch import nn
+
+from .convert import revert_sync_batchnorm
+from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+
+__all__ = [
+    "ConvSyncBn1d",
+    "ConvSyncBn2d",
+    "ConvSyncBn3d",
+    "ConvSyncBnReLU1d",
+    "ConvSyncBnReLU2d",
+    "ConvSyncBnReLU3d",
+    "LinearSyncBn1d",
+    "fuser_methods",
+    "qat_module_mappings",
+]
+
+
+def _check(first: nn.Module, bn: nn.Module, kinds: tuple[type, type]) -> None:
+    if not (isinstance(first, kinds[0]) and isinstance(bn, kinds[1])):
+        raise TypeError(
+            f"expected a {kinds[0].__name__} and a {kinds[1].__name__} "
+            f"(got {type(first).__name__} and {type(bn).__name__})"
+        )
+    out = getattr(first, "out_channels", getattr(first, "out_features", None))
+    if out != bn.num_features:  # type: ignore[attr-defined]
+        raise ValueError(
+            f"the batch norm's num_features must equal the {type(first).__name__}'s output channels "
+            f"(got {bn.num_features} and {out})"  # type: ignore[attr-defined]
+        )
+    if not (bn.affine and bn.track_running_stats):  # type: ignore[attr-defined]
+        raise ValueError(
+            "QAT fusion needs a batch norm with affine=True and track_running_stats=True (got "
+            f"affine={bn.affine}, track_running_stats={bn.track_running_stats})"  # type: ignore[attr-defined]
+        )
+
+
+def _fused(torch_cls: type, kinds: tuple[type, type], doc: str) -> type:
+    def __init__(self: nn.Sequential, *modules: nn.Module) -> None:
+        _check(modules[0], modules[1], kinds)
+        nn.Sequential.__init__(self, *modules)  # torch's __init__ accepts its exact types only
+
+    name = torch_cls.__name__.replace("Bn", "SyncBn")
+    return type(name, (torch_cls,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+
+
+_DOC = """Torch's fused ``{torch}`` holding a synchronised batch norm (``fuse_modules_qat``'s output).
+
+    ``prepare_qat`` turns it into torch's QAT ``{torch}`` whose ``bn`` is the
+    synchronised layer itself.
+    """
+ConvSyncBn1d = _fused(nni.ConvBn1d, (nn.Conv1d, SyncBatchNorm), _DOC.format(torch="ConvBn1d"))
+ConvSyncBn2d = _fused(nni.ConvBn2d, (nn.Conv2d, SyncBatchNorm), _DOC.format(torch="ConvBn2d"))
+ConvSyncBn3d = _fused(nni.ConvBn3d, (nn.Conv3d, SyncBatchNorm), _DOC.format(torch="ConvBn3d"))
+ConvSyncBnReLU1d = _fused(nni.ConvBnReLU1d, (nn.Conv1d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU1d"))
+ConvSyncBnReLU2d = _fused(nni.ConvBnReLU2d, (nn.Conv2d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU2d"))
+ConvSyncBnReLU3d = _fused(nni.ConvBnReLU3d, (nn.Conv3d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU3d"))
+LinearSyncBn1d = _fused(nni.LinearBn1d, (nn.Linear, SyncBatchNorm), _DOC.format(torch="LinearBn1d"))
+
+# ours -> (torch's float fused class, torch's QAT class)
+_QAT: dict[type, tuple[type, type]] = {
+    ConvSyncBn1d: (nni.ConvBn1d, nniqat.ConvBn1d),
+    ConvSyncBn2d: (nni.ConvBn2d, nniqat.ConvBn2d),
+    ConvSyncBn3d: (nni.ConvBn3d, nniqat.ConvBn3d),
+    ConvSyncBnReLU1d: (nni.ConvBnReLU1d, nniqat.ConvBnReLU1d),
+    ConvSyncBnReLU2d: (nni.ConvBnReLU2d, nniqat.ConvBnReLU2d),
+    ConvSyncBnReLU3d: (nni.ConvBnReLU3d, nniqat.ConvBnReLU3d),
+    LinearSyncBn1d: (nni.LinearBn1d, nniqat.LinearBn1d),
+}
+
+
+class _ToQAT:
+    """``prepare_qat``'s entry for one fused class: torch's QAT module around the synchronised layer."""
+
+    def __init__(self, plain: type, qat: type) -> None:
+        self.plain: Any = plain
+        self.qat: Any = qat
+
+    def from_float(self, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> nn.Module:
+        plain = self.plain.__new__(self.plain)  # torch's float fused class, the same children
+        nn.Sequential.__init__(plain, *mod.children())
+        plain.qconfig = mod.qconfig
+        kwargs = {}
+        if "use_precomputed_fake_quant" in inspect.signature(self.qat.from_float).parameters:
+            kwargs["use_precomputed_fake_quant"] = use_precomputed_fake_quant
+        new: nn.Module = self.qat.from_float(plain, **kwargs)
+        # from_float gave a plain batch norm the layer's own Parameters and buffers: put the layer back.
+        bn = mod[1]  # type: ignore[index]
+        bn.train(new.bn.training)  # type: ignore[union-attr]
+        new.bn = bn
+        return new
+
+
+def qat_module_mappings() -> dict[type, Any]:
+    """``prepare_qat`` mapping entries for syncbn's fused classes (``mapping=`` takes them, merged)."""
+    return {ours: _ToQAT(plain, qat) for ours, (plain, qat) in _QAT.items()}
+
+
+def _conv_bn(ours: type, default: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def fuse(is_qat: bool, *modules: nn.Module) -> nn.Module:
+        return ours(*modules) if is_qat else default(is_qat, *modules)
+
+    return fuse
+
+
+def _bn_relu(torch_cls: type) -> Callable[..., nn.Module]:
+    def fuse(is_qat: bool, bn: nn.Module, relu: nn.Module) -> nn.Module:
+        if is_qat:
+            raise ValueError(
+                f"torch has no QAT module for {torch_cls.__name__}: leave this [batch norm, ReLU] pair "
+                f"unfused for QAT (got a {type(bn).__name__} and a {type(relu).__name__})"
+            )
+        return torch_cls(revert_sync_batchnorm(bn), relu)  # type: ignore[no-any-return]
+
+    return fuse
+
+
+def fuser_methods() -> dict[tuple[type, ...], Callable[..., nn.Module]]:
+    """The fuser methods for syncbn's layers, keyed as ``torch.ao.quantization`` keys its own.
+
+    Returns:
+        A dict for ``fuse_modules(..., fuse_custom_config_dict={"additional_fuser_method_mapping": d})``
+        (importing :mod:`syncbn` already adds these to torch's defaults).
+    """
+    from torch.ao.quantization import fuser_method_mappings as fm
+
+    found: dict[tuple[type, ...], Callable[..., nn.Module]] = {}
+    for dim, sync in ((1, SyncBatchNorm1d), (2, SyncBatchNorm2d), (3, SyncBatchNorm3d)):
+        conv = getattr(nn, f"Conv{dim}d")
+        for bn in (sync, SyncBatchNorm):  # the generic class too (mmengine's "ExactSyncBN" builds it)
+            found[(conv, bn)] = _conv_bn(globals()[f"ConvSyncBn{dim}d"], fm.fuse_conv_bn)
+            found[(conv, bn, nn.ReLU)] = _conv_bn(globals()[f"ConvSyncBnReLU{dim}d"], fm.fuse_conv_bn_relu)
+            found[(getattr(nn, f"ConvTranspose{dim}d"), bn)] = fm.fuse_convtranspose_bn
+        if dim > 1:
+            found[(sync, nn.ReLU)] = _bn_relu(getattr(nni, f"BNReLU{dim}d"))
+    for bn in (SyncBatchNorm1d, SyncBatchNorm):
+        found[(nn.Linear, bn)] = _conv_bn(LinearSyncBn1d, fm.fuse_linear_bn)
+    return found
+
+
+def register() -> bool:
+    """Add syncbn's entries to ``torch.ao.quantization``'s default fuser and QAT tables (idempotent).
+
+    Returns:
+        Whether the tables were found (torch keeps them private; if a release moves them, pass
+        :func:`fuser_methods` and :func:`qat_module_mappings` explicitly).
+    """
+    try:
+        from torch.ao.quantization import fuser_method_mappings as fm
+        from torch.ao.quantization import quantization_mappings as qm
+
+        fusers, qat = fm._DEFAULT_OP_LIST_TO_FUSER_METHOD, qm.DEFAULT_QAT_MODULE_MAPPINGS
+    except (ImportError, AttributeError):
+        return False
+    for key, method in fuser_methods().items():
+        fusers.setdefault(key, method)
+    for fused, entry in qat_module_mappings().items():
+        qat.setdefault(fused, entry)
+    return True
+
+
+register()

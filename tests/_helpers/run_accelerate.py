@@ -1,0 +1,53 @@
+"""Train with Hugging Face accelerate on 2 CPU processes (its notebook launcher, forked).
+
+Launched by tests/test_integrations_accelerate.py: ``python run_accelerate.py OUT_DIR PORT``.
+The recipe: ``convert_sync_batchnorm`` before ``accelerator.prepare``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from accelerate import Accelerator, notebook_launcher  # noqa: E402
+from torch import nn  # noqa: E402
+
+import syncbn  # noqa: E402
+from _helpers.integration_models import STEPS, make_data, make_net, shard  # noqa: E402
+
+
+def train(out: str) -> None:
+    accelerator = Accelerator(cpu=True)
+    net = make_net()
+    plain_types = [type(m) for m in net]
+    model = syncbn.convert_sync_batchnorm(net)  # the recipe: convert, then prepare
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    train_types = [type(m).__name__ for m in net]
+    x, y = make_data()
+    rank = accelerator.process_index
+    for step in range(STEPS):
+        rows = shard(rank, step)
+        optimizer.zero_grad()
+        accelerator.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
+        optimizer.step()
+    plain = syncbn.revert_sync_batchnorm(accelerator.unwrap_model(model))
+    torch.save(
+        {
+            "state": {k: v.detach().clone() for k, v in plain.state_dict().items()},
+            "train_types": train_types,
+            "reverted_same": [type(m) for m in plain] == plain_types,
+            "world": accelerator.num_processes,
+            "distributed_type": str(accelerator.distributed_type),
+        },
+        os.path.join(out, f"accelerate_rank{rank}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    notebook_launcher(train, args=(sys.argv[1],), num_processes=2, use_port=sys.argv[2])

@@ -1,0 +1,75 @@
+"""The documented accelerate recipe for ``syncbn.accumulation`` on 2 CPU processes (forked).
+
+Launched by tests/test_accumulation.py: ``python run_accelerate_accumulation.py OUT_DIR PORT``.
+``Accelerator(gradient_accumulation_steps=3)``: the block opens on the first micro-batch of a
+window and commits where ``accelerator.sync_gradients`` is true. At each commit, a plain
+``nn.BatchNorm2d`` (the shadow) runs once on the first syncbn layer's inputs of the window's
+micro-batches of both ranks; the layer must then hold the shadow's statistics.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import torch.distributed as dist  # noqa: E402
+from accelerate import Accelerator, notebook_launcher  # noqa: E402
+from torch import nn  # noqa: E402
+
+import syncbn  # noqa: E402
+from _helpers.integration_models import make_data, make_net  # noqa: E402
+
+K = 3  # micro-batches per optimizer step
+MICRO = 6  # micro-batches in all (two windows)
+PER = 2  # samples per rank and micro-batch
+
+
+def train(out: str) -> None:
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=K)
+    model = syncbn.convert_sync_batchnorm(make_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    layer = accelerator.unwrap_model(model)[1]
+    shadow = nn.BatchNorm2d(layer.num_features).double()
+    shadow.load_state_dict(layer.state_dict())
+    seen: list[torch.Tensor] = []
+    layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    x, y = make_data()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    errors, commits = [], 0
+    block = syncbn.accumulation(model)
+    for micro in range(MICRO):
+        rows = slice((micro * world + rank) * PER, (micro * world + rank + 1) * PER)
+        if not block.active:
+            block.begin()
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
+            if accelerator.sync_gradients:
+                block.commit()
+                commits += 1
+                everyone: list[list[torch.Tensor]] = [[] for _ in range(world)]
+                dist.all_gather_object(everyone, seen)
+                shadow(torch.cat([t for inputs in everyone for t in inputs]))
+                seen.clear()
+                errors.append(
+                    max(
+                        (layer.running_mean - shadow.running_mean).abs().max().item(),
+                        (layer.running_var - shadow.running_var).abs().max().item(),
+                        float(abs(int(layer.num_batches_tracked) - int(shadow.num_batches_tracked))),
+                    )
+                )
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.save(
+        {"errors": errors, "commits": commits, "batches": int(layer.num_batches_tracked), "world": world},
+        os.path.join(out, f"accumulation_rank{rank}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    notebook_launcher(train, args=(sys.argv[1],), num_processes=2, use_port=sys.argv[2])

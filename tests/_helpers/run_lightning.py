@@ -1,0 +1,78 @@
+"""Train with a real Lightning Trainer on 2 CPU processes and syncbn's LayerSync plugin.
+
+Launched by tests/test_integrations_lightning.py: ``python run_lightning.py STRATEGY OUT_DIR``.
+Each rank writes what it saw to OUT_DIR (layer types in training and after fit, final state).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from _helpers import torchvision_shim  # noqa: E402  (before lightning imports torchvision)
+
+torchvision_shim.install()
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as L  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import syncbn.lightning  # noqa: E402
+from _helpers.integration_models import PER_RANK, STEPS, WORLD, make_data, make_net, shard  # noqa: E402
+
+
+class Module(L.LightningModule):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.out = out
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_start(self) -> None:
+        types = [type(m).__name__ for m in self.net]
+        torch.save(types, os.path.join(self.out, f"train_types_rank{self.global_rank}.pt"))
+
+    def train_dataloader(self) -> DataLoader:
+        # This rank's shard of each global batch, in the reference's order.
+        x, y = make_data()
+        rows = torch.cat(
+            [torch.arange(STEPS * WORLD * PER_RANK)[shard(self.global_rank, s)] for s in range(STEPS)]
+        )
+        return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=PER_RANK, shuffle=False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main() -> None:
+    strategy, out = sys.argv[1], sys.argv[2]
+    module = Module(out)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        plugins=[syncbn.lightning.SyncBatchNorm()],
+        precision="64-true",
+        max_epochs=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    state = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+    types = [type(m).__name__ for m in module.net]
+    torch.save({"state": state, "types": types}, os.path.join(out, f"final_rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""``syncbn.lightning.AccumulatedStatistics``: a real Trainer, 2 CPU processes, ``accumulate_grad_batches=3``.
+
+Launched by tests/test_accumulation.py: ``python run_lightning_accumulation.py OUT_DIR``. A checker
+callback placed after syncbn's runs a plain ``nn.BatchNorm2d`` (the shadow) once per optimizer step
+on the first syncbn layer's inputs of that step's micro-batches of both ranks; the layer must then
+hold the shadow's statistics.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from _helpers import torchvision_shim  # noqa: E402  (before lightning imports torchvision)
+
+torchvision_shim.install()
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import syncbn.lightning  # noqa: E402
+from _helpers.integration_models import make_data, make_net  # noqa: E402
+
+K = 3
+PER = 2  # samples per rank and micro-batch; 24 samples: 6 micro-batches per rank, 2 steps
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = make_data()
+        world, rank = 2, self.global_rank
+        rows = torch.cat([torch.arange(m * world + rank, m * world + rank + 1) for m in range(6)])
+        rows = torch.cat([torch.arange(r * PER, (r + 1) * PER) for r in rows.tolist()])
+        return DataLoader(TensorDataset(x[rows], y[rows]), batch_size=PER, shuffle=False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Check(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+        self.errors: list[float] = []
+        self.shadow: nn.BatchNorm2d | None = None
+        self.group: list[int] = []
+
+    def on_train_start(self, trainer: L.Trainer, module: Module) -> None:
+        layer = module.net[1]
+        self.group = dist.get_process_group_ranks(layer.process_group)
+        self.shadow = nn.BatchNorm2d(layer.num_features).double()
+        self.shadow.load_state_dict(layer.state_dict())
+        layer.register_forward_pre_hook(lambda m, args: self.seen.append(args[0].detach().clone()))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: Module, optimizer: object) -> None:
+        assert self.shadow is not None
+        everyone: list[list[torch.Tensor]] = [[] for _ in range(2)]
+        dist.all_gather_object(everyone, self.seen)
+        self.shadow(torch.cat([t for inputs in everyone for t in inputs]))
+        self.seen.clear()
+        layer = module.net[1]
+        self.errors.append(
+            max(
+                (layer.running_mean - self.shadow.running_mean).abs().max().item(),
+                (layer.running_var - self.shadow.running_var).abs().max().item(),
+                float(abs(int(layer.num_batches_tracked) - int(self.shadow.num_batches_tracked))),
+            )
+        )
+
+
+def main() -> None:
+    out = sys.argv[1]
+    module, check = Module(), Check()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        plugins=[syncbn.lightning.SyncBatchNorm(group_size=2)],  # the plugin's subgroup path, too
+        callbacks=[syncbn.lightning.AccumulatedStatistics(), check],
+        accumulate_grad_batches=K,
+        precision="64-true",
+        max_epochs=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    result = {
+        "errors": check.errors,
+        "batches": int(module.net[1].num_batches_tracked),
+        "group": check.group,
+    }
+    torch.save(result, os.path.join(out, f"lightning_accumulation_rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

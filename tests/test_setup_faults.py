@@ -1,0 +1,186 @@
+"""Set-up under faults and overlapping groups (issue 27, item 0), on real gloo ranks.
+
+syncbn sets a group up at its first CPU collective: the shared-memory agreement over the
+process group itself, then (without shared memory) a gloo wire of its own over the same
+members. These tests hold it to what held before syncbn had groups of its own:
+
+* overlapping user groups, each reached by its members only, in a different order on
+  different ranks, are exact (nothing syncbn makes needs a rank outside the user's group);
+* a peer that dies before its first call is found within about a second, not at the bound;
+* a peer killed while the other waits in set-up never leaves the survivor waiting past the
+  bound, at any instant of the set-up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import syncbn
+from _helpers.dist_harness import launch
+from syncbn import _shm, groups
+
+BOUND = 10.0
+needs_shm = pytest.mark.skipif(not _shm.supported(), reason="shared-memory path is x86-64 Linux only")
+TRANSPORTS = pytest.mark.parametrize(
+    "shared", [pytest.param(True, marks=needs_shm), False], ids=["shared-memory", "process-group"]
+)
+
+# Three layers over overlapping groups of 4 ranks; each rank runs those of its groups, in order.
+GROUPS = ([0, 1], [1, 2, 3], [0, 1, 2, 3])
+ROWS, CHANNELS = 3, 4
+
+
+def _inputs() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(27)
+    xs = [torch.randn(ROWS, CHANNELS, generator=gen, dtype=torch.float64) * 2 + r for r in range(4)]
+    gs = [torch.randn(ROWS, CHANNELS, generator=gen, dtype=torch.float64) for _ in range(4)]
+    return xs, gs
+
+
+def _reference() -> dict[str, Any]:
+    """nn.BatchNorm1d over each group's concatenated batch, chained as the ranks chain the layers."""
+    xs, gs = _inputs()
+    leaves = [x.clone().requires_grad_() for x in xs]
+    current = list(leaves)
+    stats = []
+    for members in GROUPS:
+        bn = nn.BatchNorm1d(CHANNELS, dtype=torch.float64)
+        out = bn(torch.cat([current[r] for r in members]))
+        for i, r in enumerate(members):
+            current[r] = out[i * ROWS : (i + 1) * ROWS]
+        stats.append({k: v.clone() for k, v in bn.state_dict().items()})
+    sum(((current[r] * gs[r]).sum() for r in range(4)), torch.zeros((), dtype=torch.float64)).backward()
+    return {"y": [c.detach() for c in current], "grad": [x.grad for x in leaves], "stats": stats}
+
+
+def _overlapping(rank: int, world_size: int, shared: bool, machines: bool = False) -> dict[str, Any]:
+    syncbn.set_timeout(BOUND)
+    syncbn.set_shared_memory(shared)
+    if machines:  # two simulated machines, ranks {0, 1} and {2, 3}: [1, 2, 3] and the world are hierarchical
+        key = 1000.0 + rank // 2
+        _shm._host_key = lambda: key  # type: ignore[assignment]
+    made = [dist.new_group(members) for members in GROUPS[:2]] + [None]
+    layers = [syncbn.SyncBatchNorm1d(CHANNELS, process_group=g).double() for g in made]
+    xs, gs = _inputs()
+    x = xs[rank].clone().requires_grad_()
+    y = x
+    start = time.monotonic()
+    for members, layer in zip(GROUPS, layers):
+        if rank in members:
+            y = layer(y)
+    y.backward(gs[rank])
+    stats = [
+        {k: v.clone() for k, v in layer.state_dict().items()} if rank in members else None
+        for members, layer in zip(GROUPS, layers)
+    ]
+    hierarchical = [groups.resolve(g).hierarchical for g, members in zip(made, GROUPS) if rank in members]
+    return {
+        "y": y.detach(),
+        "grad": x.grad,
+        "stats": stats,
+        "s": time.monotonic() - start,
+        "hierarchical": hierarchical,
+    }
+
+
+@pytest.mark.parametrize(
+    "shared,machines",
+    [
+        pytest.param(True, False, marks=needs_shm),
+        (False, False),
+        pytest.param(True, True, marks=needs_shm),
+    ],
+    ids=["shared-memory", "process-group", "hierarchical"],
+)
+def test_overlapping_groups_reached_in_different_orders_are_exact(shared: bool, machines: bool) -> None:
+    ref = _reference()
+    results = launch(_overlapping, 4, shared, machines, timeout=60)
+    for rank, got in enumerate(results):
+        torch.testing.assert_close(got["y"], ref["y"][rank], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got["grad"], ref["grad"][rank], rtol=1e-10, atol=1e-12)
+        for members, mine, want in zip(GROUPS, got["stats"], ref["stats"]):
+            if rank in members:
+                for key, value in want.items():
+                    torch.testing.assert_close(mine[key], value, rtol=1e-10, atol=1e-12)
+        assert got["s"] < BOUND / 2, got["s"]  # no wait for a rank outside a group
+        want = [machines and len(members) > 2 for members in GROUPS if rank in members]
+        assert got["hierarchical"] == want, got["hierarchical"]
+
+
+def _attempt(fn: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return {"type": type(exc).__name__, "msg": str(exc), "s": time.monotonic() - start}
+    return {"type": None, "msg": "", "s": time.monotonic() - start}
+
+
+def _dies_before_first_call(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
+    syncbn.set_timeout(BOUND)
+    syncbn.set_shared_memory(shared)
+    bn = syncbn.SyncBatchNorm1d(3)
+    if rank == 1:
+        time.sleep(1.0)
+        os._exit(3)  # a crash in data loading: never reaches a collective
+    out = _attempt(lambda: bn(torch.randn(4, 3)))
+    out["pid"] = os.getpid()
+    return out
+
+
+@TRANSPORTS
+def test_a_peer_that_dies_before_its_first_call_is_found_within_about_a_second(shared: bool) -> None:
+    results = launch(_dies_before_first_call, 2, shared, timeout=40, allow_failures=True, finish_wait=0.2)
+    alive, dead = results
+    assert dead[0] == "error" and "exit code 3" in dead[1], dead
+    assert alive["type"] == "CollectiveError", alive
+    # The peer died at ~1 s; the survivor knows within about a second of that, not at the bound.
+    assert alive["s"] < 3.0, alive
+
+
+def _killed_while_peer_waits(rank: int, world_size: int, shared: bool, kill_after: float) -> dict[str, Any]:
+    syncbn.set_timeout(BOUND)
+    syncbn.set_shared_memory(shared)
+    bn = syncbn.SyncBatchNorm1d(3)
+    if rank == 0:
+        # Killed kill_after seconds into its wait in set-up (rank 1 is still "loading data").
+        threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        bn(torch.randn(4, 3))
+        time.sleep(30)
+        return {"type": "survived"}
+    time.sleep(1.5)
+    out = _attempt(lambda: [bn(torch.randn(4, 3)) for _ in range(200)])
+    out["pid"] = os.getpid()
+    return out
+
+
+@TRANSPORTS
+@pytest.mark.parametrize("kill_after", [0.5, 1.45, 1.52])
+def test_a_peer_killed_while_the_other_waits_in_set_up_is_found_within_the_bound(
+    shared: bool, kill_after: float
+) -> None:
+    results = launch(
+        _killed_while_peer_waits,
+        2,
+        shared,
+        kill_after,
+        timeout=40,
+        allow_failures=True,
+        finish_wait=0.2,
+    )
+    killed, other = results
+    assert killed[0] == "error" and f"exit code {-signal.SIGKILL}" in killed[1], killed
+    assert other["type"] == "CollectiveError", other
+    if kill_after < 1.5:  # before rank 1 arrived: found at once, rank 0's connections are closed
+        assert other["s"] < 3.0, other
+    else:  # around rank 1's set-up (its exchanges, the wire's rendezvous) or its first steps
+        assert other["s"] < BOUND + 1.0, other
