@@ -10,8 +10,8 @@ Per collective it shows the extra step time against nn.BatchNorm2d, split into
 the time outside the collective (the layer's own eager work) and inside it:
 waiting for the peer, the frame work, the exchange's arrival-to-release, and
 the waiting rank's wake-up lag. ``--profile`` adds torch.profiler's top
-operators (self CPU per step) of one syncbn step without DDP on rank 0 against
-nn.BatchNorm2d's::
+operators (self CPU per step) of the net without DDP on rank 0, with syncbn over
+a loopback group (its own ops, no collective waits) and with nn.BatchNorm2d::
 
     nice -n 10 python benchmarks/speed/breakdown.py [--rounds 3] [--steps 4] [--variants a,b] [--profile]
 """
@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 from syncbn import SyncBatchNorm2d
 from syncbn.cli._bench_breakdown import VARIANTS, breakdown, format_breakdown
 from syncbn.cli._bench_e2e import deep_narrow
+from syncbn.cli._bench_methods import LoopbackGroup
 from syncbn.cli._launch import run_ranks
 
 
@@ -39,7 +40,14 @@ def _profile(rank: int, steps: int) -> dict[str, list[tuple[str, float, int]]]:
     x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(rank))
     y = torch.randint(10, (16,))
     out: dict[str, list[tuple[str, float, int]]] = {}
-    for name, norm in (("plain", torch.nn.BatchNorm2d), ("syncbn", SyncBatchNorm2d)):
+    loop = LoopbackGroup()
+
+    def own(c: int) -> torch.nn.Module:
+        return SyncBatchNorm2d(c, process_group=loop)
+
+    # syncbn over the loopback group: its own ops, without the collectives' waits (which the
+    # profiler would charge to SyncBatchNormFunction's self time).
+    for name, norm in (("plain", torch.nn.BatchNorm2d), ("own", own)):
         net = deep_narrow(norm)
         for _ in range(2):
             F.cross_entropy(net(x), y).backward()
