@@ -20,7 +20,7 @@ on the calling rank); ``release``, the later rank's exchange from its arrival to
 its exit (arrival-to-release with both ranks present); and the waiting rank's
 exit lag behind the later rank's exit, its wake-up latency, for waits under
 0.5 ms (``wake-spin``: answered while spinning) and over 2 ms (``wake-sleep``,
-after the spin gave up; ``sleeps``: how many such waits per step). ``inside`` is
+after the spin gave up; ``waits>2ms``: how many such waits per step, both ranks). ``inside`` is
 the whole framed call (wait included), ``outside`` the extra step time per
 collective that is not inside one (the layer's own eager work and its
 knock-on effects), ``extra`` the step time over ``nn.BatchNorm2d``'s.
@@ -257,7 +257,7 @@ def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]
         out.update({"frame_us": frame / k, "release_us": release / (n * 1e3)})
         out["wake_spin_us"] = statistics.median(wake_spin) if wake_spin else float("nan")
         out["wake_sleep_us"] = statistics.median(wake_sleep) if wake_sleep else float("nan")
-        out["sleeps"] = float(len(wake_sleep))
+        out["long_waits"] = float(len(wake_sleep))
     return out
 
 
@@ -318,7 +318,7 @@ def format_breakdown(res: dict[str, Any]) -> str:
         "frame_us",
         "release_us",
     ]
-    cols += ["wake_spin_us", "wake_sleep_us", "sleeps"]
+    cols += ["wake_spin_us", "wake_sleep_us", "long_waits"]
     heads = [
         "x plain",
         "extra",
@@ -329,7 +329,7 @@ def format_breakdown(res: dict[str, Any]) -> str:
         "release",
         "wake-spin",
         "wake-sleep",
-        "sleeps",
+        "waits>2ms",
     ]
     lines.append("per collective, us (48 per step):")
     lines.append(f"{'variant':>20} " + " ".join(f"{h:>10}" for h in heads))
