@@ -5,7 +5,8 @@ bench --breakdown``, longer and with every variant) on 2 gloo ranks: the narrow
 net (24 conv3x3(32)-BN-ReLU blocks, 16 images of 8x8 per rank, 48 collectives
 per step) with ``nn.BatchNorm2d`` and with ``syncbn.SyncBatchNorm2d``, changing
 one thing at a time (no DDP, DDP bucket size, two torch threads, each rank
-pinned to a core, the shared-memory wait's spin budget), interleaved in rounds.
+pinned to a core, the shared-memory wait's spin budget; opt-in: ``plain-compiled``,
+``syncbn-compiled``, ``torch.compile(DDP(net))``), interleaved in rounds.
 Per collective it shows the extra step time against nn.BatchNorm2d, split into
 the time outside the collective (the layer's own eager work) and inside it:
 waiting for the peer, the frame work, the exchange's arrival-to-release, and
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from syncbn import SyncBatchNorm2d
-from syncbn.cli._bench_breakdown import VARIANTS, breakdown, format_breakdown
+from syncbn.cli._bench_breakdown import DEFAULT, VARIANTS, breakdown, format_breakdown
 from syncbn.cli._bench_e2e import deep_narrow
 from syncbn.cli._bench_methods import LoopbackGroup
 from syncbn.cli._launch import run_ranks
@@ -61,7 +62,7 @@ def _profile(rank: int, steps: int) -> dict[str, list[tuple[str, float, int]]]:
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    names = args.variants.split(",") if args.variants else list(VARIANTS)
+    names = args.variants.split(",") if args.variants else DEFAULT
     res = breakdown(rank, world_size, names, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
     prof = _profile(rank, args.profile_steps) if args.profile else None
     if rank != 0 or res is None:
@@ -88,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round (default 4)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
-    parser.add_argument("--variants", default="", help=f"comma-separated subset of: {','.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants",
+        default="",
+        help=f"comma-separated, of: {','.join(VARIANTS)} (default: all but *-compiled)",
+    )
     parser.add_argument("--profile", action="store_true", help="add torch.profiler's top operators")
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--json", metavar="PATH")

@@ -6,7 +6,8 @@ against the base (DDP with default buckets, one torch thread, no pinning, the
 default spin): no DDP, DDP buckets, ``torch.set_num_threads(2)``, each rank
 pinned to one core (every thread of the process, ``os.sched_setaffinity``), and
 the shared-memory wait's spin budget (where :class:`syncbn._shm._spin.SpinPolicy`
-exists). Every variant runs with ``nn.BatchNorm2d`` (``plain-*``) and with
+exists), and, opt-in, ``torch.compile(DDP(net))`` (``*-compiled``). Every variant
+runs with ``nn.BatchNorm2d`` (``plain-*``) and with
 :class:`syncbn.SyncBatchNorm2d` (``syncbn-*``); ``own-noddp`` is syncbn over a
 group whose sum is the identity (the layer's own eager work, no collective).
 
@@ -49,7 +50,7 @@ from ..modules import SyncBatchNorm2d
 from ._bench_e2e import deep_narrow
 from ._bench_methods import LoopbackGroup
 
-__all__ = ["VARIANTS", "SHORT", "breakdown", "format_breakdown", "bare_sum"]
+__all__ = ["DEFAULT", "VARIANTS", "SHORT", "breakdown", "format_breakdown", "bare_sum"]
 
 #: name -> settings changed against the base (ddp: DDP kwargs, None = no DDP; threads; pin; spin_s)
 VARIANTS: dict[str, dict[str, Any]] = {}
@@ -60,9 +61,13 @@ for _norm in ("plain", "syncbn"):
     VARIANTS[f"{_norm}-smallbuckets"] = {"ddp": {"bucket_cap_mb": 0.05}}
     VARIANTS[f"{_norm}-threads2"] = {"threads": 2}
     VARIANTS[f"{_norm}-pinned"] = {"pin": True}
+    VARIANTS[f"{_norm}-compiled"] = {"compile": True}
 VARIANTS["own-noddp"] = {"ddp": None}
 VARIANTS["syncbn-spin0"] = {"spin_s": 0.0}
 VARIANTS["syncbn-spin5ms"] = {"spin_s": 0.005}
+
+#: the variants ``benchmarks/speed/breakdown.py`` runs by default (compiling takes minutes: opt-in)
+DEFAULT = [name for name in VARIANTS if not name.endswith("compiled")]
 
 #: the variants ``syncbn bench --breakdown`` runs
 SHORT = ["plain", "syncbn", "plain-noddp", "syncbn-noddp", "own-noddp"]
@@ -155,6 +160,8 @@ def _step_fn(name: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     ddp = spec.get("ddp", {})
     if ddp is not None:
         net = nn.parallel.DistributedDataParallel(net, **ddp)
+    if spec.get("compile"):
+        net = torch.compile(net)  # type: ignore[assignment]
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
 
     def step() -> None:
