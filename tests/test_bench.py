@@ -291,7 +291,8 @@ def test_breakdown_script_splits_each_collective(tmp_path) -> None:
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for column in ("x plain", "outside", "inside", "wait", "frame", "release", "wake-spin", "load average"):
+    columns = ("x plain", "outside", "inside", "wait", "frame", "release", "wake-spin", "same-core")
+    for column in (*columns, "load average"):
         assert column in proc.stdout
     res = json.loads(out.read_text())["results"]
     assert set(res["step_ms"]) == set(variants.split(","))
@@ -299,7 +300,7 @@ def test_breakdown_script_splits_each_collective(tmp_path) -> None:
     for row in res["rows"].values():
         assert row["calls"] == 48  # 24 BN layers, forward and backward: every collective recorded
         assert row["ratio"] > 0 and row["inside_us"] >= row["wait_us"] >= 0
-        assert row["release_us"] > 0 and row["frame_us"] > 0
+        assert row["release_us"] > 0 and row["frame_us"] > 0 and 0 <= row["shared_core"] <= 1
     assert res["own_work_per_collective_us"] is not None
     assert res["bare_sum"]["wall_us"] > 0
 

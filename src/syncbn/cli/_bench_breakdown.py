@@ -21,7 +21,8 @@ on the calling rank); ``release``, the later rank's exchange from its arrival to
 its exit (arrival-to-release with both ranks present); and the waiting rank's
 exit lag behind the later rank's exit, its wake-up latency, for waits under
 0.5 ms (``wake-spin``: answered while spinning) and over 2 ms (``wake-sleep``,
-after the spin gave up; ``waits>2ms``: how many such waits per step, both ranks). ``inside`` is
+after the spin gave up; ``waits>2ms``: how many such waits per step, both ranks);
+``same-core``: the share of collectives both ranks left on the same core (``sched_getcpu``). ``inside`` is
 the whole framed call (wait included), ``outside`` the extra step time per
 collective that is not inside one (the layer's own eager work and its
 knock-on effects), ``extra`` the step time over ``nn.BatchNorm2d``'s.
@@ -110,12 +111,25 @@ def _settings(spec: dict[str, Any], rank: int) -> Iterator[None]:
             patched[0].budget = patched[1]  # type: ignore[method-assign]
 
 
+def _getcpu() -> Callable[[], int]:
+    """``sched_getcpu`` (the core this thread runs on, about a microsecond); -1 where unavailable."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        fn.restype = ctypes.c_int
+        fn()
+        return fn  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return lambda: -1
+
+
 class _Recorder:
     """Wraps the default group's ``all_reduce_sum`` (and its exchange's) on the instance."""
 
     def __init__(self) -> None:
-        self.outer: list[tuple[int, int]] = []
-        self.inner: list[tuple[int, int]] = []
+        self.outer: list[tuple[int, ...]] = []  # (entry ns, exit ns, CPU at exit)
+        self.inner: list[tuple[int, ...]] = []  # (entry ns, exit ns)
         self.on = False
         self.group = groups.resolve(None)
         self.has_inner = False
@@ -124,21 +138,23 @@ class _Recorder:
         g = self.group
         if g is None:
             return
-        g.all_reduce_sum = self._wrap(g.all_reduce_sum, self.outer)  # type: ignore[method-assign]
+        g.all_reduce_sum = self._wrap(g.all_reduce_sum, self.outer, True)  # type: ignore[method-assign]
         shared = getattr(g, "_shared", None)  # connected at the first call (a private detail: optional)
         if shared is not None and hasattr(shared, "all_reduce_sum"):
-            shared.all_reduce_sum = self._wrap(shared.all_reduce_sum, self.inner)
+            shared.all_reduce_sum = self._wrap(shared.all_reduce_sum, self.inner, False)
             self.has_inner = True
 
-    def _wrap(self, fn: Callable[..., Any], log: list[tuple[int, int]]) -> Callable[..., Any]:
+    def _wrap(self, fn: Callable[..., Any], log: list[tuple[int, ...]], cpu: bool) -> Callable[..., Any]:
         clock = time.perf_counter_ns
+        where = _getcpu() if cpu else None
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
                 return fn(*args, **kwargs)
             start = clock()
             out = fn(*args, **kwargs)
-            log.append((start, clock()))
+            end = clock()
+            log.append((start, end) if where is None else (start, end, where()))
             return out
 
         return timed
@@ -235,15 +251,17 @@ def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]
     if n == 0:
         return {}
     ranks = len(outer)
-    wait = frame = release = inside = 0.0
+    wait = frame = release = inside = shared = 0.0
     wake_spin: list[float] = []
     wake_sleep: list[float] = []
     for i in range(n):
         last_in = max(o[i][0] for o in outer)
         for r in range(ranks):
-            e, x_ = outer[r][i]
+            e, x_ = outer[r][i][:2]
             inside += x_ - e
             wait += last_in - e
+        cpus = {o[i][2] if len(o[i]) > 2 else -1 for o in outer}
+        shared += len(cpus) == 1 and -1 not in cpus
         if has_inner and all(len(v) > i for v in inner):
             last = max(range(ranks), key=lambda r: inner[r][i][0])
             le, lx = inner[last][i]
@@ -259,7 +277,7 @@ def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]
                     elif waited > 2000:
                         wake_sleep.append(lag)
     k = n * ranks * 1e3  # ns -> us per call and rank
-    out = {"calls": float(n), "inside_us": inside / k, "wait_us": wait / k}
+    out = {"calls": float(n), "inside_us": inside / k, "wait_us": wait / k, "shared_core": shared / n}
     if has_inner:
         out.update({"frame_us": frame / k, "release_us": release / (n * 1e3)})
         out["wake_spin_us"] = statistics.median(wake_spin) if wake_spin else float("nan")
@@ -325,7 +343,7 @@ def format_breakdown(res: dict[str, Any]) -> str:
         "frame_us",
         "release_us",
     ]
-    cols += ["wake_spin_us", "wake_sleep_us", "long_waits"]
+    cols += ["wake_spin_us", "wake_sleep_us", "long_waits", "shared_core"]
     heads = [
         "x plain",
         "extra",
@@ -337,6 +355,7 @@ def format_breakdown(res: dict[str, Any]) -> str:
         "wake-spin",
         "wake-sleep",
         "waits>2ms",
+        "same-core",
     ]
     lines.append("per collective, us (48 per step):")
     lines.append(f"{'variant':>20} " + " ".join(f"{h:>10}" for h in heads))
