@@ -159,6 +159,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         "backend": args.backend,
         "threads_per_rank": args.threads,
         "force_sync": bool(args.force_sync),
+        "breakdown": parts is not None,
         "statistic": "median over iterations per rank, then the slowest rank",
     }
     print(
