@@ -279,3 +279,44 @@ def test_deep_narrow_net_has_24_small_bn_layers() -> None:
     bns = [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]
     assert len(bns) == 24 and {m.num_features for m in bns} == {32}
     assert net(torch.randn(2, 3, 8, 8)).shape == (2, 10)
+
+
+@pytest.mark.timeout(200)
+def test_breakdown_script_splits_each_collective(tmp_path) -> None:
+    out = tmp_path / "breakdown.json"
+    variants = "plain,syncbn,plain-noddp,syncbn-noddp,own-noddp,syncbn-spin0"
+    proc = _run(
+        [os.path.join(SPEED, "breakdown.py"), "--rounds", "1", "--steps", "1", "--warmup", "1"]
+        + ["--variants", variants, "--json", str(out)],
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    columns = ("x plain", "outside", "inside", "wait", "frame", "release", "wake-spin", "same-core")
+    for column in (*columns, "load average"):
+        assert column in proc.stdout
+    res = json.loads(out.read_text())["results"]
+    assert set(res["step_ms"]) == set(variants.split(","))
+    assert set(res["rows"]) == {"syncbn", "syncbn-noddp", "syncbn-spin0"}
+    for row in res["rows"].values():
+        assert row["calls"] == 48  # 24 BN layers, forward and backward: every collective recorded
+        assert row["ratio"] > 0 and row["inside_us"] >= row["wait_us"] >= 0
+        assert 0 <= row["shared_core"] <= 1
+        if "release_us" in row:  # the exchange inside the framed call is found by a private name
+            assert row["release_us"] > 0 and row["frame_us"] > 0
+    assert res["own_work_per_collective_us"] is not None
+    assert res["bare_sum"]["wall_us"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_bench_breakdown_flag(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run(
+        ["-m", "syncbn", "bench", "--shapes", "4x3", "--iters", "1", "--warmup", "0", "--e2e-steps", "0"]
+        + ["--breakdown", "--json", str(out)],
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "per-collective breakdown" in proc.stdout and "bare framed sum" in proc.stdout
+    parts = json.loads(out.read_text())["breakdown"]
+    assert set(parts["rows"]) == {"syncbn", "syncbn-noddp"}
+    assert parts["rows"]["syncbn"]["calls"] == 48

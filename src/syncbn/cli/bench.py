@@ -31,7 +31,9 @@ unsynchronised ``nn.BatchNorm``: what switching synchronisation on costs per lay
 After the layer tables (``--e2e-steps``, 0 to skip), one DDP training step of
 a many-small-layers network (24 conv3x3(32)-BN-ReLU blocks on 16 images of 8x8
 per rank, :mod:`syncbn.cli._bench_e2e`) with syncbn and with ``nn.BatchNorm2d``,
-interleaved, and its ratio (CPU, W > 1 only).
+interleaved, and its ratio (CPU, W > 1 only). ``--breakdown`` adds that step
+broken down per collective (:mod:`syncbn.cli._bench_breakdown`: own eager work,
+waiting for the peer, frame, exchange, wake-up; with and without DDP).
 ``--json PATH`` writes every number. The ``benchmarks/`` scripts call the same
 code (:func:`bench_layers`, :func:`time_interleaved`).
 
@@ -48,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ._bench_breakdown import SHORT, breakdown, format_breakdown
 from ._bench_e2e import format_e2e, slowest, time_steps
 from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchNorm
 from ._bench_report import format_table, ratios
@@ -114,6 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10,
         help="timed DDP steps of the many-small-layers net, syncbn vs nn.BatchNorm2d (default 10; 0: skip)",
     )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also break the many-small-layers net's step down per collective (CPU, W > 1; about 20 s)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
 
 
@@ -137,6 +145,9 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if args.e2e_steps > 0 and world_size > 1 and device.type == "cpu" and not args.force_sync:
         e2e_ms, _ = slowest(time_steps("deep", rank, 16, args.e2e_steps, 2), world_size)
         e2e = {"model": "deep", "median_ms": e2e_ms, "syncbn_over_plain": e2e_ms["syncbn"] / e2e_ms["plain"]}
+    parts: dict[str, Any] | None = None
+    if args.breakdown and world_size > 1 and device.type == "cpu" and not args.force_sync:
+        parts = breakdown(rank, world_size, SHORT, rounds=2, steps=2, warmup=1)
     if rank != 0:
         return
     config = {
@@ -148,6 +159,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         "backend": args.backend,
         "threads_per_rank": args.threads,
         "force_sync": bool(args.force_sync),
+        "breakdown": parts is not None,
         "statistic": "median over iterations per rank, then the slowest rank",
     }
     print(
@@ -164,8 +176,13 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if e2e is not None:
         print(f"\nend to end, DDP training step, {args.e2e_steps} steps interleaved, slowest rank's median:")
         print(format_e2e("deep", e2e["median_ms"]))
+    if parts is not None:
+        print("\nper-collective breakdown of the same net's step (benchmarks/speed/breakdown.py for more):")
+        print(format_breakdown(parts))
     if args.json:
         payload = {"config": config, "machine": machine_info(), "results": records, "e2e": e2e}
+        if parts is not None:
+            payload["breakdown"] = parts
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2)
         print(f"wrote {args.json}")

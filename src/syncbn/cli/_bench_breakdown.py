@@ -1,0 +1,376 @@
+"""Per-collective breakdown of the narrow net's DDP step (``syncbn bench --breakdown``).
+
+The narrow net (:func:`syncbn.cli._bench_e2e.deep_narrow`: 24 BN layers, so 48
+collectives per step) runs in *variants* that change one thing at a time
+against the base (DDP with default buckets, one torch thread, no pinning, the
+default spin): no DDP, DDP buckets, ``torch.set_num_threads(2)``, each rank
+pinned to one core (every thread of the process, ``os.sched_setaffinity``), and
+the shared-memory wait's spin budget (where :class:`syncbn._shm._spin.SpinPolicy`
+exists), and, opt-in, ``torch.compile(DDP(net))`` (``*-compiled``). Every variant
+runs with ``nn.BatchNorm2d`` (``plain-*``) and with
+:class:`syncbn.SyncBatchNorm2d` (``syncbn-*``); ``own-noddp`` is syncbn over a
+group whose sum is the identity (the layer's own eager work, no collective).
+
+Everything is measured from outside the library: the resolved default group's
+``all_reduce_sum`` (and, where present, its shared-memory exchange's) is
+wrapped on the instance to record ``perf_counter_ns`` at entry and exit. The
+clock is system-wide, so rank 0 aligns the ranks' i-th calls and splits each
+collective into: ``wait``, the time a rank waits for the later rank to arrive
+(skew); ``frame``, the framed call minus the exchange inside it (Python framing
+on the calling rank); ``release``, the later rank's exchange from its arrival to
+its exit (arrival-to-release with both ranks present); and the waiting rank's
+exit lag behind the later rank's exit, its wake-up latency, for waits under
+0.5 ms (``wake-spin``: answered while spinning) and over 2 ms (``wake-sleep``,
+after the spin gave up; ``waits>2ms``: how many such waits per step, both ranks);
+``same-core``: the share of collectives both ranks left on the same core (``sched_getcpu``). ``inside`` is
+the whole framed call (wait included), ``outside`` the extra step time per
+collective that is not inside one (the layer's own eager work and its
+knock-on effects), ``extra`` the step time over ``nn.BatchNorm2d``'s.
+
+Statistic: per step and rank, each part summed over the step's collectives and
+divided by their number; the median over steps; the mean of the ranks. Step
+times: each rank's median, then the slowest rank. Rounds interleave the variants.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import groups
+from ..modules import SyncBatchNorm2d
+from ._bench_e2e import deep_narrow
+from ._bench_methods import LoopbackGroup
+
+__all__ = ["DEFAULT", "VARIANTS", "SHORT", "breakdown", "format_breakdown", "bare_sum"]
+
+#: name -> settings changed against the base (ddp: DDP kwargs, None = no DDP; threads; pin; spin_s)
+VARIANTS: dict[str, dict[str, Any]] = {}
+for _norm in ("plain", "syncbn"):
+    VARIANTS[f"{_norm}"] = {}
+    VARIANTS[f"{_norm}-noddp"] = {"ddp": None}
+    VARIANTS[f"{_norm}-1bucket"] = {"ddp": {"bucket_cap_mb": 100}}
+    VARIANTS[f"{_norm}-smallbuckets"] = {"ddp": {"bucket_cap_mb": 0.05}}
+    VARIANTS[f"{_norm}-threads2"] = {"threads": 2}
+    VARIANTS[f"{_norm}-pinned"] = {"pin": True}
+    VARIANTS[f"{_norm}-compiled"] = {"compile": True}
+VARIANTS["own-noddp"] = {"ddp": None}
+VARIANTS["syncbn-spin0"] = {"spin_s": 0.0}
+VARIANTS["syncbn-spin5ms"] = {"spin_s": 0.005}
+
+#: the variants ``benchmarks/speed/breakdown.py`` runs by default (compiling takes minutes: opt-in)
+DEFAULT = [name for name in VARIANTS if not name.endswith("compiled")]
+
+#: the variants ``syncbn bench --breakdown`` runs
+SHORT = ["plain", "syncbn", "plain-noddp", "syncbn-noddp", "own-noddp"]
+
+LAYERS = 24  # BN layers of the narrow net: 2 collectives each per step
+
+
+def _set_affinity(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
+@contextmanager
+def _settings(spec: dict[str, Any], rank: int) -> Iterator[None]:
+    """Apply a variant's thread count, pinning and spin budget; restore them afterwards."""
+    threads = torch.get_num_threads()
+    cpus = os.sched_getaffinity(0)
+    patched = None
+    torch.set_num_threads(spec.get("threads", 1))
+    if spec.get("pin"):
+        _set_affinity({sorted(cpus)[rank % len(cpus)]})
+    if "spin_s" in spec:
+        try:
+            from .._shm._spin import SpinPolicy
+
+            patched = (SpinPolicy, SpinPolicy.budget)
+            value = spec["spin_s"]
+            SpinPolicy.budget = lambda self, now: value  # type: ignore[method-assign]
+        except (ImportError, AttributeError):
+            patched = None
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _set_affinity(cpus)
+        if patched is not None:
+            patched[0].budget = patched[1]  # type: ignore[method-assign]
+
+
+def _getcpu() -> Callable[[], int]:
+    """``sched_getcpu`` (the core this thread runs on, about a microsecond); -1 where unavailable."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        fn.restype = ctypes.c_int
+        fn()
+        return fn  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return lambda: -1
+
+
+class _Recorder:
+    """Wraps the default group's ``all_reduce_sum`` (and its exchange's) on the instance."""
+
+    def __init__(self) -> None:
+        self.outer: list[tuple[int, ...]] = []  # (entry ns, exit ns, CPU at exit)
+        self.inner: list[tuple[int, ...]] = []  # (entry ns, exit ns)
+        self.on = False
+        self.group = groups.resolve(None)
+        self.has_inner = False
+
+    def install(self) -> None:
+        g = self.group
+        if g is None:
+            return
+        g.all_reduce_sum = self._wrap(g.all_reduce_sum, self.outer, True)  # type: ignore[method-assign]
+        shared = getattr(g, "_shared", None)  # connected at the first call (a private detail: optional)
+        if shared is not None and hasattr(shared, "all_reduce_sum"):
+            shared.all_reduce_sum = self._wrap(shared.all_reduce_sum, self.inner, False)
+            self.has_inner = True
+
+    def _wrap(self, fn: Callable[..., Any], log: list[tuple[int, ...]], cpu: bool) -> Callable[..., Any]:
+        clock = time.perf_counter_ns
+        where = _getcpu() if cpu else None
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            start = clock()
+            out = fn(*args, **kwargs)
+            end = clock()
+            log.append((start, end) if where is None else (start, end, where()))
+            return out
+
+        return timed
+
+
+def _step_fn(name: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    spec = VARIANTS[name]
+    norm: Callable[[int], nn.Module] = nn.BatchNorm2d
+    if name.startswith("syncbn"):
+        norm = SyncBatchNorm2d
+    elif name.startswith("own"):
+        loop = LoopbackGroup()
+
+        def norm(c: int) -> nn.Module:
+            return SyncBatchNorm2d(c, process_group=loop)
+
+    torch.manual_seed(0)
+    net: nn.Module = deep_narrow(norm)
+    ddp = spec.get("ddp", {})
+    if ddp is not None:
+        net = nn.parallel.DistributedDataParallel(net, **ddp)
+    if spec.get("compile"):
+        net = torch.compile(net)  # type: ignore[assignment]
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def bare_sum(calls: int = 200, values: int = 65) -> dict[str, float]:
+    """One framed sum of ``values`` float64 through ``groups.resolve(None)``, back to back (us per call)."""
+    group = groups.resolve(None)
+    assert group is not None
+    t = torch.zeros(values, dtype=torch.float64)
+    for _ in range(10):
+        group.all_reduce_sum(t)
+    dist.barrier()
+    wall, cpu = [], []
+    for _ in range(calls):
+        w, c = time.perf_counter(), time.thread_time()
+        group.all_reduce_sum(t)
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - w)
+    return {"wall_us": statistics.median(wall) * 1e6, "cpu_us": statistics.mean(cpu) * 1e6}
+
+
+def breakdown(
+    rank: int, world_size: int, names: list[str], *, rounds: int, steps: int, warmup: int, batch: int = 16
+) -> dict[str, Any] | None:
+    """Run ``names`` interleaved in ``rounds`` of ``steps`` steps; rank 0 returns the figures, others None."""
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, 3, 8, 8, generator=gen)
+    y = torch.randint(10, (batch,), generator=gen)
+    fns = {name: _step_fn(name, x, y) for name in names}
+    rec = _Recorder()
+    for name, fn in fns.items():  # warm-up; connects the shared memory before the wrap
+        with _settings(VARIANTS[name], rank):
+            for _ in range(warmup):
+                fn()
+    rec.install()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    calls: dict[str, list[Any]] = {n: [] for n in names}  # per step: (outer, inner) call logs
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            with _settings(VARIANTS[name], rank):
+                dist.barrier()
+                for _ in range(steps):
+                    rec.outer.clear()
+                    rec.inner.clear()
+                    rec.on = name.startswith("syncbn")
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+                    rec.on = False
+                    calls[name].append((list(rec.outer), list(rec.inner)))
+    bare = bare_sum()
+    mine = {"times": times, "calls": calls, "bare": bare, "inner": rec.has_inner}
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return None
+    return _analyse(gathered, names)
+
+
+def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]:
+    """Split one step's collectives (every rank's log) into wait, frame, release and wake-up (us/call)."""
+    outer = [c[0] for c in per_rank_calls]
+    inner = [c[1] for c in per_rank_calls]
+    n = min(len(o) for o in outer)
+    if n == 0:
+        return {}
+    ranks = len(outer)
+    wait = frame = release = inside = shared = 0.0
+    wake_spin: list[float] = []
+    wake_sleep: list[float] = []
+    for i in range(n):
+        last_in = max(o[i][0] for o in outer)
+        for r in range(ranks):
+            e, x_ = outer[r][i][:2]
+            inside += x_ - e
+            wait += last_in - e
+        cpus = {o[i][2] if len(o[i]) > 2 else -1 for o in outer}
+        shared += len(cpus) == 1 and -1 not in cpus
+        if has_inner and all(len(v) > i for v in inner):
+            last = max(range(ranks), key=lambda r: inner[r][i][0])
+            le, lx = inner[last][i]
+            release += lx - le  # the later rank's exchange: both ranks present throughout
+            for r in range(ranks):
+                ie, ix = inner[r][i]
+                frame += (outer[r][i][1] - outer[r][i][0]) - (ix - ie)
+                if r != last:
+                    lag = (ix - lx) / 1e3
+                    waited = (le - ie) / 1e3
+                    if waited < 500:
+                        wake_spin.append(lag)
+                    elif waited > 2000:
+                        wake_sleep.append(lag)
+    k = n * ranks * 1e3  # ns -> us per call and rank
+    out = {"calls": float(n), "inside_us": inside / k, "wait_us": wait / k, "shared_core": shared / n}
+    if has_inner:
+        out.update({"frame_us": frame / k, "release_us": release / (n * 1e3)})
+        out["wake_spin_us"] = statistics.median(wake_spin) if wake_spin else float("nan")
+        out["wake_sleep_us"] = statistics.median(wake_sleep) if wake_sleep else float("nan")
+        out["long_waits"] = float(len(wake_sleep))
+    return out
+
+
+def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
+    step_ms = {n: max(statistics.median(g["times"][n]) for g in gathered) * 1e3 for n in names}
+    has_inner = all(g["inner"] for g in gathered)
+    parts: dict[str, dict[str, float]] = {}
+    for n in names:
+        if not n.startswith("syncbn"):
+            continue
+        per_step = [
+            _parts([g["calls"][n][s] for g in gathered], has_inner)
+            for s in range(len(gathered[0]["calls"][n]))
+        ]
+        per_step = [p for p in per_step if p]
+        keys = per_step[0].keys() if per_step else []
+        parts[n] = {k: statistics.median(p[k] for p in per_step) for k in keys}
+    rows: dict[str, dict[str, float]] = {}
+    for n in names:
+        if not n.startswith("syncbn"):
+            continue
+        suffix = n[len("syncbn") :]
+        plain = step_ms.get("plain" + suffix, step_ms.get("plain"))
+        row = {"step_ms": step_ms[n], "plain_ms": plain if plain else float("nan")}
+        if plain:
+            row["ratio"] = step_ms[n] / plain
+            row["extra_per_collective_us"] = (step_ms[n] - plain) * 1e3 / (2 * LAYERS)
+        p = parts.get(n, {})
+        row.update(p)
+        if plain and "inside_us" in p:
+            row["outside_us"] = row["extra_per_collective_us"] - p["inside_us"]
+        rows[n] = row
+    own = None
+    if "own-noddp" in step_ms and "plain-noddp" in step_ms:
+        own = (step_ms["own-noddp"] - step_ms["plain-noddp"]) * 1e3 / (2 * LAYERS)
+    bare = {k: statistics.mean(g["bare"][k] for g in gathered) for k in gathered[0]["bare"]}
+    return {
+        "step_ms": step_ms,
+        "rows": rows,
+        "own_work_per_collective_us": own,
+        "bare_sum": bare,
+        "load": list(os.getloadavg()),
+    }
+
+
+def format_breakdown(res: dict[str, Any]) -> str:
+    """The breakdown as text: step times, then per collective (us) for each syncbn variant."""
+    lines = [f"load average {res['load'][0]:.2f} {res['load'][1]:.2f} {res['load'][2]:.2f}"]
+    lines.append(
+        "step ms (slowest rank's median): " + ", ".join(f"{k} {v:.2f}" for k, v in res["step_ms"].items())
+    )
+    cols = [
+        "ratio",
+        "extra_per_collective_us",
+        "outside_us",
+        "inside_us",
+        "wait_us",
+        "frame_us",
+        "release_us",
+    ]
+    cols += ["wake_spin_us", "wake_sleep_us", "long_waits", "shared_core"]
+    heads = [
+        "x plain",
+        "extra",
+        "outside",
+        "inside",
+        "wait",
+        "frame",
+        "release",
+        "wake-spin",
+        "wake-sleep",
+        "waits>2ms",
+        "same-core",
+    ]
+    lines.append("per collective, us (48 per step):")
+    lines.append(f"{'variant':>20} " + " ".join(f"{h:>10}" for h in heads))
+    for name, row in res["rows"].items():
+        cells = [f"{row[c]:10.2f}" if c in row else f"{'-':>10}" for c in cols]
+        lines.append(f"{name:>20} " + " ".join(cells))
+    own = res["own_work_per_collective_us"]
+    if own is not None:
+        lines.append(
+            "layer's own eager work without collectives (own-noddp - plain-noddp): "
+            f"{own:.1f} us per collective"
+        )
+    bare = res["bare_sum"]
+    lines.append(
+        f"bare framed sum of 65 float64, back to back: {bare['wall_us']:.1f} us wall, "
+        f"{bare['cpu_us']:.1f} us CPU per call"
+    )
+    return "\n".join(lines)
