@@ -5,5 +5,6 @@
 - :mod:`syncbn.integrations.mmengine`: syncbn's layers by name in mmengine's ``MODELS``
   (``"ExactSyncBN"``); :mod:`syncbn.integrations.mmengine_syncbn` makes ``"SyncBN"`` mean them.
 
-The Lightning plugin lives in :mod:`syncbn.lightning`.
+- :mod:`syncbn.integrations.lightning`: the Lightning plugin and the accumulation callback, also
+  importable as :mod:`syncbn.lightning` (the documented name).
 """

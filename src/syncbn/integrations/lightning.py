@@ -1,0 +1,149 @@
+"""PyTorch Lightning plugin: train with syncbn's synchronized BatchNorm.
+
+``Trainer(sync_batchnorm=True)`` swaps BatchNorm layers for
+``torch.nn.SyncBatchNorm``, which fails on CPU (and turns syncbn's layers back
+into torch's). Pass :class:`SyncBatchNorm` in ``plugins`` instead (without
+``sync_batchnorm=True``)::
+
+    trainer = lightning.pytorch.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", plugins=[syncbn.lightning.SyncBatchNorm()]
+    )
+
+With ``Trainer(accumulate_grad_batches=k)``, add the :class:`AccumulatedStatistics` callback for
+one exact running-statistics update per optimizer step (:class:`syncbn.accumulation`).
+
+Importing this module imports Lightning (``lightning.pytorch``, or the
+standalone ``pytorch_lightning`` package when only that is installed);
+``import syncbn`` alone never does. Install with ``pip install "syncbn[lightning]"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..accumulate import accumulation
+from ..convert import convert_sync_batchnorm, revert_sync_batchnorm
+
+try:
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins import LayerSync
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
+        from pytorch_lightning.plugins import LayerSync  # type: ignore[no-redef,assignment]
+    except ImportError as exc:
+        raise ImportError(
+            "syncbn.lightning needs PyTorch Lightning (pip install 'syncbn[lightning]'): "
+            "neither lightning.pytorch nor pytorch_lightning could be imported"
+        ) from exc
+
+__all__ = ["SyncBatchNorm", "AccumulatedStatistics"]
+
+
+class SyncBatchNorm(LayerSync):  # type: ignore[misc]
+    """Lightning ``LayerSync`` plugin that converts the model with :func:`syncbn.convert_sync_batchnorm`.
+
+    The Trainer calls :meth:`apply` when it sets up a distributed strategy
+    (``ddp``, ``ddp_spawn``, ...) and :meth:`revert` when asked to undo it.
+    Everything the converter keeps is kept: parameters (optimizers stay
+    valid), buffers, hooks, BatchNorm subclasses (reverted to the very same
+    classes), timm's ``BatchNormAct2d``, parametrizations; layers that already
+    are syncbn layers stay as they are. Works on CPU (gloo) and GPU (NCCL).
+
+    Args:
+        process_group: the group the layers synchronise over; ``None`` (the
+            default) is the default group, looked up when the layers run, so
+            the plugin can be built before the processes start.
+        group_size: synchronise over groups of this many consecutive ranks, or
+            ``"node"`` for each machine's ranks (:func:`syncbn.groups.subgroup`,
+            made when the Trainer sets the strategy up, on every rank).
+
+    Example::
+
+        >>> import lightning.pytorch as L
+        >>> import syncbn.lightning
+        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp",
+        ...                     plugins=[syncbn.lightning.SyncBatchNorm()])
+        >>> trainer.fit(lit_module, train_loader)
+    """
+
+    def __init__(self, process_group: Any = None, group_size: int | str | None = None) -> None:
+        self.process_group = process_group
+        self.group_size = group_size
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Convert every BatchNorm layer of ``model`` to a syncbn layer (in place).
+
+        Args:
+            model: the LightningModule (or any module).
+
+        Returns:
+            The converted model.
+        """
+        return convert_sync_batchnorm(model, self.process_group, group_size=self.group_size)
+
+    def revert(self, model: nn.Module) -> nn.Module:
+        """Turn every syncbn layer of ``model`` back into the class it came from.
+
+        Args:
+            model: the LightningModule (or any module).
+
+        Returns:
+            The model with plain BatchNorm layers.
+        """
+        return revert_sync_batchnorm(model)
+
+    def __repr__(self) -> str:
+        size = "" if self.group_size is None else f", group_size={self.group_size!r}"
+        return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r}{size})"
+
+
+class AccumulatedStatistics(Callback):  # type: ignore[misc]
+    """Lightning callback: one running-statistics update per optimizer step under gradient accumulation.
+
+    With ``Trainer(accumulate_grad_batches=k)`` every batch-norm layer would take
+    ``k`` momentum steps per optimizer step. This callback opens a
+    :class:`syncbn.accumulation` block at the first micro-batch of each step and
+    commits it in ``on_before_optimizer_step``, after the ``k`` backward passes:
+    the running statistics then take one exact update over all micro-batches of
+    all ranks (see :class:`syncbn.accumulation`). A step Lightning skips leaves
+    its micro-batches to the next update; the block is committed at the end of
+    each training epoch, and discarded when training raises.
+
+    Example::
+
+        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=4,
+        ...                     plugins=[syncbn.lightning.SyncBatchNorm()],
+        ...                     callbacks=[syncbn.lightning.AccumulatedStatistics()])
+    """
+
+    def __init__(self) -> None:
+        self.block: accumulation | None = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
+        """Open the block at the first micro-batch of an optimizer step."""
+        if self.block is None or not self.block.active:
+            self.block = accumulation(pl_module).begin()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: nn.Module, optimizer: Any) -> None:
+        """Apply the one update, after the step's last backward pass."""
+        self._close(commit=True)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: nn.Module) -> None:
+        """Apply what is left open at the end of an epoch."""
+        self._close(commit=True)
+
+    def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
+        """Put the statistics back as they were before the interrupted step."""
+        self._close(commit=False)
+
+    def _close(self, commit: bool) -> None:
+        block, self.block = self.block, None
+        if block is None or not block.active:
+            return
+        if commit:
+            block.commit()
+        else:
+            block.discard()
