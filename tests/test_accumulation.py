@@ -18,6 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import syncbn
 from _helpers.dist_harness import launch
+from _helpers.marks import HAS_COMPILED_OPS, needs_compiled_ops
 from syncbn import _accumulating, groups
 
 pytestmark = pytest.mark.timeout(180)
@@ -123,6 +124,7 @@ def test_plain_batchnorm_and_masked_input() -> None:
     assert int(ours.num_batches_tracked) == 1
 
 
+@needs_compiled_ops
 def test_compiled_single_process() -> None:
     for inplace in (False, True):
         plain = _plain()
@@ -272,7 +274,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     data = _data(8, sizes)
     plain = _plain()
     expected = _expected(plain, [torch.cat(row) for row in data])
-    for compiled in (False, True):
+    for compiled in (False, True) if HAS_COMPILED_OPS else (False,):  # (compile: see test_compile.py)
         ddp = nn.parallel.DistributedDataParallel(_ours(plain, inplace=True))
         run = torch.compile(ddp, backend="aot_eager") if compiled else ddp
         with syncbn.accumulation(ddp):
@@ -287,7 +289,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     # torch.compile: the traced layers show their moments too (no graph break, no recompilation)
     sizes = [[2, 3, 1]] * 3
     data = _data(9, sizes)
-    for inplace in (False, True):
+    for inplace in (False, True) if HAS_COMPILED_OPS else ():
         plain = _plain()
         model = _ours(plain, inplace)
         counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd, as inductor sees it

@@ -15,10 +15,15 @@ path the engine takes, it passes the tensor it is about to update.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
-__all__ = ["Moments", "observe", "listening"]
+__all__ = ["Moments", "observe", "listening", "is_compiling"]
+
+# torch.compiler.is_compiling arrived in torch 2.3; torch 2.2 has torch._dynamo.is_compiling.
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 # id(running_mean) -> the merged moments of the block that listens on it.
 _listeners: dict[int, Moments] = {}
@@ -55,7 +60,7 @@ class Moments:
         Under ``torch.compile`` only tensor operations run (no Python state
         changes), so dynamo traces it without a guard on the values.
         """
-        if unbiased or torch.compiler.is_compiling():
+        if unbiased or is_compiling():
             self._merge(count, mean, var, unbiased)
             return
         kept = count.detach().clone() if isinstance(count, Tensor) else float(count)
