@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import _abn_math, _checks, _math
-from ._function import _all_reduce, statistics_dtype
+from ._function import _all_reduce, checks_before_backward, checks_before_forward, statistics_dtype
 from .groups import SumGroup
 
 __all__ = ["ABNStats", "InPlaceABNFunction", "abn_backward", "abn_forward", "inplace_abn_apply"]
@@ -290,7 +290,7 @@ class InPlaceABNFunction(torch.autograd.Function):
         reduce = None
         size = 1
         if training and group is not None:
-            call = _checks.before_forward(group, layer, x)
+            call = checks_before_forward(group, layer, x)
             size = group.size
 
             def reduce(packed: Tensor) -> Tensor:
@@ -326,7 +326,7 @@ class InPlaceABNFunction(torch.autograd.Function):
         group, layer = ctx.group, ctx.layer
         reduce = None
         if ctx.stats.training and group is not None:
-            _checks.before_backward(group, layer, grad, ctx.call)
+            checks_before_backward(group, layer, grad, ctx.call)
 
             def reduce(sums: Tensor) -> Tensor:
                 return _all_reduce(group, sums, layer, "backward")

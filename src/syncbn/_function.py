@@ -86,6 +86,36 @@ _PHASE_CODES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
 _joining: Any = None
 
 
+def through_join(group: Any) -> bool:
+    """Whether ``group``'s collectives go through the active Join's joinable (:mod:`syncbn.join`).
+
+    The Join policy, in one place for every family and path (eager, traced,
+    functional): under Join the default group's collectives become the
+    joinable's header-then-payload exchange, whose header checks that the
+    training ranks agree, and a joined rank answers only those. The per-call
+    checks (first-use handshake, debug mode) are then skipped: a joined rank
+    would never answer them.
+    """
+    return _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None
+
+
+def checks_before_forward(group: Any, layer: Any, x: Tensor) -> int:
+    """The handshake or debug check before a forward collective, under the Join policy.
+
+    Returns:
+        The call number recorded for debug mode (0 when none, or under Join).
+    """
+    if through_join(group):
+        return 0
+    return _checks.before_forward(group, layer, x)
+
+
+def checks_before_backward(group: Any, layer: Any, grad_output: Tensor, call: int) -> None:
+    """Debug mode's check before a backward collective, under the Join policy."""
+    if not through_join(group):
+        _checks.before_backward(group, layer, grad_output, call)
+
+
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
     """Sum ``tensor`` over ``group``, framed with the call's identity (:mod:`syncbn.groups`).
 
@@ -96,7 +126,7 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
     that no device-to-host synchronisation is added; debug mode checks at once.
     """
     try:
-        if _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None:
+        if through_join(group):
             # Under Join: through the joinable's own group, a joined rank shadowing (syncbn.join).
             result: Tensor = _joining.all_reduce(tensor)
             return result
@@ -325,8 +355,7 @@ def run_forward(
     layer: Any,
 ) -> tuple[ForwardResult, int]:
     """The synchronised training forward over ``group``, and the debug call number."""
-    # Under Join the collective's header checks the ranks agree (syncbn.join).
-    call = _checks.before_forward(group, layer, x) if _joining is None else 0
+    call = checks_before_forward(group, layer, x)
     result = synchronized_forward(
         x,
         weight,
@@ -368,8 +397,7 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
     if torch.is_grad_enabled() and ctx.total:
         # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
         # differentiable. Every rank takes this branch alike (same create_graph, same global count).
-        if _joining is None:
-            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+        checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
         gi, gw, gb = differentiable_input_grads(
             grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
         )
@@ -382,8 +410,7 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
 
     grad_input = None
     if need_input:
-        if _joining is None:
-            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+        checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
         reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
         grad_input = finish_input_grad(
             grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced

@@ -176,12 +176,12 @@ def _framed_sum(
     sum_group: Any, tensor: Tensor, layer: Any, phase: int, source: Tensor | None, flags: int
 ) -> Tensor:
     """Handshake or debug check (with ``source``), the framed sum of a copy, the one-value check."""
-    if source is not None and _function._joining is None:  # under Join the header checks agreement
+    if source is not None:  # the Join policy of syncbn._function decides whether checks run
         if phase == PHASE_FORWARD:
-            _checks.before_forward(sum_group, layer, source)
+            _function.checks_before_forward(sum_group, layer, source)
         elif phase == PHASE_BACKWARD:
             call = _checks.state_of(layer).calls if layer is not None else 0
-            _checks.before_backward(sum_group, layer, source, call)
+            _function.checks_before_backward(sum_group, layer, source, call)
     work = tensor.clone(memory_format=torch.contiguous_format)
     summed = _function._all_reduce(sum_group, work, layer, PHASE_NAMES.get(phase, "other"))
     if flags & CHECK_ONE_VALUE and float(summed.reshape(-1)[0]) == 1.0:
