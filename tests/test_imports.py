@@ -16,27 +16,30 @@ PACKAGE = "syncbn"
 
 # Lower numbers sit lower: a module may import only modules of a strictly lower layer (or, within
 # its own package, siblings of its layer). Modules not listed are checked for cycles only.
-LAYERS: dict[str, float] = {
+LAYERS: dict[str, int] = {
+    # the shared arithmetic, the family math, configuration and transports' leaves
     "syncbn._config": 0,
     "syncbn._math": 0,
-    "syncbn._abn_math": 0.5,  # above _math, below groups
     "syncbn._shm": 0,
     "syncbn._threads": 0,
     "syncbn._names": 0,
-    "syncbn.groups": 1,
+    "syncbn.families": 0,  # a family is its math: torch only
+    "syncbn._abn_math": 1,
+    "syncbn.groups": 1,  # the communication seam
     "syncbn._checks": 2,
-    "syncbn._function": 3,
-    "syncbn._ops": 3.3,  # the collective operator for torch.compile, above the autograd function
-    "syncbn._abn": 3.5,  # above _function and _ops, below parallel
-    "syncbn._abn_traced": 3.5,
-    "syncbn._compiled": 3.6,  # the traced layer around it
-    "syncbn.functional": 4,
-    "syncbn.parallel": 4,
-    "syncbn._abn_layer": 4.5,  # above parallel, below the layers
-    "syncbn.modules": 5,
-    "syncbn.activated": 5,
-    "syncbn.convert": 6,
-    "syncbn.fuse": 6,
+    "syncbn._function": 3,  # the engine: framed sum, Join policy, eager autograd
+    "syncbn._ops": 4,  # the collective operator for torch.compile
+    "syncbn._abn": 5,
+    "syncbn._abn_traced": 5,
+    "syncbn._compiled": 5,  # the traced engine around the operator
+    "syncbn.functional": 6,
+    "syncbn.parallel": 6,
+    "syncbn._abn_layer": 7,
+    "syncbn.modules": 8,
+    "syncbn.activated": 8,
+    "syncbn.renorm": 9,
+    "syncbn.convert": 9,
+    "syncbn.fuse": 9,
 }
 
 
@@ -90,7 +93,7 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def _layer(module: str) -> float | None:
+def _layer(module: str) -> int | None:
     while module:
         if module in LAYERS:
             return LAYERS[module]

@@ -25,7 +25,7 @@ from dist_harness import launch
 # Batches per rank: rank 1 joins after its first step, or before any (so the layers' first use,
 # with its handshake, happens under Join).
 SCHEDULES = {"3-1": (3, 1), "2-0": (2, 0)}
-FAMILIES = ("batchnorm", "inplace_abn") + (("renorm",) if hasattr(syncbn, "SyncBatchRenorm1d") else ())
+FAMILIES = ("batchnorm", "inplace_abn", "renorm")
 
 
 class _LeakyReLU(nn.Module):

@@ -63,7 +63,8 @@ def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
 class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm over a group, in traceable operations (see the module docstring).
 
-    Returns ``(out, mean, unbiased_var, count)``; only ``out`` is differentiable.
+    Returns ``(out, mean, unbiased_var, count, var)``; only ``out`` is differentiable.
+    ``group`` 0: no collective (the "none" reducer: a family's math without a group).
     """
 
     @staticmethod
@@ -75,7 +76,8 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         eps: float,
         group: int,
         token: Tensor | None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        family: Any = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         channels = x.shape[1]
         count = x.numel() // channels if channels else 0
         stat = _function.statistics_dtype(x, weight, None)
@@ -88,7 +90,12 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         else:
             packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
         flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
-        summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
+        if group:
+            summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
+        elif count == 1:
+            raise _function._expected_more_than_one(x, _function.LOCAL, None)
+        else:
+            summed = packed
         total = summed[0]
         n = total.clamp(min=1.0)
         sums = summed[1:].view(2, channels) / n
@@ -98,19 +105,23 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         mean, var = mean64.to(stat), var64.to(stat)
         invstd = torch.rsqrt(var + eps)
         comp = _compute_dtype(x, stat)
+        correction = None if family is None else family.correction(mean, var, eps)
+        if correction is not None:  # the family's effective affine map; (r, d) constants
+            weight, bias = family.affine(weight, bias, *correction)
         scale = invstd if weight is None else invstd * weight
         y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
         if bias is not None:
             y = y + bias.to(comp).view(shape)
         out = y.to(x.dtype)
-        ctx.mark_non_differentiable(mean, unbiased, total)
+        ctx.mark_non_differentiable(mean, unbiased, total, var)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it).
         ctx.has_weight, ctx.has_token = weight is not None, token is not None
-        extra = [t for t in (weight, token) if t is not None]
+        ctx.family = None if correction is None else family
+        extra = [t for t in (weight, token, *(correction or ())) if t is not None]
         ctx.save_for_backward(x, mean, invstd, total, *extra)
         ctx.group = group
         ctx.param_dtype = _function.gradient_dtype(weight, bias, mean)
-        return out, mean, unbiased, total
+        return out, mean, unbiased, total, var
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -119,6 +130,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         x, mean, invstd, total, *extra = ctx.saved_tensors
         weight = extra.pop(0) if ctx.has_weight else None
         token = extra.pop(0) if ctx.has_token else None
+        family, correction = ctx.family, extra  # (r, d) when the family has a correction
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         dims, shape = _layout(x)
         comp = _compute_dtype(x, mean.dtype)
@@ -129,15 +141,21 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         grad_input = None
         if need_input:
             packed = torch.stack([sum_dy, sum_dy_xhat])
-            summed = _ops._all_reduce_op(packed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
+            summed = (
+                _ops._all_reduce_op(packed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
+                if ctx.group
+                else packed
+            )
             n = total.clamp(min=1.0).to(comp)
             scale = invstd if weight is None else invstd * weight
             mean_dy = (summed[0] / n).view(shape)
             mean_dy_xhat = (summed[1] / n).view(shape)
             grad_input = (scale.to(comp).view(shape) * (g - mean_dy - xhat * mean_dy_xhat)).to(x.dtype)
+        if family is not None:
+            sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *correction)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def sync_batch_norm(
@@ -150,14 +168,18 @@ def sync_batch_norm(
     eps: float,
     group: int,
     token: Tensor | None,
+    family: Any = None,
 ) -> Tensor:
-    """Training-mode synchronised batch norm in traced operations (``group`` a handle > 0).
+    """Training-mode synchronised batch norm in traced operations (``group`` a handle; 0: no collective).
 
     The running statistics are updated here with the batch's global mean and
     unbiased variance, and only where the global count is positive (the update
-    weight is ``momentum * (N > 0)``, no host read).
+    weight is ``momentum * (N > 0)``, no host read). ``family``: the layer
+    family's per-call object (:mod:`syncbn.families`), ``None`` for batch norm.
     """
-    out, mean, unbiased, total = _TracedSyncBatchNorm.apply(x, weight, bias, eps, group, token)
+    if family is not None:
+        family = family.snapshot(_ops.snapshot)  # (r, d) from the statistics before the update below
+    out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, eps, group, token, family)
     if running_mean is not None or running_var is not None:
         weight_t = (total > 0).to(mean.dtype) * momentum
         for running, batch in ((running_mean, mean), (running_var, unbiased)):

@@ -40,6 +40,7 @@ from .groups import (
 )
 
 __all__ = [
+    "LOCAL",
     "ForwardResult",
     "SyncBatchNormFunction",
     "finish_input_grad",
@@ -139,6 +140,23 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
         raise exc.for_layer(_checks.layer_name(layer), phase) from exc.__cause__
 
 
+class LocalSum:
+    """The "none" reducer: a group of one, whose sum is the tensor itself.
+
+    A family whose math differs from ``nn.BatchNorm`` (renorm) runs the engine
+    through it when there is no group to synchronise over.
+    """
+
+    size = 1
+    rank = 0
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+
+LOCAL = LocalSum()
+
+
 def _host_side(x: Tensor) -> bool:
     """Whether ``x`` lives in host memory: reading a value back then costs no device synchronisation.
 
@@ -157,6 +175,9 @@ class ForwardResult(NamedTuple):
     var: Tensor  # global biased variance, statistics dtype
     total: float | Tensor  # global count: a float on CPU, a 0-dim float64 tensor on a device
     local_count: int  # this member's values per channel
+    weight: Tensor | None = None  # the weight the elementwise forward used (the family's effective one)
+    correction: tuple[Tensor, Tensor] | None = None  # the family's (r, d); None for batch norm
+    family: Any = None  # the family object that made ``correction``
 
 
 def synchronized_forward(
@@ -169,6 +190,7 @@ def synchronized_forward(
     momentum: float,
     reduce: Callable[[Tensor], Tensor],
     one_value_error: Callable[[], Exception],
+    family: Any = None,
 ) -> ForwardResult:
     """Training-mode batch norm of ``x`` with statistics summed by ``reduce``.
 
@@ -191,6 +213,8 @@ def synchronized_forward(
         momentum: running-statistics update factor.
         reduce: sums a float64 vector over every member, returning the sum.
         one_value_error: builds the error raised when the global count is one.
+        family: the layer family's per-call object (:mod:`syncbn.families`),
+            or ``None`` for batch norm.
 
     Returns:
         The output and the statistics backward needs.
@@ -221,13 +245,16 @@ def synchronized_forward(
         global_count = total if isinstance(total, float) else float(total.item())
         if global_count == 1:
             raise one_value_error()
+    correction = None if family is None else family.correction(mean, var, eps)
+    if correction is not None:  # the family's effective affine map, from statistics before the update
+        weight, bias = family.affine(weight, bias, *correction)
     if count > 0:
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:
         out = torch.empty_like(x)
     if global_count > 0:
         _math.update_running(running_mean, running_var, mean, unbiased, momentum)
-    return ForwardResult(out, mean, var, total, local_count=count)
+    return ForwardResult(out, mean, var, total, count, weight, correction, family)
 
 
 def local_grad_sums(
@@ -353,6 +380,7 @@ def run_forward(
     momentum: float,
     group: SumGroup,
     layer: Any,
+    family: Any = None,
 ) -> tuple[ForwardResult, int]:
     """The synchronised training forward over ``group``, and the debug call number."""
     call = checks_before_forward(group, layer, x)
@@ -366,6 +394,7 @@ def run_forward(
         momentum,
         lambda packed: _all_reduce(group, packed, layer, "forward"),
         lambda: _expected_more_than_one(x, group, layer),
+        family,
     )
     return result, call
 
@@ -381,7 +410,8 @@ def _save(
     layer: Any,
     call: int,
 ) -> None:
-    ctx.save_for_backward(x, weight, result.mean, result.var)
+    ctx.save_for_backward(x, weight if result.correction is None else result.weight, result.mean, result.var)
+    ctx.correction, ctx.family = result.correction, result.family
     ctx.total = result.total
     ctx.count = result.local_count
     ctx.param_dtype = gradient_dtype(weight, bias, result.mean)
@@ -401,6 +431,8 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
         gi, gw, gb = differentiable_input_grads(
             grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
         )
+        if ctx.correction is not None:
+            gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
         return (
             gi if need_input else None,
             gw.to(ctx.param_dtype) if need_weight else None,
@@ -416,6 +448,8 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
             grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
         )
 
+    if ctx.correction is not None:
+        sum_dy_xhat, sum_dy = ctx.family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
     grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
     grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
     return grad_input, grad_weight, grad_bias
@@ -443,14 +477,17 @@ class SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         group: SumGroup,
         layer: Any = None,
+        family: Any = None,
     ) -> Tensor:
-        result, call = run_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, layer)
+        result, call = run_forward(
+            x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
+        )
         _save(ctx, x, weight, bias, result, eps, group, layer, call)
         return result.out
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return (*_backward(ctx, grad_output), None, None, None, None, None, None)
+        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None)
 
 
 class TransformableSyncBatchNormFunction(torch.autograd.Function):
@@ -474,20 +511,21 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
         group: SumGroup,
         layer: Any,
         box: _Pending,
+        family: Any = None,
     ) -> Tensor:
         box.result, box.call = run_forward(
-            x, weight, bias, running_mean, running_var, eps, momentum, group, layer
+            x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
         )
         return box.result.out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, weight, bias, _, _, eps, _, group, layer, box = inputs
+        x, weight, bias, _, _, eps, _, group, layer, box = inputs[:10]
         _save(ctx, x, weight, bias, box.result, eps, group, layer, box.call)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None)
+        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None, None)
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:

@@ -70,6 +70,7 @@ __all__ = [
     "all_reduce_sum",
     "group_handle",
     "layer_token",
+    "snapshot",
     "tracing_a_checkpointed_region",
 ]
 
@@ -213,6 +214,23 @@ _all_reduce_op.register_autograd(_adjoint, setup_context=_setup_context)
 # The collective is a side effect: keep every call, in program order, even where the output
 # is empty (an empty local batch still takes part) or unused.
 _register_effectful_op("syncbn::all_reduce_sum", EffectType.ORDERED)
+
+
+@_custom_op("syncbn::snapshot", mutates_args=())
+def snapshot(tensor: Tensor) -> Tensor:
+    """A copy of ``tensor`` that a compiled backward keeps rather than recomputes.
+
+    AOTAutograd's partitioner may recompute cheap values in the backward graph
+    from a forward input; where that input is a buffer the forward updates in
+    place (a running statistic), the recomputation would read the updated value.
+    An opaque operator is never recomputed, so its copy is saved instead.
+    """
+    return tensor.clone()
+
+
+@snapshot.register_fake
+def _snapshot_fake(tensor: Tensor) -> Tensor:
+    return torch.empty_like(tensor)
 
 
 def all_reduce_sum(

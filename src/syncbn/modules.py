@@ -262,10 +262,13 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if stats else None
         running_var = self.running_var if stats else None
         weight, bias, eps = self.weight, self.bias, self.eps
-        if group is None:  # not distributed, or a group of one: exactly nn.BatchNorm
+        family = self._family_call()
+        if group is None and family is None:  # not distributed, or a group of one: exactly nn.BatchNorm
             out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
         else:  # the input was checked above
-            out = synchronized(input, running_mean, running_var, weight, bias, factor, eps, group, self)
+            out = synchronized(
+                input, running_mean, running_var, weight, bias, factor, eps, group, self, family
+            )
         if tracking:
             batches = self.num_batches_tracked
             if batches is not None:
@@ -279,13 +282,14 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
         handle = _ops.group_handle(self.process_group)
+        family = self._family_call()
         seen = self.num_batches_tracked
         if factor < 0.0:  # momentum=None: 1 / (batches seen, this one included)
             if not tracking or seen is None:
                 factor = 0.0
             elif not handle:
                 factor = 1.0 / (float(seen.item()) + 1.0)  # what nn.BatchNorm does (a host read)
-        if handle:
+        if handle or family is not None:
             momentum: float | Tensor = (
                 factor if factor >= 0.0 or seen is None else 1.0 / (seen.to(torch.float64) + 1.0)
             )
@@ -298,7 +302,8 @@ class SyncBatchNorm(_BatchNorm):
                 momentum,
                 self.eps,
                 handle,
-                _ops.layer_token(self),
+                _ops.layer_token(self) if handle else None,
+                family,
             )
         else:
             out = F.batch_norm(
@@ -307,6 +312,10 @@ class SyncBatchNorm(_BatchNorm):
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
+
+    def _family_call(self) -> Any:
+        """This training call's family object (:mod:`syncbn.families`); ``None``: batch norm."""
+        return None
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         # nn.DataParallel (and syncbn.parallel.replicate) replication: enrol the replica so
