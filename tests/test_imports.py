@@ -30,8 +30,8 @@ LAYERS: dict[str, int] = {
     "syncbn._function": 3,  # the engine: framed sum, Join policy, eager autograd
     "syncbn._ops": 4,  # the collective operator for torch.compile
     "syncbn._abn": 5,
-    "syncbn._abn_traced": 5,
     "syncbn._compiled": 5,  # the traced engine around the operator
+    "syncbn._abn_traced": 6,
     "syncbn.functional": 6,
     "syncbn.parallel": 6,
     "syncbn._abn_layer": 7,

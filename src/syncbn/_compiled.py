@@ -48,7 +48,7 @@ from torch import Tensor
 from . import _function, _math, _ops
 from .groups import PHASE_BACKWARD, PHASE_FORWARD
 
-__all__ = ["sync_batch_norm"]
+__all__ = ["sync_batch_norm", "traced_moments", "traced_update_running"]
 
 
 def _layout(x: Tensor) -> tuple[list[int], list[int]]:
@@ -58,6 +58,60 @@ def _layout(x: Tensor) -> tuple[list[int], list[int]]:
 def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
     """The dtype the elementwise work runs in: the statistics' or the input's, whichever is wider."""
     return torch.promote_types(torch.promote_types(x.dtype, stat), torch.float32)
+
+
+def traced_moments(
+    x: Tensor, group: int, token: Tensor | None, stat: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(count, mean, biased var, unbiased var)`` over the group, in traced operations: the traced engine.
+
+    Local moments (accumulation dtype), packed in float64 ``n * [1, m, v + m^2]``,
+    ONE ``syncbn::all_reduce_sum`` (``group`` 0: none, this member alone), the
+    global statistics in ``stat``. The count is a shape: only a member holding
+    fewer than two values asks the operator for the one-value check (as eager);
+    alone, a count of one is the same error, raised while tracing.
+    """
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    dims, _ = _layout(x)
+    if count > 0:
+        var_l, mean_l = torch.var_mean(x.to(_math.accumulation_dtype(x.dtype)), dims, correction=0)
+        mean64, var64 = mean_l.to(torch.float64), var_l.to(torch.float64)
+        head = torch.ones(1, dtype=torch.float64, device=x.device)
+        packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
+    else:
+        packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
+    flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
+    if group:
+        summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
+    elif count == 1:
+        raise _function._expected_more_than_one(x, _function.LOCAL, None)
+    else:
+        summed = packed
+    total = summed[0]
+    n = total.clamp(min=1.0)
+    sums = summed[1:].view(2, channels) / n
+    mean64 = sums[0]
+    var64 = (sums[1] - mean64 * mean64).clamp(min=0.0)
+    unbiased = (var64 * (total / (total - 1.0).clamp(min=1.0))).to(stat)
+    return total, mean64.to(stat), var64.to(stat), unbiased
+
+
+def traced_update_running(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    mean: Tensor,
+    unbiased: Tensor,
+    total: Tensor,
+    momentum: float | Tensor,
+) -> None:
+    """The running-statistics update in traced operations: weight ``momentum * (N > 0)``, no host read."""
+    if running_mean is None and running_var is None:
+        return
+    weight_t = (total > 0).to(mean.dtype) * momentum
+    for running, batch in ((running_mean, mean), (running_var, unbiased)):
+        if running is not None:
+            running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
 
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
@@ -78,31 +132,9 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         token: Tensor | None,
         family: Any = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        channels = x.shape[1]
-        count = x.numel() // channels if channels else 0
         stat = _function.statistics_dtype(x, weight, None)
         dims, shape = _layout(x)
-        if count > 0:
-            var_l, mean_l = torch.var_mean(x.to(_math.accumulation_dtype(x.dtype)), dims, correction=0)
-            mean64, var64 = mean_l.to(torch.float64), var_l.to(torch.float64)
-            head = torch.ones(1, dtype=torch.float64, device=x.device)
-            packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
-        else:
-            packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-        flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
-        if group:
-            summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
-        elif count == 1:
-            raise _function._expected_more_than_one(x, _function.LOCAL, None)
-        else:
-            summed = packed
-        total = summed[0]
-        n = total.clamp(min=1.0)
-        sums = summed[1:].view(2, channels) / n
-        mean64 = sums[0]
-        var64 = (sums[1] - mean64 * mean64).clamp(min=0.0)
-        unbiased = (var64 * (total / (total - 1.0).clamp(min=1.0))).to(stat)
-        mean, var = mean64.to(stat), var64.to(stat)
+        total, mean, var, unbiased = traced_moments(x, group, token, stat)
         invstd = torch.rsqrt(var + eps)
         comp = _compute_dtype(x, stat)
         correction = None if family is None else family.correction(mean, var, eps)
@@ -180,9 +212,5 @@ def sync_batch_norm(
     if family is not None:
         family = family.snapshot(_ops.snapshot)  # (r, d) from the statistics before the update below
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, eps, group, token, family)
-    if running_mean is not None or running_var is not None:
-        weight_t = (total > 0).to(mean.dtype) * momentum
-        for running, batch in ((running_mean, mean), (running_var, unbiased)):
-            if running is not None:
-                running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
+    traced_update_running(running_mean, running_var, mean, unbiased, total, momentum)
     return out  # type: ignore[no-any-return]

@@ -42,12 +42,15 @@ from .groups import (
 __all__ = [
     "LOCAL",
     "ForwardResult",
+    "Moments",
     "SyncBatchNormFunction",
     "finish_input_grad",
     "gradient_dtype",
     "local_grad_sums",
+    "one_value_error",
     "statistics_dtype",
     "synchronized_forward",
+    "synchronized_moments",
 ]
 
 
@@ -72,13 +75,86 @@ def gradient_dtype(weight: Tensor | None, bias: Tensor | None, mean: Tensor) -> 
     return bias.dtype if bias is not None else mean.dtype
 
 
-def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueError:
+def one_value_error(
+    x: Tensor, size: int, members: str, layer: Any = None, who: str = "this rank's"
+) -> ValueError:
+    """The error of a training call whose global count is one, in every family's and path's words.
+
+    Args:
+        x: this member's input.
+        size: the number of members of the group.
+        members: what they are ("ranks of the group", "replicas of ...").
+        layer: the calling layer (named in the message), or ``None``.
+        who: whose input ``x`` is.
+    """
+    where = "" if layer is None else f"layer {_checks.layer_name(layer)}; "
     return ValueError(
         "Expected more than 1 value per channel when training, got 1 value per channel "
-        f"across the {group.size} ranks of the group ("
-        + ("" if layer is None else f"layer {_checks.layer_name(layer)}; ")
-        + f"this rank's input size {list(x.shape)})"
+        f"across the {size} {members} ({where}{who} input size {list(x.shape)})"
     )
+
+
+def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueError:
+    return one_value_error(x, group.size, "ranks of the group", layer)
+
+
+class Moments(NamedTuple):
+    """The global statistics of a training call (statistics dtype), as the engine computed them."""
+
+    mean: Tensor
+    var: Tensor  # biased
+    unbiased: Tensor
+    total: float | Tensor  # global count: a float on the host, a 0-dim float64 tensor on a device
+    local_count: int  # this member's values per channel
+    global_count: float  # the global count, or the lower bound 2.0 when this member holds >= 2
+
+    def update_running(
+        self, running_mean: Tensor | None, running_var: Tensor | None, momentum: float
+    ) -> None:
+        """The running-statistics update (none for an empty global batch)."""
+        if self.global_count > 0:
+            _math.update_running(running_mean, running_var, self.mean, self.unbiased, momentum)
+
+
+def synchronized_moments(
+    x: Tensor,
+    stat_dtype: torch.dtype,
+    reduce: Callable[[Tensor], Tensor] | None,
+    one_value_error: Callable[[], Exception],
+    scratch: Tensor | None = None,
+) -> Moments:
+    """Local moments, packed; ONE ``reduce``; the global statistics; the count rules.
+
+    The step every family's training forward shares: local count, mean and M2
+    (stable two-pass, at least float32), packed in float64 as ``[n, n*m, M2 + n*m^2]``
+    (on the host in this thread's reusable buffer), summed by ``reduce`` (``None``:
+    this member alone), unpacked into the statistics dtype. Device-to-host reads
+    only where this member holds fewer than two values per channel; a global
+    count of one raises ``one_value_error()`` before anything changes.
+    """
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    host = _host_side(x)
+    # On the host, the packed vector and its views are this thread's, reused every call.
+    buffer = _math.moment_buffer(channels, x.device) if host else None
+    if count > 0:
+        mean_l, var_l = _math.local_moments(x, scratch=scratch)
+        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
+    else:
+        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device, buffer=buffer)
+    if reduce is not None:
+        packed = reduce(packed)
+    total, (mean, var, unbiased) = _math.unpack_moments(
+        packed, channels, read_count=host, dtype=stat_dtype, buffer=buffer
+    )
+    # Nothing has changed yet: the one-value error still leaves every state as it was.
+    global_count = 2.0  # a lower bound is all that is needed when count >= 2
+    if count < 2:
+        # A device read only here, where the count may be below two.
+        global_count = total if isinstance(total, float) else float(total.item())
+        if global_count == 1:
+            raise one_value_error()
+    return Moments(mean, var, unbiased, total, count, global_count)
 
 
 _PHASE_CODES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
@@ -219,42 +295,22 @@ def synchronized_forward(
     Returns:
         The output and the statistics backward needs.
     """
-    channels = x.shape[1]
-    count = x.numel() // channels if channels else 0
-    host = _host_side(x)
     # On CPU the output buffer doubles as the moments' scratch space of the two-pass
     # statistics (see local_moments); the native kernel (CUDA, small or 16-bit input) needs none,
     # and the normalisation then allocates its own output.
-    out = torch.empty_like(x) if host and not _math.uses_native_statistics(x) else None
-    # On the host, the packed vector and its views are this thread's, reused every call.
-    buffer = _math.moment_buffer(channels, x.device) if host else None
-    if count > 0:
-        mean_l, var_l = _math.local_moments(x, scratch=out)
-        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
-    else:
-        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device, buffer=buffer)
+    out = torch.empty_like(x) if _host_side(x) and not _math.uses_native_statistics(x) else None
     stat_dtype = statistics_dtype(x, weight, running_mean)
-    total, (mean, var, unbiased) = _math.unpack_moments(
-        reduce(packed), channels, read_count=host, dtype=stat_dtype, buffer=buffer
-    )
-
-    # Nothing has changed yet: the one-value error still leaves every state as it was.
-    global_count = 2.0  # a lower bound is all that is needed when count >= 2
-    if count < 2:
-        # A device read only here, where the count may be below two.
-        global_count = total if isinstance(total, float) else float(total.item())
-        if global_count == 1:
-            raise one_value_error()
+    moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, scratch=out)
+    mean, var = moments.mean, moments.var
     correction = None if family is None else family.correction(mean, var, eps)
     if correction is not None:  # the family's effective affine map, from statistics before the update
         weight, bias = family.affine(weight, bias, *correction)
-    if count > 0:
+    if moments.local_count > 0:
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:
         out = torch.empty_like(x)
-    if global_count > 0:
-        _math.update_running(running_mean, running_var, mean, unbiased, momentum)
-    return ForwardResult(out, mean, var, total, count, weight, correction, family)
+    moments.update_running(running_mean, running_var, momentum)
+    return ForwardResult(out, mean, var, moments.total, moments.local_count, weight, correction, family)
 
 
 def local_grad_sums(

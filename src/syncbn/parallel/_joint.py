@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _math
 from .._function import finish_input_grad, gradient_dtype, local_grad_sums, synchronized_forward
+from .._function import one_value_error as engine_one_value_error
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
 
 __all__ = ["replica_batch_norm"]
@@ -85,11 +86,8 @@ def replica_batch_norm(
         return single
 
     def one_value_error() -> ValueError:
-        return ValueError(
-            "Expected more than 1 value per channel when training, got 1 value per channel "
-            f"across the {rendezvous.size} replicas of {replication.describe()} "
-            f"(this replica's input size {list(x.shape)})"
-        )
+        members = f"replicas of {replication.describe()}"
+        return engine_one_value_error(x, rendezvous.size, members, who="this replica's")
 
     with torch.no_grad():
         result = synchronized_forward(
