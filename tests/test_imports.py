@@ -17,29 +17,32 @@ PACKAGE = "syncbn"
 # Lower numbers sit lower: a module may import only modules of a strictly lower layer (or, within
 # its own package, siblings of its layer). Modules not listed are checked for cycles only.
 LAYERS: dict[str, int] = {
-    # the shared arithmetic, the family math, configuration and transports' leaves
+    # the shared arithmetic's leaves, the family math, configuration and transports' leaves
     "syncbn._config": 0,
-    "syncbn._math": 0,
+    "syncbn._packing": 0,
+    "syncbn._double_backward": 0,
     "syncbn._shm": 0,
     "syncbn._threads": 0,
     "syncbn._names": 0,
     "syncbn.families": 0,  # a family is its math: torch only
-    "syncbn._abn_math": 1,
+    "syncbn._math": 1,
     "syncbn.groups": 1,  # the communication seam
+    "syncbn._abn_math": 2,
     "syncbn._checks": 2,
-    "syncbn._function": 3,  # the engine: framed sum, Join policy, eager autograd
-    "syncbn._ops": 4,  # the collective operator for torch.compile
-    "syncbn._abn": 5,
-    "syncbn._compiled": 5,  # the traced engine around the operator
-    "syncbn._abn_traced": 6,
-    "syncbn.functional": 6,
-    "syncbn.parallel": 6,
-    "syncbn._abn_layer": 7,
-    "syncbn.modules": 8,
-    "syncbn.activated": 8,
-    "syncbn.renorm": 9,
-    "syncbn.convert": 9,
-    "syncbn.fuse": 9,
+    "syncbn._rules": 3,  # the engine's dtype rules and one-value error
+    "syncbn._function": 4,  # the engine: moments, framed sum, Join policy, eager autograd
+    "syncbn._ops": 5,  # the collective operator for torch.compile
+    "syncbn._abn": 6,
+    "syncbn._compiled": 6,  # the traced engine around the operator
+    "syncbn.functional": 7,
+    "syncbn.parallel": 7,
+    "syncbn._abn_traced": 7,
+    "syncbn._abn_layer": 8,
+    "syncbn.modules": 9,
+    "syncbn.activated": 9,
+    "syncbn.renorm": 10,
+    "syncbn.convert": 10,
+    "syncbn.fuse": 10,
 }
 
 

@@ -246,3 +246,35 @@ def test_two_ranks_equal_the_formulas_on_the_global_batch(
     for rank, result in enumerate(distributed):
         errors = {k: v for k, v in result.items() if k.startswith(f"{path}-{shards}")}
         assert errors and max(errors.values()) <= 1e-10, f"rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_renorm_updates_statistics_once(reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _layer()
+    x, g = _data(7)
+    want = _expected(layer, x, g)
+    lin = nn.Identity()
+
+    def run(t: Tensor) -> Tensor:
+        out: Tensor = checkpoint(lambda u: layer(lin(u) * 1.0), t, use_reentrant=reentrant)
+        return out
+
+    assert _max_err(_step(layer, x, g, run=run), want) <= 1e-12
+    assert int(layer.num_batches_tracked) == 1
+
+
+def test_func_grad_equals_the_formulas() -> None:
+    layer = _layer()
+    x, g = _data(7)
+    want = _expected(layer, x, g)
+    params = {k: v.detach().clone() for k, v in layer.named_parameters()}
+    buffers = {k: v.clone() for k, v in layer.named_buffers()}
+
+    def loss(p: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
+        return (torch.func.functional_call(layer, (p, b), (x,)) * g).sum()
+
+    grads = torch.func.grad(loss)(params, buffers)
+    assert float((grads["weight"] - want["dw"]).abs().max()) <= 1e-12
+    assert float((grads["bias"] - want["db"]).abs().max()) <= 1e-12

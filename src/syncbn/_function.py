@@ -1,24 +1,25 @@
-"""The autograd function that joins the math (:mod:`syncbn._math`) to a group.
+"""The eager engine: what every family's synchronised training step shares.
 
-One ``all_reduce`` in forward (packed moments, ``2C + 1`` float64 values) and
-one in backward (``2C`` values in the statistics dtype, at least float32) per
-call, whatever the world size.
+Forward: :func:`synchronized_moments` (local moments, packed; ONE framed sum;
+the count rules), then the family's elementwise forward
+(:func:`synchronized_forward`: batch norm, or a family's effective affine map,
+:mod:`syncbn.families`) and the running-statistics update. Backward: local
+sums, ONE framed sum, the input gradient, the family's parameter gradients.
+The framed sum (:func:`_all_reduce`) and the Join policy (:func:`through_join`,
+:func:`checks_before_forward`, :func:`checks_before_backward`) live here once,
+for every family and path (eager, in-place, the compile operator).
 
 Device-to-host synchronisation: none when this rank holds at least two values
-per channel, because the global count is then known to be at least two without
-looking. Only a rank holding zero or one value per channel reads the global
-count back (``.item()``), to decide between an empty batch, the "more than one
-value per channel" error and the normal path. Every rank whose global count is
-below two is such a rank, so all of them take the same decision.
+per channel (the global count is then at least two without looking); only a
+rank holding zero or one value reads the global count, so every rank whose
+global count is below two takes the same decision.
 
-Two entry points share this code: :class:`SyncBatchNormFunction` (eager) and
-:class:`TransformableSyncBatchNormFunction` (the ``setup_context`` form, used
-only under ``torch.func`` transforms). While ``torch.compile`` traces, the
-layer runs :mod:`syncbn._compiled` instead (traced arithmetic), whose only
-call into this module is the framed sum :func:`_all_reduce`, through the
-collective operator of :mod:`syncbn._ops`. With
-``create_graph=True`` the backward is differentiable (double backward): its
-collectives are then differentiable all_reduces (:class:`_DifferentiableSum`).
+Two autograd entry points: :class:`SyncBatchNormFunction` (eager) and
+:class:`TransformableSyncBatchNormFunction` (``setup_context`` form, under
+``torch.func``). Compiled models run :mod:`syncbn._compiled` (traced), whose
+only call into this module is the framed sum, through :mod:`syncbn._ops`.
+With ``create_graph=True`` the backward is differentiable
+(:mod:`syncbn._double_backward`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import torch
 from torch import Tensor
 
 from . import _checks, _config, _math
+from ._double_backward import differentiable_input_grads
+from ._math import finish_input_grad, local_grad_sums
+from ._rules import gradient_dtype, one_value_error, statistics_dtype
+from ._threads import LOCAL
 from .groups import (
     PHASE_BACKWARD,
     PHASE_FORWARD,
@@ -52,46 +57,6 @@ __all__ = [
     "synchronized_forward",
     "synchronized_moments",
 ]
-
-
-def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
-    """The dtype normalisation statistics are handed to the native kernels in.
-
-    The layer's parameter dtype when it has parameters or buffers (so a float32
-    layer fed float16 input keeps float32 statistics), else float32 or float64
-    after the input.
-    """
-    if weight is not None:
-        return weight.dtype
-    if running_mean is not None:
-        return running_mean.dtype
-    return _math.accumulation_dtype(x.dtype)
-
-
-def gradient_dtype(weight: Tensor | None, bias: Tensor | None, mean: Tensor) -> torch.dtype:
-    """The dtype of the weight and bias gradients: the parameters', else the statistics' (``mean``)."""
-    if weight is not None:
-        return weight.dtype
-    return bias.dtype if bias is not None else mean.dtype
-
-
-def one_value_error(
-    x: Tensor, size: int, members: str, layer: Any = None, who: str = "this rank's"
-) -> ValueError:
-    """The error of a training call whose global count is one, in every family's and path's words.
-
-    Args:
-        x: this member's input.
-        size: the number of members of the group.
-        members: what they are ("ranks of the group", "replicas of ...").
-        layer: the calling layer (named in the message), or ``None``.
-        who: whose input ``x`` is.
-    """
-    where = "" if layer is None else f"layer {_checks.layer_name(layer)}; "
-    return ValueError(
-        "Expected more than 1 value per channel when training, got 1 value per channel "
-        f"across the {size} {members} ({where}{who} input size {list(x.shape)})"
-    )
 
 
 def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueError:
@@ -216,23 +181,6 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
         raise exc.for_layer(_checks.layer_name(layer), phase) from exc.__cause__
 
 
-class LocalSum:
-    """The "none" reducer: a group of one, whose sum is the tensor itself.
-
-    A family whose math differs from ``nn.BatchNorm`` (renorm) runs the engine
-    through it when there is no group to synchronise over.
-    """
-
-    size = 1
-    rank = 0
-
-    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        return tensor
-
-
-LOCAL = LocalSum()
-
-
 def _host_side(x: Tensor) -> bool:
     """Whether ``x`` lives in host memory: reading a value back then costs no device synchronisation.
 
@@ -313,39 +261,6 @@ def synchronized_forward(
     return ForwardResult(out, mean, var, moments.total, moments.local_count, weight, correction, family)
 
 
-def local_grad_sums(
-    grad_output: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, eps: float, count: int
-) -> tuple[Tensor, Tensor]:
-    """This member's ``(sum(dy), sum(dy * xhat))``; zeros for an empty local batch (``count == 0``)."""
-    if count > 0:
-        return _math.backward_sums(grad_output, x, weight, mean, var, eps)
-    zeros = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
-    return zeros, zeros.clone()
-
-
-def finish_input_grad(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    total: float | Tensor,
-    count: int,
-    reduced: Tensor,
-) -> Tensor:
-    """Input gradient from the group-summed ``[[sum(dy)], [sum(dy * xhat)]]`` (``reduced``, ``(2, C)``).
-
-    ``total`` is the global count, ``count`` this member's; an empty local batch
-    gets an empty (all-zero) gradient.
-    """
-    if count == 0:
-        return torch.zeros_like(x)
-    if reduced.device != x.device:  # nn.DataParallel: summed on the first replica's device
-        reduced = reduced.to(x.device)
-    return _math.input_grad(grad_output, x, weight, mean, var, eps, total, reduced)
-
-
 class _Pending:
     """A forward's result, handed to ``setup_context`` (whose ``forward`` has no ``ctx``)."""
 
@@ -354,76 +269,6 @@ class _Pending:
     def __init__(self) -> None:
         self.result: Any = None
         self.call = 0
-
-
-class _DifferentiableSum(torch.autograd.Function):
-    """``all_reduce`` SUM as a differentiable function: its adjoint is itself.
-
-    Used only on the double-backward path (``create_graph=True``): each
-    backward is again an all_reduce through :func:`_all_reduce`, so gradients
-    of any order flow across ranks.
-    """
-
-    @staticmethod
-    def forward(tensor: Tensor, group: SumGroup, layer: Any, phase: str) -> Tensor:  # type: ignore[override]
-        return _all_reduce(group, tensor.detach().contiguous().clone(), layer, phase)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.group, ctx.layer, ctx.phase = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        summed: Tensor = _DifferentiableSum.apply(grad, ctx.group, ctx.layer, ctx.phase)
-        return summed, None, None, None
-
-
-def differentiable_input_grads(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    total: float | Tensor,
-    group: SumGroup,
-    layer: Any,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
-
-    The double-backward path. The global mean and variance are rebuilt from a
-    differentiable all_reduce of ``[sum x, sum x^2]`` (their values are the
-    forward's, exactly; only their derivatives come from the rebuild), and the
-    backward sums go through a differentiable all_reduce too: two collectives,
-    on every rank alike, where the first-order backward makes one.
-    """
-    stat = mean.dtype
-    dims = [0, *range(2, x.dim())]
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    if isinstance(total, Tensor):
-        n: float | Tensor = total.to(torch.float64)
-    else:
-        n = float(total)
-    x64 = x.to(torch.float64)
-    sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
-    s, q = _DifferentiableSum.apply(sums, group, layer, "forward (recomputed for double backward)").unbind(0)
-    mean_d = s / n
-    var_d = q / n - mean_d * mean_d
-    # The forward's exact values, with the rebuilt statistics' derivatives.
-    mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
-    var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
-    invstd = (var_v + eps).rsqrt()
-    xhat = (x.to(stat) - mean_v.view(shape)) * invstd.view(shape)
-    dy = grad_output.to(stat)
-    sum_dy = dy.sum(dims)
-    sum_dy_xhat = (dy * xhat).sum(dims)
-    local = torch.stack([sum_dy, sum_dy_xhat])
-    reduced = _DifferentiableSum.apply(
-        local.float() if local.dtype in (torch.float16, torch.bfloat16) else local, group, layer, "backward"
-    ).to(stat)
-    scale = invstd if weight is None else invstd * weight.to(stat)
-    grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
-    return grad_input.to(x.dtype), sum_dy_xhat, sum_dy
 
 
 def run_forward(
@@ -484,9 +329,11 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
         # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
         # differentiable. Every rank takes this branch alike (same create_graph, same global count).
         checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-        gi, gw, gb = differentiable_input_grads(
-            grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
-        )
+
+        def reduce(tensor: Tensor, phase: str) -> Tensor:
+            return _all_reduce(ctx.group, tensor, ctx.layer, phase)
+
+        gi, gw, gb = differentiable_input_grads(grad_output, x, weight, mean, var, ctx.eps, ctx.total, reduce)
         if ctx.correction is not None:
             gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
         return (

@@ -262,7 +262,7 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if stats else None
         running_var = self.running_var if stats else None
         weight, bias, eps = self.weight, self.bias, self.eps
-        family = self._family_call()
+        family = self._family_call(recomputing, True)
         if group is None and family is None:  # not distributed, or a group of one: exactly nn.BatchNorm
             out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
         else:  # the input was checked above
@@ -313,8 +313,11 @@ class SyncBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
         return out
 
-    def _family_call(self) -> Any:
-        """This training call's family object (:mod:`syncbn.families`); ``None``: batch norm."""
+    def _family_call(self, recomputing: bool = False, eager: bool = False) -> Any:
+        """This training call's family object (:mod:`syncbn.families`); ``None``: batch norm.
+
+        ``recomputing``: activation checkpointing's second forward; ``eager``: not traced.
+        """
         return None
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:

@@ -63,6 +63,10 @@ class SyncBatchRenorm(SyncBatchNorm):
 
     ``r_max`` and ``d_max`` are plain attributes: change them between steps for
     the paper's warm-up (start at 1 and 0, relax towards e.g. 3 and 5).
+    Under activation checkpointing the recomputed forward takes :math:`r, d`
+    from the running statistics the layer's last forward saw: exact when the
+    layer runs once per checkpointed step (a layer called several times in one
+    step would recompute its earlier calls with the last call's).
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
@@ -89,7 +93,7 @@ class SyncBatchRenorm(SyncBatchNorm):
         >>> bn.r_max, bn.d_max = 3.0, 5.0                              # later in training
     """
 
-    _syncbn_family_keys = ("r_max", "d_max")  # dropped by revert_sync_batchnorm
+    _syncbn_family_keys = ("r_max", "d_max", "_renorm_before")  # dropped by revert_sync_batchnorm
 
     def __init__(
         self,
@@ -112,17 +116,20 @@ class SyncBatchRenorm(SyncBatchNorm):
         self.r_max = float(r_max)
         self.d_max = float(d_max)
 
-    def _family_call(self) -> Renorm | None:
+    def _family_call(self, recomputing: bool = False, eager: bool = False) -> Renorm | None:
         _check_limits(self.r_max, self.d_max)
-        tracking = self.track_running_stats
-        if not tracking or (self.r_max == 1.0 and self.d_max == 0.0):
+        if not self.track_running_stats or (self.r_max == 1.0 and self.d_max == 0.0):
             return None  # r = 1, d = 0: batch norm's own path, bit for bit
-        return Renorm(
-            float(self.r_max),
-            float(self.d_max),
-            self.running_mean,
-            self.running_var,
-        )
+        running_mean, running_var = self.running_mean, self.running_var
+        assert running_mean is not None and running_var is not None
+        before = self.__dict__.get("_renorm_before")
+        if recomputing and before is not None:
+            # Activation checkpointing recomputes this forward after the step's update: (r, d)
+            # come from the statistics the first forward saw (this layer's last call).
+            running_mean, running_var = before
+        elif eager:
+            self.__dict__["_renorm_before"] = (running_mean.detach().clone(), running_var.detach().clone())
+        return Renorm(float(self.r_max), float(self.d_max), running_mean, running_var)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r_max={self.r_max:g}, d_max={self.d_max:g}"
