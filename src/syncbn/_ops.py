@@ -45,7 +45,7 @@ sum over ranks of the gradient), so it may also be differentiated through.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -62,7 +62,7 @@ except (ImportError, AttributeError) as exc:
         "layer (with graph breaks)"
     ) from exc
 
-from . import _checks, _function, groups
+from . import _checks, _function, _rules, groups
 from .groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_NAMES, PHASE_OTHER
 
 __all__ = [
@@ -85,9 +85,7 @@ backward_calls = 0
 
 _PHASES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
 
-_is_compiling: Callable[[], bool] = (
-    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-)
+_is_compiling = _rules.is_compiling
 
 
 @torch._dynamo.assume_constant_result

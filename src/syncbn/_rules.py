@@ -1,15 +1,48 @@
-"""The engine's dtype rules and its "one value per channel" error, for every family and path."""
+"""The engine's rules shared by every family and path: dtypes, the "one value per channel" error, tracing.
+
+The tracing helpers tell the layers whether dynamo is tracing (:data:`is_compiling`),
+whether a forward is a recomputation inside a backward (:func:`in_backward`:
+``torch.utils.checkpoint``), and warn once per traced graph (:func:`warn_while_tracing`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from . import _checks, _math
 
-__all__ = ["gradient_dtype", "one_value_error", "statistics_dtype"]
+__all__ = [
+    "gradient_dtype",
+    "in_backward",
+    "is_compiling",
+    "one_value_error",
+    "statistics_dtype",
+    "warn_while_tracing",
+]
+
+# Both exist from torch 2.3 on; older torch has the dynamo spelling and no task id (no recompute detection).
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+@torch._dynamo.assume_constant_result
+def warn_while_tracing(message: str) -> bool:
+    """Warn once per traced graph (dynamo runs this while tracing, never in the compiled code)."""
+    warnings.warn(message, stacklevel=2)
+    return True
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread right now.
+
+    A training forward inside a backward is a recomputation: ``torch.utils.checkpoint``
+    (reentrant and non-reentrant) re-runs the checkpointed forward there.
+    """
+    return bool(_current_graph_task_id() != -1)
 
 
 def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:

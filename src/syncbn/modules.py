@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _checks, groups, parallel
+from . import _checks, _rules, groups, parallel
 
 try:
     from . import _compiled, _ops
@@ -39,27 +38,9 @@ def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -
     _converter = function
 
 
-# Both exist from torch 2.3 on; older torch has the dynamo spelling and no task id (no recompute detection).
-_is_compiling: Callable[[], bool] = (
-    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-)
-_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-@torch._dynamo.assume_constant_result
-def _warn_while_tracing(message: str) -> bool:
-    """Warn once per traced graph (dynamo runs this while tracing, never in the compiled code)."""
-    warnings.warn(message, stacklevel=2)
-    return True
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread right now.
-
-    A training forward inside a backward is a recomputation: ``torch.utils.checkpoint``
-    (reentrant and non-reentrant) re-runs the checkpointed forward there.
-    """
-    return bool(_current_graph_task_id() != -1)
+_is_compiling = _rules.is_compiling
+_warn_while_tracing = _rules.warn_while_tracing
+_in_backward = _rules.in_backward
 
 
 class SyncBatchNorm(_BatchNorm):
