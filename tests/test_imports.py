@@ -16,31 +16,37 @@ PACKAGE = "syncbn"
 
 # Lower numbers sit lower: a module may import only modules of a strictly lower layer (or, within
 # its own package, siblings of its layer). Modules not listed are checked for cycles only.
-LAYERS: dict[str, float] = {
+LAYERS: dict[str, int] = {
+    # the shared arithmetic's leaves, the family math, configuration and transports' leaves
     "syncbn._config": 0,
-    "syncbn._math": 0,
-    "syncbn._abn_math": 0.5,  # above _math, below groups
+    "syncbn._packing": 0,
+    "syncbn._double_backward": 0,
     "syncbn._shm": 0,
     "syncbn._threads": 0,
     "syncbn._names": 0,
     "syncbn._accumulating": 0,  # the running-statistics hook of syncbn.accumulation
-    "syncbn.groups": 1,
-    "syncbn._checks": 2,
-    "syncbn._function": 3,
-    "syncbn._ops": 3.3,  # the collective operator for torch.compile, above the autograd function
-    "syncbn._abn": 3.5,  # above _function and _ops, below parallel
-    "syncbn._abn_traced": 3.5,
-    "syncbn._compiled": 3.6,  # the traced layer around it
-    "syncbn.functional": 4,
-    "syncbn.parallel": 4,
-    "syncbn._abn_layer": 4.5,  # above parallel, below the layers
-    "syncbn.modules": 5,
-    "syncbn.activated": 5,
-    "syncbn.convert": 6,
-    "syncbn.fuse": 6,
-    "syncbn.accumulate": 6,  # syncbn.accumulation (the module is not named after the class it exports)
     "syncbn._fx": 0,  # how layers appear in torch.fx graphs (torch only)
-    "syncbn.quantization": 6.5,  # torch.ao's fusion tables, above convert
+    "syncbn.families": 0,  # a family is its math: torch only
+    "syncbn._math": 1,
+    "syncbn.groups": 1,  # the communication seam
+    "syncbn._abn_math": 2,
+    "syncbn._checks": 2,
+    "syncbn._rules": 3,  # the engine's dtype rules and one-value error
+    "syncbn._function": 4,  # the engine: moments, framed sum, Join policy, eager autograd
+    "syncbn._ops": 5,  # the collective operator for torch.compile
+    "syncbn._abn": 6,
+    "syncbn._compiled": 6,  # the traced engine around the operator
+    "syncbn.functional": 7,
+    "syncbn.parallel": 7,
+    "syncbn._abn_traced": 7,
+    "syncbn._abn_layer": 8,
+    "syncbn.modules": 9,
+    "syncbn.activated": 9,
+    "syncbn.renorm": 10,
+    "syncbn.convert": 10,
+    "syncbn.fuse": 10,
+    "syncbn.accumulate": 10,  # syncbn.accumulation (the module is not named after the class it exports)
+    "syncbn.quantization": 11,  # torch.ao's fusion tables, above convert
 }
 
 
@@ -94,7 +100,7 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def _layer(module: str) -> float | None:
+def _layer(module: str) -> int | None:
     while module:
         if module in LAYERS:
             return LAYERS[module]

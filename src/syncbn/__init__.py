@@ -18,6 +18,13 @@ from .groups import CollectiveError
 from .join import JoinableSyncBatchNorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 from .recovery import sync_buffers
+from .renorm import (
+    SyncBatchRenorm,
+    SyncBatchRenorm1d,
+    SyncBatchRenorm2d,
+    SyncBatchRenorm3d,
+    convert_to_renorm,
+)
 from .stats import recompute_running_stats, sync_running_stats
 
 try:  # adds syncbn's layer types to torch.ao.quantization's fusion and QAT tables
@@ -34,6 +41,11 @@ __all__ = [
     "SyncBatchNorm3d",
     "InPlaceSyncBatchNorm",
     "InPlaceSyncBatchNorm2d",
+    "SyncBatchRenorm",
+    "SyncBatchRenorm1d",
+    "SyncBatchRenorm2d",
+    "SyncBatchRenorm3d",
+    "convert_to_renorm",
     "fuse_batchnorm_activation",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",

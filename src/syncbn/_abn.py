@@ -28,8 +28,15 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _abn_math, _accumulating, _checks, _math
-from ._function import _all_reduce, statistics_dtype
+from . import _abn_math, _math
+from ._function import (
+    _all_reduce,
+    checks_before_backward,
+    checks_before_forward,
+    one_value_error,
+    statistics_dtype,
+    synchronized_moments,
+)
 from .groups import SumGroup
 
 __all__ = ["ABNStats", "InPlaceABNFunction", "abn_backward", "abn_forward", "inplace_abn_apply"]
@@ -49,14 +56,6 @@ class ABNStats(NamedTuple):
     total: float | Tensor  # global count (a float on CPU; 0-dim tensor on a device); 0.0 in eval
     local_count: int  # this member's values per channel
     training: bool
-
-
-def _one_value(x: Tensor, size: int, layer: Any) -> ValueError:
-    where = "" if layer is None else f"layer {_checks.layer_name(layer)}; "
-    return ValueError(
-        "Expected more than 1 value per channel when training, got 1 value per channel across the "
-        f"{size} member(s) of the group ({where}this rank's input size {list(x.shape)})"
-    )
 
 
 def abn_forward(
@@ -123,29 +122,12 @@ def abn_forward(
         _abn_math.activate_(x, None, None, activation, param)
         return ABNStats(invstd, float(count), count, True)
 
-    buffer = _math.moment_buffer(channels, x.device) if host else None
+    moments = synchronized_moments(x, stat_dtype, reduce, one_value_error)
     if count > 0:
-        mean_l, var_l = _math.local_moments(x)
-        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
-    else:
-        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device, buffer=buffer)
-    if reduce is not None:
-        packed = reduce(packed)
-    total, (mean, var, unbiased) = _math.unpack_moments(
-        packed, channels, read_count=host, dtype=stat_dtype, buffer=buffer
-    )
-    global_count = 2.0
-    if count < 2:
-        global_count = total if isinstance(total, float) else float(total.item())
-        if global_count == 1:
-            raise one_value_error()
-    if count > 0:
-        a, c = _abn_math.affine_coefficients(scale, bias, mean, var, eps)
+        a, c = _abn_math.affine_coefficients(scale, bias, moments.mean, moments.var, eps)
         _abn_math.activate_(x, a, c, activation, param)
-    if global_count > 0:
-        _accumulating.observe(running_mean, total, mean, var, momentum)  # syncbn.accumulation
-        _math.update_running(running_mean, running_var, mean, unbiased, momentum)
-    return ABNStats((var + eps).rsqrt(), total, count, True)
+    moments.update_running(running_mean, running_var, momentum)
+    return ABNStats((moments.var + eps).rsqrt(), moments.total, count, True)
 
 
 def local_sums(
@@ -291,7 +273,7 @@ class InPlaceABNFunction(torch.autograd.Function):
         reduce = None
         size = 1
         if training and group is not None:
-            call = _checks.before_forward(group, layer, x)
+            call = checks_before_forward(group, layer, x)
             size = group.size
 
             def reduce(packed: Tensor) -> Tensor:
@@ -309,7 +291,7 @@ class InPlaceABNFunction(torch.autograd.Function):
             activation,
             param,
             reduce,
-            lambda: _one_value(x, size, layer),
+            lambda: one_value_error(x, size, "member(s) of the group", layer),
         )
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, weight, bias)
@@ -327,7 +309,7 @@ class InPlaceABNFunction(torch.autograd.Function):
         group, layer = ctx.group, ctx.layer
         reduce = None
         if ctx.stats.training and group is not None:
-            _checks.before_backward(group, layer, grad, ctx.call)
+            checks_before_backward(group, layer, grad, ctx.call)
 
             def reduce(sums: Tensor) -> Tensor:
                 return _all_reduce(group, sums, layer, "backward")

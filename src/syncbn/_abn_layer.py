@@ -10,14 +10,13 @@ activation checkpointing, checkpoint loading, pickling with a process group.
 from __future__ import annotations
 
 import copy
-import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from . import _abn, _abn_math, _checks, groups, parallel
+from . import _abn, _abn_math, _checks, _rules, groups, parallel
 
 try:
     from . import _ops
@@ -28,10 +27,8 @@ from .parallel._abn import replica_inplace_abn
 
 __all__ = ["ActivatedBatchNormBase"]
 
-_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_is_compiling: Callable[[], bool] = (
-    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-)
+_is_compiling = _rules.is_compiling
+_warn_while_tracing = _rules.warn_while_tracing
 
 # Tensors an in-place layer wrote over outside a recomputation: id -> (weak reference, version after
 # the write). A checkpointed region whose recomputation hands a layer one of these (unchanged since)
@@ -63,13 +60,6 @@ OVERWRITTEN_CHECKPOINT_INPUT = (
     "instead. Start the checkpointed region with the operation that produces the layer's input (e.g. "
     "the convolution before it), or use a non-in-place layer there."
 )
-
-
-@torch._dynamo.assume_constant_result
-def _warn_while_tracing(message: str) -> bool:
-    """Warn while dynamo traces (it runs this at trace time, never in the compiled code)."""
-    warnings.warn(message, stacklevel=2)
-    return True
 
 
 class ActivatedBatchNormBase(nn.Module):
@@ -239,7 +229,7 @@ class ActivatedBatchNormBase(nn.Module):
 
     def _eager_forward(self, x: Tensor) -> Tensor:
         self._check_input_dim(x)
-        recomputing = self.training and _current_graph_task_id() != -1
+        recomputing = self.training and _rules.in_backward()
         tracking = self.training and self.track_running_stats and not recomputing
         factor = self._factor(tracking, recomputing)
         if recomputing and (_was_overwritten(x) or (x.is_leaf and x.requires_grad)):

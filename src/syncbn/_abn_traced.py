@@ -3,9 +3,10 @@
 Same math as :mod:`syncbn._abn` (statistics packed as ``[n, n*mean, n*var + n*mean^2]``
 in float64, ``x <- act(x * a + c)`` in place, only the output saved, ``xhat``
 recovered in backward) written with plain tensor operations only: no host
-reads, no reused buffers. The statistics are computed outside the autograd
-function (their derivative is in its backward), so the running-statistics
-update is ordinary traced code. Over a group (``group``, a handle of
+reads, no reused buffers. The statistics and the running-statistics update
+are the traced engine's (:func:`syncbn._compiled.traced_moments`,
+:func:`~syncbn._compiled.traced_update_running`), computed outside the autograd
+function (their derivative is in its backward). Over a group (``group``, a handle of
 :func:`syncbn._ops.group_handle`; 0 is local) the two collectives are the one
 opaque operator ``syncbn::all_reduce_sum`` (ordered, never dropped), framed
 with the layer's token: one in forward (the packed moments, with the layer's
@@ -13,8 +14,8 @@ input for the first-use handshake and the "more than 1 value per channel"
 check on every rank when this rank holds fewer than two values), one in
 backward. Everything else is traced, and fused by the compiler.
 
-Locally, a global count of one is not checked (no host read); a global count
-of zero leaves the running statistics unchanged.
+Locally, a count of one raises while tracing (as the eager layer); a global
+count of zero leaves the running statistics unchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _accumulating, _ops
-from .groups import PHASE_BACKWARD, PHASE_FORWARD
+from . import _accumulating, _compiled, _function, _ops
+from .groups import PHASE_BACKWARD
 
 __all__ = ["traced_inplace_abn"]
 
@@ -41,30 +42,6 @@ def _dims(x: Tensor) -> list[int]:
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def statistics(
-    x: Tensor, group: int, token: Tensor | None, stat_dtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, biased var, unbiased var)`` over the group: ONE ``reduce`` of the packed moments."""
-    n = x.numel() // x.shape[1] if x.shape[1] else 0
-    acc = _acc(x.dtype)
-    if n > 0:
-        var_l, mean_l = torch.var_mean(x.detach().to(acc), _dims(x), correction=0)
-    else:
-        var_l = mean_l = torch.zeros(x.shape[1], dtype=acc, device=x.device)
-    mean64, var64 = mean_l.double(), var_l.double()
-    head = torch.full((1,), float(n), dtype=torch.float64, device=x.device)
-    packed = torch.cat([head, n * mean64, n * (var64 + mean64 * mean64)])
-    if group:
-        flags = _ops.CHECK_ONE_VALUE if n < 2 else 0
-        packed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x.detach(), flags)
-    total = packed[0]
-    sums = packed[1:].view(2, -1)
-    mean = sums[0] / total.clamp(min=1.0)
-    var = (sums[1] / total.clamp(min=1.0) - mean * mean).clamp(min=0.0)
-    unbiased = var * (total / (total - 1.0).clamp(min=1.0))
-    return total, mean.to(stat_dtype), var.to(stat_dtype), unbiased.to(stat_dtype)
 
 
 class TracedInPlaceABN(torch.autograd.Function):
@@ -161,20 +138,14 @@ def traced_inplace_abn(
     ``group``: a :func:`syncbn._ops.group_handle` (0: local); ``token``: the layer's
     :func:`syncbn._ops.layer_token`.
     """
-    if weight is not None:
-        stat_dtype = weight.dtype
-    elif running_mean is not None:
-        stat_dtype = running_mean.dtype
-    else:
-        stat_dtype = _acc(x.dtype)
+    stat_dtype = _function.statistics_dtype(x, weight, running_mean)
     if training:
-        total, mean, var, unbiased = statistics(x, group, token, stat_dtype)
+        # The traced engine's moments and running update (syncbn._compiled), as BatchNorm's.
+        total, mean, var, unbiased = _compiled.traced_moments(x.detach(), group, token, stat_dtype)
         if group:  # syncbn.accumulation (local layers are seen by its forward hooks)
             _accumulating.observe(running_mean, total, mean, var, momentum)
         with torch.no_grad():
-            for r, s in ((running_mean, mean), (running_var, unbiased)):
-                if r is not None:  # an empty global batch leaves the running statistics as they are
-                    r.lerp_(torch.where(total > 0, s.to(r.dtype), r), momentum)  # type: ignore[arg-type]
+            _compiled.traced_update_running(running_mean, running_var, mean, unbiased, total, momentum)
         out: Tensor = TracedInPlaceABN.apply(
             x, weight, bias, mean, var, total, eps, activation, param, group, token
         )

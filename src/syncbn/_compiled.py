@@ -48,7 +48,7 @@ from torch import Tensor
 from . import _accumulating, _function, _math, _ops
 from .groups import PHASE_BACKWARD, PHASE_FORWARD
 
-__all__ = ["sync_batch_norm"]
+__all__ = ["sync_batch_norm", "traced_moments", "traced_update_running"]
 
 
 def _layout(x: Tensor) -> tuple[list[int], list[int]]:
@@ -60,10 +60,65 @@ def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, stat), torch.float32)
 
 
+def traced_moments(
+    x: Tensor, group: int, token: Tensor | None, stat: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(count, mean, biased var, unbiased var)`` over the group, in traced operations: the traced engine.
+
+    Local moments (accumulation dtype), packed in float64 ``n * [1, m, v + m^2]``,
+    ONE ``syncbn::all_reduce_sum`` (``group`` 0: none, this member alone), the
+    global statistics in ``stat``. The count is a shape: only a member holding
+    fewer than two values asks the operator for the one-value check (as eager);
+    alone, a count of one is the same error, raised while tracing.
+    """
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    dims, _ = _layout(x)
+    if count > 0:
+        var_l, mean_l = torch.var_mean(x.to(_math.accumulation_dtype(x.dtype)), dims, correction=0)
+        mean64, var64 = mean_l.to(torch.float64), var_l.to(torch.float64)
+        head = torch.ones(1, dtype=torch.float64, device=x.device)
+        packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
+    else:
+        packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
+    flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
+    if group:
+        summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
+    elif count == 1:
+        raise _function._expected_more_than_one(x, _function.LOCAL, None)
+    else:
+        summed = packed
+    total = summed[0]
+    n = total.clamp(min=1.0)
+    sums = summed[1:].view(2, channels) / n
+    mean64 = sums[0]
+    var64 = (sums[1] - mean64 * mean64).clamp(min=0.0)
+    unbiased = (var64 * (total / (total - 1.0).clamp(min=1.0))).to(stat)
+    return total, mean64.to(stat), var64.to(stat), unbiased
+
+
+def traced_update_running(
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    mean: Tensor,
+    unbiased: Tensor,
+    total: Tensor,
+    momentum: float | Tensor,
+) -> None:
+    """The running-statistics update in traced operations: weight ``momentum * (N > 0)``, no host read."""
+    if running_mean is None and running_var is None:
+        return
+    weight_t = (total > 0).to(mean.dtype) * momentum
+    for running, batch in ((running_mean, mean), (running_var, unbiased)):
+        if running is not None:
+            running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
+
+
 class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm over a group, in traceable operations (see the module docstring).
 
-    Returns ``(out, mean, unbiased_var, count)``; only ``out`` is differentiable.
+    Returns ``(out, mean, unbiased_var, count, var)``; only ``out`` is differentiable.
+    ``group`` 0: no collective (the "none" reducer: a family's math without a group).
     """
 
     @staticmethod
@@ -75,42 +130,30 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         eps: float,
         group: int,
         token: Tensor | None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        channels = x.shape[1]
-        count = x.numel() // channels if channels else 0
+        family: Any = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         stat = _function.statistics_dtype(x, weight, None)
         dims, shape = _layout(x)
-        if count > 0:
-            var_l, mean_l = torch.var_mean(x.to(_math.accumulation_dtype(x.dtype)), dims, correction=0)
-            mean64, var64 = mean_l.to(torch.float64), var_l.to(torch.float64)
-            head = torch.ones(1, dtype=torch.float64, device=x.device)
-            packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
-        else:
-            packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-        flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
-        summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
-        total = summed[0]
-        n = total.clamp(min=1.0)
-        sums = summed[1:].view(2, channels) / n
-        mean64 = sums[0]
-        var64 = (sums[1] - mean64 * mean64).clamp(min=0.0)
-        unbiased = (var64 * (total / (total - 1.0).clamp(min=1.0))).to(stat)
-        mean, var = mean64.to(stat), var64.to(stat)
+        total, mean, var, unbiased = traced_moments(x, group, token, stat)
         invstd = torch.rsqrt(var + eps)
         comp = _compute_dtype(x, stat)
+        correction = None if family is None else family.correction(mean, var, eps)
+        if correction is not None:  # the family's effective affine map; (r, d) constants
+            weight, bias = family.affine(weight, bias, *correction)
         scale = invstd if weight is None else invstd * weight
         y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
         if bias is not None:
             y = y + bias.to(comp).view(shape)
         out = y.to(x.dtype)
-        ctx.mark_non_differentiable(mean, unbiased, total)
+        ctx.mark_non_differentiable(mean, unbiased, total, var)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it).
         ctx.has_weight, ctx.has_token = weight is not None, token is not None
-        extra = [t for t in (weight, token) if t is not None]
+        ctx.family = None if correction is None else family
+        extra = [t for t in (weight, token, *(correction or ())) if t is not None]
         ctx.save_for_backward(x, mean, invstd, total, *extra)
         ctx.group = group
         ctx.param_dtype = _function.gradient_dtype(weight, bias, mean)
-        return out, mean, unbiased, total
+        return out, mean, unbiased, total, var
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -119,6 +162,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         x, mean, invstd, total, *extra = ctx.saved_tensors
         weight = extra.pop(0) if ctx.has_weight else None
         token = extra.pop(0) if ctx.has_token else None
+        family, correction = ctx.family, extra  # (r, d) when the family has a correction
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         dims, shape = _layout(x)
         comp = _compute_dtype(x, mean.dtype)
@@ -129,15 +173,21 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         grad_input = None
         if need_input:
             packed = torch.stack([sum_dy, sum_dy_xhat])
-            summed = _ops._all_reduce_op(packed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
+            summed = (
+                _ops._all_reduce_op(packed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
+                if ctx.group
+                else packed
+            )
             n = total.clamp(min=1.0).to(comp)
             scale = invstd if weight is None else invstd * weight
             mean_dy = (summed[0] / n).view(shape)
             mean_dy_xhat = (summed[1] / n).view(shape)
             grad_input = (scale.to(comp).view(shape) * (g - mean_dy - xhat * mean_dy_xhat)).to(x.dtype)
+        if family is not None:
+            sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *correction)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def sync_batch_norm(
@@ -150,18 +200,18 @@ def sync_batch_norm(
     eps: float,
     group: int,
     token: Tensor | None,
+    family: Any = None,
 ) -> Tensor:
-    """Training-mode synchronised batch norm in traced operations (``group`` a handle > 0).
+    """Training-mode synchronised batch norm in traced operations (``group`` a handle; 0: no collective).
 
     The running statistics are updated here with the batch's global mean and
     unbiased variance, and only where the global count is positive (the update
-    weight is ``momentum * (N > 0)``, no host read).
+    weight is ``momentum * (N > 0)``, no host read). ``family``: the layer
+    family's per-call object (:mod:`syncbn.families`), ``None`` for batch norm.
     """
-    out, mean, unbiased, total = _TracedSyncBatchNorm.apply(x, weight, bias, eps, group, token)
+    if family is not None:
+        family = family.snapshot(_ops.snapshot)  # (r, d) from the statistics before the update below
+    out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, eps, group, token, family)
     _accumulating.observe(running_mean, total, mean, unbiased, momentum, unbiased=True)  # syncbn.accumulation
-    if running_mean is not None or running_var is not None:
-        weight_t = (total > 0).to(mean.dtype) * momentum
-        for running, batch in ((running_mean, mean), (running_var, unbiased)):
-            if running is not None:
-                running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
+    traced_update_running(running_mean, running_var, mean, unbiased, total, momentum)
     return out  # type: ignore[no-any-return]

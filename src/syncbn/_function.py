@@ -1,24 +1,25 @@
-"""The autograd function that joins the math (:mod:`syncbn._math`) to a group.
+"""The eager engine: what every family's synchronised training step shares.
 
-One ``all_reduce`` in forward (packed moments, ``2C + 1`` float64 values) and
-one in backward (``2C`` values in the statistics dtype, at least float32) per
-call, whatever the world size.
+Forward: :func:`synchronized_moments` (local moments, packed; ONE framed sum;
+the count rules), then the family's elementwise forward
+(:func:`synchronized_forward`: batch norm, or a family's effective affine map,
+:mod:`syncbn.families`) and the running-statistics update. Backward: local
+sums, ONE framed sum, the input gradient, the family's parameter gradients.
+The framed sum (:func:`_all_reduce`) and the Join policy (:func:`through_join`,
+:func:`checks_before_forward`, :func:`checks_before_backward`) live here once,
+for every family and path (eager, in-place, the compile operator).
 
 Device-to-host synchronisation: none when this rank holds at least two values
-per channel, because the global count is then known to be at least two without
-looking. Only a rank holding zero or one value per channel reads the global
-count back (``.item()``), to decide between an empty batch, the "more than one
-value per channel" error and the normal path. Every rank whose global count is
-below two is such a rank, so all of them take the same decision.
+per channel (the global count is then at least two without looking); only a
+rank holding zero or one value reads the global count, so every rank whose
+global count is below two takes the same decision.
 
-Two entry points share this code: :class:`SyncBatchNormFunction` (eager) and
-:class:`TransformableSyncBatchNormFunction` (the ``setup_context`` form, used
-only under ``torch.func`` transforms). While ``torch.compile`` traces, the
-layer runs :mod:`syncbn._compiled` instead (traced arithmetic), whose only
-call into this module is the framed sum :func:`_all_reduce`, through the
-collective operator of :mod:`syncbn._ops`. With
-``create_graph=True`` the backward is differentiable (double backward): its
-collectives are then differentiable all_reduces (:class:`_DifferentiableSum`).
+Two autograd entry points: :class:`SyncBatchNormFunction` (eager) and
+:class:`TransformableSyncBatchNormFunction` (``setup_context`` form, under
+``torch.func``). Compiled models run :mod:`syncbn._compiled` (traced), whose
+only call into this module is the framed sum, through :mod:`syncbn._ops`.
+With ``create_graph=True`` the backward is differentiable
+(:mod:`syncbn._double_backward`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import torch
 from torch import Tensor
 
 from . import _accumulating, _checks, _config, _math
+from ._double_backward import differentiable_input_grads
+from ._math import finish_input_grad, local_grad_sums
+from ._rules import gradient_dtype, one_value_error, statistics_dtype
+from ._threads import LOCAL
 from .groups import (
     PHASE_BACKWARD,
     PHASE_FORWARD,
@@ -40,50 +45,118 @@ from .groups import (
 )
 
 __all__ = [
+    "LOCAL",
     "ForwardResult",
+    "Moments",
     "SyncBatchNormFunction",
     "finish_input_grad",
     "gradient_dtype",
     "local_grad_sums",
+    "one_value_error",
     "statistics_dtype",
     "synchronized_forward",
+    "synchronized_moments",
 ]
 
 
-def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
-    """The dtype normalisation statistics are handed to the native kernels in.
-
-    The layer's parameter dtype when it has parameters or buffers (so a float32
-    layer fed float16 input keeps float32 statistics), else float32 or float64
-    after the input.
-    """
-    if weight is not None:
-        return weight.dtype
-    if running_mean is not None:
-        return running_mean.dtype
-    return _math.accumulation_dtype(x.dtype)
-
-
-def gradient_dtype(weight: Tensor | None, bias: Tensor | None, mean: Tensor) -> torch.dtype:
-    """The dtype of the weight and bias gradients: the parameters', else the statistics' (``mean``)."""
-    if weight is not None:
-        return weight.dtype
-    return bias.dtype if bias is not None else mean.dtype
-
-
 def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueError:
-    return ValueError(
-        "Expected more than 1 value per channel when training, got 1 value per channel "
-        f"across the {group.size} ranks of the group ("
-        + ("" if layer is None else f"layer {_checks.layer_name(layer)}; ")
-        + f"this rank's input size {list(x.shape)})"
+    return one_value_error(x, group.size, "ranks of the group", layer)
+
+
+class Moments(NamedTuple):
+    """The global statistics of a training call (statistics dtype), as the engine computed them."""
+
+    mean: Tensor
+    var: Tensor  # biased
+    unbiased: Tensor
+    total: float | Tensor  # global count: a float on the host, a 0-dim float64 tensor on a device
+    local_count: int  # this member's values per channel
+    global_count: float  # the global count, or the lower bound 2.0 when this member holds >= 2
+
+    def update_running(
+        self, running_mean: Tensor | None, running_var: Tensor | None, momentum: float
+    ) -> None:
+        """The running-statistics update (none for an empty global batch)."""
+        if self.global_count > 0:  # (syncbn.accumulation sees every update here)
+            _accumulating.observe(running_mean, self.total, self.mean, self.var, momentum)
+            _math.update_running(running_mean, running_var, self.mean, self.unbiased, momentum)
+
+
+def synchronized_moments(
+    x: Tensor,
+    stat_dtype: torch.dtype,
+    reduce: Callable[[Tensor], Tensor] | None,
+    one_value_error: Callable[[], Exception],
+    scratch: Tensor | None = None,
+) -> Moments:
+    """Local moments, packed; ONE ``reduce``; the global statistics; the count rules.
+
+    The step every family's training forward shares: local count, mean and M2
+    (stable two-pass, at least float32), packed in float64 as ``[n, n*m, M2 + n*m^2]``
+    (on the host in this thread's reusable buffer), summed by ``reduce`` (``None``:
+    this member alone), unpacked into the statistics dtype. Device-to-host reads
+    only where this member holds fewer than two values per channel; a global
+    count of one raises ``one_value_error()`` before anything changes.
+    """
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    host = _host_side(x)
+    # On the host, the packed vector and its views are this thread's, reused every call.
+    buffer = _math.moment_buffer(channels, x.device) if host else None
+    if count > 0:
+        mean_l, var_l = _math.local_moments(x, scratch=scratch)
+        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
+    else:
+        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device, buffer=buffer)
+    if reduce is not None:
+        packed = reduce(packed)
+    total, (mean, var, unbiased) = _math.unpack_moments(
+        packed, channels, read_count=host, dtype=stat_dtype, buffer=buffer
     )
+    # Nothing has changed yet: the one-value error still leaves every state as it was.
+    global_count = 2.0  # a lower bound is all that is needed when count >= 2
+    if count < 2:
+        # A device read only here, where the count may be below two.
+        global_count = total if isinstance(total, float) else float(total.item())
+        if global_count == 1:
+            raise one_value_error()
+    return Moments(mean, var, unbiased, total, count, global_count)
 
 
 _PHASE_CODES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
 
 # The active syncbn.join.JoinableSyncBatchNorm while a Join context holds one, else None.
 _joining: Any = None
+
+
+def through_join(group: Any) -> bool:
+    """Whether ``group``'s collectives go through the active Join's joinable (:mod:`syncbn.join`).
+
+    The Join policy, in one place for every family and path (eager, traced,
+    functional): under Join the default group's collectives become the
+    joinable's header-then-payload exchange, whose header checks that the
+    training ranks agree, and a joined rank answers only those. The per-call
+    checks (first-use handshake, debug mode) are then skipped: a joined rank
+    would never answer them.
+    """
+    return _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None
+
+
+def checks_before_forward(group: Any, layer: Any, x: Tensor) -> int:
+    """The handshake or debug check before a forward collective, under the Join policy.
+
+    Returns:
+        The call number recorded for debug mode (0 when none, or under Join).
+    """
+    if through_join(group):
+        return 0
+    return _checks.before_forward(group, layer, x)
+
+
+def checks_before_backward(group: Any, layer: Any, grad_output: Tensor, call: int) -> None:
+    """Debug mode's check before a backward collective, under the Join policy."""
+    if not through_join(group):
+        _checks.before_backward(group, layer, grad_output, call)
 
 
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
@@ -96,7 +169,7 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
     that no device-to-host synchronisation is added; debug mode checks at once.
     """
     try:
-        if _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None:
+        if through_join(group):
             # Under Join: through the joinable's own group, a joined rank shadowing (syncbn.join).
             result: Tensor = _joining.all_reduce(tensor)
             return result
@@ -127,6 +200,9 @@ class ForwardResult(NamedTuple):
     var: Tensor  # global biased variance, statistics dtype
     total: float | Tensor  # global count: a float on CPU, a 0-dim float64 tensor on a device
     local_count: int  # this member's values per channel
+    weight: Tensor | None = None  # the weight the elementwise forward used (the family's effective one)
+    correction: tuple[Tensor, Tensor] | None = None  # the family's (r, d); None for batch norm
+    family: Any = None  # the family object that made ``correction``
 
 
 def synchronized_forward(
@@ -139,6 +215,7 @@ def synchronized_forward(
     momentum: float,
     reduce: Callable[[Tensor], Tensor],
     one_value_error: Callable[[], Exception],
+    family: Any = None,
 ) -> ForwardResult:
     """Training-mode batch norm of ``x`` with statistics summed by ``reduce``.
 
@@ -161,77 +238,28 @@ def synchronized_forward(
         momentum: running-statistics update factor.
         reduce: sums a float64 vector over every member, returning the sum.
         one_value_error: builds the error raised when the global count is one.
+        family: the layer family's per-call object (:mod:`syncbn.families`),
+            or ``None`` for batch norm.
 
     Returns:
         The output and the statistics backward needs.
     """
-    channels = x.shape[1]
-    count = x.numel() // channels if channels else 0
-    host = _host_side(x)
     # On CPU the output buffer doubles as the moments' scratch space of the two-pass
     # statistics (see local_moments); the native kernel (CUDA, small or 16-bit input) needs none,
     # and the normalisation then allocates its own output.
-    out = torch.empty_like(x) if host and not _math.uses_native_statistics(x) else None
-    # On the host, the packed vector and its views are this thread's, reused every call.
-    buffer = _math.moment_buffer(channels, x.device) if host else None
-    if count > 0:
-        mean_l, var_l = _math.local_moments(x, scratch=out)
-        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
-    else:
-        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device, buffer=buffer)
+    out = torch.empty_like(x) if _host_side(x) and not _math.uses_native_statistics(x) else None
     stat_dtype = statistics_dtype(x, weight, running_mean)
-    total, (mean, var, unbiased) = _math.unpack_moments(
-        reduce(packed), channels, read_count=host, dtype=stat_dtype, buffer=buffer
-    )
-
-    # Nothing has changed yet: the one-value error still leaves every state as it was.
-    global_count = 2.0  # a lower bound is all that is needed when count >= 2
-    if count < 2:
-        # A device read only here, where the count may be below two.
-        global_count = total if isinstance(total, float) else float(total.item())
-        if global_count == 1:
-            raise one_value_error()
-    if count > 0:
+    moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, scratch=out)
+    mean, var = moments.mean, moments.var
+    correction = None if family is None else family.correction(mean, var, eps)
+    if correction is not None:  # the family's effective affine map, from statistics before the update
+        weight, bias = family.affine(weight, bias, *correction)
+    if moments.local_count > 0:
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:
         out = torch.empty_like(x)
-    if global_count > 0:
-        _accumulating.observe(running_mean, total, mean, var, momentum)  # syncbn.accumulation
-        _math.update_running(running_mean, running_var, mean, unbiased, momentum)
-    return ForwardResult(out, mean, var, total, local_count=count)
-
-
-def local_grad_sums(
-    grad_output: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, eps: float, count: int
-) -> tuple[Tensor, Tensor]:
-    """This member's ``(sum(dy), sum(dy * xhat))``; zeros for an empty local batch (``count == 0``)."""
-    if count > 0:
-        return _math.backward_sums(grad_output, x, weight, mean, var, eps)
-    zeros = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
-    return zeros, zeros.clone()
-
-
-def finish_input_grad(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    total: float | Tensor,
-    count: int,
-    reduced: Tensor,
-) -> Tensor:
-    """Input gradient from the group-summed ``[[sum(dy)], [sum(dy * xhat)]]`` (``reduced``, ``(2, C)``).
-
-    ``total`` is the global count, ``count`` this member's; an empty local batch
-    gets an empty (all-zero) gradient.
-    """
-    if count == 0:
-        return torch.zeros_like(x)
-    if reduced.device != x.device:  # nn.DataParallel: summed on the first replica's device
-        reduced = reduced.to(x.device)
-    return _math.input_grad(grad_output, x, weight, mean, var, eps, total, reduced)
+    moments.update_running(running_mean, running_var, momentum)
+    return ForwardResult(out, mean, var, moments.total, moments.local_count, weight, correction, family)
 
 
 class _Pending:
@@ -244,76 +272,6 @@ class _Pending:
         self.call = 0
 
 
-class _DifferentiableSum(torch.autograd.Function):
-    """``all_reduce`` SUM as a differentiable function: its adjoint is itself.
-
-    Used only on the double-backward path (``create_graph=True``): each
-    backward is again an all_reduce through :func:`_all_reduce`, so gradients
-    of any order flow across ranks.
-    """
-
-    @staticmethod
-    def forward(tensor: Tensor, group: SumGroup, layer: Any, phase: str) -> Tensor:  # type: ignore[override]
-        return _all_reduce(group, tensor.detach().contiguous().clone(), layer, phase)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.group, ctx.layer, ctx.phase = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        summed: Tensor = _DifferentiableSum.apply(grad, ctx.group, ctx.layer, ctx.phase)
-        return summed, None, None, None
-
-
-def differentiable_input_grads(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    total: float | Tensor,
-    group: SumGroup,
-    layer: Any,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
-
-    The double-backward path. The global mean and variance are rebuilt from a
-    differentiable all_reduce of ``[sum x, sum x^2]`` (their values are the
-    forward's, exactly; only their derivatives come from the rebuild), and the
-    backward sums go through a differentiable all_reduce too: two collectives,
-    on every rank alike, where the first-order backward makes one.
-    """
-    stat = mean.dtype
-    dims = [0, *range(2, x.dim())]
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    if isinstance(total, Tensor):
-        n: float | Tensor = total.to(torch.float64)
-    else:
-        n = float(total)
-    x64 = x.to(torch.float64)
-    sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
-    s, q = _DifferentiableSum.apply(sums, group, layer, "forward (recomputed for double backward)").unbind(0)
-    mean_d = s / n
-    var_d = q / n - mean_d * mean_d
-    # The forward's exact values, with the rebuilt statistics' derivatives.
-    mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
-    var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
-    invstd = (var_v + eps).rsqrt()
-    xhat = (x.to(stat) - mean_v.view(shape)) * invstd.view(shape)
-    dy = grad_output.to(stat)
-    sum_dy = dy.sum(dims)
-    sum_dy_xhat = (dy * xhat).sum(dims)
-    local = torch.stack([sum_dy, sum_dy_xhat])
-    reduced = _DifferentiableSum.apply(
-        local.float() if local.dtype in (torch.float16, torch.bfloat16) else local, group, layer, "backward"
-    ).to(stat)
-    scale = invstd if weight is None else invstd * weight.to(stat)
-    grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
-    return grad_input.to(x.dtype), sum_dy_xhat, sum_dy
-
-
 def run_forward(
     x: Tensor,
     weight: Tensor | None,
@@ -324,10 +282,10 @@ def run_forward(
     momentum: float,
     group: SumGroup,
     layer: Any,
+    family: Any = None,
 ) -> tuple[ForwardResult, int]:
     """The synchronised training forward over ``group``, and the debug call number."""
-    # Under Join the collective's header checks the ranks agree (syncbn.join).
-    call = _checks.before_forward(group, layer, x) if _joining is None else 0
+    call = checks_before_forward(group, layer, x)
     result = synchronized_forward(
         x,
         weight,
@@ -338,6 +296,7 @@ def run_forward(
         momentum,
         lambda packed: _all_reduce(group, packed, layer, "forward"),
         lambda: _expected_more_than_one(x, group, layer),
+        family,
     )
     return result, call
 
@@ -353,7 +312,8 @@ def _save(
     layer: Any,
     call: int,
 ) -> None:
-    ctx.save_for_backward(x, weight, result.mean, result.var)
+    ctx.save_for_backward(x, weight if result.correction is None else result.weight, result.mean, result.var)
+    ctx.correction, ctx.family = result.correction, result.family
     ctx.total = result.total
     ctx.count = result.local_count
     ctx.param_dtype = gradient_dtype(weight, bias, result.mean)
@@ -369,11 +329,14 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
     if torch.is_grad_enabled() and ctx.total:
         # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
         # differentiable. Every rank takes this branch alike (same create_graph, same global count).
-        if _joining is None:
-            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-        gi, gw, gb = differentiable_input_grads(
-            grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.group, ctx.layer
-        )
+        checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+
+        def reduce(tensor: Tensor, phase: str) -> Tensor:
+            return _all_reduce(ctx.group, tensor, ctx.layer, phase)
+
+        gi, gw, gb = differentiable_input_grads(grad_output, x, weight, mean, var, ctx.eps, ctx.total, reduce)
+        if ctx.correction is not None:
+            gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
         return (
             gi if need_input else None,
             gw.to(ctx.param_dtype) if need_weight else None,
@@ -383,13 +346,14 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
 
     grad_input = None
     if need_input:
-        if _joining is None:
-            _checks.before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+        checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
         reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
         grad_input = finish_input_grad(
             grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
         )
 
+    if ctx.correction is not None:
+        sum_dy_xhat, sum_dy = ctx.family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
     grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
     grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
     return grad_input, grad_weight, grad_bias
@@ -417,14 +381,17 @@ class SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         group: SumGroup,
         layer: Any = None,
+        family: Any = None,
     ) -> Tensor:
-        result, call = run_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, layer)
+        result, call = run_forward(
+            x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
+        )
         _save(ctx, x, weight, bias, result, eps, group, layer, call)
         return result.out
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return (*_backward(ctx, grad_output), None, None, None, None, None, None)
+        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None)
 
 
 class TransformableSyncBatchNormFunction(torch.autograd.Function):
@@ -448,20 +415,21 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
         group: SumGroup,
         layer: Any,
         box: _Pending,
+        family: Any = None,
     ) -> Tensor:
         box.result, box.call = run_forward(
-            x, weight, bias, running_mean, running_var, eps, momentum, group, layer
+            x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
         )
         return box.result.out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, weight, bias, _, _, eps, _, group, layer, box = inputs
+        x, weight, bias, _, _, eps, _, group, layer, box = inputs[:10]
         _save(ctx, x, weight, bias, box.result, eps, group, layer, box.call)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None)
+        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None, None)
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:

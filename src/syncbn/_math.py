@@ -45,10 +45,10 @@ the result, as ``nn.BatchNorm``'s own backward does.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import Tensor
+
+from ._packing import _ONES, MomentBuffer, moment_buffer, pack_grad_sums, pack_moments, unpack_moments  # noqa: F401
 
 __all__ = [
     "accumulation_dtype",
@@ -64,6 +64,8 @@ __all__ = [
     "backward_sums",
     "pack_grad_sums",
     "input_grad",
+    "local_grad_sums",
+    "finish_input_grad",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -221,150 +223,13 @@ def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype, scratch: Tensor | Non
     return m2
 
 
-class MomentBuffer:
-    """One thread's reusable buffers for a channel count on a device, views made once.
-
-    ``packed`` is the ``(2C + 1,)`` float64 vector of :func:`pack_moments`, with
-    ``head`` (the count), ``sums`` (``[S, Q]`` as ``(2, C)``) and its rows
-    ``means`` and ``squares`` as views; ``scratch_mean``/``scratch_var`` are
-    float32 running buffers the low-precision native statistics kernel is handed
-    (with a momentum of 0; their contents are never read). Every synchronised
-    forward of that channel count on the thread reuses them: nothing of them
-    outlives the call (the statistics are copied out), and making a view costs
-    an ATen call each, every call, otherwise.
-    """
-
-    __slots__ = ("packed", "head", "sums", "means", "squares", "scratch_mean", "scratch_var")
-
-    def __init__(self, channels: int, device: torch.device) -> None:
-        with torch.inference_mode(False):  # usable in place inside and outside inference mode
-            self.packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=device)
-            self.scratch_mean = torch.zeros(channels, dtype=torch.float32, device=device)
-            self.scratch_var = torch.ones(channels, dtype=torch.float32, device=device)
-        self.head = self.packed[0]
-        self.sums = self.packed[1:].view(2, channels)
-        self.means, self.squares = self.sums.unbind(0)
-
-
-_thread_state = threading.local()
-
-
-def moment_buffer(channels: int, device: torch.device) -> MomentBuffer:
-    """This thread's :class:`MomentBuffer` for ``channels`` on ``device`` (made on first use).
-
-    Per thread, so ``nn.DataParallel``'s replica threads never share one.
-    """
-    cache: dict[tuple[int, torch.device], MomentBuffer] | None = getattr(_thread_state, "moments", None)
-    if cache is None:
-        cache = _thread_state.moments = {}
-    key = (channels, device)
-    buffer = cache.get(key)
-    if buffer is None:
-        if len(cache) >= 256:
-            cache.clear()
-        buffer = cache[key] = MomentBuffer(channels, device)
-    return buffer
-
-
-def pack_moments(
-    count: int,
-    mean: Tensor | None,
-    var: Tensor | None,
-    *,
-    channels: int,
-    device: torch.device,
-    buffer: MomentBuffer | None = None,
-) -> Tensor:
-    """Pack local moments into the additive float64 vector ``[n, n*mean, n*(var + mean^2)]``.
-
-    The last part is :math:`M_2 + n m^2` with :math:`M_2 = n\\,\\text{var}`.
-
-    Args:
-        count: number of values per channel on this rank (may be 0).
-        mean: local per-channel mean, or ``None`` when ``count == 0``.
-        var: local per-channel biased variance, or ``None`` when ``count == 0``.
-        channels: number of channels ``C``.
-        device: where the packed vector lives (the input's device).
-        buffer: write into this :class:`MomentBuffer`'s ``packed`` (three ATen
-            calls, no allocation) instead of a new tensor.
-
-    Returns:
-        A float64 tensor of shape ``(2 * C + 1,)``; summing these over ranks gives
-        the global ``[N, S, Q]``.
-    """
-    if count == 0:
-        if buffer is not None:
-            return buffer.packed.zero_()
-        return torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-    assert mean is not None and var is not None
-    one = _ONES.get(mean.dtype) if mean.device.type == "cpu" else None
-    head = mean.new_ones(1) if one is None else one
-    if buffer is None:
-        packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=device)
-        means, squares = packed[1 : channels + 1], packed[channels + 1 :]
-    else:
-        packed, means, squares = buffer.packed, buffer.means, buffer.squares
-    torch.cat([head, mean, var], out=packed)  # widened to float64
-    packed.mul_(count)  # [n, n*mean, n*var]
-    # n*var + (n*mean)*mean, the float32 mean widened exactly: S and Q describe the same mean.
-    squares.addcmul_(means, mean)
-    return packed
-
-
-# Read-only one-element tensors for the head of the packed vector, and empty ones for the
-# statistics an inference-mode native_batch_norm.out leaves empty (each saves a call per layer).
-_ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.float64)}
+# Read-only empty tensors for the statistics an inference-mode native_batch_norm.out leaves
+# empty (each saves a call per layer).
 _EMPTY = {
     dtype: torch.empty(0, dtype=dtype)
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 }
 _ZERO = {dtype: torch.zeros((), dtype=dtype) for dtype in (torch.float32, torch.float64)}
-
-
-def unpack_moments(
-    packed: Tensor,
-    channels: int,
-    *,
-    read_count: bool | None = None,
-    dtype: torch.dtype = torch.float64,
-    buffer: MomentBuffer | None = None,
-) -> tuple[float | Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """Global statistics from the summed packed vector.
-
-    Args:
-        packed: the sum over ranks of :func:`pack_moments` outputs.
-        channels: number of channels ``C``.
-        read_count: read the count on the host (default: only for a CPU tensor,
-            where it costs no device synchronisation).
-        dtype: the dtype of the returned statistics (computed in float64, rounded once).
-        buffer: the :class:`MomentBuffer` ``packed`` is the ``packed`` of, if any
-            (its views are then used, not made).
-
-    Returns:
-        ``(count, (mean, var, unbiased))``: the global count (a Python float
-        when read on the host; else a 0-dim float64 tensor on the device), and
-        the per-channel mean, biased and unbiased variance, each ``(C,)`` in
-        ``dtype`` and none a view of ``packed``. A zero count gives zeros (never
-        NaN), a count of one an unbiased variance of zero; the caller decides
-        what those mean.
-    """
-    mine = buffer if buffer is not None and packed is buffer.packed else None
-    sums = mine.sums if mine is not None else packed[1:].view(2, channels)  # [S, Q]
-    count: float | Tensor
-    if packed.device.type == "cpu" if read_count is None else read_count:
-        count = float(mine.head if mine is not None else packed[0])
-        stats = torch.mul(sums, 1.0 / max(count, 1.0))  # [mean, Q/N], a new tensor
-        unbias: float | Tensor = count / max(count - 1.0, 1.0)
-    else:
-        count = mine.head.clone() if mine is not None else packed[0]
-        stats = sums / count.clamp(min=1.0)
-        unbias = count / (count - 1.0).clamp(min=1.0)
-    mean, var = stats.unbind(0)
-    # Q/N - mean^2 in float64: the cancellation costs ~1e-16 (mean^2 + var) / var, relative.
-    var.addcmul_(mean, mean, value=-1.0).clamp_(min=0.0)
-    if dtype != torch.float64:
-        mean, var = stats.to(dtype).unbind(0)
-    return count, (mean, var, var * unbias)
 
 
 def update_running(
@@ -417,17 +282,6 @@ def _memory_format(x: Tensor) -> torch.memory_format | None:
     if _is_channels_last(x):
         return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
     return torch.contiguous_format if x.is_contiguous() else None
-
-
-def pack_grad_sums(sum_dy: Tensor, sum_dy_xhat: Tensor) -> Tensor:
-    """The backward's all_reduce buffer ``[[sum_dy], [sum_dy_xhat]]``, ``(2, C)``, at least float32.
-
-    float32 and float64 layers sum in their own dtype (the local sums already
-    carry that dtype's rounding); float16/bfloat16 layers in float32, which does
-    not overflow.
-    """
-    packed = torch.stack([sum_dy, sum_dy_xhat])
-    return packed.float() if packed.dtype in _LOW_PRECISION else packed
 
 
 def input_grad(
@@ -541,3 +395,36 @@ def _low_precision_input_grad(
         res.addcmul_(buf, scale)
         grad_input[start:stop].copy_(res)
     return grad_input
+
+
+def local_grad_sums(
+    grad_output: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, eps: float, count: int
+) -> tuple[Tensor, Tensor]:
+    """This member's ``(sum(dy), sum(dy * xhat))``; zeros for an empty local batch (``count == 0``)."""
+    if count > 0:
+        return backward_sums(grad_output, x, weight, mean, var, eps)
+    zeros = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
+    return zeros, zeros.clone()
+
+
+def finish_input_grad(
+    grad_output: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    total: float | Tensor,
+    count: int,
+    reduced: Tensor,
+) -> Tensor:
+    """Input gradient from the group-summed ``[[sum(dy)], [sum(dy * xhat)]]`` (``reduced``, ``(2, C)``).
+
+    ``total`` is the global count, ``count`` this member's; an empty local batch
+    gets an empty (all-zero) gradient.
+    """
+    if count == 0:
+        return torch.zeros_like(x)
+    if reduced.device != x.device:  # nn.DataParallel: summed on the first replica's device
+        reduced = reduced.to(x.device)
+    return input_grad(grad_output, x, weight, mean, var, eps, total, reduced)

@@ -65,7 +65,7 @@ except (ImportError, AttributeError) as exc:
         "layer (with graph breaks)"
     ) from exc
 
-from . import _checks, _function, groups
+from . import _checks, _function, _rules, groups
 from .groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_NAMES, PHASE_OTHER
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "all_reduce_sum",
     "group_handle",
     "layer_token",
+    "snapshot",
     "tracing_a_checkpointed_region",
 ]
 
@@ -91,9 +92,7 @@ backward_calls = 0
 
 _PHASES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
 
-_is_compiling: Callable[[], bool] = (
-    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-)
+_is_compiling = _rules.is_compiling
 
 
 @torch._dynamo.assume_constant_result
@@ -224,12 +223,12 @@ def _framed_sum(
     sum_group: Any, tensor: Tensor, layer: Any, phase: int, source: Tensor | None, flags: int
 ) -> Tensor:
     """Handshake or debug check (with ``source``), the framed sum of a copy, the one-value check."""
-    if source is not None and _function._joining is None:  # under Join the header checks agreement
+    if source is not None:  # the Join policy of syncbn._function decides whether checks run
         if phase == PHASE_FORWARD:
-            _checks.before_forward(sum_group, layer, source)
+            _function.checks_before_forward(sum_group, layer, source)
         elif phase == PHASE_BACKWARD:
             call = _checks.state_of(layer).calls if layer is not None else 0
-            _checks.before_backward(sum_group, layer, source, call)
+            _function.checks_before_backward(sum_group, layer, source, call)
     work = tensor.clone(memory_format=torch.contiguous_format)
     summed = _function._all_reduce(sum_group, work, layer, PHASE_NAMES.get(phase, "other"))
     if flags & CHECK_ONE_VALUE and float(summed.reshape(-1)[0]) == 1.0:
@@ -261,6 +260,23 @@ _all_reduce_op.register_autograd(_adjoint, setup_context=_setup_context)
 # The collective is a side effect: keep every call, in program order, even where the output
 # is empty (an empty local batch still takes part) or unused.
 _register_effectful_op("syncbn::all_reduce_sum", EffectType.ORDERED)
+
+
+@_custom_op("syncbn::snapshot", mutates_args=())
+def snapshot(tensor: Tensor) -> Tensor:
+    """A copy of ``tensor`` that a compiled backward keeps rather than recomputes.
+
+    AOTAutograd's partitioner may recompute cheap values in the backward graph
+    from a forward input; where that input is a buffer the forward updates in
+    place (a running statistic), the recomputation would read the updated value.
+    An opaque operator is never recomputed, so its copy is saved instead.
+    """
+    return tensor.clone()
+
+
+@snapshot.register_fake
+def _snapshot_fake(tensor: Tensor) -> Tensor:
+    return torch.empty_like(tensor)
 
 
 def all_reduce_sum(

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["ReplicaSyncError", "Rendezvous", "ThreadSumGroup", "ordered_sum"]
+__all__ = ["LOCAL", "LocalSum", "ReplicaSyncError", "Rendezvous", "ThreadSumGroup", "ordered_sum"]
 
 
 class ReplicaSyncError(RuntimeError):
@@ -229,3 +229,20 @@ class ThreadSumGroup:
 
     def __repr__(self) -> str:
         return f"ThreadSumGroup(rank={self._rank}, size={self.size})"
+
+
+class LocalSum:
+    """The "none" reducer: a group of one, whose sum is the tensor itself.
+
+    A family whose math differs from ``nn.BatchNorm`` (renorm) runs the engine
+    through it when there is no group to synchronise over.
+    """
+
+    size = 1
+    rank = 0
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+
+LOCAL = LocalSum()

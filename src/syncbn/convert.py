@@ -292,7 +292,9 @@ def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
                 layer.track_running_stats,
                 device="meta",
             )
-    _transplant(layer, new, keep_new=frozenset(), drop=_syncbn_only_keys() | {"process_group", _REVERTS_TO})
+    family_keys = frozenset(getattr(type(layer), "_syncbn_family_keys", ()))  # e.g. renorm's r_max, d_max
+    drop = _syncbn_only_keys() | family_keys | {"process_group", _REVERTS_TO}
+    _transplant(layer, new, keep_new=frozenset(), drop=drop)
     _carry_parametrizations(layer, new)
     return new
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
-from ._function import SyncBatchNormFunction, TransformableSyncBatchNormFunction, _Pending
+from ._function import LOCAL, SyncBatchNormFunction, TransformableSyncBatchNormFunction, _Pending
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
 
@@ -235,20 +235,25 @@ def synchronized(
     bias: Tensor | None,
     momentum: float,
     eps: float,
-    group: groups.SumGroup,
+    group: groups.SumGroup | None,
     layer: Any,
+    family: Any = None,
 ) -> Tensor:
     """The training call of :func:`sync_batch_norm` over a resolved group, input already checked.
 
     ``SyncBatchNorm.forward`` calls this directly: its checks and group lookup are
-    its own, and a small layer's time is mostly such per-call work.
+    its own, and a small layer's time is mostly such per-call work. ``family``:
+    the layer family's per-call object (:mod:`syncbn.families`), ``None`` for
+    batch norm; ``group`` ``None`` runs the engine locally (a family without a group).
     """
+    if group is None:
+        group = LOCAL
     if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
         transformed: Tensor = TransformableSyncBatchNormFunction.apply(
-            input, weight, bias, running_mean, running_var, eps, momentum, group, layer, _Pending()
+            input, weight, bias, running_mean, running_var, eps, momentum, group, layer, _Pending(), family
         )
         return transformed
     out: Tensor = SyncBatchNormFunction.apply(
-        input, weight, bias, running_mean, running_var, eps, momentum, group, layer
+        input, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
     )
     return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _checks, _fx, groups, parallel
+from . import _checks, _fx, _rules, groups, parallel
 
 try:
     from . import _compiled, _ops
@@ -39,27 +38,9 @@ def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -
     _converter = function
 
 
-# Both exist from torch 2.3 on; older torch has the dynamo spelling and no task id (no recompute detection).
-_is_compiling: Callable[[], bool] = (
-    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-)
-_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-@torch._dynamo.assume_constant_result
-def _warn_while_tracing(message: str) -> bool:
-    """Warn once per traced graph (dynamo runs this while tracing, never in the compiled code)."""
-    warnings.warn(message, stacklevel=2)
-    return True
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread right now.
-
-    A training forward inside a backward is a recomputation: ``torch.utils.checkpoint``
-    (reentrant and non-reentrant) re-runs the checkpointed forward there.
-    """
-    return bool(_current_graph_task_id() != -1)
+_is_compiling = _rules.is_compiling
+_warn_while_tracing = _rules.warn_while_tracing
+_in_backward = _rules.in_backward
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -264,10 +245,13 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if stats else None
         running_var = self.running_var if stats else None
         weight, bias, eps = self.weight, self.bias, self.eps
-        if group is None:  # not distributed, or a group of one: exactly nn.BatchNorm
+        family = self._family_call(recomputing, True)
+        if group is None and family is None:  # not distributed, or a group of one: exactly nn.BatchNorm
             out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
         else:  # the input was checked above
-            out = synchronized(input, running_mean, running_var, weight, bias, factor, eps, group, self)
+            out = synchronized(
+                input, running_mean, running_var, weight, bias, factor, eps, group, self, family
+            )
         if tracking:
             batches = self.num_batches_tracked
             if batches is not None:
@@ -281,13 +265,14 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
         handle = _ops.group_handle(self.process_group)
+        family = self._family_call()
         seen = self.num_batches_tracked
         if factor < 0.0:  # momentum=None: 1 / (batches seen, this one included)
             if not tracking or seen is None:
                 factor = 0.0
             elif not handle:
                 factor = 1.0 / (float(seen.item()) + 1.0)  # what nn.BatchNorm does (a host read)
-        if handle:
+        if handle or family is not None:
             momentum: float | Tensor = (
                 factor if factor >= 0.0 or seen is None else 1.0 / (seen.to(torch.float64) + 1.0)
             )
@@ -300,7 +285,8 @@ class SyncBatchNorm(_BatchNorm):
                 momentum,
                 self.eps,
                 handle,
-                _ops.layer_token(self),
+                _ops.layer_token(self) if handle else None,
+                family,
             )
         else:
             out = F.batch_norm(
@@ -309,6 +295,13 @@ class SyncBatchNorm(_BatchNorm):
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
+
+    def _family_call(self, recomputing: bool = False, eager: bool = False) -> Any:
+        """This training call's family object (:mod:`syncbn.families`); ``None``: batch norm.
+
+        ``recomputing``: activation checkpointing's second forward; ``eager``: not traced.
+        """
+        return None
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         # nn.DataParallel (and syncbn.parallel.replicate) replication: enrol the replica so

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import _abn, _math
+from .._function import one_value_error as engine_one_value_error
 from .._threads import ThreadSumGroup, ordered_sum
 from ._joint import Replication
 
@@ -79,11 +80,8 @@ def replica_inplace_abn(
         return out
 
     def one_value_error() -> ValueError:
-        return ValueError(
-            "Expected more than 1 value per channel when training, got 1 value per channel "
-            f"across the {rendezvous.size} replicas of {replication.describe()} "
-            f"(this replica's input size {list(x.shape)})"
-        )
+        members = f"replicas of {replication.describe()}"
+        return engine_one_value_error(x, rendezvous.size, members, who="this replica's")
 
     _abn.check_writable(x, "in-place activated batch norm")
     with torch.no_grad():

@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _math
 from .._function import finish_input_grad, gradient_dtype, local_grad_sums, synchronized_forward
+from .._function import one_value_error as engine_one_value_error
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
 
 __all__ = ["replica_batch_norm"]
@@ -42,6 +43,9 @@ class _Record(NamedTuple):
     weight: Tensor | None
     bias: Tensor | None
     y: Tensor
+    effective_weight: Tensor | None  # the weight the forward used (the family's, else ``weight``)
+    family: Any  # the family object (syncbn.families) and its (r, d), or None
+    correction: tuple[Tensor, Tensor] | None
     mean: Tensor
     var: Tensor
     total: float | Tensor
@@ -71,8 +75,10 @@ def replica_batch_norm(
     running_var = layer.running_var if tracking else None
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
     batches = layer.num_batches_tracked if tracking else None
+    family_call = getattr(layer, "_family_call", None)
+    family = None if family_call is None else family_call()
 
-    if rendezvous.size == 1:
+    if rendezvous.size == 1 and family is None:
         single = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
         if batches is not None:
             batches.add_(1)
@@ -80,11 +86,8 @@ def replica_batch_norm(
         return single
 
     def one_value_error() -> ValueError:
-        return ValueError(
-            "Expected more than 1 value per channel when training, got 1 value per channel "
-            f"across the {rendezvous.size} replicas of {replication.describe()} "
-            f"(this replica's input size {list(x.shape)})"
-        )
+        members = f"replicas of {replication.describe()}"
+        return engine_one_value_error(x, rendezvous.size, members, who="this replica's")
 
     with torch.no_grad():
         result = synchronized_forward(
@@ -97,6 +100,7 @@ def replica_batch_norm(
             momentum,
             ThreadSumGroup(rendezvous, rank).all_reduce_sum,
             one_value_error,
+            family,
         )
         if batches is not None:
             batches.add_(1)
@@ -109,6 +113,9 @@ def replica_batch_norm(
         weight=weight,
         bias=bias,
         y=result.out,
+        effective_weight=weight if result.correction is None else result.weight,
+        family=result.family,
+        correction=result.correction,
         mean=result.mean,
         var=result.var,
         total=result.total,
@@ -143,9 +150,11 @@ class _JointBatchNorm(torch.autograd.Function):
         size = len(records)
         ctx.size = size
         ctx.meta = [(r.mean, r.var, r.total, r.n) for r in records]
+        ctx.families = [(r.family, r.correction) for r in records]
         ctx.eps = records[0].eps
         ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.mean) for r in records]
-        ctx.save_for_backward(*tensors[: 2 * size])  # the xs and the weights
+        xs = tensors[:size]
+        ctx.save_for_backward(*xs, *(r.effective_weight for r in records))  # the xs and the forward's weights
         return tuple(r.y for r in records)
 
     @staticmethod
@@ -168,6 +177,10 @@ class _JointBatchNorm(torch.autograd.Function):
                 if needs[k]
                 else None
             )
+        for k, (family, correction) in enumerate(ctx.families):
+            if correction is not None:
+                sum_dy_xhat, sum_dy = family.parameter_grads(sums[k][0], sums[k][1], *correction)
+                sums[k] = (sum_dy, sum_dy_xhat)
         grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
         grad_biases = [
             sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)

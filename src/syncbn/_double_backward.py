@@ -1,0 +1,89 @@
+"""The double-backward path of the engine: a backward that is itself differentiable.
+
+With ``create_graph=True`` (gradient penalties, ``torch.func.grad``) the
+synchronised layer's backward must be differentiable: the global statistics are
+rebuilt from a differentiable sum of ``[sum x, sum x^2]`` (their values are the
+forward's, exactly; only their derivatives come from the rebuild), and the
+backward sums go through a differentiable sum too: two collectives, on every
+rank alike, where the first-order backward makes one. The collective is handed
+in (``reduce(tensor, phase)``): this module does no communication itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["Reduce", "differentiable_input_grads"]
+
+Reduce = Callable[[Tensor, str], Tensor]
+
+
+class _DifferentiableSum(torch.autograd.Function):
+    """A sum over the group as a differentiable function: its adjoint is itself.
+
+    Each backward is again a sum through ``reduce(tensor, phase)`` (the engine's
+    framed collective), so gradients of any order flow across ranks.
+    """
+
+    @staticmethod
+    def forward(tensor: Tensor, reduce: Reduce, phase: str) -> Tensor:  # type: ignore[override]
+        return reduce(tensor.detach().contiguous().clone(), phase)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.reduce, ctx.phase = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        summed: Tensor = _DifferentiableSum.apply(grad, ctx.reduce, ctx.phase)
+        return summed, None, None
+
+
+def differentiable_input_grads(
+    grad_output: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    total: float | Tensor,
+    reduce: Reduce,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
+
+    The double-backward path. The global mean and variance are rebuilt from a
+    differentiable all_reduce of ``[sum x, sum x^2]`` (their values are the
+    forward's, exactly; only their derivatives come from the rebuild), and the
+    backward sums go through a differentiable all_reduce too: two collectives,
+    on every rank alike, where the first-order backward makes one.
+    """
+    stat = mean.dtype
+    dims = [0, *range(2, x.dim())]
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    if isinstance(total, Tensor):
+        n: float | Tensor = total.to(torch.float64)
+    else:
+        n = float(total)
+    x64 = x.to(torch.float64)
+    sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
+    s, q = _DifferentiableSum.apply(sums, reduce, "forward (recomputed for double backward)").unbind(0)
+    mean_d = s / n
+    var_d = q / n - mean_d * mean_d
+    # The forward's exact values, with the rebuilt statistics' derivatives.
+    mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
+    var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
+    invstd = (var_v + eps).rsqrt()
+    xhat = (x.to(stat) - mean_v.view(shape)) * invstd.view(shape)
+    dy = grad_output.to(stat)
+    sum_dy = dy.sum(dims)
+    sum_dy_xhat = (dy * xhat).sum(dims)
+    local = torch.stack([sum_dy, sum_dy_xhat])
+    reduced = _DifferentiableSum.apply(
+        local.float() if local.dtype in (torch.float16, torch.bfloat16) else local, reduce, "backward"
+    ).to(stat)
+    scale = invstd if weight is None else invstd * weight.to(stat)
+    grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
+    return grad_input.to(x.dtype), sum_dy_xhat, sum_dy

@@ -1,0 +1,225 @@
+"""Synchronised Batch Renormalization: :class:`SyncBatchRenorm` and its 1d/2d/3d classes.
+
+The layers are :class:`~syncbn.SyncBatchNorm` layers of the ``renorm`` family
+(:mod:`syncbn.families.renorm`): the same engine, collectives, checks and
+paths (eager, ``torch.compile``, ``nn.DataParallel``, DDP, Join, activation
+checkpointing), with Ioffe's ``r`` and ``d`` correcting the batch statistics
+towards the running ones. :func:`convert_to_renorm` turns a model's BatchNorm
+layers into renorm layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .families import Renorm
+from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+
+__all__ = [
+    "SyncBatchRenorm",
+    "SyncBatchRenorm1d",
+    "SyncBatchRenorm2d",
+    "SyncBatchRenorm3d",
+    "convert_to_renorm",
+]
+
+
+def _check_limits(r_max: float, d_max: float) -> None:
+    if not (isinstance(r_max, (int, float)) and r_max >= 1.0 and not math.isnan(r_max)):
+        raise ValueError(f"expected r_max >= 1 (got {r_max!r})")
+    if not (isinstance(d_max, (int, float)) and d_max >= 0.0 and not math.isnan(d_max)):
+        raise ValueError(f"expected d_max >= 0 (got {d_max!r})")
+
+
+class SyncBatchRenorm(SyncBatchNorm):
+    """Batch Renormalization (Ioffe, 2017) whose training statistics span a process group.
+
+    In training, with the global batch's mean :math:`\\mu_B` and biased variance
+    :math:`\\sigma_B^2` (every rank's batch together, as :class:`~syncbn.SyncBatchNorm`)
+    and the running statistics :math:`\\mu, \\sigma^2` *before* this step's update:
+
+    .. math::
+        r = \\mathrm{clip}_{[1/r_{max}, r_{max}]}\\Big(\\frac{\\sqrt{\\sigma_B^2 + \\epsilon}}
+            {\\sqrt{\\sigma^2 + \\epsilon}}\\Big), \\quad
+        d = \\mathrm{clip}_{[-d_{max}, d_{max}]}\\Big(
+            \\frac{\\mu_B - \\mu}{\\sqrt{\\sigma^2 + \\epsilon}}\\Big)
+
+    .. math::
+        y = \\gamma \\Big(\\frac{x - \\mu_B}{\\sqrt{\\sigma_B^2 + \\epsilon}}\\, r + d\\Big) + \\beta
+
+    :math:`r` and :math:`d` are constants in backward (no gradient flows through
+    them). The running statistics then update as ``nn.BatchNorm``'s (torch's
+    momentum convention, unbiased variance, ``momentum=None`` cumulative).
+    Eval is ``nn.BatchNorm`` with the running statistics. With ``r_max=1``,
+    ``d_max=0`` (or ``track_running_stats=False``: :math:`r = 1, d = 0`) this is
+    exactly :class:`~syncbn.SyncBatchNorm`. One collective each way, as
+    :class:`~syncbn.SyncBatchNorm`; without a process group the same math runs
+    locally.
+
+    ``r_max`` and ``d_max`` are plain attributes: change them between steps for
+    the paper's warm-up (start at 1 and 0, relax towards e.g. 3 and 5).
+    Under activation checkpointing the recomputed forward takes :math:`r, d`
+    from the running statistics the layer's last forward saw: exact when the
+    layer runs once per checkpointed step (a layer called several times in one
+    step would recompute its earlier calls with the last call's).
+
+    Args:
+        num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
+        eps: value added to the variances. Default: 1e-5.
+        momentum: running-statistics update factor, or ``None`` for a cumulative
+            moving average. Default: 0.1.
+        affine: learnable :math:`\\gamma` and :math:`\\beta`. Default: ``True``.
+        track_running_stats: keep running statistics (without them, batch norm). Default: ``True``.
+        process_group: ``torch.distributed`` group whose ranks share statistics;
+            ``None`` is the default group, looked up at call time.
+        device: device of the parameters and buffers.
+        dtype: dtype of the parameters and buffers.
+        r_max: the clamp of :math:`r`, at least 1. Default: 3.0.
+        d_max: the clamp of :math:`d`, at least 0. Default: 5.0.
+
+    Shape:
+        - Input: :math:`(N, C, *)`, at least 2 dimensions.
+        - Output: same shape as the input.
+
+    Example::
+
+        >>> bn = syncbn.SyncBatchRenorm(16, r_max=1.0, d_max=0.0)   # warm-up: batch norm
+        >>> y = bn(torch.randn(8, 16, 10, 10))
+        >>> bn.r_max, bn.d_max = 3.0, 5.0                              # later in training
+    """
+
+    _syncbn_family_keys = ("r_max", "d_max", "_renorm_before")  # dropped by revert_sync_batchnorm
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        r_max: float = 3.0,
+        d_max: float = 5.0,
+    ) -> None:
+        _check_limits(r_max, d_max)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
+        )
+        self.r_max = float(r_max)
+        self.d_max = float(d_max)
+
+    def _family_call(self, recomputing: bool = False, eager: bool = False) -> Renorm | None:
+        _check_limits(self.r_max, self.d_max)
+        if not self.track_running_stats or (self.r_max == 1.0 and self.d_max == 0.0):
+            return None  # r = 1, d = 0: batch norm's own path, bit for bit
+        running_mean, running_var = self.running_mean, self.running_var
+        assert running_mean is not None and running_var is not None
+        before = self.__dict__.get("_renorm_before")
+        if recomputing and before is not None:
+            # Activation checkpointing recomputes this forward after the step's update: (r, d)
+            # come from the statistics the first forward saw (this layer's last call).
+            running_mean, running_var = before
+        elif eager:
+            self.__dict__["_renorm_before"] = (running_mean.detach().clone(), running_var.detach().clone())
+        return Renorm(float(self.r_max), float(self.d_max), running_mean, running_var)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r_max={self.r_max:g}, d_max={self.d_max:g}"
+
+
+class SyncBatchRenorm1d(SyncBatchRenorm, SyncBatchNorm1d):
+    """:class:`SyncBatchRenorm` for 2D input ``(N, C)`` or 3D input ``(N, C, L)`` (an ``nn.BatchNorm1d``).
+
+    Shape:
+        - Input: :math:`(N, C)` or :math:`(N, C, L)`
+        - Output: same as input.
+
+    Example::
+
+        >>> bn = syncbn.SyncBatchRenorm1d(32)
+        >>> y = bn(torch.randn(20, 32))
+    """
+
+
+class SyncBatchRenorm2d(SyncBatchRenorm, SyncBatchNorm2d):
+    """:class:`SyncBatchRenorm` for 4D input ``(N, C, H, W)`` (an ``nn.BatchNorm2d``).
+
+    Shape:
+        - Input: :math:`(N, C, H, W)`
+        - Output: same as input.
+
+    Example::
+
+        >>> bn = syncbn.SyncBatchRenorm2d(64)
+        >>> y = bn(torch.randn(8, 64, 32, 32))
+    """
+
+
+class SyncBatchRenorm3d(SyncBatchRenorm, SyncBatchNorm3d):
+    """:class:`SyncBatchRenorm` for 5D input ``(N, C, D, H, W)`` (an ``nn.BatchNorm3d``).
+
+    Shape:
+        - Input: :math:`(N, C, D, H, W)`
+        - Output: same as input.
+
+    Example::
+
+        >>> bn = syncbn.SyncBatchRenorm3d(16)
+        >>> y = bn(torch.randn(2, 16, 4, 8, 8))
+    """
+
+
+_RENORM_OF: dict[type, type] = {
+    SyncBatchNorm: SyncBatchRenorm,
+    SyncBatchNorm1d: SyncBatchRenorm1d,
+    SyncBatchNorm2d: SyncBatchRenorm2d,
+    SyncBatchNorm3d: SyncBatchRenorm3d,
+}
+
+
+def convert_to_renorm(
+    module: nn.Module, process_group: Any = None, *, r_max: float = 3.0, d_max: float = 5.0
+) -> nn.Module:
+    """Turn every BatchNorm layer of ``module`` into a synchronised renorm layer.
+
+    ``nn.BatchNorm1d/2d/3d`` (and :class:`~syncbn.SyncBatchNorm` layers)
+    become :class:`SyncBatchRenorm1d`/``2d``/``3d``, torch's ``nn.SyncBatchNorm``
+    the generic :class:`SyncBatchRenorm`: first :func:`syncbn.convert_sync_batchnorm`
+    (whose rules apply: state, hooks and parametrizations carried over, subclasses
+    with a forward of their own left alone), then the class of each plain syncbn
+    layer is switched to its renorm twin with ``r_max`` and ``d_max`` set. Layers
+    already renorm keep their ``r_max`` and ``d_max``.
+    :func:`syncbn.revert_sync_batchnorm` undoes it (to plain ``nn.BatchNorm*d``).
+
+    Args:
+        module: the model, or a single BatchNorm layer (converted and returned).
+        process_group: as :func:`syncbn.convert_sync_batchnorm`.
+        r_max: the clamp of ``r`` (1: no correction of the scale). Default: 3.0.
+        d_max: the clamp of ``d`` (0: no correction of the shift). Default: 5.0.
+
+    Returns:
+        ``module`` with its BatchNorm layers swapped, or the new layer.
+
+    Example::
+
+        >>> model = syncbn.convert_to_renorm(model, r_max=1.0, d_max=0.0)  # warm-up: batch norm
+        >>> for m in model.modules():                                        # later: relax
+        ...     if isinstance(m, syncbn.SyncBatchRenorm):
+        ...         m.r_max, m.d_max = 3.0, 5.0
+    """
+    _check_limits(r_max, d_max)
+    converted = SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    for layer in converted.modules():
+        target = _RENORM_OF.get(type(layer))
+        if target is not None and isinstance(layer, _BatchNorm):
+            layer.__class__ = target
+            layer.__dict__.update(r_max=float(r_max), d_max=float(d_max))
+    return converted
