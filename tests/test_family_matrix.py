@@ -62,6 +62,36 @@ class _InPlaceReference(nn.BatchNorm1d):
         return self.activation(y)
 
 
+class _RenormReference(nn.BatchNorm1d):
+    """Batch Renormalization's formulas on the whole batch (the renorm family's math).
+
+    ``r = clamp(s_B / s, 1/r_max, r_max)`` and ``d = clamp((mean_B - running_mean) / s, -d_max,
+    d_max)`` from the running statistics before this step's update, both constants in backward;
+    then BatchNorm's running update.
+    """
+
+    def __init__(self, channels: int, r_max: float = 1.5, d_max: float = 0.4) -> None:
+        super().__init__(channels)
+        self.r_max, self.d_max = r_max, d_max
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return super().forward(x)
+        self.num_batches_tracked.add_(1)
+        dims, shape = [0, 2], [1, -1, 1]
+        mean, var = x.mean(dims), x.var(dims, unbiased=False)
+        s_b = (var + self.eps).sqrt()
+        s = (self.running_var + self.eps).sqrt()
+        r = (s_b / s).clamp(1 / self.r_max, self.r_max).detach()
+        d = ((mean - self.running_mean) / s).clamp(-self.d_max, self.d_max).detach()
+        n = x.numel() // x.shape[1]
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var * n / (n - 1), self.momentum)
+        xhat = (x - mean.view(shape)) / s_b.view(shape)
+        return self.weight.view(shape) * (xhat * r.view(shape) + d.view(shape)) + self.bias.view(shape)
+
+
 @dataclass(frozen=True)
 class Family:
     """One layer family: its synchronised layer and the plain-torch module it must equal.
@@ -83,16 +113,15 @@ FAMILIES: dict[str, Family] = {
         lambda c, **kw: syncbn.InPlaceSyncBatchNorm(c, activation="elu", activation_param=0.6, **kw),
         lambda c: _InPlaceReference(c, lambda t: F.elu(t, 0.6)),
     ),
+    "renorm": Family(
+        lambda c, **kw: syncbn.SyncBatchRenorm1d(c, r_max=1.5, d_max=0.4, **kw),
+        lambda c: _RenormReference(c, r_max=1.5, d_max=0.4),
+    ),
 }
 
 # Cases known to fail today, (family, case) -> reason, marked xfail (not strict) until fixed. A case is
 # a path ("eager", "compiled", "ddp", "data_parallel") or "join" / "join-debug".
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("inplace_abn", "join-debug"): (
-        "issue 26: the in-place path runs the per-call debug checks under Join (CollectiveError "
-        "on the training rank); the BatchNorm path skips them"
-    ),
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 DTYPES = {"float64": (torch.float64, 1e-10), "float32": (torch.float32, 1e-4)}
 BATCHES = {"uneven": (3, 5), "empty": (4, 0)}  # per-rank batch sizes (every step)
