@@ -38,6 +38,8 @@ def test_build_norm_layer_returns_syncbn_layers_by_name() -> None:
     assert not any(p.requires_grad for p in layer.parameters())
     _, layer = build_norm_layer(dict(type="ExactInPlaceSyncBN", activation="leaky_relu"), 8)
     assert type(layer) is syncbn.InPlaceSyncBatchNorm
+    name, layer = build_norm_layer(dict(type="ExactSyncBNRenorm", r_max=2.0, d_max=0.5), 8)
+    assert name == "bn" and type(layer) is syncbn.SyncBatchRenorm and (layer.r_max, layer.d_max) == (2.0, 0.5)
     for dim in (1, 3):
         assert type(build_norm_layer(dict(type=f"ExactSyncBN{dim}d"), 4)[1]) is getattr(
             syncbn, f"SyncBatchNorm{dim}d"

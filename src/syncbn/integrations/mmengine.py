@@ -39,6 +39,7 @@ from torch import nn
 
 from ..activated import InPlaceSyncBatchNorm
 from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+from ..renorm import SyncBatchRenorm
 
 try:
     from mmengine.registry import MODELS
@@ -55,6 +56,7 @@ NAMES: dict[str, type[nn.Module]] = {
     "ExactSyncBN2d": SyncBatchNorm2d,
     "ExactSyncBN3d": SyncBatchNorm3d,
     "ExactInPlaceSyncBN": InPlaceSyncBatchNorm,
+    "ExactSyncBNRenorm": SyncBatchRenorm,
 }
 
 # What "SyncBN" meant before replace_syncbn (mmcv registers torch.nn.SyncBatchNorm under it).
