@@ -44,10 +44,16 @@ def _plain(seed: int = 0, momentum: float | None = 0.1) -> nn.Sequential:
     return model
 
 
-def _ours(plain: nn.Sequential, inplace: bool) -> nn.Sequential:
-    """The plain model with syncbn layers (the last one in-place when ``inplace``)."""
+def _ours(plain: nn.Sequential, inplace: bool | str) -> nn.Sequential:
+    """The plain model with syncbn layers (the last one in-place when ``inplace``, Batch
+    Renormalization when it is ``"renorm"``)."""
     model = syncbn.convert_sync_batchnorm(copy.deepcopy(plain))
-    if inplace:
+    if inplace == "renorm":
+        last = plain[3]
+        renorm = syncbn.SyncBatchRenorm2d(C2, momentum=last.momentum, r_max=1.5, d_max=0.4).double()
+        renorm.load_state_dict(last.state_dict())
+        model[3] = renorm  # last: its (r, d) change no other layer's input; its statistics are BN's
+    elif inplace:
         last = plain[3]
         layer = syncbn.InPlaceSyncBatchNorm2d(C2, momentum=last.momentum, activation="identity").double()
         layer.load_state_dict(last.state_dict())
@@ -93,8 +99,8 @@ def _data(seed: int, sizes: list[list[int]]) -> list[list[Tensor]]:
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-@pytest.mark.parametrize("inplace", [False, True])
-def test_single_process_matches_the_concatenated_batch(momentum: float | None, inplace: bool) -> None:
+@pytest.mark.parametrize("inplace", [False, True, "renorm"])
+def test_single_process_matches_the_concatenated_batch(momentum: float | None, inplace: bool | str) -> None:
     plain = _plain(momentum=momentum)
     model = _ours(plain, inplace)
     micro = [b[0] for b in _data(1, [[3], [2], [5]])]
@@ -126,7 +132,7 @@ def test_plain_batchnorm_and_masked_input() -> None:
 
 @needs_compiled_ops
 def test_compiled_single_process() -> None:
-    for inplace in (False, True):
+    for inplace in (False, True, "renorm"):
         plain = _plain()
         model = _ours(plain, inplace)
         counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd, as inductor sees it
@@ -243,7 +249,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
     data = _data(7, SIZES)
     for momentum in (0.1, None):
-        for inplace in (False, True):
+        for inplace in (False, True, "renorm"):
             plain = _plain(momentum=momentum)
             expected = _expected(plain, [torch.cat(row) for row in data])
             # without the block: k updates, and the number of collectives to compare with

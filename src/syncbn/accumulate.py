@@ -50,6 +50,8 @@ def _is_local(layer: nn.Module) -> bool:
             return True
         group: Any = layer._group()
     elif isinstance(layer, SyncBatchNorm):
+        if layer._family_call() is not None:
+            return False  # a family (renorm) runs the engine even without a group: the engine shows it
         group = layer.process_group
         if isinstance(group, groups.ProcessGroupRef) and groups.is_initialized():
             layer.process_group = group = group.lookup()
