@@ -23,6 +23,7 @@ from torch import nn
 import syncbn
 from _helpers import netns as _netns
 from _helpers.dist_harness import launch
+from _helpers.renorm_reference import renorm_reference
 from syncbn import groups
 from syncbn.cli._checks import run_case, standard_cases
 
@@ -65,6 +66,30 @@ def _inplace(group: Any) -> float:
     return worst
 
 
+def _renorm(group: Any) -> float:
+    """Batch Renormalization on ``group`` against its formulas on the group's batch (clamps active)."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    sizes = [2, 0, 3, 1][:size] if size > 1 else [3]
+    gen = torch.Generator().manual_seed(6)
+    ours = syncbn.SyncBatchRenorm2d(3, process_group=group, r_max=1.5, d_max=0.4).double()
+    with torch.no_grad():
+        ours.running_mean.uniform_(-1.0, 1.0, generator=gen)
+        ours.running_var.uniform_(0.3, 3.0, generator=gen)
+        ours.weight.uniform_(0.5, 1.5, generator=gen)
+    rm, rv = ours.running_mean.clone(), ours.running_var.clone()
+    worst = 0.0
+    for _ in range(2):
+        full = torch.randn(sum(sizes), 3, 4, 4, generator=gen, dtype=torch.float64) * 2 + 1
+        lo = sum(sizes[:me])
+        expected, rm, rv = renorm_reference(full, ours.weight.detach(), ours.bias.detach(), rm, rv, 1.5, 0.4)
+        got = ours(full[lo : lo + sizes[me]].clone())
+        worst = max(worst, (got - expected[lo : lo + sizes[me]]).abs().max().item() if got.numel() else 0.0)
+    worst = max(
+        worst, (ours.running_mean - rm).abs().max().item(), (ours.running_var - rv).abs().max().item()
+    )
+    return worst
+
+
 def _ranks(rank: int, world: int, second_store: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     syncbn.set_timeout(20.0)
@@ -79,6 +104,7 @@ def _ranks(rank: int, world: int, second_store: str) -> dict[str, Any]:
     out["cached"] = groups.subgroup(2) is pairs
     out["pairs error"] = _matrix(rank, pairs)
     out["pairs inplace"] = _inplace(pairs)
+    out["pairs renorm"] = _renorm(pairs)
     summed = groups.resolve(pairs)
     out["shared memory"] = isinstance(summed, groups.ProcessGroupSum) and summed.uses_shared_memory
 
@@ -86,6 +112,7 @@ def _ranks(rank: int, world: int, second_store: str) -> dict[str, Any]:
     out["singles"] = groups.group_ranks(singles)
     out["singles error"] = _matrix(rank, singles)
     out["singles inplace"] = _inplace(singles)
+    out["singles renorm"] = _renorm(singles)
     out["whole"] = groups.subgroup(4) is dist.group.WORLD
 
     model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), syncbn.InPlaceSyncBatchNorm2d(3))
@@ -146,7 +173,15 @@ def test_groups_of_two_and_one_on_four_ranks() -> None:
         assert out["cached"] and out["whole"] and out["fresh"]
         assert out["converted"] == [True, True] and out["reloaded"]
         assert out["shared memory"] is True
-        for key in ("pairs error", "pairs inplace", "singles error", "singles inplace", "fresh error"):
+        for key in (
+            "pairs error",
+            "pairs inplace",
+            "pairs renorm",
+            "singles error",
+            "singles inplace",
+            "singles renorm",
+            "fresh error",
+        ):
             assert out[key] < TOL, (rank, key, out[key])
         assert out["error 3"] == (
             "ValueError: syncbn.groups.subgroup: expected a group size that divides the world size 4 "
