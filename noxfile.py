@@ -31,7 +31,14 @@ TORCH = {
     "newest": ("2.15.0", ["numpy"]),
 }
 
-TEST_DEPS = ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6.100", "scikit-learn>=1.0", "matplotlib>=3.5"]
+TEST_DEPS = [
+    "pytest>=7",
+    "pytest-timeout>=2.1",
+    "pytest-xdist>=3.5",
+    "hypothesis>=6.100",
+    "scikit-learn>=1.0",
+    "matplotlib>=3.5",
+]
 
 
 @nox.session
