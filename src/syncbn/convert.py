@@ -5,12 +5,10 @@
 for training; :func:`revert_sync_batchnorm` turns syncbn layers into plain
 BatchNorm for inference, TorchScript and export.
 
-Both *move* the layer's state into the new layer instead of copying it: the
-very same ``Parameter`` objects (an optimizer built before the swap keeps
-working), the same buffers, ``requires_grad``, the layer's training/eval mode,
-device and dtype, every hook registered on the layer (the handles still
-remove them), and any attribute the user set on the layer. Only the class
-changes, and with it the behaviour in training.
+Both *move* the layer's state instead of copying it: the same ``Parameter``
+objects (an optimizer built before keeps working), buffers, ``requires_grad``,
+training/eval mode, device, dtype, hooks (their handles still remove them) and
+any attribute the user set. Only the class changes, and its training behaviour.
 
 Subclasses are remembered: a layer of a BatchNorm subclass (one that adds
 no ``forward`` of its own) reverts to that very subclass. timm's
