@@ -7,12 +7,19 @@ test files import ``from _helpers.dist_harness import launch``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-import pytest
+# Inductor compiles in this process, not in a pool of compile workers: the suite forks ranks
+# from processes that may have compiled before (a test file's single-process case, or an earlier
+# file on the same xdist worker), and a forked child that finds the parent's pool hangs in it
+# (seen on torch 2.15). Set before torch's inductor reads its configuration.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-import syncbn
-from syncbn import parallel
+import pytest  # noqa: E402
+
+import syncbn  # noqa: E402
+from syncbn import parallel  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
