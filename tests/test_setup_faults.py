@@ -183,4 +183,6 @@ def test_a_peer_killed_while_the_other_waits_in_set_up_is_found_within_the_bound
     if kill_after < 1.5:  # before rank 1 arrived: found at once, rank 0's connections are closed
         assert other["s"] < 3.0, other
     else:  # around rank 1's set-up (its exchanges, the wire's rendezvous) or its first steps
-        assert other["s"] < BOUND + 1.0, other
+        # At the bound: "s" counts from before rank 1's set-up, which takes seconds of its own on a
+        # loaded machine (seen: 11.06 s with two suites sharing 2 cores), hence the margin.
+        assert other["s"] < BOUND + 3.0, other
