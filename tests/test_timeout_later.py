@@ -1,10 +1,10 @@
 """A ``syncbn.set_timeout`` made after a group's set-up (issue 27, item 4), on real gloo ranks.
 
 syncbn's gloo wire is made with the bound of its set-up as its timeout, so that gloo itself gives
-up at the bound. A later bound is carried over to gloo where torch can change a group's timeout
-(``ProcessGroupGloo._set_default_timeout``, torch 2.3 and later): checked here by a peer 2.5 s
-late after the bound went from 1.5 s to 6 s (the collective completes). Where torch cannot (torch
-2.2, simulated here by a setter that refuses), the exact limitation is stated where it arises: a
+up at the bound. A later bound is carried over to gloo where gloo takes a changed timeout (torch
+2.13 and later): checked here by a peer 2.5 s late after the bound went from 1.5 s to 6 s (the
+collective completes). Where it does not (older torch; simulated here by a setter that refuses),
+the exact limitation is stated where it arises: a
 warning when the changed bound is first used, naming both bounds and what each side means, and
 the collective then ends at the set-up bound, a ``CollectiveError`` on the rank that waited.
 """
@@ -29,7 +29,7 @@ def _later_bound(rank: int, world_size: int, carried: bool) -> dict[str, Any]:
     bn = syncbn.SyncBatchNorm1d(3)
     bn(torch.randn(4, 3))  # set-up: the wire is made with a 1.5 s timeout
     if not carried:
-        groups._own.set_timeout = lambda group, timeout_s: False  # torch < 2.3
+        groups._own.set_timeout = lambda group, timeout_s: False  # as on torch < 2.13
     syncbn.set_timeout(6.0)
     if rank == 1:
         time.sleep(2.5)  # longer than the set-up bound, shorter than the new one
@@ -48,15 +48,15 @@ def _later_bound(rank: int, world_size: int, carried: bool) -> dict[str, Any]:
     }
 
 
-# torch 2.3 and later can change a gloo group's timeout (the setter syncbn uses); torch 2.2 cannot.
-_CAN_SET = hasattr(torch.distributed.ProcessGroupGloo, "_set_default_timeout")
-
-
 @pytest.mark.parametrize(
     "carried",
     [
-        pytest.param(True, id="torch>=2.3", marks=pytest.mark.skipif(not _CAN_SET, reason="torch < 2.3")),
-        pytest.param(False, id="torch<2.3"),
+        pytest.param(
+            True,
+            id="carried",
+            marks=pytest.mark.skipif(not groups._own.CARRIES_TIMEOUT, reason="torch < 2.13: gloo keeps it"),
+        ),
+        pytest.param(False, id="stated"),  # simulated on every torch, real on older ones
     ],
 )
 def test_a_bound_changed_after_set_up_holds_or_its_limitation_is_stated(carried: bool) -> None:
@@ -69,5 +69,5 @@ def test_a_bound_changed_after_set_up_holds_or_its_limitation_is_stated(carried:
     else:
         assert waited["error"] is not None and waited["s"] < 2.4, waited  # gloo's 1.5 s, not 6 s
         (text,) = waited["warnings"]
-        assert "6 s" in text and "1.5 s" in text and "torch 2.3" in text, text
+        assert "6 s" in text and "1.5 s" in text and "torch 2.13" in text, text
         assert "fails then" in text, text

@@ -8,8 +8,8 @@ torch 2.2.2 and 2.13: exit 30 s after a 2 s bound with a 30 s group timeout). So
 :class:`~syncbn.groups.ProcessGroupSum` without shared memory runs its CPU collectives over a
 *wire* of its own (:func:`make`), made right after its set-up (a collective point every member
 reaches in the same order, just shown alive) with syncbn's bound as its timeout: gloo itself then
-gives up at the bound, and recovery or exit take seconds. Where torch can change a group's timeout
-(``_set_default_timeout``, torch 2.3 and later), a later :func:`syncbn.set_timeout` is carried
+gives up at the bound, and recovery or exit take seconds. Where gloo takes a changed timeout
+(torch 2.13 and later, :data:`CARRIES_TIMEOUT`), a later :func:`syncbn.set_timeout` is carried
 over to the wire. The wire also keeps syncbn's frames apart from DDP's and the user's collectives.
 
 A wire is a bare ``dist.ProcessGroupGloo`` whose members meet in the job's store under
@@ -198,8 +198,17 @@ def owned(group: Any) -> bool:
     return _key(group) is not None
 
 
+# Whether a changed timeout reaches gloo's waits: checked on torch 2.13 and 2.15. On 2.8 the setter
+# (``ProcessGroupGloo._set_default_timeout``) exists but gloo keeps the timeout the group was made
+# with (measured: a recv still timed out at the old 1.5 s after the bound went to 6 s); 2.2 has no
+# setter. Releases between 2.8 and 2.13 were not checked: treated as not carrying (stated, warned).
+CARRIES_TIMEOUT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def set_timeout(group: Any, timeout_s: float) -> bool:
     """Make ``timeout_s`` the timeout of ``group``'s gloo backend; ``False`` where torch cannot."""
+    if not CARRIES_TIMEOUT:
+        return False
     backend = _gloo_backend(group)
     setter = getattr(backend, "_set_default_timeout", None)
     if setter is None:

@@ -300,7 +300,7 @@ def _stuck_timeout(kept: float, wanted: float, group: str) -> str:
     return (
         f"syncbn: the wait bound changed to {wanted:g} s after the set-up of the group over {group}, "
         f"and torch {torch.__version__} cannot change the timeout of syncbn's gloo group for it "
-        "(ProcessGroupGloo._set_default_timeout: torch 2.3 and later). The wait on this rank now "
+        "(gloo takes a changed timeout from torch 2.13 on). The wait on this rank now "
         f"ends at {wanted:g} s, but gloo still gives up on the group's collectives at "
         f"{kept:g} s, the bound when the group was set up: "
         + (
