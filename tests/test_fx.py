@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 import syncbn
 from _helpers import torchvision_shim as _torchvision_shim
+from _helpers.compare import rank_steps_errors
 from _helpers.dist_harness import launch
 
 
@@ -130,24 +131,7 @@ def _traced_on_ranks(rank: int, world_size: int) -> dict[str, float]:
     ref = _model()
     ours = torch.fx.symbolic_trace(syncbn.convert_sync_batchnorm(copy.deepcopy(ref)))
     gen = torch.Generator().manual_seed(1)
-    errors: dict[str, float] = {}
-    sizes = [3, 5]  # uneven per-rank batches
-    for step in range(2):
-        x = torch.randn(sum(sizes), 3, 4, 4, generator=gen, dtype=torch.float64) * 2 + 5
-        start = sum(sizes[:rank])
-        mine = x[start : start + sizes[rank]].clone().requires_grad_()
-        full = x.clone().requires_grad_()
-        y_ref = ref(full)
-        g = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
-        y_ref.backward(g)
-        y = ours(mine)
-        y.backward(g[start : start + sizes[rank]])
-        errors[f"out{step}"] = (y - y_ref[start : start + sizes[rank]]).abs().max().item()
-        errors[f"grad{step}"] = (mine.grad - full.grad[start : start + sizes[rank]]).abs().max().item()
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        grad = p.grad.clone()
-        torch.distributed.all_reduce(grad)  # what DDP does: the sum over ranks is the big-batch gradient
-        errors[f"param {name}"] = (grad - q.grad).abs().max().item()
+    errors = rank_steps_errors(ours, ref, rank, [3, 5], (3, 4, 4), gen, shift=5.0)  # uneven batches
     for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
         errors[name] = (a.double() - b.double()).abs().max().item()
     ours.eval()

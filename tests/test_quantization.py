@@ -18,6 +18,7 @@ from torch import nn
 from torch.ao.quantization import QConfig, convert, fuse_modules, fuse_modules_qat, prepare_qat
 
 import syncbn
+from _helpers.compare import rank_steps_errors
 from _helpers.dist_harness import launch
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -133,24 +134,7 @@ def _qat_on_ranks(rank: int, world_size: int) -> dict[str, float]:
     ours = _prepared(syncbn.convert_sync_batchnorm(_model()))
     assert isinstance(ours[0].bn, syncbn.SyncBatchNorm2d) and type(ref[0].bn) is nn.BatchNorm2d
     gen = torch.Generator().manual_seed(1)
-    sizes = [3, 5]
-    start = sum(sizes[:rank])
-    errors: dict[str, float] = {}
-    for step in range(2):
-        x = torch.randn(sum(sizes), 3, 6, 6, generator=gen, dtype=torch.float64) * 2 + 1
-        mine = x[start : start + sizes[rank]].clone().requires_grad_()
-        full = x.clone().requires_grad_()
-        y_ref = ref(full)
-        g = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
-        y_ref.backward(g)
-        y = ours(mine)
-        y.backward(g[start : start + sizes[rank]])
-        errors[f"out{step}"] = (y - y_ref[start : start + sizes[rank]]).abs().max().item()
-        errors[f"grad{step}"] = (mine.grad - full.grad[start : start + sizes[rank]]).abs().max().item()
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        grad = p.grad.clone()
-        torch.distributed.all_reduce(grad)  # DDP's sum over ranks
-        errors[f"param {name}"] = (grad - q.grad).abs().max().item()
+    errors = rank_steps_errors(ours, ref, rank, [3, 5], (3, 6, 6), gen, shift=1.0)
     for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
         if a.is_floating_point():
             errors[name] = (a - b).abs().max().item()

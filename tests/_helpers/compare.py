@@ -23,3 +23,39 @@ def assert_same_step(ours: nn.Module, ref: nn.Module, x: Tensor) -> None:
     y1.backward(g)
     y2.backward(g)
     assert torch.equal(x1.grad, x2.grad)
+
+
+def rank_steps_errors(
+    ours: nn.Module,
+    ref: nn.Module,
+    rank: int,
+    sizes: list[int],
+    shape: tuple[int, ...],
+    gen: torch.Generator,
+    shift: float,
+    steps: int = 2,
+) -> dict[str, float]:
+    """``steps`` forward/backward steps of ``ours`` on this rank's rows and ``ref`` on all of them.
+
+    Inputs of ``shape`` per sample (float64, scaled by 2 and shifted by ``shift``), a random
+    upstream gradient; then the parameter gradients summed over the ranks (what DDP does) against
+    the reference's. Returns the largest difference per quantity.
+    """
+    start = sum(sizes[:rank])
+    mine_rows = slice(start, start + sizes[rank])
+    errors: dict[str, float] = {}
+    for step in range(steps):
+        x = torch.randn(sum(sizes), *shape, generator=gen, dtype=torch.float64) * 2 + shift
+        mine, full = x[mine_rows].clone().requires_grad_(), x.clone().requires_grad_()
+        y_ref = ref(full)
+        g = torch.randn(y_ref.shape, generator=gen, dtype=torch.float64)
+        y_ref.backward(g)
+        y = ours(mine)
+        y.backward(g[mine_rows])
+        errors[f"out{step}"] = (y - y_ref[mine_rows]).abs().max().item()
+        errors[f"grad{step}"] = (mine.grad - full.grad[mine_rows]).abs().max().item()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        grad = p.grad.clone()
+        torch.distributed.all_reduce(grad)  # DDP's sum over ranks: the big batch's gradient
+        errors[f"param {name}"] = (grad - q.grad).abs().max().item()
+    return errors
