@@ -29,6 +29,7 @@ from _helpers.abn_reference import max_error
 from _helpers.dist_harness import launch_once
 from _helpers.marks import HAS_COMPILED_OPS, needs_compiled_ops
 from _helpers.modules import CountingGroup, Scale
+from _helpers.renorm_reference import EPS, renorm_reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -78,18 +79,14 @@ class _RenormReference(nn.BatchNorm1d):
         if not self.training:
             return super().forward(x)
         self.num_batches_tracked.add_(1)
-        dims, shape = [0, 2], [1, -1, 1]
-        mean, var = x.mean(dims), x.var(dims, unbiased=False)
-        s_b = (var + self.eps).sqrt()
-        s = (self.running_var + self.eps).sqrt()
-        r = (s_b / s).clamp(1 / self.r_max, self.r_max).detach()
-        d = ((mean - self.running_mean) / s).clamp(-self.d_max, self.d_max).detach()
-        n = x.numel() // x.shape[1]
+        assert self.eps == EPS and self.momentum == 0.1  # the formulas' constants
+        y, new_mean, new_var = renorm_reference(
+            x, self.weight, self.bias, self.running_mean, self.running_var, self.r_max, self.d_max
+        )
         with torch.no_grad():
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var * n / (n - 1), self.momentum)
-        xhat = (x - mean.view(shape)) / s_b.view(shape)
-        return self.weight.view(shape) * (xhat * r.view(shape) + d.view(shape)) + self.bias.view(shape)
+            self.running_mean.copy_(new_mean)
+            self.running_var.copy_(new_var)
+        return y
 
 
 @dataclass(frozen=True)
