@@ -20,10 +20,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["Moments", "observe", "listening", "is_compiling"]
+__all__ = ["Moments", "observe", "listening"]
 
-# torch.compiler.is_compiling arrived in torch 2.3; torch 2.2 has torch._dynamo.is_compiling.
-is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+# torch.compiler.is_compiling arrived in torch 2.3; torch 2.2 has torch._dynamo.is_compiling. (The
+# same test as syncbn._rules.is_compiling, which this layer-0 module sits below.)
+_is_compiling: Callable[[], bool] = (
+    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+)
 
 # id(running_mean) -> the merged moments of the block that listens on it.
 _listeners: dict[int, Moments] = {}
@@ -60,7 +63,7 @@ class Moments:
         Under ``torch.compile`` only tensor operations run (no Python state
         changes), so dynamo traces it without a guard on the values.
         """
-        if unbiased or is_compiling():
+        if unbiased or _is_compiling():
             self._merge(count, mean, var, unbiased)
             return
         kept = count.detach().clone() if isinstance(count, Tensor) else float(count)

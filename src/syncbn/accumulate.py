@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _accumulating, groups
+from . import _accumulating, _rules, groups
 from ._abn_layer import ActivatedBatchNormBase
 from .modules import SyncBatchNorm
 
@@ -40,7 +40,7 @@ _graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 def _recomputing() -> bool:
     """A forward inside a backward pass: ``torch.utils.checkpoint`` recomputing (eager only)."""
-    return not _accumulating.is_compiling() and _graph_task() != -1
+    return not _rules.is_compiling() and _graph_task() != -1
 
 
 def _is_local(layer: nn.Module) -> bool:
