@@ -37,6 +37,7 @@ from torch.nn.utils import parametrize
 
 from . import groups
 from ._checks import name_layers
+from ._layer import like
 from .activated import InPlaceSyncBatchNorm, plain_equivalent
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, set_converter
 
@@ -234,15 +235,7 @@ def _to_sync(
         template = SyncBatchNorm(1, process_group=group, device="meta")
         new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
     else:
-        new = target(
-            layer.num_features,
-            layer.eps,
-            layer.momentum,
-            layer.affine,
-            track_running_stats=layer.track_running_stats,
-            process_group=group,
-            device="meta",
-        )
+        new = like(target, layer, process_group=group, device="meta")
     _transplant(layer, new, keep_new=_syncbn_only_keys(), drop=frozenset({_REVERTS_TO}))
     # torch's and timm's synchronised classes revert to the plain default; others to themselves.
     if not isinstance(layer, nn.SyncBatchNorm) and original is not _plain_class_of(new):
@@ -282,14 +275,7 @@ def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
         if _is_sync_act(layer):
             new = target.__new__(target)
         else:
-            new = target(
-                layer.num_features,
-                layer.eps,
-                layer.momentum,
-                layer.affine,
-                layer.track_running_stats,
-                device="meta",
-            )
+            new = like(target, layer, device="meta")
     family_keys = frozenset(getattr(type(layer), "_syncbn_family_keys", ()))  # e.g. renorm's r_max, d_max
     drop = _syncbn_only_keys() | family_keys | {"process_group", _REVERTS_TO}
     _transplant(layer, new, keep_new=frozenset(), drop=drop)
