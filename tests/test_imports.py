@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "syncbn.functional": 7,
     "syncbn.parallel": 7,
     "syncbn._abn_traced": 7,
+    "syncbn._layer": 7,  # what every layer class shares (syncbn._layer.LayerMixin)
     "syncbn._abn_layer": 8,
     "syncbn.modules": 9,
     "syncbn.activated": 9,

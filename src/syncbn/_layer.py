@@ -31,7 +31,7 @@ class LayerMixin(nn.Module):
         """The layer's process group (``None``: the default group), a pickled reference looked up."""
         if self._group_attr is None:
             return None
-        group = self.__dict__.get(self._group_attr)
+        group = getattr(self, self._group_attr, None)
         if isinstance(group, groups.ProcessGroupRef) and groups.is_initialized():
             group = group.lookup()
             setattr(self, self._group_attr, group)

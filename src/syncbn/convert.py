@@ -27,6 +27,7 @@ without losing that behaviour: it is left as it is and a
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from typing import Any, Callable
@@ -106,17 +107,12 @@ _TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [
     (SyncBatchNorm3d, nn.BatchNorm3d),
 ]
 
-_sync_only_keys: frozenset[str] | None = None
 
-
+@functools.cache
 def _syncbn_only_keys() -> frozenset[str]:
     """Instance attributes a syncbn layer has and a plain BatchNorm has not (``process_group``, ...)."""
-    global _sync_only_keys
-    if _sync_only_keys is None:
-        sync = SyncBatchNorm(1, device="meta").__dict__
-        plain = BatchNorm(1, device="meta").__dict__
-        _sync_only_keys = frozenset(set(sync) - set(plain))
-    return _sync_only_keys
+    sync, plain = SyncBatchNorm(1, device="meta").__dict__, BatchNorm(1, device="meta").__dict__
+    return frozenset(set(sync) - set(plain))
 
 
 def _path(prefix: str) -> str:
