@@ -132,14 +132,7 @@ class ActivatedBatchNormBase(LayerMixin):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalise and activate ``x`` in place (statistics over the group, if any); returns it.
-
-        Args:
-            x: :math:`(N, C, *)` tensor, overwritten.
-
-        Returns:
-            ``x``, holding the output.
-        """
+        """Normalise and activate ``x`` in place (over the group, if any); returns it (the compat layers)."""
         if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
             return _fx.leaf_call(self, ActivatedBatchNormBase.forward, x)
         return self._forward(x)
