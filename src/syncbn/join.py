@@ -75,8 +75,9 @@ class JoinableSyncBatchNorm(Joinable):
         model: the model, bare or wrapped in ``DistributedDataParallel``.
 
     Raises:
-        ValueError: ``torch.distributed`` is not initialised, or a layer uses a
-            process group other than the default one; at ``Join(...)``, when the
+        ValueError: ``torch.distributed`` is not initialised, or a layer of any
+            family holds a process group of its own (``process_group``, or the
+            ``group`` of ``compat.inplace_abn``); at ``Join(...)``, when the
             joinable is not first in the list.
 
     Example::
