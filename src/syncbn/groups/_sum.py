@@ -330,7 +330,7 @@ class ProcessGroupSum(FramedTransport):
         self._enter()
         self._calls += 1
         n = tensor.numel()
-        if tensor.device.type == "cpu":
+        if tensor.is_cpu:  # (``device.type`` makes a device object: ~0.2 us a call)
             shared = self._shared if self._shared_ready else self._connect_shared()
             if shared is not None:
                 # The header fields of a (tag, dtype, size) are made once; only the sequence changes.
