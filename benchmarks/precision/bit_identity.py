@@ -42,7 +42,7 @@ SHAPES = (
     "8x16x8x8x8",  # 5D two-pass
     "cl16x32x8x8",  # channels-last
 )
-DTYPES = ("float64", "float32", "bfloat16")
+DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 _CHILD = r"""
 import hashlib, json, os, sys, tempfile
