@@ -36,7 +36,8 @@ interleaved, and its ratio (W > 1 only). ``--compiled`` adds the same step
 under ``torch.compile(DDP(net))`` for the narrow net and a wide 4-block net
 (16-64 channels, 16 images of 32x32), syncbn against compiled
 ``nn.BatchNorm2d``: each variant compiles first (minutes on a small CPU), then
-they alternate step by step. ``--breakdown`` adds the narrow net's step broken
+they alternate step by step (``--e2e-steps`` timed steps, at least 3, after 3
+warm-up steps). ``--breakdown`` adds the narrow net's step broken
 down per collective (:mod:`syncbn.cli._bench_breakdown`: own eager work,
 waiting for the peer, frame, exchange, wake-up; with and without DDP; CPU).
 Last comes the targets table (:mod:`syncbn.cli._bench_targets`): each
@@ -68,7 +69,7 @@ from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchN
 from ._bench_report import format_table, ratios
 from ._bench_runner import bench_layers, machine_info, time_interleaved
 from ._bench_targets import format_targets, load_average, targets
-from ._launch import default_backend, run_ranks
+from ._launch import DEFAULT_TIMEOUT_S, default_backend, run_ranks
 
 __all__ = [
     "DEFAULT_SHAPES",
@@ -142,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compiled",
         action="store_true",
-        help="also time the compiled DDP step of the narrow and the wide net (W > 1; compiling: minutes)",
+        help="also time the narrow and the wide net's compiled DDP step (--e2e-steps, at least 3; W > 1)",
     )
     parser.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
 
@@ -262,5 +263,7 @@ def run(args: argparse.Namespace) -> int:
         # No group: syncbn is plain batch norm; still a useful single-process timing.
         _rank_main(0, 1, args)
         return 0
-    run_ranks(_rank_main, args.world_size, args.backend, args)
+    # Ranks compile side by side: give a slower one's compile time before a collective gives up.
+    timeout_s = 600.0 if args.compiled else DEFAULT_TIMEOUT_S
+    run_ranks(_rank_main, args.world_size, args.backend, args, timeout_s=timeout_s)
     return 0
