@@ -7,20 +7,18 @@ The layout, the rounds, the checks and the wait are described in the docstring o
 from __future__ import annotations
 
 import mmap
-import os
-import time
 import zlib
 
 import torch
 from torch import Tensor
 
+from . import _futex
 from ._spin import SpinPolicy
+from ._wait import WITHDRAWN as _WITHDRAWN
+from ._wait import Waiter, WaitFailure
 
 _LINE = 64  # bytes per rank's flag: one cache line each
 _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (C <= 4095)
-_MAX_SLEEP_S = 0.001
-_FIRST_SLEEP_S = 2e-5
-_LIVENESS_EVERY_S = 0.1
 
 
 class SharedMemoryError(RuntimeError):
@@ -44,22 +42,6 @@ class SharedMemoryError(RuntimeError):
         self.ranks: list[list[int] | None] = []
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (Linux)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
-
-
 _SLOT = _LINE + _CAPACITY  # metadata line + data
 DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
@@ -72,7 +54,6 @@ def _segment_size(world_size: int) -> int:
     return _header_size(world_size) + 2 * world_size * _SLOT
 
 
-_WITHDRAWN = -1
 # Why a rank withdrew: written next to its flag before the flag turns -1.
 _REASONS = {
     1: "it timed out waiting for the others",
@@ -138,6 +119,15 @@ class SharedMemorySum:
         self._scratch_views: dict[torch.dtype, Tensor] = {}
         self._seq = 0
         self.spin = SpinPolicy(world_size)
+        # The wait: in the kernel (futex) where it works, chosen once; else spin and sleep in steps.
+        self._waiter = Waiter(
+            self._flags,
+            self._flag_index,
+            rank,
+            pids,
+            self.spin,
+            _futex.attach(segment, self._flag_index[rank] * 8),
+        )
         self.broken = False
         self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
@@ -274,8 +264,10 @@ class SharedMemorySum:
         words[meta + _META_COUNT] = m
         words[meta + _META_ROUND] = seq
         words[self._own_flag] = seq
+        self._waiter.arrived()
         self._wait(seq, timeout)
         lines = [words[i : i + 7].tolist() for i in metas]
+        self._waiter.recheck(seq)
         taking = [r for r, line in enumerate(lines) if line[_META_PRESENT]]
         if not taking:
             return None
@@ -350,6 +342,7 @@ class SharedMemorySum:
         index = self._flag_index[self._rank]
         self._flags[index + 1] = reason
         self._flags[index] = _WITHDRAWN
+        self._waiter.withdrew()
         return SharedMemoryError(message, timed_out=timed_out, waited=waited)
 
     def _withdrawn(self, rank: int, waited: float) -> SharedMemoryError:
@@ -362,44 +355,26 @@ class SharedMemorySum:
         )
 
     def _wait(self, seq: int, timeout: float) -> None:
-        flags, index = self._flags, self._flag_index
-        pending = 0  # ranks below this one have arrived
-        start = time.monotonic()
-        spin = self.spin.budget(start)
-        next_check = start + _LIVENESS_EVERY_S
-        sleep = _FIRST_SLEEP_S
-        while True:
-            while pending < self._size and flags[index[pending]] >= seq:
-                pending += 1
-            if pending == self._size:
-                self.spin.record(time.monotonic() - start)
-                return
-            if flags[index[pending]] == _WITHDRAWN:
-                raise self._withdrawn(pending, time.monotonic() - start)
-            now = time.monotonic()
-            if now - start < spin:
-                os.sched_yield()
-                continue
-            if now - start >= timeout:
-                raise self._fail(
-                    f"rank {pending} of the group did not arrive",
-                    timed_out=True,
-                    waited=now - start,
-                    reason=1,
-                )
-            if now >= next_check:
-                next_check = now + _LIVENESS_EVERY_S
-                dead = [r for r in range(self._size) if flags[index[r]] < seq and not _alive(self._pids[r])]
-                if dead:
-                    pids = [self._pids[r] for r in dead]
-                    raise self._fail(
-                        f"the process of rank(s) {dead} of the group died (pid {pids})",
-                        timed_out=False,
-                        waited=now - start,
-                        reason=2,
-                    )
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _MAX_SLEEP_S)
+        try:
+            self._waiter.wait(seq, timeout)
+        except WaitFailure as failure:
+            raise self._failed_wait(failure) from None
+
+    def _failed_wait(self, failure: WaitFailure) -> SharedMemoryError:
+        ranks, waited = failure.ranks, failure.waited
+        if failure.kind == "withdrawn":
+            return self._withdrawn(ranks[0], waited)
+        if failure.kind == "timeout":
+            return self._fail(
+                f"rank {ranks[0]} of the group did not arrive", timed_out=True, waited=waited, reason=1
+            )
+        pids = [self._pids[r] for r in ranks]
+        return self._fail(
+            f"the process of rank(s) {ranks} of the group died (pid {pids})",
+            timed_out=False,
+            waited=waited,
+            reason=2,
+        )
 
     def close(self) -> None:
         """Release the mapping (views made from it must no longer be used)."""
