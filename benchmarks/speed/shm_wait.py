@@ -17,6 +17,11 @@ futexes work: spin for the adaptive budget, then sleep in the kernel until the p
 ``kernel-spin0`` (sleep in the kernel at once), ``steps`` (the fallback, and the wait before
 issue 29: spin, then sleep in steps of 20 us to 1 ms), ``steps-spin0``.
 
+``--step``: instead, the narrow net's step breakdown of ``benchmarks/speed/breakdown.py`` with
+the waits as variants in the same interleaved rounds (``syncbn``: the kernel wait;
+``syncbn-steps``: the stepped wait and its spin; ``syncbn-spin0``, ``syncbn-steps-spin0``), so
+one run compares them under one load.
+
 Per call and rank it logs the exchange's entry and exit (``perf_counter_ns``, one clock for
 every process on Linux) and the call's CPU time; it prints medians (us): ``call`` (the framed
 sum, the rank's view), ``release`` (the later rank's exchange from entry to exit: both ranks
@@ -33,6 +38,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -99,6 +106,47 @@ def _calls(rank: int, args: argparse.Namespace, pattern: str, wait: str, group: 
         shared.spin.__dict__.pop("budget", None)
 
 
+def _steps_wait(shared: Any) -> Any:
+    """Switch ``shared`` to the stepped wait and its spin; returns the undo."""
+    waiter = getattr(shared, "_waiter", None)
+    if waiter is None or not hasattr(shared.spin, "floor"):
+        return lambda: None  # before issue 29: the stepped wait already
+    futex, policy = waiter.futex, (shared.spin.cap, shared.spin.floor)
+    waiter.futex = None
+    shared.spin.cap = _spin._SPIN_BUSY_S if shared.spin.oversubscribed else _spin._SPIN_S  # noqa: SLF001
+    shared.spin.floor = _spin._SPIN_MIN_S  # noqa: SLF001
+
+    def undo() -> None:
+        waiter.futex = futex
+        shared.spin.cap, shared.spin.floor = policy
+
+    return undo
+
+
+def _step_breakdown(rank: int, world_size: int, args: argparse.Namespace) -> Any:
+    from syncbn.cli import _bench_breakdown as bd
+
+    bd.VARIANTS["syncbn-steps"] = {"wait": "steps"}
+    bd.VARIANTS["syncbn-steps-spin0"] = {"wait": "steps", "spin_s": 0.0}
+    settings = bd._settings  # noqa: SLF001
+
+    @contextmanager
+    def with_wait(spec: dict[str, Any], r: int) -> Iterator[None]:
+        with settings(spec, r):
+            shared = getattr(groups.resolve(None), "_shared", None)
+            undo = _steps_wait(shared) if spec.get("wait") == "steps" and shared is not None else None
+            try:
+                yield
+            finally:
+                if undo is not None:
+                    undo()
+
+    bd._settings = with_wait  # noqa: SLF001
+    names = args.variants.split(",")
+    res = bd.breakdown(rank, world_size, names, rounds=args.rounds, steps=args.step_count, warmup=2)
+    return None if res is None else bd.format_breakdown(res)
+
+
 def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any] | None:
     group = groups.resolve(None)
     assert isinstance(group, groups.ProcessGroupSum)
@@ -142,10 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evict-kb", type=int, default=2048, help="memory touched before each cold call")
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--waits", default=",".join(WAITS))
+    parser.add_argument("--step", action="store_true", help="the narrow net's step breakdown instead")
+    parser.add_argument("--variants", default="plain,syncbn,syncbn-steps,syncbn-spin0,syncbn-steps-spin0")
+    parser.add_argument("--step-count", type=int, default=4, help="with --step: steps per variant and round")
     args = parser.parse_args(argv)
     args.patterns = args.patterns.split(",")
     args.waits = args.waits.split(",")
     before = os.getloadavg()[0]
+    if args.step:
+        print(f"load {before:.2f} at the start")
+        print(run_ranks(_step_breakdown, 2, "gloo", args))
+        return 0
     res = run_ranks(_rank, 2, "gloo", args)
     print(
         f"2 ranks, {args.values} float64, {args.rounds} rounds x {args.calls} calls, load "
