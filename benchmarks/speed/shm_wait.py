@@ -19,8 +19,9 @@ issue 29: spin, then sleep in steps of 20 us to 1 ms), ``steps-spin0``.
 
 ``--step``: instead, the narrow net's step breakdown of ``benchmarks/speed/breakdown.py`` with
 the waits as variants in the same interleaved rounds (``syncbn``: the kernel wait;
-``syncbn-steps``: the stepped wait and its spin; ``syncbn-spin0``, ``syncbn-steps-spin0``), so
-one run compares them under one load.
+``syncbn-steps``: the stepped sleep after the same spin; ``syncbn-spin0``, ``syncbn-steps-spin0``:
+no spin; ``syncbn-spin<N>us``: a fixed spin of N us before the kernel sleep), so one run compares
+them under one load.
 
 Per call and rank it logs the exchange's entry and exit (``perf_counter_ns``, one clock for
 every process on Linux) and the call's CPU time; it prints medians (us): ``call`` (the framed
@@ -47,7 +48,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from syncbn import groups
-from syncbn._shm import _spin
 from syncbn.cli._launch import run_ranks
 
 PATTERNS = ("b2b", "cold", "late")
@@ -60,13 +60,8 @@ def _calls(rank: int, args: argparse.Namespace, pattern: str, wait: str, group: 
     inner = shared.all_reduce_sum
     waiter = getattr(shared, "_waiter", None)  # absent before issue 29: steps only
     futex = getattr(waiter, "futex", None)
-    policy = (shared.spin.cap, shared.spin.floor) if hasattr(shared.spin, "floor") else None
     if waiter is not None and wait.startswith("steps"):
         waiter.futex = None
-        if policy is not None:  # the spin of the steps wait (before issue 29)
-            busy = shared.spin.oversubscribed
-            shared.spin.cap = _spin._SPIN_BUSY_S if busy else _spin._SPIN_S  # noqa: SLF001
-            shared.spin.floor = _spin._SPIN_MIN_S  # noqa: SLF001
     if wait.endswith("spin0"):
         shared.spin.budget = lambda now: 0.0
     marks: list[int] = []
@@ -101,24 +96,19 @@ def _calls(rank: int, args: argparse.Namespace, pattern: str, wait: str, group: 
         shared.all_reduce_sum = inner
         if waiter is not None:
             waiter.futex = futex
-        if policy is not None:
-            shared.spin.cap, shared.spin.floor = policy
         shared.spin.__dict__.pop("budget", None)
 
 
 def _steps_wait(shared: Any) -> Any:
-    """Switch ``shared`` to the stepped wait and its spin; returns the undo."""
+    """Switch ``shared`` to the stepped sleep after the spin; returns the undo."""
     waiter = getattr(shared, "_waiter", None)
-    if waiter is None or not hasattr(shared.spin, "floor"):
+    if waiter is None:
         return lambda: None  # before issue 29: the stepped wait already
-    futex, policy = waiter.futex, (shared.spin.cap, shared.spin.floor)
+    futex = waiter.futex
     waiter.futex = None
-    shared.spin.cap = _spin._SPIN_BUSY_S if shared.spin.oversubscribed else _spin._SPIN_S  # noqa: SLF001
-    shared.spin.floor = _spin._SPIN_MIN_S  # noqa: SLF001
 
     def undo() -> None:
         waiter.futex = futex
-        shared.spin.cap, shared.spin.floor = policy
 
     return undo
 
@@ -128,6 +118,8 @@ def _step_breakdown(rank: int, world_size: int, args: argparse.Namespace) -> Any
 
     bd.VARIANTS["syncbn-steps"] = {"wait": "steps"}
     bd.VARIANTS["syncbn-steps-spin0"] = {"wait": "steps", "spin_s": 0.0}
+    for us in (100, 200, 500, 1000, 2000):
+        bd.VARIANTS[f"syncbn-spin{us}us"] = {"spin_s": us * 1e-6}
     settings = bd._settings  # noqa: SLF001
 
     @contextmanager

@@ -49,11 +49,11 @@ shared futex, :mod:`._futex`), woken by that rank as it arrives: a waiting rank
 gives its core away at once and wakes within microseconds of the arrival. Where
 futexes cannot be used (chosen once per segment) it sleeps in steps growing from
 20 us to 1 ms instead. How long it spins adapts
-(:class:`~syncbn._shm._spin.SpinPolicy`): four typical recent waits, between
-50 us and 0.3 ms before a kernel sleep (between 1 and 5 ms, 2 ms when the
-machine's ranks outnumber its cores, before the stepped sleep), and only the
-floor once waits typically last longer than the cap (a peer still computing,
-which a spinning rank's core could serve). It gives up after the syncbn timeout,
+(:class:`~syncbn._shm._spin.SpinPolicy`): four typical recent waits, at least
+1 ms, at most 5 ms when every rank has a core of its own and 2 ms when the
+machine's ranks outnumber its cores, and only 1 ms once waits typically last
+longer than that (a peer still computing, which a spinning rank's core could
+serve). It gives up after the syncbn timeout,
 within about 0.1 s of a peer process that has not arrived no longer existing,
 and at once when a peer withdraws.
 

@@ -2,7 +2,9 @@
 
 The wait of :class:`~syncbn._shm.SharedMemorySum` (:mod:`syncbn._shm._wait`) spins (yielding the
 core) for the budget :class:`SpinPolicy` gives, then sleeps: in the kernel until the arriving rank
-wakes it (a futex), or, where that is unavailable, in doubling steps up to a millisecond.
+wakes it (a futex), or, where that is unavailable, in doubling steps up to a millisecond. The same
+budget serves both: a shorter spin before the kernel sleep was measured slower (issue 29: two
+ranks sharing a core hand it over best by yielding, not by a sleep and a wake).
 """
 
 from __future__ import annotations
@@ -14,10 +16,6 @@ _SPIN_S = 0.005  # the most a wait spins, when every rank of the machine has a c
 _SPIN_BUSY_S = 0.002  # the most it spins when this machine's ranks outnumber its cores
 _SPIN_MIN_S = 0.001  # what it spins at least, and all it spins once waits outlast the cap
 _SPIN_TYPICAL_TIMES = 4  # the budget, in typical waits
-# Where the wait then sleeps in the kernel and is woken by the arriving rank (a futex), a sleep
-# costs only the wake-up (tens of microseconds), not up to a millisecond: the spin is shorter.
-_KERNEL_SPIN_S = 3e-4
-_KERNEL_SPIN_MIN_S = 5e-5
 
 
 def _cores() -> int:
@@ -42,10 +40,7 @@ class SpinPolicy:
     keeps the common short wait answered by the spin (a sleep's wake-up costs tens of
     microseconds more than a yield); the load of other processes is left to ``sched_yield``.
     ``fixed=True`` is the earlier policy (always :data:`_SPIN_S`), kept for the benchmark's
-    comparison (``benchmarks/speed/hierarchical.py``). Where the wait then sleeps in the kernel
-    (:meth:`kernel_wake`) a sleep costs only a wake-up of tens of microseconds, not up to a
-    millisecond, so the floor and the cap are :data:`_KERNEL_SPIN_MIN_S` and
-    :data:`_KERNEL_SPIN_S`.
+    comparison (``benchmarks/speed/hierarchical.py``).
 
     Args:
         ranks: ranks of the group on this machine.
@@ -57,25 +52,19 @@ class SpinPolicy:
         self.fixed = fixed
         self.typical = 0.0
         self.cap = _SPIN_BUSY_S if ranks > _cores() else _SPIN_S
-        self.floor = _SPIN_MIN_S
-        self._oversubscribed = ranks > _cores()
-
-    def kernel_wake(self) -> None:
-        """The wait sleeps in the kernel and is woken by the arriving rank: spin far less."""
-        self.cap, self.floor = _KERNEL_SPIN_S, _KERNEL_SPIN_MIN_S
 
     @property
     def oversubscribed(self) -> bool:
         """Whether this machine's ranks outnumber the cores this process may use."""
-        return self._oversubscribed
+        return self.cap == _SPIN_BUSY_S
 
     def budget(self, now: float) -> float:
         """Seconds to spin in the wait that starts at ``now`` (``time.monotonic()``)."""
         if self.fixed:
             return _SPIN_S
         if self.typical > self.cap:
-            return self.floor
-        return min(self.cap, max(self.floor, _SPIN_TYPICAL_TIMES * self.typical))
+            return _SPIN_MIN_S
+        return min(self.cap, max(_SPIN_MIN_S, _SPIN_TYPICAL_TIMES * self.typical))
 
     def record(self, waited: float) -> None:
         """Note how long a wait took."""

@@ -107,8 +107,6 @@ class Waiter:
         self._peer_hints = [i + _HINT_WORD for r, i in enumerate(flag_index) if r != rank]
         self._me = rank + 1  # how a sleeper's hint names this rank
         self._woke = False
-        if futex is not None:
-            spin.kernel_wake()
 
     @property
     def in_kernel(self) -> bool:
