@@ -8,6 +8,9 @@ Two gloo ranks, one thread each, the default group's framed sum of ``--values`` 
 * ``cold``: before each call both ranks touch ``--evict-kb`` KiB of fresh memory and run a
   small convolution (as a layer of the narrow net does), so the exchange runs with cold
   caches, as it does inside a training step;
+* ``layer``: before each call both ranks run the forward and backward of one conv-BN-ReLU block
+  of the narrow net (32 channels, 16 images of 8x8: autograd, the dispatcher, the kernels), so
+  the exchange also finds the interpreter's and torch's code paths cold;
 * ``late``: rank 1 computes ``--late-ms`` ms (a busy loop) before each call, so rank 0 waits
   in the exchange: its *wake lag* (its exit after the late rank's exit) and its CPU time per
   wait show what the wait costs.
@@ -50,7 +53,7 @@ import torch.nn.functional as F
 from syncbn import groups
 from syncbn.cli._launch import run_ranks
 
-PATTERNS = ("b2b", "cold", "late")
+PATTERNS = ("b2b", "cold", "layer", "late")
 WAITS = ("kernel", "kernel-spin0", "steps", "steps-spin0")
 
 
@@ -77,12 +80,17 @@ def _calls(rank: int, args: argparse.Namespace, pattern: str, wait: str, group: 
     x = torch.randn(16, 32, 8, 8)
     w = torch.randn(32, 32, 3, 3)
     late_s = args.late_ms / 1e3 if rank == 1 else 0.0
+    nn = torch.nn
+    layer = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())
+    xg = x.clone().requires_grad_(True)
     dist.barrier()
     try:
         for _ in range(args.calls):
             if pattern == "cold":
                 evict.fill_(1.0)
                 F.conv2d(x, w, padding=1)
+            elif pattern == "layer":
+                layer(xg).sum().backward()
             elif pattern == "late" and late_s:
                 end = time.perf_counter() + late_s
                 while time.perf_counter() < end:
