@@ -6,13 +6,15 @@ of :class:`~syncbn._shm._spin.SpinPolicy`, then sleeps:
 
 * where futexes work (:mod:`._futex`), in the kernel on the flag word of the first rank that
   has not arrived, woken by that rank as it arrives: the sleeping rank leaves its core to
-  others at once and wakes within microseconds of the arrival. Before it sleeps it publishes a
+  others at once and wakes tens of microseconds after the arrival (20-30 us on a 2-vCPU VM,
+  where the wake costs the arriving rank about 10 us: the spin first keeps short waits off
+  that path, ``benchmarks/speed/shm_wait.py``). Before it sleeps it publishes a
   *sleep hint* (its header line's third word: the round and the rank it sleeps on); an
   arriving rank wakes its own flag word only when a hint names it, so a call where nobody
   sleeps makes no system call. The kernel compares the flag after its own barrier, so an
   arrival published before the sleep is never slept through; the arriving rank, whose hint
   check may read before its flag store is visible (x86-64 keeps a store and a later load of
-  another word in either order), looks again at the end of its call (:meth:`Waiter.recheck`),
+  another word in either order), looks again after its own wait (:meth:`Waiter.recheck`),
   and every sleep is also bounded (the next liveness check, the timeout), so a wake missed
   even so costs at most that slice, never a result or the bound;
 * elsewhere (no futex: not Linux, no ``ctypes``, a kernel that refuses it; chosen once per
