@@ -10,7 +10,8 @@ SyncBatchNorm makes two per layer and step.
 
 The segment (an anonymous memfd, see the set-up below)::
 
-    header     token (int64) | one 64-byte line per rank: its round number (-1: withdrawn)
+    header     token (int64) | one 64-byte line per rank: its round number (-1: withdrawn),
+               why it withdrew, its sleep hint (the round and the rank it sleeps on)
     buffer 0   world_size slots: a 64-byte metadata line, then 64 KiB of data
     buffer 1   the same
 
@@ -43,14 +44,19 @@ every rank gets the same bits.
 
 Ordering: the slot is written before the flag and read after the flags, and
 x86-64 keeps stores in order and loads in order (TSO); this module is used on
-x86-64 Linux only. The wait spins (yielding the core) for a short while, then
-sleeps in growing steps, so a rank that is far behind costs its peers little
-CPU; how long it spins adapts (:class:`~syncbn._shm._spin.SpinPolicy`): four
-typical recent waits, at least 1 ms, at most 5 ms when every rank has a core of
-its own and 2 ms when the machine's ranks outnumber its cores, and only 1 ms
-once waits typically last longer than that (a peer still computing, which a
-spinning rank's core could serve). It gives up after the syncbn timeout, and as soon as a
-peer process that has not arrived no longer exists.
+x86-64 Linux only. The wait (:mod:`._wait`) spins (yielding the core) for a
+while, then sleeps in the kernel on the flag word of the rank it waits for (a
+shared futex, :mod:`._futex`), woken by that rank as it arrives: past the spin, a
+waiting rank leaves its core and wakes within tens of microseconds of the
+arrival (the stepped sleep before it: up to a millisecond). Where futexes cannot
+be used (chosen once per segment) it sleeps in steps growing from 20 us to 1 ms
+instead. How long it spins adapts (:class:`~syncbn._shm._spin.SpinPolicy`):
+four typical recent waits, at least 1 ms, at most 5 ms when every rank has a
+core of its own and 2 ms when the machine's ranks outnumber its cores, and only
+1 ms once waits typically last longer than that (a peer still computing, which
+a spinning rank's core could serve). It gives up after the syncbn timeout,
+within about 0.1 s of a peer process that has not arrived no longer existing,
+and at once when a peer withdraws.
 
 Set-up is collective: :func:`connect` runs on every rank at the same point (the
 first CPU collective of a group) and agrees, over the process group, whether the
@@ -90,7 +96,8 @@ import torch
 from torch import Tensor
 
 from . import _handoff
-from ._exchange import DTYPE_CODES, SharedMemoryError, SharedMemorySum, _alive, _segment_size  # noqa: F401
+from ._exchange import DTYPE_CODES, SharedMemoryError, SharedMemorySum, _segment_size  # noqa: F401
+from ._wait import alive as _alive
 
 __all__ = ["SharedMemorySum", "SharedMemoryError", "connect", "supported"]
 

@@ -7,20 +7,19 @@ The layout, the rounds, the checks and the wait are described in the docstring o
 from __future__ import annotations
 
 import mmap
-import os
-import time
 import zlib
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from . import _futex
 from ._spin import SpinPolicy
+from ._wait import WITHDRAWN as _WITHDRAWN
+from ._wait import Waiter, WaitFailure
 
 _LINE = 64  # bytes per rank's flag: one cache line each
 _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (C <= 4095)
-_MAX_SLEEP_S = 0.001
-_FIRST_SLEEP_S = 2e-5
-_LIVENESS_EVERY_S = 0.1
 
 
 class SharedMemoryError(RuntimeError):
@@ -44,22 +43,6 @@ class SharedMemoryError(RuntimeError):
         self.ranks: list[list[int] | None] = []
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (Linux)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
-
-
 _SLOT = _LINE + _CAPACITY  # metadata line + data
 DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
 
@@ -72,7 +55,6 @@ def _segment_size(world_size: int) -> int:
     return _header_size(world_size) + 2 * world_size * _SLOT
 
 
-_WITHDRAWN = -1
 # Why a rank withdrew: written next to its flag before the flag turns -1.
 _REASONS = {
     1: "it timed out waiting for the others",
@@ -107,8 +89,18 @@ def _unpack(line: tuple[int, ...]) -> list[int]:
     ]
 
 
+class _Plan(NamedTuple):
+    """What a round of one size touches, made once per (buffer, dtype, values)."""
+
+    own: Tensor  # this rank's slot, as the tensor the chunk is copied into
+    mine: memoryview  # the same bytes, for their checksum
+    pairs: list[tuple[memoryview, memoryview]]  # per rank: (its private copy, its slot)
+    copy: Tensor  # the private copies, (world_size, values)
+    rows: tuple[Tensor, Tensor] | None  # with two ranks, the two rows of ``copy``
+
+
+_MAX_PLANS = 1024
 _CODE_DTYPES = {1: torch.float64, 2: torch.float32, 3: torch.float16, 4: torch.bfloat16}
-_ITEMSIZE = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 class SharedMemorySum:
@@ -138,6 +130,15 @@ class SharedMemorySum:
         self._scratch_views: dict[torch.dtype, Tensor] = {}
         self._seq = 0
         self.spin = SpinPolicy(world_size)
+        # The wait: in the kernel (futex) where it works, chosen once; else spin and sleep in steps.
+        self._waiter = Waiter(
+            self._flags,
+            self._flag_index,
+            rank,
+            pids,
+            self.spin,
+            _futex.attach(segment, self._flag_index[rank] * 8),
+        )
         self.broken = False
         self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
@@ -146,9 +147,9 @@ class SharedMemorySum:
             [self._buffer_offset(b) + r * _SLOT + _LINE for r in range(world_size)] for b in (0, 1)
         ]
         self._own_flag = self._flag_index[rank]
-        # (buffer, dtype, values) -> this rank's slot as a tensor; (dtype, values) -> the private copy.
-        self._own_views: dict[tuple[int, torch.dtype, int], Tensor] = {}
-        self._copy_views: dict[tuple[torch.dtype, int], Tensor] = {}
+        # (buffer, dtype, values) -> everything a round of that size touches, built once (_plan).
+        self._plans: dict[tuple[int, torch.dtype, int], _Plan] = {}
+        self._plan_views: list[memoryview] = []  # the plans' views of the segment, released at close
 
     def _slots(self, buffer: int, dtype: torch.dtype) -> Tensor:
         key = (buffer, dtype)
@@ -171,6 +172,32 @@ class SharedMemorySum:
             view = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)
             self._scratch_views[dtype] = view
         return view
+
+    def _plan(self, buffer: int, dtype: torch.dtype, m: int) -> _Plan:
+        """Views for a round of ``m`` values of ``dtype`` in ``buffer``, made once and kept."""
+        if len(self._plans) >= _MAX_PLANS:
+            self._release_plans()
+        nbytes = m * torch.empty((), dtype=dtype).element_size()
+        starts, raw, scratch = self._starts[buffer], self._raw, self._scratch_bytes
+        slots = [raw[a : a + nbytes] for a in starts]
+        copies = [scratch[r * _CAPACITY : r * _CAPACITY + nbytes] for r in range(self._size)]
+        self._plan_views += slots + copies
+        copy = self._scratch(dtype)[:, :m]
+        plan = _Plan(
+            self._slots(buffer, dtype)[self._rank, :m],
+            slots[self._rank],
+            list(zip(copies, slots)),
+            copy,
+            (copy[0], copy[1]) if self._size == 2 else None,
+        )
+        self._plans[(buffer, dtype, m)] = plan
+        return plan
+
+    def _release_plans(self) -> None:
+        self._plans.clear()
+        for view in self._plan_views:
+            view.release()
+        self._plan_views.clear()
 
     def _buffer_offset(self, buffer: int) -> int:
         return self._data_offset + buffer * self._size * _SLOT
@@ -253,19 +280,17 @@ class SharedMemorySum:
         words = self._flags
         rank = self._rank
         metas = self._metas[buffer]
-        starts = self._starts[buffer]
         meta = metas[rank]
         m = 0
         crc = 0
+        plan = None
         if present:
             m = chunk.numel()
-            key = (buffer, dtype, m)
-            own = self._own_views.get(key)
-            if own is None:
-                own = self._own_views[key] = self._slots(buffer, dtype)[rank, :m]
-            own.copy_(chunk)
-            start = starts[rank]
-            crc = zlib.crc32(self._raw[start : start + m * chunk.element_size()])
+            plan = self._plans.get((buffer, dtype, m))
+            if plan is None:
+                plan = self._plan(buffer, dtype, m)
+            plan.own.copy_(chunk)
+            crc = zlib.crc32(plan.mine)
         words[meta + _META_PRESENT] = 1 if present else 0
         words[meta + _META_LAYER] = (fields[0] << 16) | fields[1]
         words[meta + _META_ID] = (fields[2] << 16) | fields[3]
@@ -274,8 +299,14 @@ class SharedMemorySum:
         words[meta + _META_COUNT] = m
         words[meta + _META_ROUND] = seq
         words[self._own_flag] = seq
-        self._wait(seq, timeout)
+        waiter = self._waiter
+        waiter.arrived()
+        try:
+            waiter.wait(seq, timeout)
+        except WaitFailure as failure:
+            raise self._failed_wait(failure) from None
         lines = [words[i : i + 7].tolist() for i in metas]
+        waiter.recheck(seq)
         taking = [r for r, line in enumerate(lines) if line[_META_PRESENT]]
         if not taking:
             return None
@@ -294,17 +325,15 @@ class SharedMemorySum:
                 raise self._mismatch([tuple(x) for x in lines])
         # A participant's reference line is its own: the agreed fields are the ones it sent.
         got_fields = fields if present else _unpack(tuple(ref))
-        if not present:
+        if plan is None:
             dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
             m = int(count)
+            plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
         # A private copy of every slot: what is checked is what is summed.
-        nbytes = m * (chunk.element_size() if present else _ITEMSIZE[dtype])
-        raw, scratch = self._raw, self._scratch_bytes
         bad = []
-        for r in range(self._size):
-            src, dst = starts[r], r * _CAPACITY
-            scratch[dst : dst + nbytes] = raw[src : src + nbytes]
-            if lines[r][_META_PRESENT] and zlib.crc32(scratch[dst : dst + nbytes]) != lines[r][_META_CRC]:
+        for r, (copied, slot) in enumerate(plan.pairs):
+            copied[:] = slot
+            if lines[r][_META_PRESENT] and zlib.crc32(copied) != lines[r][_META_CRC]:
                 bad.append(r)
         if bad:
             raise self._fail(
@@ -317,18 +346,19 @@ class SharedMemorySum:
         for r in range(self._size):
             if flags[index[r]] == _WITHDRAWN:
                 raise self._withdrawn(r, 0.0)
-        copy = self._copy_views.get((dtype, m))
-        if copy is None:
-            copy = self._copy_views[(dtype, m)] = self._scratch(dtype)[:, :m]
+        copy = plan.copy
         k = len(taking)
         self.last_participants = k
+        if present and k == self._size and chunk.is_contiguous():
+            if plan.rows is not None:  # two ranks: one addition, as gloo makes it
+                torch.add(plan.rows[0], plan.rows[1], out=chunk)
+            else:
+                torch.sum(copy, 0, out=chunk)
+            return got_fields, k, chunk
         if k < self._size:
             copy = copy[taking]
         if present:
-            if chunk.is_contiguous():
-                torch.sum(copy, 0, out=chunk)
-            else:
-                chunk.copy_(copy.sum(0))
+            chunk.copy_(copy.sum(0))
             return got_fields, k, chunk
         return got_fields, k, copy.sum(0, dtype=torch.float64)
 
@@ -350,6 +380,7 @@ class SharedMemorySum:
         index = self._flag_index[self._rank]
         self._flags[index + 1] = reason
         self._flags[index] = _WITHDRAWN
+        self._waiter.withdrew()
         return SharedMemoryError(message, timed_out=timed_out, waited=waited)
 
     def _withdrawn(self, rank: int, waited: float) -> SharedMemoryError:
@@ -361,52 +392,27 @@ class SharedMemorySum:
             waited=waited,
         )
 
-    def _wait(self, seq: int, timeout: float) -> None:
-        flags, index = self._flags, self._flag_index
-        pending = 0  # ranks below this one have arrived
-        start = time.monotonic()
-        spin = self.spin.budget(start)
-        next_check = start + _LIVENESS_EVERY_S
-        sleep = _FIRST_SLEEP_S
-        while True:
-            while pending < self._size and flags[index[pending]] >= seq:
-                pending += 1
-            if pending == self._size:
-                self.spin.record(time.monotonic() - start)
-                return
-            if flags[index[pending]] == _WITHDRAWN:
-                raise self._withdrawn(pending, time.monotonic() - start)
-            now = time.monotonic()
-            if now - start < spin:
-                os.sched_yield()
-                continue
-            if now - start >= timeout:
-                raise self._fail(
-                    f"rank {pending} of the group did not arrive",
-                    timed_out=True,
-                    waited=now - start,
-                    reason=1,
-                )
-            if now >= next_check:
-                next_check = now + _LIVENESS_EVERY_S
-                dead = [r for r in range(self._size) if flags[index[r]] < seq and not _alive(self._pids[r])]
-                if dead:
-                    pids = [self._pids[r] for r in dead]
-                    raise self._fail(
-                        f"the process of rank(s) {dead} of the group died (pid {pids})",
-                        timed_out=False,
-                        waited=now - start,
-                        reason=2,
-                    )
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _MAX_SLEEP_S)
+    def _failed_wait(self, failure: WaitFailure) -> SharedMemoryError:
+        ranks, waited = failure.ranks, failure.waited
+        if failure.kind == "withdrawn":
+            return self._withdrawn(ranks[0], waited)
+        if failure.kind == "timeout":
+            return self._fail(
+                f"rank {ranks[0]} of the group did not arrive", timed_out=True, waited=waited, reason=1
+            )
+        pids = [self._pids[r] for r in ranks]
+        return self._fail(
+            f"the process of rank(s) {ranks} of the group died (pid {pids})",
+            timed_out=False,
+            waited=waited,
+            reason=2,
+        )
 
     def close(self) -> None:
         """Release the mapping (views made from it must no longer be used)."""
         self._views.clear()
         self._scratch_views.clear()
-        self._own_views.clear()
-        self._copy_views.clear()
+        self._release_plans()
         self._scratch_bytes.release()
         self._flags.release()
         self._raw.release()

@@ -1,7 +1,10 @@
 """The spin policy of the shared-memory wait (:mod:`syncbn._shm`): how long to spin before sleeping.
 
-The wait of :class:`~syncbn._shm.SharedMemorySum` spins (yielding the core) for the budget
-:class:`SpinPolicy` gives, then sleeps in doubling steps up to a millisecond.
+The wait of :class:`~syncbn._shm.SharedMemorySum` (:mod:`syncbn._shm._wait`) spins (yielding the
+core) for the budget :class:`SpinPolicy` gives, then sleeps: in the kernel until the arriving rank
+wakes it (a futex), or, where that is unavailable, in doubling steps up to a millisecond. The same
+budget serves both: a shorter spin before the kernel sleep was measured slower (issue 29: two
+ranks sharing a core hand it over best by yielding, not by a sleep and a wake).
 """
 
 from __future__ import annotations

@@ -1,0 +1,126 @@
+"""A wait that blocks in the kernel on a word of the shared segment (:mod:`syncbn._shm`): Linux futexes.
+
+:class:`SegmentFutex` sleeps on a 32-bit word of the mapping until another process that maps
+the same memfd wakes that word (``FUTEX_WAIT`` / ``FUTEX_WAKE``, *shared*: the kernel keys
+them by the file and offset, so the ranks' different addresses meet), or until a timeout. The
+system call goes through ``ctypes`` (``syscall(SYS_futex, ...)``), looked up once per process;
+where that is impossible (not Linux, an unknown architecture, no ``ctypes`` or ``libc``, or a
+first probe that the kernel refuses) :func:`attach` returns ``None`` and the wait keeps
+spinning and sleeping in steps (:mod:`syncbn._shm._wait`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import platform
+import sys
+from typing import Any
+
+__all__ = ["SegmentFutex", "attach", "available"]
+
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_WAKE_ALL = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_loaded: tuple[int, Any] | None = None
+_tried = False
+
+
+def _syscall() -> tuple[int, Any] | None:
+    """``(SYS_futex, libc's syscall)``, looked up once per process; ``None`` where unavailable."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    number = _SYS_FUTEX.get(platform.machine().lower())
+    if not sys.platform.startswith("linux") or number is None:
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+        fn.restype = ctypes.c_long
+        fn.argtypes = [
+            ctypes.c_long,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_uint32,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_uint32,
+        ]
+    except (OSError, AttributeError, TypeError):
+        return None
+    _loaded = (number, fn)
+    return _loaded
+
+
+def available() -> bool:
+    """Whether this process can make the futex system call at all (Linux, ``ctypes``, ``libc``)."""
+    return _syscall() is not None
+
+
+class SegmentFutex:
+    """Futex wait and wake on the words of one shared mapping.
+
+    Args:
+        segment: the mapping (shared, writable); it must outlive this object's use.
+        number: ``SYS_futex`` on this architecture.
+        call: libc's ``syscall`` through ``ctypes``.
+    """
+
+    def __init__(self, segment: mmap.mmap, number: int, call: Any) -> None:
+        view = ctypes.c_char.from_buffer(segment)
+        self._base = ctypes.addressof(view)
+        del view  # the address stays valid while the mapping does; no export is kept
+        self._number = number
+        self._call = call
+        self._timeout = _Timespec()
+        self._timeout_ref = ctypes.byref(self._timeout)
+
+    def wait(self, offset: int, expected: int, seconds: float) -> bool:
+        """Sleep while the 32-bit word at byte ``offset`` holds ``expected``, at most ``seconds``.
+
+        Returns at a wake, a timeout, a signal, or at once when the word already differs (the
+        kernel compares after its own barrier, so a change published before this call is never
+        slept through). The caller re-reads what it waits for in every case.
+
+        Returns:
+            ``False`` where the kernel refused the call itself (the caller should stop using it).
+        """
+        seconds = max(seconds, 1e-6)
+        whole = int(seconds)
+        self._timeout.tv_sec = whole
+        self._timeout.tv_nsec = int((seconds - whole) * 1e9)
+        got = self._call(
+            self._number, self._base + offset, _FUTEX_WAIT, expected & 0xFFFFFFFF, self._timeout_ref, None, 0
+        )
+        if got == 0:
+            return True
+        return ctypes.get_errno() in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR)
+
+    def wake(self, offset: int) -> bool:
+        """Wake every process sleeping on the word at byte ``offset``; ``False`` if the kernel refused."""
+        return bool(self._call(self._number, self._base + offset, _FUTEX_WAKE, _WAKE_ALL, None, None, 0) >= 0)
+
+
+def attach(segment: mmap.mmap, probe_offset: int) -> SegmentFutex | None:
+    """A :class:`SegmentFutex` on ``segment``, or ``None`` where futexes cannot be used.
+
+    Probes once with a wake of the word at ``probe_offset`` (no one sleeps there yet): a
+    kernel or sandbox that refuses the call (``ENOSYS``, ``EPERM``) means ``None``.
+    """
+    loaded = _syscall()
+    if loaded is None:
+        return None
+    try:
+        futex = SegmentFutex(segment, *loaded)
+    except (TypeError, ValueError, BufferError):
+        return None
+    return futex if futex.wake(probe_offset) else None

@@ -1,0 +1,204 @@
+"""The wait of the shared-memory exchange (:mod:`syncbn._shm`): spin, then block in the kernel.
+
+A rank that has raised its flag to round ``seq`` waits until every rank's flag has reached it.
+:class:`Waiter` first spins (reading the flags, yielding the core between reads) for the budget
+of :class:`~syncbn._shm._spin.SpinPolicy`, then sleeps:
+
+* where futexes work (:mod:`._futex`), in the kernel on the flag word of the first rank that
+  has not arrived, woken by that rank as it arrives: the sleeping rank leaves its core to
+  others at once and wakes tens of microseconds after the arrival (20-30 us on a 2-vCPU VM,
+  where the wake costs the arriving rank about 10 us: the spin first keeps short waits off
+  that path, ``benchmarks/speed/shm_wait.py``). Before it sleeps it publishes a
+  *sleep hint* (its header line's third word: the round and the rank it sleeps on); an
+  arriving rank wakes its own flag word only when a hint names it, so a call where nobody
+  sleeps makes no system call. The kernel compares the flag after its own barrier, so an
+  arrival published before the sleep is never slept through; the arriving rank, whose hint
+  check may read before its flag store is visible (x86-64 keeps a store and a later load of
+  another word in either order), looks again after its own wait (:meth:`Waiter.recheck`),
+  and every sleep is also bounded (the next liveness check, the timeout), so a wake missed
+  even so costs at most that slice, never a result or the bound;
+* elsewhere (no futex: not Linux, no ``ctypes``, a kernel that refuses it; chosen once per
+  segment), in steps doubling from 20 us to 1 ms, as before.
+
+Either way the wait is bounded by the timeout, and every 100 ms it checks that the processes of
+the ranks it still waits for exist (a dead peer is an error within about 100 ms); a withdrawn
+peer (flag -1, :mod:`._exchange`) is seen at once: a withdrawing rank wakes every flag word, and a
+waiter past its spin looks at every rank's flag each time it wakes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ._futex import SegmentFutex
+from ._spin import SpinPolicy
+
+__all__ = ["WITHDRAWN", "WaitFailure", "Waiter", "alive"]
+
+WITHDRAWN = -1
+_MAX_SLEEP_S = 0.001
+_FIRST_SLEEP_S = 2e-5
+_LIVENESS_EVERY_S = 0.1
+_HINT_WORD = 2  # the sleep hint's word in a rank's header line (0: the flag, 1: why it withdrew)
+_HINT_RANK_BITS = 16
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+class WaitFailure(Exception):
+    """Why a wait ended without every rank: ``kind`` is ``"withdrawn"``, ``"timeout"`` or ``"dead"``.
+
+    Attributes:
+        kind: what happened.
+        ranks: the rank that withdrew or did not arrive, or the ranks whose process died.
+        waited: seconds waited.
+    """
+
+    def __init__(self, kind: str, ranks: list[int], waited: float) -> None:
+        super().__init__(kind)
+        self.kind = kind
+        self.ranks = ranks
+        self.waited = waited
+
+
+class Waiter:
+    """The wait of one rank of a segment, and the wake it owes the ranks that sleep on it.
+
+    Args:
+        flags: the segment as int64 words.
+        flag_index: every rank's flag word index (the first word of its header line).
+        rank: this rank.
+        pids: every rank's process id, for the liveness check.
+        spin: the spin policy.
+        futex: the segment's futex, or ``None`` (spin, then sleep in steps).
+    """
+
+    def __init__(
+        self,
+        flags: Any,
+        flag_index: list[int],
+        rank: int,
+        pids: list[int],
+        spin: SpinPolicy,
+        futex: SegmentFutex | None,
+    ) -> None:
+        self._flags = flags
+        self._index = flag_index
+        self._size = len(flag_index)
+        self._pids = pids
+        self.spin = spin
+        self.futex = futex
+        self._own_offset = flag_index[rank] * 8
+        self._own_hint = flag_index[rank] + _HINT_WORD
+        self._peer_hints = [i + _HINT_WORD for r, i in enumerate(flag_index) if r != rank]
+        self._me = rank + 1  # how a sleeper's hint names this rank
+        self._woke = False
+
+    @property
+    def in_kernel(self) -> bool:
+        """Whether the wait sleeps in the kernel (futex) rather than in steps."""
+        return self.futex is not None
+
+    def arrived(self) -> None:
+        """After this rank raised its flag: wake the ranks whose sleep hint names it."""
+        self._woke = False
+        if self.futex is None:
+            return
+        flags, me = self._flags, self._me
+        for i in self._peer_hints:
+            hint = flags[i]
+            if hint and hint & 0xFFFF == me:
+                self._woke = True
+                self.futex.wake(self._own_offset)
+                return
+
+    def recheck(self, seq: int) -> None:
+        """Later in the call: wake a rank asleep on this one in round ``seq`` that :meth:`arrived` missed."""
+        if self.futex is None or self._woke:
+            return
+        flags, want = self._flags, (seq << _HINT_RANK_BITS) | self._me
+        for i in self._peer_hints:
+            if flags[i] == want:
+                self._woke = True
+                self.futex.wake(self._own_offset)
+                return
+
+    def withdrew(self) -> None:
+        """After this rank's flag turned -1: wake every sleeping rank, whichever flag it sleeps on."""
+        if self.futex is not None:
+            for i in self._index:
+                self.futex.wake(i * 8)
+
+    def wait(self, seq: int, timeout: float) -> None:
+        """Return once every rank's flag has reached ``seq``.
+
+        Raises:
+            WaitFailure: a rank withdrew, the wait reached ``timeout``, or the process of a
+                rank that has not arrived no longer exists.
+        """
+        flags, index, size = self._flags, self._index, self._size
+        pending = 0  # ranks below this one have arrived
+        while pending < size and flags[index[pending]] >= seq:
+            pending += 1
+        if pending == size:  # the common case of the last rank to arrive: no clock, no policy
+            self.spin.record(0.0)
+            return
+        start = time.monotonic()
+        spin = self.spin.budget(start)
+        next_check = start + _LIVENESS_EVERY_S
+        step = _FIRST_SLEEP_S
+        while True:
+            while pending < size and flags[index[pending]] >= seq:
+                pending += 1
+            if pending == size:
+                self.spin.record(time.monotonic() - start)
+                return
+            if flags[index[pending]] == WITHDRAWN:
+                raise WaitFailure("withdrawn", [pending], time.monotonic() - start)
+            now = time.monotonic()
+            if now - start < spin:
+                os.sched_yield()
+                continue
+            if now - start >= timeout:
+                raise WaitFailure("timeout", [pending], now - start)
+            if now >= next_check:
+                next_check = now + _LIVENESS_EVERY_S
+                dead = [r for r in range(size) if flags[index[r]] < seq and not alive(self._pids[r])]
+                if dead:
+                    raise WaitFailure("dead", dead, now - start)
+            for r in range(size):  # any rank that withdrew (not only the one slept on): fail now
+                if flags[index[r]] == WITHDRAWN:
+                    raise WaitFailure("withdrawn", [r], now - start)
+            if self.futex is not None:
+                self._sleep(seq, pending, min(next_check, start + timeout) - now)
+            else:
+                time.sleep(step)
+                step = min(step * 2, _MAX_SLEEP_S)
+
+    def _sleep(self, seq: int, pending: int, seconds: float) -> None:
+        """Sleep in the kernel on rank ``pending``'s flag word, its hint published, at most ``seconds``."""
+        flags, word = self._flags, self._index[pending]
+        assert self.futex is not None
+        flags[self._own_hint] = (seq << _HINT_RANK_BITS) | (pending + 1)
+        try:
+            value = flags[word]  # read again after the hint: an arrival before it is seen here
+            if WITHDRAWN < value < seq and not self.futex.wait(word * 8, value, seconds):
+                self.futex = None  # the kernel refused the call: steps from now on
+        finally:
+            flags[self._own_hint] = 0
