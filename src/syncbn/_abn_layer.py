@@ -3,7 +3,7 @@
 Shared by :mod:`syncbn.activated` and :mod:`syncbn.compat.inplace_abn`:
 parameters and buffers with ``nn.BatchNorm``'s names, torch's momentum
 convention (``None``: cumulative average), training and eval, ``nn.DataParallel``
-replicas (:mod:`syncbn.parallel._abn`), ``torch.compile`` (:mod:`syncbn._abn_traced`),
+replicas (:mod:`syncbn.parallel._joint`), ``torch.compile`` (:mod:`syncbn._abn_traced`),
 activation checkpointing, checkpoint loading, pickling with a process group.
 """
 
@@ -16,14 +16,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _abn, _abn_math, _checks, _rules, groups, parallel
+from . import _checks, _rules, groups, parallel
+from ._function import inplace_abn_apply
+from .families.inplace_abn import InPlaceABN, check_activation
 
 try:
     from . import _ops
     from ._abn_traced import traced_inplace_abn
 except ImportError:  # torch without ordered effectful custom operators: compiled models run eagerly
     _ops = None  # type: ignore[assignment]
-from .parallel._abn import replica_inplace_abn
+from .parallel._joint import replica_batch_norm
 
 __all__ = ["ActivatedBatchNormBase"]
 
@@ -100,7 +102,7 @@ class ActivatedBatchNormBase(nn.Module):
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        _abn_math.check_activation(activation, activation_param, in_place=self._in_place)
+        check_activation(activation, activation_param, in_place=self._in_place)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
@@ -237,7 +239,7 @@ class ActivatedBatchNormBase(nn.Module):
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         act, param = self.activation, float(self.activation_param)
         if not self.training and self.running_mean is not None:
-            out = _abn.inplace_abn_apply(
+            out = inplace_abn_apply(
                 x,
                 self.weight,
                 self.bias,
@@ -252,17 +254,18 @@ class ActivatedBatchNormBase(nn.Module):
             )
             return out
         if not self.training:  # eval without running statistics: the local batch's, no communication
-            return _abn.inplace_abn_apply(
+            return inplace_abn_apply(
                 x, self.weight, self.bias, None, None, True, 0.0, self.eps, act, param, None
             )
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:
-            out = replica_inplace_abn(self, x, factor, replica.replication, replica.index, act, param)
+            family = InPlaceABN(act, param)
+            out = replica_batch_norm(self, x, factor, replica.replication, replica.index, family)
         else:
             group = None if self._local else groups.resolve(self._group())
             running_mean = self.running_mean if self.track_running_stats else None
             running_var = self.running_var if self.track_running_stats else None
-            out = _abn.inplace_abn_apply(
+            out = inplace_abn_apply(
                 x,
                 self.weight,
                 self.bias,

@@ -43,14 +43,7 @@ class _DifferentiableSum(torch.autograd.Function):
 
 
 def differentiable_input_grads(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    total: float | Tensor,
-    reduce: Reduce,
+    grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any, reduce: Reduce
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
 
@@ -58,8 +51,10 @@ def differentiable_input_grads(
     differentiable all_reduce of ``[sum x, sum x^2]`` (their values are the
     forward's, exactly; only their derivatives come from the rebuild), and the
     backward sums go through a differentiable all_reduce too: two collectives,
-    on every rank alike, where the first-order backward makes one.
+    on every rank alike, where the first-order backward makes one. ``stats``: the
+    forward's :class:`syncbn._math.Stats` (global mean, biased variance, eps, count).
     """
+    mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
     stat = mean.dtype
     dims = [0, *range(2, x.dim())]
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)

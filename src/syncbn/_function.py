@@ -31,9 +31,10 @@ from torch import Tensor
 
 from . import _accumulating, _checks, _config, _math
 from ._double_backward import differentiable_input_grads
-from ._math import finish_input_grad, local_grad_sums
+from ._math import Stats, finish_input_grad, local_grad_sums
 from ._rules import gradient_dtype, one_value_error, statistics_dtype
 from ._threads import LOCAL
+from .families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN
 from .groups import (
     PHASE_BACKWARD,
     PHASE_FORWARD,
@@ -59,8 +60,11 @@ __all__ = [
 ]
 
 
-def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueError:
-    return one_value_error(x, group.size, "ranks of the group", layer)
+def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any, family: Any = None) -> ValueError:
+    in_place = family is not None and family.in_place
+    return one_value_error(
+        x, group.size, "member(s) of the group" if in_place else "ranks of the group", layer
+    )
 
 
 class Moments(NamedTuple):
@@ -195,14 +199,11 @@ def _host_side(x: Tensor) -> bool:
 class ForwardResult(NamedTuple):
     """What a synchronised training forward produced, and what its backward needs."""
 
-    out: Tensor
-    mean: Tensor  # global mean, statistics dtype
-    var: Tensor  # global biased variance, statistics dtype
-    total: float | Tensor  # global count: a float on CPU, a 0-dim float64 tensor on a device
-    local_count: int  # this member's values per channel
+    out: Tensor  # the output (the in-place family: the input, overwritten)
+    stats: Any  # what backward reads: a syncbn._math.Stats, or the family's (in-place: ABNStats)
     weight: Tensor | None = None  # the weight the elementwise forward used (the family's effective one)
     correction: tuple[Tensor, Tensor] | None = None  # the family's (r, d); None for batch norm
-    family: Any = None  # the family object that made ``correction``
+    family: Any = None  # the family object (syncbn.families); None for batch norm
 
 
 def synchronized_forward(
@@ -213,7 +214,7 @@ def synchronized_forward(
     running_var: Tensor | None,
     eps: float,
     momentum: float,
-    reduce: Callable[[Tensor], Tensor],
+    reduce: Callable[[Tensor], Tensor] | None,
     one_value_error: Callable[[], Exception],
     family: Any = None,
 ) -> ForwardResult:
@@ -222,11 +223,11 @@ def synchronized_forward(
     The transport-independent forward shared by the process-group path
     (:class:`SyncBatchNormFunction`) and the ``nn.DataParallel`` replicas
     (:mod:`syncbn.parallel`): local moments, one ``reduce`` of the packed
-    moments, normalisation into a freshly allocated output (which also served
-    as the scratch buffer for the moments) and the running-statistics update.
-    Every per-channel step is a single tensor operation on all channels at
-    once: on small layers the number of operations, not the bytes, sets the
-    time.
+    moments, the family's elementwise forward (batch norm: normalisation into a
+    freshly allocated output, which also served as the scratch buffer for the
+    moments) and the running-statistics update. Every per-channel step is a
+    single tensor operation on all channels at once: on small layers the number
+    of operations, not the bytes, sets the time.
 
     Args:
         x: the local input ``(N, C, *)``.
@@ -236,7 +237,8 @@ def synchronized_forward(
         running_var: updated in place (unbiased variance) unless ``None``.
         eps: added to the variance.
         momentum: running-statistics update factor.
-        reduce: sums a float64 vector over every member, returning the sum.
+        reduce: sums a float64 vector over every member, returning the sum
+            (``None``: this member alone, the in-place family only).
         one_value_error: builds the error raised when the global count is one.
         family: the layer family's per-call object (:mod:`syncbn.families`),
             or ``None`` for batch norm.
@@ -244,11 +246,23 @@ def synchronized_forward(
     Returns:
         The output and the statistics backward needs.
     """
+    stat_dtype = statistics_dtype(x, weight, running_mean)
+    if family is not None and family.in_place:  # written over x: eval, nn.BatchNorm's kernel alone, or synced
+        if not family.training:
+            stats = family.eval_forward_(x, weight, bias, running_mean, running_var, eps, stat_dtype)
+        elif reduce is None and x.shape[1] and x.numel() // x.shape[1] > 1:
+            stats = family.native_forward_(
+                x, weight, bias, running_mean, running_var, momentum, eps, stat_dtype
+            )
+        else:
+            moments = synchronized_moments(x, stat_dtype, reduce, one_value_error)
+            stats = family.forward_(x, weight, bias, moments, eps)
+            moments.update_running(running_mean, running_var, momentum)
+        return ForwardResult(x, stats, weight, None, family)
     # On CPU the output buffer doubles as the moments' scratch space of the two-pass
     # statistics (see local_moments); the native kernel (CUDA, small or 16-bit input) needs none,
     # and the normalisation then allocates its own output.
     out = torch.empty_like(x) if _host_side(x) and not _math.uses_native_statistics(x) else None
-    stat_dtype = statistics_dtype(x, weight, running_mean)
     moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, scratch=out)
     mean, var = moments.mean, moments.var
     correction = None if family is None else family.correction(mean, var, eps)
@@ -259,7 +273,8 @@ def synchronized_forward(
     elif out is None:
         out = torch.empty_like(x)
     moments.update_running(running_mean, running_var, momentum)
-    return ForwardResult(out, mean, var, moments.total, moments.local_count, weight, correction, family)
+    stats = Stats(mean, var, eps, moments.total, moments.local_count)
+    return ForwardResult(out, stats, weight, correction, family)
 
 
 class _Pending:
@@ -280,11 +295,20 @@ def run_forward(
     running_var: Tensor | None,
     eps: float,
     momentum: float,
-    group: SumGroup,
+    group: SumGroup | None,
     layer: Any,
     family: Any = None,
 ) -> tuple[ForwardResult, int]:
-    """The synchronised training forward over ``group``, and the debug call number."""
+    """The synchronised training forward over ``group``, and the debug call number.
+
+    ``group`` ``None`` (the in-place family's calls without a group, and eval): no
+    collective, no check.
+    """
+    if group is None:
+        error = lambda: _expected_more_than_one(x, LOCAL, layer, family)  # noqa: E731
+        return synchronized_forward(
+            x, weight, bias, running_mean, running_var, eps, momentum, None, error, family
+        ), 0
     call = checks_before_forward(group, layer, x)
     result = synchronized_forward(
         x,
@@ -295,7 +319,7 @@ def run_forward(
         eps,
         momentum,
         lambda packed: _all_reduce(group, packed, layer, "forward"),
-        lambda: _expected_more_than_one(x, group, layer),
+        lambda: _expected_more_than_one(x, group, layer, family),
         family,
     )
     return result, call
@@ -307,56 +331,86 @@ def _save(
     weight: Tensor | None,
     bias: Tensor | None,
     result: ForwardResult,
-    eps: float,
-    group: SumGroup,
+    group: Any,
     layer: Any,
     call: int,
 ) -> None:
-    ctx.save_for_backward(x, weight if result.correction is None else result.weight, result.mean, result.var)
-    ctx.correction, ctx.family = result.correction, result.family
-    ctx.total = result.total
-    ctx.count = result.local_count
-    ctx.param_dtype = gradient_dtype(weight, bias, result.mean)
-    ctx.eps = eps
-    ctx.group = group
-    ctx.layer = layer
-    ctx.call = call
+    family = result.family
+    if family is not None and family.in_place:  # only the output (the input, overwritten) is kept
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias)
+    else:
+        ctx.save_for_backward(x, result.weight)
+    ctx.stats, ctx.family, ctx.correction = result.stats, family, result.correction
+    ctx.param_dtype = gradient_dtype(weight, bias, x)  # (read only where a parameter needs a gradient)
+    ctx.group, ctx.layer, ctx.call = group, layer, call
 
 
 def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    x, weight, mean, var = ctx.saved_tensors
+    stats, family, group = ctx.stats, ctx.family, ctx.group
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-    if torch.is_grad_enabled() and ctx.total:
+    in_place = family is not None and family.in_place
+    if in_place:
+        if torch.is_grad_enabled():  # the output it recovers from is not differentiable again
+            raise RuntimeError(DOUBLE_BACKWARD)
+        return _in_place_backward(ctx, grad_output, family, stats, need_input, need_weight, need_bias)
+    x, weight = ctx.saved_tensors
+    if torch.is_grad_enabled() and stats.total:
         # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
         # differentiable. Every rank takes this branch alike (same create_graph, same global count).
-        checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
+        checks_before_backward(group, ctx.layer, grad_output, ctx.call)
 
         def reduce(tensor: Tensor, phase: str) -> Tensor:
-            return _all_reduce(ctx.group, tensor, ctx.layer, phase)
+            return _all_reduce(group, tensor, ctx.layer, phase)
 
-        gi, gw, gb = differentiable_input_grads(grad_output, x, weight, mean, var, ctx.eps, ctx.total, reduce)
+        gi, gw, gb = differentiable_input_grads(grad_output, x, weight, stats, reduce)
         if ctx.correction is not None:
-            gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
+            gw, gb = family.parameter_grads(gb, gw, *ctx.correction)
         return (
             gi if need_input else None,
             gw.to(ctx.param_dtype) if need_weight else None,
             gb.to(ctx.param_dtype) if need_bias else None,
         )
-    sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
+    sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
 
     grad_input = None
     if need_input:
-        checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-        reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
-        grad_input = finish_input_grad(
-            grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
-        )
+        checks_before_backward(group, ctx.layer, grad_output, ctx.call)
+        reduced = _all_reduce(group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
+        grad_input = finish_input_grad(grad_output, x, weight, stats, reduced)
 
     if ctx.correction is not None:
-        sum_dy_xhat, sum_dy = ctx.family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
+        sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
     grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
     grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
     return grad_input, grad_weight, grad_bias
+
+
+def _in_place_backward(
+    ctx: Any, grad: Tensor, family: Any, stats: Any, need_input: bool, need_weight: bool, need_bias: bool
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The in-place family's backward: from the saved output, the family's math around one framed sum."""
+    y, weight, bias = ctx.saved_tensors
+    group = ctx.group
+    if group is None and stats.training and stats.count > 1:  # this process alone: one native call
+        grad_input, sum_dz, sum_dz_xhat = family.native_backward(y, grad, weight, bias, stats, need_input)
+    else:
+        carry, sum_dz, sum_dz_xhat = family.grad_sums(y, grad, weight, bias, stats)
+        grad_input = None
+        if need_input:
+            reduced = None  # eval: the statistics are constants
+            if stats.training:
+                reduced = _math.pack_grad_sums(sum_dz, sum_dz_xhat)
+                if group is not None:
+                    checks_before_backward(group, ctx.layer, grad, ctx.call)
+                    reduced = _all_reduce(group, reduced, ctx.layer, "backward")
+            grad_input = family.input_grad(y, weight, bias, stats, carry, reduced)
+    grad_weight, grad_bias = family.parameter_grads(sum_dz, sum_dz_xhat, weight)
+    return (
+        grad_input,
+        _math.cast(grad_weight, ctx.param_dtype) if need_weight else None,
+        _math.cast(grad_bias, ctx.param_dtype) if need_bias else None,
+    )
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -386,7 +440,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         result, call = run_forward(
             x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
         )
-        _save(ctx, x, weight, bias, result, eps, group, layer, call)
+        _save(ctx, x, weight, bias, result, group, layer, call)
         return result.out
 
     @staticmethod
@@ -424,8 +478,8 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, weight, bias, _, _, eps, _, group, layer, box = inputs[:10]
-        _save(ctx, x, weight, bias, box.result, eps, group, layer, box.call)
+        x, weight, bias, _, _, _, _, group, layer, box = inputs[:10]
+        _save(ctx, x, weight, bias, box.result, group, layer, box.call)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -438,3 +492,49 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
             "(each vmapped sample would need its own collective across ranks). Use the layer in eval "
             "mode, or outside a process group, under vmap; torch.func.grad/vjp/jacrev are supported."
         )
+
+
+def check_writable(x: Tensor, what: str) -> None:
+    """Raise before anything changes when ``x`` cannot be overwritten under autograd."""
+    if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
+        raise RuntimeError(
+            f"{what} overwrites its input, which here is a leaf tensor that requires grad (a parameter "
+            "or an input created with requires_grad=True): autograd forbids writing over it. Pass the "
+            "output of another operation (e.g. the convolution before it), or a clone"
+        )
+
+
+def inplace_abn_apply(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    activation: str,
+    param: float,
+    group: SumGroup | None,
+    layer: Any = None,
+) -> Tensor:
+    """In-place activated batch norm (:class:`~syncbn.families.inplace_abn.InPlaceABN`) on the engine.
+
+    Checks first; over ``group`` in training (``None``: this process alone).
+    Returns ``x``, overwritten with the output.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"expected an input of at least 2 dimensions (N, C, *) (got {x.dim()}D input)")
+    if weight is not None and weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"expected input with {weight.shape[0]} channels in dimension 1 "
+            f"(got input of size {list(x.shape)})"
+        )
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("expected running_mean and running_var when training=False (got None)")
+    check_writable(x, "in-place activated batch norm")
+    family = InPlaceABN(activation, param, training)
+    out: Tensor = SyncBatchNormFunction.apply(
+        x, weight, bias, running_mean, running_var, eps, momentum, group if training else None, layer, family
+    )
+    return out

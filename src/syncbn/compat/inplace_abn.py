@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _abn, _abn_math, _fx, groups
+from .. import _fx, groups
 from .._abn_layer import ActivatedBatchNormBase
+from .._function import inplace_abn_apply
+from ..families.inplace_abn import check_activation
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]
 
@@ -248,9 +250,9 @@ def inplace_abn(
         >>> h = torch.randn(4, 8, 5, 5) * 1.0
         >>> y = inplace_abn(h, None, None, None, None)
     """
-    _abn_math.check_activation(activation, activation_param)
+    check_activation(activation, activation_param)
     _samples(x, "inplace_abn", training)
-    return _abn.inplace_abn_apply(
+    return inplace_abn_apply(
         x,
         weight,
         bias,
@@ -304,7 +306,7 @@ def inplace_abn_sync(
 
         >>> y = inplace_abn_sync(h, w, b, rm, rv, group=None)   # on every rank of the default group
     """
-    _abn_math.check_activation(activation, activation_param)
+    check_activation(activation, activation_param)
     if not groups.is_initialized():
         warnings.warn(
             "inplace_abn_sync is being called, but torch.distributed is not initialized: running the "
@@ -315,7 +317,7 @@ def inplace_abn_sync(
     sum_group = groups.resolve(group) if training else None
     if sum_group is None:
         _samples(x, "inplace_abn_sync", training)
-    return _abn.inplace_abn_apply(
+    return inplace_abn_apply(
         x,
         weight,
         bias,

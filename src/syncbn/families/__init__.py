@@ -12,7 +12,8 @@ update, dtype rules and the autograd plumbing.
 * :mod:`~syncbn.families.renorm` (:class:`Renorm`): Batch Renormalization, the
   batchnorm math with the effective affine map ``(w r, b + w d)`` where ``r``
   and ``d`` are constants of the step.
-* ``inplace_abn`` (:mod:`syncbn._abn_math`): affine + activation written over
+* :mod:`~syncbn.families.inplace_abn` (:class:`InPlaceABN`, imported from its
+  module: it builds on :mod:`syncbn._math`): affine + activation written over
   the input, the backward recovering ``xhat`` from the output.
 
 A family object for the engine has three methods (all per-channel vectors,

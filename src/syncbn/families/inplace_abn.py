@@ -1,4 +1,4 @@
-"""The arithmetic of in-place activated batch normalization, with no communication.
+"""In-place activated batch norm (InPlace-ABN) as a family: its math only, eager and traced.
 
 In-place activated batch norm (InPlace-ABN, Rota Bulò et al., CVPR 2018) writes
 
@@ -32,25 +32,43 @@ argument of the logarithm is clamped at the dtype's resolution (no infinity,
 no NaN).
 
 Low-precision (float16/bfloat16) outputs are recovered in float32.
+
+The engine (:mod:`syncbn._function`, :mod:`syncbn._compiled`,
+:mod:`syncbn.parallel`) calls :class:`InPlaceABN`'s phases: the elementwise
+forward written over the input (:meth:`~InPlaceABN.forward_`, or
+``nn.BatchNorm``'s own kernel without a group, :meth:`~InPlaceABN.native_forward_`),
+the backward's local reduction recovering ``xhat`` from the output
+(:meth:`~InPlaceABN.grad_sums`), the backward's elementwise input gradient
+(:meth:`~InPlaceABN.input_grad`) and the parameter gradients (the sign of
+``w``: :meth:`~InPlaceABN.parameter_grads`), and their traced twins.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _math
+from .. import _math
 
 __all__ = [
+    "ABNStats",
     "ACTIVATIONS",
+    "DOUBLE_BACKWARD",
+    "InPlaceABN",
     "activate_",
-    "affine_coefficients",
     "check_activation",
-    "input_grad",
     "recover",
-    "recovered_sums",
 ]
+
+DOUBLE_BACKWARD = (
+    "syncbn: double backward (create_graph=True) through an in-place activated batch norm "
+    "(InPlaceABN/InPlaceABNSync/InPlaceSyncBatchNorm) is not supported: its backward recovers its "
+    "input from the output it overwrote, which is not differentiable again. Use syncbn.SyncBatchNorm "
+    "followed by the activation (or the non-in-place ABN) where second derivatives are needed."
+)
 
 ACTIVATIONS = ("leaky_relu", "elu", "identity")
 
@@ -175,7 +193,7 @@ def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | N
     return sum_dz, sum_dz_xhat
 
 
-def input_grad(
+def recovered_input_grad(
     z: Tensor,
     dz: Tensor,
     scratch: bool,
@@ -211,3 +229,161 @@ def input_grad(
     out = z.mul_(b_coef.view(shape)) if scratch else torch.mul(z, b_coef.view(shape))
     out.add_(c_coef.view(shape)).addcmul_(dz, a.view(shape))
     return out if out.dtype == dtype else out.to(dtype)
+
+
+class ABNStats(NamedTuple):
+    """What an in-place forward leaves its backward, besides the output it wrote over its input."""
+
+    invstd: Tensor  # 1 / sqrt(var + eps), var the global batch's (statistics dtype) or the running one
+    eps: float  # added to the variance and to |w|
+    total: float | Tensor  # global count (a float on CPU; 0-dim tensor on a device); 0.0 in eval
+    count: int  # this member's values per channel
+    training: bool
+
+
+class InPlaceABN(NamedTuple):
+    """One call of the in-place family: its activation, the activation's parameter, train or eval.
+
+    The engine calls its phases (all per-channel vectors and elementwise work, no
+    communication); ``weight`` is used as the scale ``|w| + eps``.
+    """
+
+    activation: str
+    param: float
+    training: bool = True
+
+    @property
+    def in_place(self) -> bool:
+        """The output is written over the input (the engine marks it dirty and saves the output)."""
+        return True
+
+    def _write_(
+        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
+    ) -> None:
+        a, c = affine_coefficients(abs_scale(weight, eps), bias, mean, var, eps)
+        activate_(x, a, c, self.activation, self.param)
+
+    def forward_(
+        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, moments: Any, eps: float
+    ) -> ABNStats:
+        """The elementwise forward with the global ``moments``, written over ``x``: ``act(x * a + c)``,
+        ``a = (|w| + eps) * invstd``, ``c = b - mean * a``."""
+        if moments.local_count > 0:
+            self._write_(x, weight, bias, moments.mean, moments.var, eps)
+        return ABNStats((moments.var + eps).rsqrt(), eps, moments.total, moments.local_count, True)
+
+    def eval_forward_(
+        self,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor,
+        running_var: Tensor,
+        eps: float,
+        stat: torch.dtype,
+    ) -> ABNStats:
+        """Eval: the elementwise forward with the running statistics (in ``stat``); no update."""
+        count = x.numel() // x.shape[1] if x.shape[1] else 0
+        mean, var = _math.cast(running_mean, stat), _math.cast(running_var, stat)
+        if count > 0:
+            self._write_(x, weight, bias, mean, var, eps)
+        return ABNStats((var + eps).rsqrt(), eps, 0.0, count, False)
+
+    def native_forward_(
+        self,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        momentum: float,
+        eps: float,
+        stat: torch.dtype,
+    ) -> ABNStats:
+        """Without a group: ``nn.BatchNorm``'s own training kernel over ``x`` (statistics,
+        normalisation, running update in one call), then the activation in place."""
+        scale = abs_scale(weight, eps)
+        b = None if bias is None else bias.detach()
+        if (
+            x.device.type == "cpu"
+        ):  # the CPU kernel reads the statistics first, then writes element by element
+            invstd = torch.empty(x.shape[1], dtype=stat)
+            torch.ops.aten.native_batch_norm.out(
+                x, scale, b, running_mean, running_var, True, momentum, eps,
+                out=x, save_mean=torch.empty_like(invstd), save_invstd=invstd,
+            )  # fmt: skip
+        else:
+            out, _, invstd = torch.native_batch_norm(
+                x, scale, b, running_mean, running_var, True, momentum, eps
+            )
+            x.copy_(out)
+        activate_(x, None, None, self.activation, self.param)
+        count = x.numel() // x.shape[1]
+        return ABNStats(invstd, eps, float(count), count, True)
+
+    def grad_sums(
+        self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, stats: ABNStats
+    ) -> tuple[Any, Tensor, Tensor]:
+        """The backward's local reduction: ``(carry, sum(dz), sum(dz * xhat))``.
+
+        ``z`` and ``dz`` are recovered from the output ``y``; ``carry`` (``None``
+        for an empty local batch) is what :meth:`input_grad` needs.
+        """
+        if stats.count == 0:
+            zeros = torch.zeros(y.shape[1], dtype=_math.accumulation_dtype(y.dtype), device=y.device)
+            return None, zeros, zeros.clone()
+        z, dz, scratch = recover(y, grad, self.activation, self.param)
+        sum_dz, sum_dz_xhat = recovered_sums(dz, z, abs_scale(weight, stats.eps), bias)
+        return (z, dz, scratch), sum_dz, sum_dz_xhat
+
+    @staticmethod
+    def input_grad(
+        y: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        stats: ABNStats,
+        carry: Any,
+        reduced: Tensor | None,
+    ) -> Tensor:
+        """The backward's elementwise input gradient from :meth:`grad_sums`' ``carry`` and the summed sums
+        (``reduced``; ``None`` in eval), in ``y``'s dtype."""
+        if carry is None:
+            return torch.zeros_like(y)
+        z, dz, scratch = carry
+        scale = abs_scale(weight, stats.eps)
+        return recovered_input_grad(z, dz, scratch, scale, bias, stats.invstd, stats.total, reduced, y.dtype)
+
+    def native_backward(
+        self,
+        y: Tensor,
+        grad: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        stats: ABNStats,
+        need_input: bool,
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
+        """Without a group: ``(grad_input, sum(dz), sum(dz * xhat))`` in ONE native batch-norm backward call.
+
+        Batch norm's training backward of ``z`` with saved mean ``b``, saved invstd
+        ``1/s`` (so its ``xhat`` is ``(z - b) / s``) and weight ``s^2 * invstd`` (so
+        its scale is ``s * invstd``) is exactly the in-place layer's.
+        """
+        z, dz, _ = recover(y, grad, self.activation, self.param)
+        acc, eps = z.dtype, stats.eps
+        scale = abs_scale(weight, eps)
+        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
+        mean = torch.zeros_like(s) if bias is None else _math.cast(bias.detach(), acc)
+        w = s * s * _math.cast(stats.invstd, acc)
+        grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
+            dz, z, w, None, None, mean, s.reciprocal(), True, eps, [need_input, True, True]
+        )
+        if grad_input is not None and grad_input.dtype != y.dtype:
+            grad_input = grad_input.to(y.dtype)
+        return grad_input if need_input else None, sum_dz, sum_dz_xhat
+
+    @staticmethod
+    def parameter_grads(sum_dz: Tensor, sum_dz_xhat: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(dweight, dbias) = (sign(w) * sum(dz * xhat), sum(dz))``: ``d|w|/dw`` is -1 where ``w < 0``."""
+        if weight is None:
+            return sum_dz_xhat, sum_dz
+        return torch.where(weight.detach() < 0, -sum_dz_xhat, sum_dz_xhat), sum_dz
