@@ -37,7 +37,6 @@ LAYERS: dict[str, int] = {
     "syncbn._compiled": 6,  # the traced engine around the operator
     "syncbn.functional": 7,
     "syncbn.parallel": 7,
-    "syncbn._abn_traced": 7,
     "syncbn._abn_layer": 8,
     "syncbn.modules": 9,
     "syncbn.activated": 9,

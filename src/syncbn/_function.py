@@ -1,25 +1,21 @@
 """The eager engine: what every family's synchronised training step shares.
 
 Forward: :func:`synchronized_moments` (local moments, packed; ONE framed sum;
-the count rules), then the family's elementwise forward
-(:func:`synchronized_forward`: batch norm, or a family's effective affine map,
-:mod:`syncbn.families`) and the running-statistics update. Backward: local
-sums, ONE framed sum, the input gradient, the family's parameter gradients.
+the count rules), the family's elementwise forward (:func:`synchronized_forward`:
+batch norm, renorm's effective affine map, or the in-place family writing over
+its input, :mod:`syncbn.families`) and the running-statistics update. Backward:
+the family's local sums, ONE framed sum, its input and parameter gradients.
 The framed sum (:func:`_all_reduce`) and the Join policy (:func:`through_join`,
 :func:`checks_before_forward`, :func:`checks_before_backward`) live here once,
-for every family and path (eager, in-place, the compile operator).
+for every family and path. Device-to-host reads only on a rank holding fewer
+than two values per channel (then every rank whose global count is below two
+decides alike).
 
-Device-to-host synchronisation: none when this rank holds at least two values
-per channel (the global count is then at least two without looking); only a
-rank holding zero or one value reads the global count, so every rank whose
-global count is below two takes the same decision.
-
-Two autograd entry points: :class:`SyncBatchNormFunction` (eager) and
-:class:`TransformableSyncBatchNormFunction` (``setup_context`` form, under
-``torch.func``). Compiled models run :mod:`syncbn._compiled` (traced), whose
-only call into this module is the framed sum, through :mod:`syncbn._ops`.
-With ``create_graph=True`` the backward is differentiable
-(:mod:`syncbn._double_backward`).
+Two autograd entry points, for every family: :class:`SyncBatchNormFunction`
+(eager) and :class:`TransformableSyncBatchNormFunction` (``setup_context``
+form, under ``torch.func``; with ``create_graph=True`` the backward is
+differentiable, :mod:`syncbn._double_backward`). Compiled models run
+:mod:`syncbn._compiled`, whose only call here is the framed sum (:mod:`syncbn._ops`).
 """
 
 from __future__ import annotations
@@ -30,11 +26,11 @@ import torch
 from torch import Tensor
 
 from . import _accumulating, _checks, _config, _math
-from ._double_backward import differentiable_input_grads
+from ._double_backward import differentiable_backward
 from ._math import Stats, finish_input_grad, local_grad_sums
 from ._rules import gradient_dtype, one_value_error, statistics_dtype
 from ._threads import LOCAL
-from .families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN
+from .families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
 from .groups import (
     PHASE_BACKWARD,
     PHASE_FORWARD,
@@ -45,19 +41,7 @@ from .groups import (
     Tag,
 )
 
-__all__ = [
-    "LOCAL",
-    "ForwardResult",
-    "Moments",
-    "SyncBatchNormFunction",
-    "finish_input_grad",
-    "gradient_dtype",
-    "local_grad_sums",
-    "one_value_error",
-    "statistics_dtype",
-    "synchronized_forward",
-    "synchronized_moments",
-]
+__all__ = ["LOCAL", "SyncBatchNormFunction", "inplace_abn_apply", "synchronized_forward"]
 
 
 def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any, family: Any = None) -> ValueError:
@@ -95,12 +79,11 @@ def synchronized_moments(
 ) -> Moments:
     """Local moments, packed; ONE ``reduce``; the global statistics; the count rules.
 
-    The step every family's training forward shares: local count, mean and M2
-    (stable two-pass, at least float32), packed in float64 as ``[n, n*m, M2 + n*m^2]``
-    (on the host in this thread's reusable buffer), summed by ``reduce`` (``None``:
-    this member alone), unpacked into the statistics dtype. Device-to-host reads
-    only where this member holds fewer than two values per channel; a global
-    count of one raises ``one_value_error()`` before anything changes.
+    Local count, mean and M2 (stable two-pass, at least float32), packed in
+    float64 as ``[n, n*m, M2 + n*m^2]`` (on the host in this thread's reusable
+    buffer), summed by ``reduce`` (``None``: this member alone), unpacked into the
+    statistics dtype; a global count of one raises ``one_value_error()`` before
+    anything changes.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -136,12 +119,11 @@ _joining: Any = None
 def through_join(group: Any) -> bool:
     """Whether ``group``'s collectives go through the active Join's joinable (:mod:`syncbn.join`).
 
-    The Join policy, in one place for every family and path (eager, traced,
-    functional): under Join the default group's collectives become the
-    joinable's header-then-payload exchange, whose header checks that the
-    training ranks agree, and a joined rank answers only those. The per-call
-    checks (first-use handshake, debug mode) are then skipped: a joined rank
-    would never answer them.
+    The Join policy, once for every family and path: under Join the default
+    group's collectives become the joinable's header-then-payload exchange (its
+    header checks that the training ranks agree; a joined rank answers only
+    those), and the per-call checks (handshake, debug mode), which a joined rank
+    would never answer, are skipped.
     """
     return _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None
 
@@ -149,8 +131,7 @@ def through_join(group: Any) -> bool:
 def checks_before_forward(group: Any, layer: Any, x: Tensor) -> int:
     """The handshake or debug check before a forward collective, under the Join policy.
 
-    Returns:
-        The call number recorded for debug mode (0 when none, or under Join).
+    Returns the call number recorded for debug mode (0 when none, or under Join).
     """
     if through_join(group):
         return 0
@@ -166,11 +147,10 @@ def checks_before_backward(group: Any, layer: Any, grad_output: Tensor, call: in
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
     """Sum ``tensor`` over ``group``, framed with the call's identity (:mod:`syncbn.groups`).
 
-    Every collective of a layer goes through here: over a process group the
-    frame carries the layer's identity (:func:`syncbn._checks.layer_identity`),
-    the phase, dtype and size, checked on every rank. On an accelerator
-    (``_host_side`` false) the check is deferred to the group's next call, so
-    that no device-to-host synchronisation is added; debug mode checks at once.
+    Every collective of a layer goes through here: over a process group the frame
+    carries the layer's identity, the phase, dtype and size, checked on every rank
+    (on an accelerator at the group's next call, so that no device-to-host
+    synchronisation is added; at once in debug mode).
     """
     try:
         if through_join(group):
@@ -187,11 +167,9 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
 
 
 def _host_side(x: Tensor) -> bool:
-    """Whether ``x`` lives in host memory: reading a value back then costs no device synchronisation.
+    """Whether ``x`` lives in host memory (reading a value back costs no device synchronisation).
 
-    The one switch between the CPU flow (output buffer as scratch, count read on
-    the host) and the accelerator flow (no host reads); tests flip it to run the
-    accelerator flow on CPU.
+    The one switch between the CPU and accelerator flows; tests flip it to run the latter on CPU.
     """
     return x.device.type == "cpu"
 
@@ -218,33 +196,18 @@ def synchronized_forward(
     one_value_error: Callable[[], Exception],
     family: Any = None,
 ) -> ForwardResult:
-    """Training-mode batch norm of ``x`` with statistics summed by ``reduce``.
+    """The training forward of ``x`` with statistics summed by ``reduce``: output and what backward needs.
 
     The transport-independent forward shared by the process-group path
     (:class:`SyncBatchNormFunction`) and the ``nn.DataParallel`` replicas
     (:mod:`syncbn.parallel`): local moments, one ``reduce`` of the packed
-    moments, the family's elementwise forward (batch norm: normalisation into a
-    freshly allocated output, which also served as the scratch buffer for the
-    moments) and the running-statistics update. Every per-channel step is a
-    single tensor operation on all channels at once: on small layers the number
-    of operations, not the bytes, sets the time.
-
-    Args:
-        x: the local input ``(N, C, *)``.
-        weight: affine scale or ``None``.
-        bias: affine shift or ``None``.
-        running_mean: updated in place unless ``None``.
-        running_var: updated in place (unbiased variance) unless ``None``.
-        eps: added to the variance.
-        momentum: running-statistics update factor.
-        reduce: sums a float64 vector over every member, returning the sum
-            (``None``: this member alone, the in-place family only).
-        one_value_error: builds the error raised when the global count is one.
-        family: the layer family's per-call object (:mod:`syncbn.families`),
-            or ``None`` for batch norm.
-
-    Returns:
-        The output and the statistics backward needs.
+    moments (``None``: this member alone, the in-place family only), the
+    family's elementwise forward (batch norm, ``family`` ``None``: normalisation
+    into a freshly allocated output, which also served as the moments' scratch
+    buffer) and the running-statistics update (``running_var`` unbiased);
+    ``one_value_error()`` is raised for a global count of one. Every per-channel
+    step is a single tensor operation on all channels at once: on small layers
+    the number of operations, not the bytes, sets the time.
     """
     stat_dtype = statistics_dtype(x, weight, running_mean)
     if family is not None and family.in_place:  # written over x: eval, nn.BatchNorm's kernel alone, or synced
@@ -301,39 +264,22 @@ def run_forward(
 ) -> tuple[ForwardResult, int]:
     """The synchronised training forward over ``group``, and the debug call number.
 
-    ``group`` ``None`` (the in-place family's calls without a group, and eval): no
-    collective, no check.
+    ``group`` ``None`` (the in-place family without a group, and eval): no collective, no check.
     """
-    if group is None:
-        error = lambda: _expected_more_than_one(x, LOCAL, layer, family)  # noqa: E731
-        return synchronized_forward(
-            x, weight, bias, running_mean, running_var, eps, momentum, None, error, family
-        ), 0
-    call = checks_before_forward(group, layer, x)
-    result = synchronized_forward(
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        eps,
-        momentum,
-        lambda packed: _all_reduce(group, packed, layer, "forward"),
-        lambda: _expected_more_than_one(x, group, layer, family),
-        family,
-    )
-    return result, call
+    call, reduce = 0, None
+    if group is not None:
+        call = checks_before_forward(group, layer, x)
+        reduce = lambda packed: _all_reduce(group, packed, layer, "forward")  # noqa: E731
+
+    def error() -> ValueError:
+        return _expected_more_than_one(x, LOCAL if group is None else group, layer, family)
+
+    args = (x, weight, bias, running_mean, running_var, eps, momentum, reduce, error, family)
+    return synchronized_forward(*args), call
 
 
 def _save(
-    ctx: Any,
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    result: ForwardResult,
-    group: Any,
-    layer: Any,
-    call: int,
+    ctx: Any, x: Tensor, weight: Any, bias: Any, result: ForwardResult, group: Any, layer: Any, call: int
 ) -> None:
     family = result.family
     if family is not None and family.in_place:  # only the output (the input, overwritten) is kept
@@ -349,78 +295,59 @@ def _save(
 def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     stats, family, group = ctx.stats, ctx.family, ctx.group
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-    in_place = family is not None and family.in_place
-    if in_place:
+    if family is not None and family.in_place:
         if torch.is_grad_enabled():  # the output it recovers from is not differentiable again
             raise RuntimeError(DOUBLE_BACKWARD)
-        return _in_place_backward(ctx, grad_output, family, stats, need_input, need_weight, need_bias)
-    x, weight = ctx.saved_tensors
-    if torch.is_grad_enabled() and stats.total:
-        # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
-        # differentiable. Every rank takes this branch alike (same create_graph, same global count).
-        checks_before_backward(group, ctx.layer, grad_output, ctx.call)
-
-        def reduce(tensor: Tensor, phase: str) -> Tensor:
-            return _all_reduce(group, tensor, ctx.layer, phase)
-
-        gi, gw, gb = differentiable_input_grads(grad_output, x, weight, stats, reduce)
+        grad_input, sum_dy_xhat, sum_dy = _in_place_backward(ctx, grad_output, family, stats, need_input)
+    else:
+        x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled() and stats.total:
+            # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
+            # differentiable. Every rank takes this branch alike (same create_graph, same global count).
+            checks_before_backward(group, ctx.layer, grad_output, ctx.call)
+            return differentiable_backward(
+                ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, ctx.layer, phase)
+            )
+        sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
+        grad_input = None
+        if need_input:
+            checks_before_backward(group, ctx.layer, grad_output, ctx.call)
+            reduced = _all_reduce(group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
+            grad_input = finish_input_grad(grad_output, x, weight, stats, reduced)
         if ctx.correction is not None:
-            gw, gb = family.parameter_grads(gb, gw, *ctx.correction)
-        return (
-            gi if need_input else None,
-            gw.to(ctx.param_dtype) if need_weight else None,
-            gb.to(ctx.param_dtype) if need_bias else None,
-        )
-    sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
-
-    grad_input = None
-    if need_input:
-        checks_before_backward(group, ctx.layer, grad_output, ctx.call)
-        reduced = _all_reduce(group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
-        grad_input = finish_input_grad(grad_output, x, weight, stats, reduced)
-
-    if ctx.correction is not None:
-        sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
+            sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
     grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
     grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
     return grad_input, grad_weight, grad_bias
 
 
 def _in_place_backward(
-    ctx: Any, grad: Tensor, family: Any, stats: Any, need_input: bool, need_weight: bool, need_bias: bool
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """The in-place family's backward: from the saved output, the family's math around one framed sum."""
+    ctx: Any, grad: Tensor, family: Any, stats: Any, need_input: bool
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """``(grad_input, dweight, dbias)`` of the in-place family: from its saved output, ONE framed sum."""
     y, weight, bias = ctx.saved_tensors
     group = ctx.group
-    if group is None and stats.training and stats.count > 1:  # this process alone: one native call
+    if group is None and stats.training and stats.local_count > 1:  # this process alone: one native call
         grad_input, sum_dz, sum_dz_xhat = family.native_backward(y, grad, weight, bias, stats, need_input)
     else:
         carry, sum_dz, sum_dz_xhat = family.grad_sums(y, grad, weight, bias, stats)
-        grad_input = None
-        if need_input:
-            reduced = None  # eval: the statistics are constants
-            if stats.training:
-                reduced = _math.pack_grad_sums(sum_dz, sum_dz_xhat)
-                if group is not None:
-                    checks_before_backward(group, ctx.layer, grad, ctx.call)
-                    reduced = _all_reduce(group, reduced, ctx.layer, "backward")
-            grad_input = family.input_grad(y, weight, bias, stats, carry, reduced)
-    grad_weight, grad_bias = family.parameter_grads(sum_dz, sum_dz_xhat, weight)
-    return (
-        grad_input,
-        _math.cast(grad_weight, ctx.param_dtype) if need_weight else None,
-        _math.cast(grad_bias, ctx.param_dtype) if need_bias else None,
-    )
+        reduced = None  # eval: the statistics are constants
+        if need_input and stats.training:
+            reduced = _math.pack_grad_sums(sum_dz, sum_dz_xhat)
+            if group is not None:
+                checks_before_backward(group, ctx.layer, grad, ctx.call)
+                reduced = _all_reduce(group, reduced, ctx.layer, "backward")
+        grad_input = family.input_grad(y, weight, bias, stats, carry, reduced) if need_input else None
+    return (grad_input, *family.parameter_grads(sum_dz, sum_dz_xhat, weight))
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm whose statistics span every member of ``group``.
+    """A training call of any family whose statistics span every member of ``group``.
 
-    Its backward is differentiable when run with ``create_graph=True`` (double
-    backward): the collectives are then themselves differentiable all_reduces.
-    The eager form (``forward`` takes ``ctx``: ``setup_context`` functions pay an
-    ``inspect.signature`` bind per call, ~0.15 ms); under ``torch.func``
-    transforms :class:`TransformableSyncBatchNormFunction` runs instead.
+    Batch norm's backward is differentiable with ``create_graph=True`` (through
+    differentiable all_reduces). The eager form (``forward`` takes ``ctx``:
+    ``setup_context`` costs an ``inspect.signature`` bind per call, ~0.15 ms);
+    under ``torch.func`` :class:`TransformableSyncBatchNormFunction` runs instead.
     """
 
     @staticmethod
@@ -451,10 +378,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
 class TransformableSyncBatchNormFunction(torch.autograd.Function):
     """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs.
 
-    ``torch.func.grad`` (and ``vjp``, ``jacrev``) run through it (their backward
-    is the differentiable one); ``vmap`` raises (a per-sample collective has no
-    meaning). ``box`` is a fresh :class:`_Pending` per call: the forward's
-    statistics for ``setup_context``.
+    ``torch.func.grad``, ``vjp``, ``jacrev`` run through it; ``vmap`` raises. ``box``
+    is a fresh :class:`_Pending` per call: the forward's result for ``setup_context``.
     """
 
     @staticmethod
@@ -494,16 +419,6 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
         )
 
 
-def check_writable(x: Tensor, what: str) -> None:
-    """Raise before anything changes when ``x`` cannot be overwritten under autograd."""
-    if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
-        raise RuntimeError(
-            f"{what} overwrites its input, which here is a leaf tensor that requires grad (a parameter "
-            "or an input created with requires_grad=True): autograd forbids writing over it. Pass the "
-            "output of another operation (e.g. the convolution before it), or a clone"
-        )
-
-
 def inplace_abn_apply(
     x: Tensor,
     weight: Tensor | None,
@@ -520,19 +435,9 @@ def inplace_abn_apply(
 ) -> Tensor:
     """In-place activated batch norm (:class:`~syncbn.families.inplace_abn.InPlaceABN`) on the engine.
 
-    Checks first; over ``group`` in training (``None``: this process alone).
-    Returns ``x``, overwritten with the output.
+    Checks first; over ``group`` in training (``None``: alone); returns ``x``, overwritten.
     """
-    if x.dim() < 2:
-        raise ValueError(f"expected an input of at least 2 dimensions (N, C, *) (got {x.dim()}D input)")
-    if weight is not None and weight.shape[0] != x.shape[1]:
-        raise ValueError(
-            f"expected input with {weight.shape[0]} channels in dimension 1 "
-            f"(got input of size {list(x.shape)})"
-        )
-    if not training and (running_mean is None or running_var is None):
-        raise ValueError("expected running_mean and running_var when training=False (got None)")
-    check_writable(x, "in-place activated batch norm")
+    check_call(x, weight, running_mean, running_var, training)
     family = InPlaceABN(activation, param, training)
     out: Tensor = SyncBatchNormFunction.apply(
         x, weight, bias, running_mean, running_var, eps, momentum, group if training else None, layer, family

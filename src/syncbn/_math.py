@@ -294,7 +294,7 @@ class Stats(NamedTuple):
     var: Tensor  # global biased variance (statistics dtype)
     eps: float  # xhat = (x - mean) / sqrt(var + eps)
     total: float | Tensor  # global count N: a float on the host, a 0-dim float64 tensor on a device
-    count: int  # this member's values per channel
+    local_count: int  # this member's values per channel
 
 
 def input_grad(grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Stats, sums: Tensor) -> Tensor:
@@ -400,8 +400,8 @@ def _low_precision_input_grad(
 def local_grad_sums(
     grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Stats
 ) -> tuple[Tensor, Tensor]:
-    """This member's ``(sum(dy), sum(dy * xhat))``; zeros for an empty local batch (``stats.count == 0``)."""
-    if stats.count > 0:
+    """This member's ``(sum(dy), sum(dy * xhat))``; zeros for an empty local batch."""
+    if stats.local_count > 0:
         return backward_sums(grad_output, x, weight, stats.mean, stats.var, stats.eps)
     zeros = torch.zeros(x.shape[1], dtype=stats.mean.dtype, device=x.device)
     return zeros, zeros.clone()
@@ -412,9 +412,9 @@ def finish_input_grad(
 ) -> Tensor:
     """Input gradient from the group-summed ``[[sum(dy)], [sum(dy * xhat)]]`` (``reduced``, ``(2, C)``).
 
-    An empty local batch (``stats.count == 0``) gets an empty (all-zero) gradient.
+    An empty local batch (``stats.local_count == 0``) gets an empty (all-zero) gradient.
     """
-    if stats.count == 0:
+    if stats.local_count == 0:
         return torch.zeros_like(x)
     if reduced.device != x.device:  # nn.DataParallel: summed on the first replica's device
         reduced = reduced.to(x.device)

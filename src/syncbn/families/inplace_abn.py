@@ -60,6 +60,8 @@ __all__ = [
     "InPlaceABN",
     "activate_",
     "check_activation",
+    "check_call",
+    "check_writable",
     "recover",
 ]
 
@@ -103,6 +105,32 @@ def check_activation(activation: str, param: float, *, in_place: bool = True) ->
                 f"expected a positive, finite activation_param (the {what} of {activation}) for the "
                 f"in-place layer, which inverts the activation in backward (got {param!r})"
             )
+
+
+def check_writable(x: Tensor, what: str) -> None:
+    """Raise before anything changes when ``x`` cannot be overwritten under autograd."""
+    if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
+        raise RuntimeError(
+            f"{what} overwrites its input, which here is a leaf tensor that requires grad (a parameter "
+            "or an input created with requires_grad=True): autograd forbids writing over it. Pass the "
+            "output of another operation (e.g. the convolution before it), or a clone"
+        )
+
+
+def check_call(
+    x: Tensor, weight: Tensor | None, running_mean: Tensor | None, running_var: Tensor | None, training: bool
+) -> None:
+    """Raise ``ValueError`` (or :func:`check_writable`'s error) for a call the layer cannot run."""
+    if x.dim() < 2:
+        raise ValueError(f"expected an input of at least 2 dimensions (N, C, *) (got {x.dim()}D input)")
+    if weight is not None and weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"expected input with {weight.shape[0]} channels in dimension 1 "
+            f"(got input of size {list(x.shape)})"
+        )
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("expected running_mean and running_var when training=False (got None)")
+    check_writable(x, "in-place activated batch norm")
 
 
 def abs_scale(weight: Tensor | None, eps: float) -> Tensor | None:
@@ -237,7 +265,7 @@ class ABNStats(NamedTuple):
     invstd: Tensor  # 1 / sqrt(var + eps), var the global batch's (statistics dtype) or the running one
     eps: float  # added to the variance and to |w|
     total: float | Tensor  # global count (a float on CPU; 0-dim tensor on a device); 0.0 in eval
-    count: int  # this member's values per channel
+    local_count: int  # this member's values per channel
     training: bool
 
 
@@ -329,7 +357,7 @@ class InPlaceABN(NamedTuple):
         ``z`` and ``dz`` are recovered from the output ``y``; ``carry`` (``None``
         for an empty local batch) is what :meth:`input_grad` needs.
         """
-        if stats.count == 0:
+        if stats.local_count == 0:
             zeros = torch.zeros(y.shape[1], dtype=_math.accumulation_dtype(y.dtype), device=y.device)
             return None, zeros, zeros.clone()
         z, dz, scratch = recover(y, grad, self.activation, self.param)
@@ -387,3 +415,43 @@ class InPlaceABN(NamedTuple):
         if weight is None:
             return sum_dz_xhat, sum_dz
         return torch.where(weight.detach() < 0, -sum_dz_xhat, sum_dz_xhat), sum_dz
+
+    # The traced twins (syncbn._compiled): plain tensor operations only, no host reads, no reused buffers.
+
+    def traced_forward_(
+        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
+    ) -> None:
+        """:meth:`forward_` in traced operations: ``x <- act(x * a + c)``."""
+        a = invstd if weight is None else invstd * (weight.abs() + eps).to(invstd.dtype)
+        c = -mean * a if bias is None else bias.to(a.dtype) - mean * a
+        shape = _math.broadcast_shape(x)
+        with torch.no_grad():
+            x.copy_(x * a.view(shape) + c.view(shape))
+            if self.activation == "leaky_relu":
+                F.leaky_relu(x, self.param, inplace=True)
+            elif self.activation == "elu":
+                F.elu(x, self.param, inplace=True)
+
+    def traced_grad_terms(
+        self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, invstd: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dz, xhat, a)`` in traced operations, recovered from the output ``y``.
+
+        The traced engine's backward is batch norm's with them in place of ``(dy, xhat, w * invstd)``.
+        """
+        acc = _math.accumulation_dtype(y.dtype)
+        shape, p = _math.broadcast_shape(y), self.param
+        yw, g = y.to(acc), grad.to(acc)
+        if self.activation == "leaky_relu":
+            negative = yw < 0
+            z = torch.where(negative, yw / p, yw)
+            dz = torch.where(negative, g * p, g)
+        elif self.activation == "elu":
+            z = torch.where(yw < 0, torch.log1p((yw / p).clamp(min=-1.0 + torch.finfo(acc).eps)), yw)
+            dz = torch.where(yw <= 0, g * (yw + p), g)
+        else:
+            z, dz = yw, g
+        scale = torch.ones_like(invstd) if weight is None else (weight.abs() + eps).to(invstd.dtype)
+        shift = torch.zeros_like(invstd) if bias is None else bias.to(invstd.dtype)
+        xhat = (z - shift.to(acc).view(shape)) / scale.to(acc).view(shape)
+        return dz, xhat, (scale * invstd).to(acc).view(shape)

@@ -20,17 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _math
-from .._function import (
-    check_writable,
-    finish_input_grad,
-    gradient_dtype,
-    inplace_abn_apply,
-    local_grad_sums,
-    synchronized_forward,
-)
-from .._function import one_value_error as engine_one_value_error
+from .._function import inplace_abn_apply, synchronized_forward
+from .._math import finish_input_grad, local_grad_sums
+from .._rules import gradient_dtype
+from .._rules import one_value_error as engine_one_value_error
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
-from ..families.inplace_abn import DOUBLE_BACKWARD
+from ..families.inplace_abn import DOUBLE_BACKWARD, check_writable
 
 __all__ = ["replica_batch_norm"]
 
