@@ -383,23 +383,12 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        eps: float,
-        momentum: float,
-        group: SumGroup,
-        layer: Any,
-        box: _Pending,
-        family: Any = None,
-    ) -> Tensor:
-        box.result, box.call = run_forward(
-            x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
-        )
-        return box.result.out
+    def forward(*inputs: Any) -> Tensor:  # type: ignore[override]
+        # SyncBatchNormFunction's inputs, with ``box`` after ``layer``: (x, ..., group, layer, box, family)
+        box = inputs[9]
+        box.result, box.call = run_forward(*inputs[:9], *inputs[10:])
+        out: Tensor = box.result.out
+        return out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
