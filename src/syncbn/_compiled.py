@@ -36,6 +36,11 @@ and so differs from eager syncbn (and ``torch.nn.SyncBatchNorm``, local weight
 times the global sums) wherever the ranks' weights differ (a model outside
 DDP). Eager mode does not run this form: the eager autograd function on native
 kernels costs 1.7-5.2x less per layer (``benchmarks/compile_step.py --eager-forms``).
+
+Every family runs the one traced Function: renorm through its effective affine
+map, the in-place family (:func:`traced_inplace_abn`) through its traced twins,
+written over the input, its backward batch norm's with ``(dz, xhat, a)``
+recovered from the output (:mod:`syncbn.families.inplace_abn`).
 """
 
 from __future__ import annotations

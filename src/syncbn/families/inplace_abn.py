@@ -221,44 +221,6 @@ def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | N
     return sum_dz, sum_dz_xhat
 
 
-def recovered_input_grad(
-    z: Tensor,
-    dz: Tensor,
-    scratch: bool,
-    scale: Tensor | None,
-    bias: Tensor | None,
-    invstd: Tensor,
-    count: float | Tensor | None,
-    sums: Tensor | None,
-    dtype: torch.dtype,
-) -> Tensor:
-    """Input gradient from the recovered ``z``, ``dz`` (see :func:`recover`), returned in ``dtype``.
-
-    With ``a = s * invstd``, ``xhat = (z - b) / s`` and the global
-    ``[[sum dz], [sum dz*xhat]]`` (``sums``) over ``N`` (``count``) values, batch
-    norm's ``a * (dz - sum_dz/N - xhat * sum_dz_xhat/N)`` is evaluated as
-    ``z * B + C + dz * A`` (per-channel ``A = a``, ``B = -a/s * sum_dz_xhat/N``,
-    ``C = -a * sum_dz/N - B * b``): three in-place passes, written into ``z``
-    when it is scratch. Eval (``sums`` is ``None``): ``a * dz``.
-    """
-    acc = z.dtype
-    shape = _math.broadcast_shape(z)
-    s = torch.ones_like(invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
-    a = s * _math.cast(invstd, acc)
-    if sums is None:
-        return torch.mul(dz, a.view(shape)).to(dtype)
-    assert count is not None
-    n = count if isinstance(count, float) else count.to(acc)
-    sums = _math.cast(sums.to(z.device), acc)
-    b_coef = -a / s * sums[1] / n
-    c_coef = -a * sums[0] / n
-    if bias is not None:
-        c_coef = c_coef - b_coef * _math.cast(bias.detach(), acc)
-    out = z.mul_(b_coef.view(shape)) if scratch else torch.mul(z, b_coef.view(shape))
-    out.add_(c_coef.view(shape)).addcmul_(dz, a.view(shape))
-    return out if out.dtype == dtype else out.to(dtype)
-
-
 class ABNStats(NamedTuple):
     """What an in-place forward leaves its backward, besides the output it wrote over its input."""
 
@@ -373,13 +335,34 @@ class InPlaceABN(NamedTuple):
         carry: Any,
         reduced: Tensor | None,
     ) -> Tensor:
-        """The backward's elementwise input gradient from :meth:`grad_sums`' ``carry`` and the summed sums
-        (``reduced``; ``None`` in eval), in ``y``'s dtype."""
-        if carry is None:
+        """The backward's elementwise input gradient, in ``y``'s dtype, from :meth:`grad_sums`' ``carry``.
+
+        With ``s = |w| + eps``, ``a = s * invstd``, ``xhat = (z - b) / s`` and the
+        global ``[[sum dz], [sum dz*xhat]]`` (``reduced``) over ``N`` values, batch
+        norm's ``a * (dz - sum_dz/N - xhat * sum_dz_xhat/N)`` is evaluated as
+        ``z * B + C + dz * A`` (per-channel ``A = a``, ``B = -a/s * sum_dz_xhat/N``,
+        ``C = -a * sum_dz/N - B * b``): three in-place passes, written into ``z``
+        when it is scratch. Eval (``reduced`` is ``None``): ``a * dz``.
+        """
+        if carry is None:  # an empty local batch
             return torch.zeros_like(y)
         z, dz, scratch = carry
-        scale = abs_scale(weight, stats.eps)
-        return recovered_input_grad(z, dz, scratch, scale, bias, stats.invstd, stats.total, reduced, y.dtype)
+        acc, scale, dtype = z.dtype, abs_scale(weight, stats.eps), y.dtype
+        shape = _math.broadcast_shape(z)
+        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
+        a = s * _math.cast(stats.invstd, acc)
+        if reduced is None:
+            return torch.mul(dz, a.view(shape)).to(dtype)
+        count = stats.total
+        n = count if isinstance(count, float) else count.to(acc)
+        sums = _math.cast(reduced.to(z.device), acc)
+        b_coef = -a / s * sums[1] / n
+        c_coef = -a * sums[0] / n
+        if bias is not None:
+            c_coef = c_coef - b_coef * _math.cast(bias.detach(), acc)
+        out = z.mul_(b_coef.view(shape)) if scratch else torch.mul(z, b_coef.view(shape))
+        out.add_(c_coef.view(shape)).addcmul_(dz, a.view(shape))
+        return out if out.dtype == dtype else out.to(dtype)
 
     def native_backward(
         self,
