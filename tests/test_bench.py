@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from syncbn.cli._bench_targets import TARGETS, format_targets, targets
 from syncbn.cli.bench import NaiveSyncBatchNorm, parse_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,6 +101,50 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     assert e2e["model"] == "deep" and set(e2e["median_ms"]) == {"syncbn", "plain"}
     assert e2e["syncbn_over_plain"] == pytest.approx(e2e["median_ms"]["syncbn"] / e2e["median_ms"]["plain"])
     assert "24 conv3x3(32)-BN-ReLU blocks" in proc.stdout
+    # The closing targets table: every target, measured where this run could, and the load.
+    assert "targets (ratio <= goal" in proc.stdout and "load average (1, 5, 15 min)" in proc.stdout
+    targets = data["targets"]
+    rows = {r["key"]: r for r in targets["rows"]}
+    assert set(rows) == set(TARGETS)
+    assert rows["eager_step"]["measured"] == pytest.approx(e2e["syncbn_over_plain"])
+    assert rows["small_layers"]["measured"] == max(r["ratios"]["syncbn_over_local"] for r in data["results"])
+    for key in ("compiled_narrow", "compiled_wide", "large_layers", "torch_step"):  # no --compiled, CPU
+        assert rows[key]["measured"] is None and rows[key]["met"] is None
+    assert len(targets["load_start"]) == 3 and len(targets["load_end"]) == 3
+    assert data["compiled"] is None
+
+
+def _record(shape: tuple[int, ...], ratio: float) -> dict[str, object]:
+    return {"shape": list(shape), "ratios": {"syncbn_over_local": ratio}}
+
+
+def test_targets_table_from_given_numbers() -> None:
+    # The --compiled and CUDA rows without compiling or a GPU: the table from given medians.
+    records = [_record((32, 64, 56, 56), 0.95), _record((16, 64, 32, 32), 1.2), _record((8, 32, 8, 8), 1.9)]
+    e2e = {"syncbn": 11.0, "plain": 10.0, "torch": 20.0}
+    compiled = {"deep": {"syncbn": 12.0, "plain": 10.0}, "wide": {"syncbn": 10.0, "plain": 10.0}}
+    rows = {r["key"]: r for r in targets(records, e2e, compiled)}
+    expect = {
+        "eager_step": (1.1, True),  # at the goal counts as met
+        "compiled_narrow": (1.2, False),
+        "compiled_wide": (1.0, True),
+        "large_layers": (1.2, False),  # the worst large layer
+        "small_layers": (1.9, True),
+        "torch_step": (0.55, True),
+    }
+    for key, (value, met) in expect.items():
+        assert rows[key]["measured"] == pytest.approx(value) and rows[key]["met"] is met, key
+    assert rows["large_layers"]["detail"] == "32x64x56x56 0.95, 16x64x32x32 1.20"
+    text = format_targets(list(rows.values()), [0.5, 0.25, 0.125], [1.0, 0.5, 0.25])
+    lines = text.splitlines()
+    assert lines[0].split() == ["target", "ratio", "goal", "detail"]
+    assert len(lines) == 2 + len(TARGETS) + 1
+    assert "NOT met" in lines[3] and "1.200" in lines[3]  # compiled narrow
+    assert lines[-1] == "load average (1, 5, 15 min): 0.50 0.25 0.12 at start, 1.00 0.50 0.25 at end"
+    # Nothing measured: every row says what it needs.
+    empty = format_targets(targets([], None, None), None, None)
+    assert empty.count("not run") == len(TARGETS) and "needs --compiled" in empty
+    assert empty.endswith("unknown at start, unknown at end")
 
 
 def test_bench_single_process_runs_without_a_group() -> None:

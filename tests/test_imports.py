@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "syncbn._compiled": 6,  # the traced engine around the operator
     "syncbn.functional": 7,
     "syncbn.parallel": 7,
+    "syncbn._layer": 7,  # what every layer class shares (syncbn._layer.LayerMixin)
     "syncbn._abn_layer": 8,
     "syncbn.modules": 9,
     "syncbn.activated": 9,

@@ -147,3 +147,38 @@ def test_join_uneven_batches_every_family(
         assert result["final"] <= 1e-10, f"rank {rank}: final state {result['final']}"
         # 2 collectives per step (forward and backward) for each step the rank sat out.
         assert result["shadowed"] == 2 * (max(batches) - batches[rank]), f"rank {rank}"
+
+
+def _explicit_groups(rank: int, world_size: int) -> dict[str, str]:
+    from syncbn.compat.inplace_abn import InPlaceABN, InPlaceABNSync
+    from syncbn.compat.sync_batchnorm import SynchronizedBatchNorm1d
+
+    world = torch.distributed.group.WORLD
+    layers: dict[str, nn.Module] = {
+        "SyncBatchNorm1d": syncbn.SyncBatchNorm1d(4, process_group=world),
+        "SyncBatchRenorm1d": syncbn.SyncBatchRenorm1d(4, process_group=world),
+        "InPlaceSyncBatchNorm": syncbn.InPlaceSyncBatchNorm(4, process_group=world),
+        "SynchronizedBatchNorm1d": SynchronizedBatchNorm1d(4, process_group=world),
+        "InPlaceABNSync": InPlaceABNSync(4, group=world),
+    }
+    out = {}
+    for name, layer in layers.items():
+        try:
+            syncbn.JoinableSyncBatchNorm(nn.Sequential(nn.Linear(3, 4), layer))
+            out[name] = "accepted"
+        except ValueError as exc:
+            out[name] = str(exc)
+    # The default group (None) and a layer that never synchronises are fine.
+    syncbn.JoinableSyncBatchNorm(nn.Sequential(syncbn.InPlaceSyncBatchNorm(4), InPlaceABN(4)))
+    out["default"] = "accepted"
+    return out
+
+
+def test_joinable_refuses_an_explicit_group_on_every_family() -> None:
+    for per_rank in launch(_explicit_groups, 2, timeout=120):
+        assert per_rank.pop("default") == "accepted"
+        for name, message in per_rank.items():
+            assert message == (
+                "JoinableSyncBatchNorm supports layers synchronising over the default group only; "
+                f"1 layer(s) have process_group set (e.g. {name})"
+            ), name

@@ -8,7 +8,9 @@ backward through the eager autograd function and through the traced form the
 compiler sees (``syncbn._compiled``, run eagerly), with a loopback group: what
 serving eager mode with the traced form would cost.
 
-Two networks (Conv-BN-ReLU blocks, then pooling and a linear head):
+Two networks (Conv-BN-ReLU blocks, then pooling and a linear head:
+:func:`syncbn.cli._bench_e2e.conv_net`, which ``python -m syncbn bench --compiled``
+times too, there with the narrow net 32 channels wide, as in its eager step):
 
 * ``narrow``: 24 blocks of 16 channels, 16 images of 8x8 per rank (small
   layers: per-layer overhead decides);
@@ -39,6 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from syncbn.cli._bench_e2e import conv_net
+
 VARIANTS = ("bn compiled", "syncbn eager", "syncbn compiled")
 NETS = {  # name: (block widths, per-rank input (N, C, H, W))
     "narrow": ((16,) * 24, (16, 3, 8, 8)),
@@ -46,34 +50,12 @@ NETS = {  # name: (block widths, per-rank input (N, C, H, W))
 }
 
 
-class _Net(nn.Module):
-    """A root module of its own: dynamo traces the whole model (a top-level nn.Sequential under
-    ``torch.compile(DDP(model))`` is skipped as torch code, each child compiled as a frame apart)."""
-
-    def __init__(self, body: nn.Sequential) -> None:
-        super().__init__()
-        self.body = body
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)  # type: ignore[no-any-return]
-
-
-def _model(widths: tuple[int, ...], norm: Callable[[int], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    channels = 3
-    for width in widths:
-        layers += [nn.Conv2d(channels, width, 3, padding=1, bias=False), norm(width), nn.ReLU()]
-        channels = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
-    return _Net(nn.Sequential(*layers))
-
-
 def _variant(name: str, widths: tuple[int, ...]) -> tuple[nn.Module, nn.Module]:
     import syncbn
 
     norm: Callable[[int], nn.Module] = nn.BatchNorm2d if name.startswith("bn") else syncbn.SyncBatchNorm2d
-    ddp = nn.parallel.DistributedDataParallel(_model(widths, norm))
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(conv_net(norm, widths))
     return (torch.compile(ddp) if name.endswith("compiled") else ddp), ddp
 
 

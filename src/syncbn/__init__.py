@@ -1,15 +1,15 @@
 """syncbn: exact Synchronized Batch Normalization for PyTorch, everywhere you train."""
 
-from . import functional, parallel
+from . import _config, functional, parallel
 from ._checks import name_layers
-from ._config import (
-    debug_enabled,
-    get_timeout,
-    set_debug,
-    set_shared_memory,
-    set_timeout,
-    shared_memory_enabled,
-)
+
+# The process-wide settings (re-exported explicitly: ``syncbn.__all__`` lists them from ``_config``).
+from ._config import debug_enabled as debug_enabled
+from ._config import get_timeout as get_timeout
+from ._config import set_debug as set_debug
+from ._config import set_shared_memory as set_shared_memory
+from ._config import set_timeout as set_timeout
+from ._config import shared_memory_enabled as shared_memory_enabled
 from .accumulate import accumulation
 from .activated import InPlaceSyncBatchNorm, InPlaceSyncBatchNorm2d
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
@@ -54,12 +54,7 @@ __all__ = [
     "functional",
     "parallel",
     "quantization",
-    "set_timeout",
-    "get_timeout",
-    "set_debug",
-    "debug_enabled",
-    "set_shared_memory",
-    "shared_memory_enabled",
+    *(name for name in _config.__all__ if name != "DEFAULT_TIMEOUT_S"),  # the settings, in order
     "name_layers",
     "CollectiveError",
     "sync_buffers",

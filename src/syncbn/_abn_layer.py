@@ -9,15 +9,15 @@ activation checkpointing, checkpoint loading, pickling with a process group.
 
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from . import _checks, _rules, groups, parallel
+from . import _fx, _rules, groups, parallel
 from ._function import inplace_abn_apply
+from ._layer import LayerMixin
 from .families.inplace_abn import InPlaceABN, check_activation
 
 try:
@@ -64,11 +64,11 @@ OVERWRITTEN_CHECKPOINT_INPUT = (
 )
 
 
-class ActivatedBatchNormBase(nn.Module):
+class ActivatedBatchNormBase(LayerMixin):
     """State and forward machinery of the activated batch norm layers (not used directly).
 
-    Subclasses set ``_in_place`` and implement :meth:`_group` (what to synchronise
-    over). ``weight`` is used as the scale ``|weight| + eps`` by the in-place
+    Subclasses set ``_in_place`` and ``_group_attr`` (the attribute naming the group
+    to synchronise over; ``None``: none). ``weight`` is used as the scale ``|weight| + eps`` by the in-place
     layers (invertible whatever the weight's sign).
     """
 
@@ -86,6 +86,7 @@ class ActivatedBatchNormBase(nn.Module):
     running_var: Tensor | None
     num_batches_tracked: Tensor | None
     _in_place = True
+    _group_attr: str | None = None
     _local = False  # never synchronise (the package's InPlaceABN)
     _input_dims: tuple[int, ...] | None = None
     _input_dims_text = ""
@@ -93,41 +94,29 @@ class ActivatedBatchNormBase(nn.Module):
     def __init__(
         self,
         num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        activation: str = "leaky_relu",
-        activation_param: float = 0.01,
+        eps: float,
+        momentum: float | None,
+        affine: bool,
+        track_running_stats: bool,
+        activation: str,
+        activation_param: float,
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         check_activation(activation, activation_param, in_place=self._in_place)
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.num_features = num_features
-        self.eps = eps
-        self.momentum = momentum
-        self.affine = affine
-        self.track_running_stats = track_running_stats
-        self.activation = activation
-        self.activation_param = activation_param
-        if affine:
-            self.weight = nn.Parameter(torch.empty(num_features, **factory))
-            self.bias = nn.Parameter(torch.empty(num_features, **factory))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        if track_running_stats:
-            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
-            self.register_buffer("running_var", torch.ones(num_features, **factory))
-            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
-        else:
-            self.register_buffer("running_mean", None)
-            self.register_buffer("running_var", None)
-            self.register_buffer("num_batches_tracked", None)
-        self._syncbn_state = _checks.LayerState()
-        self._syncbn_state.bind(self)  # the compile token finds this layer
+        self.num_features, self.eps, self.momentum, self.affine = num_features, eps, momentum, affine
+        self.track_running_stats = tracked = track_running_stats
+        self.activation, self.activation_param = activation, activation_param
+        for name in ("weight", "bias"):  # the parameters and buffers of nn.BatchNorm, in its order
+            self.register_parameter(
+                name, nn.Parameter(torch.empty(num_features, device=device, dtype=dtype)) if affine else None
+            )
+        for name, fill in (("running_mean", torch.zeros), ("running_var", torch.ones)):
+            self.register_buffer(name, fill(num_features, device=device, dtype=dtype) if tracked else None)
+        count = torch.tensor(0, dtype=torch.long, device=device) if tracked else None
+        self.register_buffer("num_batches_tracked", count)
+        self._init_state()  # the compile token finds this layer
         self.reset_parameters()
 
     def reset_running_stats(self) -> None:
@@ -144,8 +133,22 @@ class ActivatedBatchNormBase(nn.Module):
             nn.init.ones_(self.weight)
             nn.init.zeros_(self.bias)
 
-    def _group(self) -> Any:
-        return None
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise and activate ``x`` in place (over the group, if any); returns it (the compat layers)."""
+        if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
+            return _fx.leaf_call(self, ActivatedBatchNormBase.forward, x)
+        return self._forward(x)
+
+    _repr_tracking = True  # show track_running_stats (the inplace-abn package's ABN does not)
+
+    def extra_repr(self) -> str:
+        text = f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+        if self._repr_tracking:
+            text += f"track_running_stats={self.track_running_stats}, "
+        text += f"activation={self.activation}"
+        if self.activation in ("leaky_relu", "elu"):
+            text += f"[{self.activation_param}]"
+        return text
 
     def _check_input_dim(self, x: Tensor) -> None:
         if x.dim() < 2 or (self._input_dims is not None and x.dim() not in self._input_dims):
@@ -310,26 +313,6 @@ class ActivatedBatchNormBase(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("process_group", "group"):
-            if key in state:
-                state[key] = groups.to_picklable(state[key])
-        return state
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ActivatedBatchNormBase:
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            shared = key in ("process_group", "group")  # a live process group is shared, not copied
-            new.__dict__[key] = value if shared else copy.deepcopy(value, memo)
-        new._syncbn_state.bind(new)
-        return new
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._syncbn_state.bind(self)
 
 
 # What torch.compile runs for the in-place layers: the eager layer, opaque to the compiler.

@@ -148,24 +148,49 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
     temporary the size of the activation is made. float16/bfloat16 input is
     reduced in float32.
     """
-    n = x.numel() // x.shape[1]
-    acc = accumulation_dtype(x.dtype)
-    if uses_native_statistics(x):
-        if x.dtype in _LOW_PRECISION:
+    dtype = x.dtype
+    numel = x.numel()
+    if dtype in _LOW_PRECISION:
+        if x.device.type == "cpu":
             buffers = moment_buffer(x.shape[1], x.device)
             return torch.batch_norm_update_stats(x, buffers.scratch_mean, buffers.scratch_var, 0.0)
+        native = False
+    else:  # uses_native_statistics(x), inlined: this runs on every training call
+        native = x.is_cuda or x.dim() == 2 or numel < _NATIVE_STATS_MAX_NUMEL or _is_channels_last(x)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    if native:
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
         return cast(mean, acc), cast(var, acc)
-    dims = _reduce_dims(x)
+    n = numel // x.shape[1]
+    ndim = x.dim()
+    dims = _REDUCE_DIMS[ndim] if ndim < len(_REDUCE_DIMS) else _reduce_dims(x)
     mean = x.sum(dims, dtype=acc).div_(n)
     usable = scratch if scratch is not None and scratch.dtype == acc and scratch.is_contiguous() else None
-    if x.numel() >= _BLOCKED_MIN_NUMEL and x.is_contiguous() and x.shape[0] > 1:
+    if numel >= _BLOCKED_MIN_NUMEL and x.shape[0] > 1 and x.is_contiguous():
         return mean, _blocked_m2(x, mean, acc, usable).div_(n)
-    if usable is not None:
-        centred = torch.sub(x, mean.view(broadcast_shape(x)), out=usable)
-        return mean, centred.square_().sum(dims).div_(n)
-    centred = x - mean.view(broadcast_shape(x))  # promoted to ``acc``
+    # (C, 1, ...) broadcasts against (N, C, ...) as (1, C, 1, ...) does.
+    centre = mean.view(_CHANNEL_VIEWS[ndim] if ndim < len(_CHANNEL_VIEWS) else broadcast_shape(x))
+    if usable is not None:  # (x - mean)**2 in one pass: the same two roundings as a sub, then a square_
+        return mean, _squared_deviations(x, centre, usable).sum(dims).div_(n)
+    centred = x - centre  # promoted to ``acc``
     return mean, centred.square_().sum(dims).div_(n)
+
+
+def _squared_deviations(x: Tensor, centre: Tensor, out: Tensor) -> Tensor:
+    """``(x - centre) ** 2`` into ``out`` (``x``'s dtype): one elementwise kernel instead of two.
+
+    ``mse_loss`` without reduction computes ``d = x - centre; d * d`` elementwise:
+    the result of ``torch.sub(x, centre, out=out).square_()``, bit for bit, in one
+    pass over memory and one call.
+    """
+    if x.dtype == out.dtype:
+        return torch._C._nn.mse_loss(x, centre, 0, out=out)  # type: ignore[call-arg,arg-type]
+    return torch.sub(x, centre, out=out).square_()
+
+
+# Per input dimension: the reduced dimensions, and the shape a per-channel vector is viewed in.
+_REDUCE_DIMS = [[0, *range(2, d)] for d in range(9)]
+_CHANNEL_VIEWS = [(-1,) + (1,) * (d - 2) for d in range(9)]
 
 
 def normalize(
@@ -196,9 +221,8 @@ def normalize(
     empty = _EMPTY.get(mean.dtype) if mean.device.type == "cpu" else None
     if empty is None:
         empty = mean.new_empty(0)  # inference mode leaves the saved statistics empty
-    torch.ops.aten.native_batch_norm.out(
-        x, weight, bias, mean, var, False, 0.0, eps, out=out, save_mean=empty, save_invstd=empty
-    )
+    # torch.native_batch_norm(out=...) is the out overload without the Python of torch.ops (~2 us).
+    torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, eps, out=(out, empty, empty))
     return out
 
 
@@ -221,8 +245,7 @@ def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype, scratch: Tensor | Non
     m2 = torch.zeros_like(mean)
     for start in range(0, batch, rows):
         block = x3[start : start + rows]
-        tmp = torch.sub(block, centre, out=buf[: block.shape[0]])
-        m2 += tmp.square_().sum((0, 2))
+        m2 += _squared_deviations(block, centre, buf[: block.shape[0]]).sum((0, 2))
     return m2
 
 
@@ -243,12 +266,17 @@ def update_running(
     momentum: float,
 ) -> None:
     """``running = (1 - momentum) * running + momentum * batch`` for the buffers that exist."""
-    pairs = [(r, s) for r, s in ((running_mean, mean), (running_var, unbiased_var)) if r is not None]
-    if len(pairs) == 2 and all(r.dtype == s.dtype for r, s in pairs):
-        torch._foreach_lerp_([r for r, _ in pairs], [s for _, s in pairs], momentum)
+    if (
+        running_mean is not None
+        and running_var is not None
+        and running_mean.dtype == mean.dtype
+        and running_var.dtype == unbiased_var.dtype
+    ):
+        torch._foreach_lerp_([running_mean, running_var], [mean, unbiased_var], momentum)
         return
-    for r, s in pairs:
-        r.lerp_(s.to(r.dtype), momentum)
+    for r, s in ((running_mean, mean), (running_var, unbiased_var)):
+        if r is not None:
+            r.lerp_(s.to(r.dtype), momentum)
 
 
 def backward_sums(

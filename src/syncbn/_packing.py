@@ -10,6 +10,7 @@ backward's ``[[sum dy], [sum dy*xhat]]`` is :func:`pack_grad_sums`.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,24 +27,51 @@ class MomentBuffer:
 
     ``packed`` is the ``(2C + 1,)`` float64 vector of :func:`pack_moments`, with
     ``head`` (the count), ``sums`` (``[S, Q]`` as ``(2, C)``) and its rows
-    ``means`` and ``squares`` as views; ``scratch_mean``/``scratch_var`` are
-    float32 running buffers the low-precision native statistics kernel is handed
-    (with a momentum of 0; their contents are never read). Every synchronised
-    forward of that channel count on the thread reuses them: nothing of them
-    outlives the call (the statistics are copied out), and making a view costs
-    an ATen call each, every call, otherwise.
+    ``means`` and ``squares`` as views; on the host ``words`` is a float64
+    memoryview of the same memory, so the count is written and read without a
+    tensor call. ``stats`` (``(2, C)`` float64, rows ``stat_means`` and
+    ``stat_vars``) holds :func:`unpack_moments`' float64 statistics of a layer
+    whose statistics dtype is narrower, before they are rounded into new
+    tensors. ``scratch_mean``/``scratch_var`` are float32 running buffers the
+    low-precision native statistics kernel is handed (with a momentum of 0; their
+    contents are never read). Every synchronised forward of that channel count
+    on the thread reuses them: nothing of them outlives the call (the statistics
+    are copied out), and making a view costs an ATen call each, every call,
+    otherwise.
     """
 
-    __slots__ = ("packed", "head", "sums", "means", "squares", "scratch_mean", "scratch_var")
+    __slots__ = (
+        "packed",
+        "head",
+        "sums",
+        "means",
+        "squares",
+        "words",
+        "stats",
+        "stat_means",
+        "stat_vars",
+        "scratch_mean",
+        "scratch_var",
+        "_memory",
+    )
 
     def __init__(self, channels: int, device: torch.device) -> None:
+        size = 2 * channels + 1
         with torch.inference_mode(False):  # usable in place inside and outside inference mode
-            self.packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=device)
+            if device.type == "cpu":
+                self._memory: bytearray | None = bytearray(8 * size)
+                self.packed = torch.frombuffer(self._memory, dtype=torch.float64)
+                self.words: Any = memoryview(self._memory).cast("d")  # float64 items
+            else:
+                self._memory = self.words = None
+                self.packed = torch.empty(size, dtype=torch.float64, device=device)
+            self.stats = torch.empty(2, channels, dtype=torch.float64, device=device)
             self.scratch_mean = torch.zeros(channels, dtype=torch.float32, device=device)
             self.scratch_var = torch.ones(channels, dtype=torch.float32, device=device)
         self.head = self.packed[0]
         self.sums = self.packed[1:].view(2, channels)
         self.means, self.squares = self.sums.unbind(0)
+        self.stat_means, self.stat_vars = self.stats.unbind(0)
 
 
 _thread_state = threading.local()
@@ -85,7 +113,7 @@ def pack_moments(
         var: local per-channel biased variance, or ``None`` when ``count == 0``.
         channels: number of channels ``C``.
         device: where the packed vector lives (the input's device).
-        buffer: write into this :class:`MomentBuffer`'s ``packed`` (three ATen
+        buffer: write into this :class:`MomentBuffer`'s ``packed`` (four ATen
             calls, no allocation) instead of a new tensor.
 
     Returns:
@@ -97,18 +125,26 @@ def pack_moments(
             return buffer.packed.zero_()
         return torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
     assert mean is not None and var is not None
-    one = _ONES.get(mean.dtype) if mean.device.type == "cpu" else None
-    head = mean.new_ones(1) if one is None else one
     if buffer is None:
+        one = _ONES.get(mean.dtype) if mean.device.type == "cpu" else None
         packed = torch.empty(2 * channels + 1, dtype=torch.float64, device=device)
-        means, squares = packed[1 : channels + 1], packed[channels + 1 :]
+        torch.cat([mean.new_ones(1) if one is None else one, mean, var], out=packed)  # widened to float64
+        packed.mul_(count)  # [n, n*mean, n*var]
+        packed[channels + 1 :].addcmul_(packed[1 : channels + 1], mean)
+        return packed
+    # Two widening copies into the buffer's rows: a cat that widens costs 3-4 as much on CPU.
+    means, squares = buffer.means, buffer.squares
+    means.copy_(mean)  # widened exactly to float64
+    squares.copy_(var)
+    buffer.sums.mul_(count)  # [n*mean, n*var]
+    words = buffer.words
+    if words is not None:
+        words[0] = float(count)
     else:
-        packed, means, squares = buffer.packed, buffer.means, buffer.squares
-    torch.cat([head, mean, var], out=packed)  # widened to float64
-    packed.mul_(count)  # [n, n*mean, n*var]
+        buffer.head.fill_(count)
     # n*var + (n*mean)*mean, the float32 mean widened exactly: S and Q describe the same mean.
     squares.addcmul_(means, mean)
-    return packed
+    return buffer.packed
 
 
 def unpack_moments(
@@ -142,9 +178,17 @@ def unpack_moments(
     sums = mine.sums if mine is not None else packed[1:].view(2, channels)  # [S, Q]
     count: float | Tensor
     if packed.device.type == "cpu" if read_count is None else read_count:
-        count = float(mine.head if mine is not None else packed[0])
-        stats = torch.mul(sums, 1.0 / max(count, 1.0))  # [mean, Q/N], a new tensor
+        words = mine.words if mine is not None else None
+        count = words[0] if words is not None else float(mine.head if mine is not None else packed[0])
         unbias: float | Tensor = count / max(count - 1.0, 1.0)
+        if mine is not None and dtype != torch.float64:
+            # Statistics rounded to ``dtype`` at the end: the float64 ones in the buffer's rows.
+            torch.mul(sums, 1.0 / max(count, 1.0), out=mine.stats)  # [mean, Q/N]
+            mean, var = mine.stat_means, mine.stat_vars
+            var.addcmul_(mean, mean, value=-1.0).clamp_(min=0.0)
+            mean, var = mine.stats.to(dtype).unbind(0)
+            return count, (mean, var, var * unbias)
+        stats = torch.mul(sums, 1.0 / max(count, 1.0))  # [mean, Q/N], a new tensor
     else:
         count = mine.head.clone() if mine is not None else packed[0]
         stats = sums / count.clamp(min=1.0)

@@ -31,6 +31,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _accumulating, _rules, groups
 from ._abn_layer import ActivatedBatchNormBase
+from ._layer import LayerMixin
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
@@ -45,25 +46,19 @@ def _recomputing() -> bool:
 
 def _is_local(layer: nn.Module) -> bool:
     """Whether the layer's training forward runs without a collective (where the hooks must look)."""
-    if isinstance(layer, ActivatedBatchNormBase):
-        if layer._local:
-            return True
-        group: Any = layer._group()
-    elif isinstance(layer, SyncBatchNorm):
-        if layer._family_call() is not None:
-            return False  # a family (renorm) runs the engine even without a group: the engine shows it
-        group = layer.process_group
-        if isinstance(group, groups.ProcessGroupRef) and groups.is_initialized():
-            layer.process_group = group = group.lookup()
-    elif isinstance(layer, nn.SyncBatchNorm):
+    if isinstance(layer, ActivatedBatchNormBase) and layer._local:
+        return True
+    if isinstance(layer, SyncBatchNorm) and layer._family_call() is not None:
+        return False  # a family (renorm) runs the engine even without a group: the engine shows it
+    if isinstance(layer, LayerMixin):
+        return groups.resolve(layer._group()) is None
+    if isinstance(layer, nn.SyncBatchNorm):
         raise TypeError(
             "syncbn.accumulation: expected syncbn's layers or plain BatchNorm "
             f"(got torch.nn.SyncBatchNorm, {type(layer).__name__}); convert the model with "
             "syncbn.convert_sync_batchnorm first"
         )
-    else:
-        return True  # plain nn.BatchNorm*: always local
-    return groups.resolve(group) is None
+    return True  # plain nn.BatchNorm*: always local
 
 
 def _local_moments(x: Tensor, mask: Tensor | None) -> tuple[int, Tensor, Tensor] | None:

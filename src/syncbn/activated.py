@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _fx, groups
+from . import _fx
 from ._abn_layer import ActivatedBatchNormBase
+from ._layer import like
 
 __all__ = ["ActivatedBatchNormBase", "InPlaceSyncBatchNorm", "InPlaceSyncBatchNorm2d"]
 
@@ -69,6 +70,8 @@ class InPlaceSyncBatchNorm(ActivatedBatchNormBase):
         >>> y = layer(h)          # y is h, overwritten
     """
 
+    _group_attr = "process_group"
+
     def __init__(
         self,
         num_features: int,
@@ -96,12 +99,6 @@ class InPlaceSyncBatchNorm(ActivatedBatchNormBase):
         )
         self.process_group = process_group
 
-    def _group(self) -> Any:
-        group = self.process_group
-        if isinstance(group, groups.ProcessGroupRef) and groups.is_initialized():
-            self.process_group = group = group.lookup()
-        return group
-
     def forward(self, input: Tensor) -> Tensor:
         """Normalise and activate ``input`` in place; returns it.
 
@@ -114,15 +111,6 @@ class InPlaceSyncBatchNorm(ActivatedBatchNormBase):
         if isinstance(input, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
             return _fx.leaf_call(self, InPlaceSyncBatchNorm.forward, input)
         return self._forward(input)
-
-    def extra_repr(self) -> str:
-        text = (
-            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-            f"track_running_stats={self.track_running_stats}, activation={self.activation}"
-        )
-        if self.activation in ("leaky_relu", "elu"):
-            text += f"[{self.activation_param}]"
-        return text
 
 
 class InPlaceSyncBatchNorm2d(InPlaceSyncBatchNorm):
@@ -175,14 +163,8 @@ def plain_equivalent(layer: ActivatedBatchNormBase, generic: type[nn.Module]) ->
     """
     cls = nn.BatchNorm2d if layer._input_dims == (4,) else generic
     ref = layer.weight if layer.weight is not None else layer.running_mean
-    bn: Any = cls(  # type: ignore[call-arg]
-        layer.num_features,
-        layer.eps,
-        layer.momentum,
-        layer.affine,
-        layer.track_running_stats,
-        device=None if ref is None else ref.device,
-        dtype=None if ref is None else ref.dtype,
+    bn = like(
+        cls, layer, device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype
     )
     with torch.no_grad():
         if layer.weight is not None:

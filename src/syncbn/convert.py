@@ -27,6 +27,7 @@ without losing that behaviour: it is left as it is and a
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from typing import Any, Callable
@@ -37,6 +38,7 @@ from torch.nn.utils import parametrize
 
 from . import groups
 from ._checks import name_layers
+from ._layer import like
 from .activated import InPlaceSyncBatchNorm, plain_equivalent
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, set_converter
 
@@ -105,17 +107,12 @@ _TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [
     (SyncBatchNorm3d, nn.BatchNorm3d),
 ]
 
-_sync_only_keys: frozenset[str] | None = None
 
-
+@functools.cache
 def _syncbn_only_keys() -> frozenset[str]:
     """Instance attributes a syncbn layer has and a plain BatchNorm has not (``process_group``, ...)."""
-    global _sync_only_keys
-    if _sync_only_keys is None:
-        sync = SyncBatchNorm(1, device="meta").__dict__
-        plain = BatchNorm(1, device="meta").__dict__
-        _sync_only_keys = frozenset(set(sync) - set(plain))
-    return _sync_only_keys
+    sync, plain = SyncBatchNorm(1, device="meta").__dict__, BatchNorm(1, device="meta").__dict__
+    return frozenset(set(sync) - set(plain))
 
 
 def _path(prefix: str) -> str:
@@ -234,15 +231,7 @@ def _to_sync(
         template = SyncBatchNorm(1, process_group=group, device="meta")
         new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
     else:
-        new = target(
-            layer.num_features,
-            layer.eps,
-            layer.momentum,
-            layer.affine,
-            track_running_stats=layer.track_running_stats,
-            process_group=group,
-            device="meta",
-        )
+        new = like(target, layer, process_group=group, device="meta")
     _transplant(layer, new, keep_new=_syncbn_only_keys(), drop=frozenset({_REVERTS_TO}))
     # torch's and timm's synchronised classes revert to the plain default; others to themselves.
     if not isinstance(layer, nn.SyncBatchNorm) and original is not _plain_class_of(new):
@@ -282,14 +271,7 @@ def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
         if _is_sync_act(layer):
             new = target.__new__(target)
         else:
-            new = target(
-                layer.num_features,
-                layer.eps,
-                layer.momentum,
-                layer.affine,
-                layer.track_running_stats,
-                device="meta",
-            )
+            new = like(target, layer, device="meta")
     family_keys = frozenset(getattr(type(layer), "_syncbn_family_keys", ()))  # e.g. renorm's r_max, d_max
     drop = _syncbn_only_keys() | family_keys | {"process_group", _REVERTS_TO}
     _transplant(layer, new, keep_new=frozenset(), drop=drop)

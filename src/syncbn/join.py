@@ -52,10 +52,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HEADER = 4
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
-    from .modules import SyncBatchNorm
+def _explicit_groups(model: nn.Module) -> list[nn.Module]:
+    """The synchronised layers of ``model``, of every family, that hold a process group of their own."""
+    from ._layer import LayerMixin
 
-    return [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
+    return [m for m in model.modules() if isinstance(m, LayerMixin) and m._group() is not None]
 
 
 class JoinableSyncBatchNorm(Joinable):
@@ -74,8 +75,9 @@ class JoinableSyncBatchNorm(Joinable):
         model: the model, bare or wrapped in ``DistributedDataParallel``.
 
     Raises:
-        ValueError: ``torch.distributed`` is not initialised, or a layer uses a
-            process group other than the default one; at ``Join(...)``, when the
+        ValueError: ``torch.distributed`` is not initialised, or a layer of any
+            family holds a process group of its own (``process_group``, or the
+            ``group`` of ``compat.inplace_abn``); at ``Join(...)``, when the
             joinable is not first in the list.
 
     Example::
@@ -92,7 +94,7 @@ class JoinableSyncBatchNorm(Joinable):
     def __init__(self, model: nn.Module) -> None:
         if not groups.is_initialized():
             raise ValueError("JoinableSyncBatchNorm needs an initialised torch.distributed process group")
-        others = [m for m in _layers(model) if getattr(m, "process_group", None) is not None]
+        others = _explicit_groups(model)
         if others:
             raise ValueError(
                 "JoinableSyncBatchNorm supports layers synchronising over the default group only; "

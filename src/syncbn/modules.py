@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 from typing import Any, Callable
@@ -12,7 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _checks, _fx, _rules, groups, parallel
+from . import _fx, _rules, groups, parallel
+from ._layer import LayerMixin, dims_doc
 
 try:
     from . import _compiled, _ops
@@ -43,7 +43,7 @@ _warn_while_tracing = _rules.warn_while_tracing
 _in_backward = _rules.in_backward
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(LayerMixin, _BatchNorm):
     """Batch normalization whose training statistics span every rank of a process group.
 
     A drop-in for ``torch.nn.SyncBatchNorm`` that also runs on CPU (any
@@ -129,8 +129,7 @@ class SyncBatchNorm(_BatchNorm):
             self.register_parameter("bias", None)
         self.process_group = process_group
         self.freeze = freeze
-        self._syncbn_state = _checks.LayerState()  # name, index, handshake state, compile token
-        self._syncbn_state.bind(self)
+        self._init_state()
 
     _input_dims: tuple[int, ...] | None = None
     _input_dims_text = ""
@@ -237,10 +236,7 @@ class SyncBatchNorm(_BatchNorm):
                 "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
             )
 
-        process_group = self.process_group
-        if isinstance(process_group, groups.ProcessGroupRef) and groups.is_initialized():
-            self.process_group = process_group = process_group.lookup()
-        group = groups.resolve(process_group)
+        group = groups.resolve(self._group())
         stats = self.track_running_stats
         running_mean = self.running_mean if stats else None
         running_var = self.running_var if stats else None
@@ -322,25 +318,6 @@ class SyncBatchNorm(_BatchNorm):
         text = super().extra_repr()
         return text + ", freeze=True" if self.freeze else text
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if "process_group" in state:
-            state["process_group"] = groups.to_picklable(state["process_group"])
-        return state
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            # A process group is a handle to live communicators: share it.
-            new.__dict__[key] = value if key == "process_group" else copy.deepcopy(value, memo)
-        _bind(new)
-        return new
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        _bind(self)
-
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None) -> torch.nn.Module:
         """Same as :func:`syncbn.convert_sync_batchnorm` (the ``torch.nn.SyncBatchNorm`` spelling).
@@ -354,74 +331,43 @@ class SyncBatchNorm(_BatchNorm):
         return _converter(module, process_group)
 
 
-def _bind(layer: nn.Module) -> None:
-    """Bind a copied or unpickled layer's state (a new token) to the layer (see ``_checks.LayerState``)."""
-    state = layer.__dict__.get("_syncbn_state")
-    if isinstance(state, _checks.LayerState):
-        state.bind(layer)
-
-
 class SyncBatchNorm1d(SyncBatchNorm, nn.BatchNorm1d):
-    """:class:`SyncBatchNorm` for 2D input ``(N, C)`` or 3D input ``(N, C, L)``.
-
-    Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
-    like ``nn.BatchNorm1d``, and is an ``nn.BatchNorm1d``: ``isinstance(layer,
-    nn.BatchNorm1d)`` is true, so code that finds BatchNorm layers by type (freezing,
-    weight-decay exclusion, initialisation loops) finds it too.
-
-    Shape:
-        - Input: :math:`(N, C)` or :math:`(N, C, L)`
-        - Output: same as input.
-
-    Example::
-
-        >>> bn = syncbn.SyncBatchNorm1d(32)
-        >>> y = bn(torch.randn(20, 32))
-    """
+    __doc__ = dims_doc(
+        "SyncBatchNorm",
+        "for 2D input ``(N, C)`` or 3D input ``(N, C, L)``",
+        ":math:`(N, C)` or :math:`(N, C, L)`",
+        "same as input.",
+        "bn = syncbn.SyncBatchNorm1d(32)\ny = bn(torch.randn(20, 32))",
+        "nn.BatchNorm1d",
+    )
 
     _input_dims = (2, 3)
     _input_dims_text = "2D or 3D"
 
 
 class SyncBatchNorm2d(SyncBatchNorm, nn.BatchNorm2d):
-    """:class:`SyncBatchNorm` for 4D input ``(N, C, H, W)``.
-
-    Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
-    like ``nn.BatchNorm2d``, and is an ``nn.BatchNorm2d``: ``isinstance(layer,
-    nn.BatchNorm2d)`` is true, so code that finds BatchNorm layers by type (freezing,
-    weight-decay exclusion, initialisation loops) finds it too.
-
-    Shape:
-        - Input: :math:`(N, C, H, W)`
-        - Output: same as input (``channels_last`` is kept).
-
-    Example::
-
-        >>> bn = syncbn.SyncBatchNorm2d(64)
-        >>> y = bn(torch.randn(8, 64, 32, 32))
-    """
+    __doc__ = dims_doc(
+        "SyncBatchNorm",
+        "for 4D input ``(N, C, H, W)``",
+        ":math:`(N, C, H, W)`",
+        "same as input (``channels_last`` is kept).",
+        "bn = syncbn.SyncBatchNorm2d(64)\ny = bn(torch.randn(8, 64, 32, 32))",
+        "nn.BatchNorm2d",
+    )
 
     _input_dims = (4,)
     _input_dims_text = "4D"
 
 
 class SyncBatchNorm3d(SyncBatchNorm, nn.BatchNorm3d):
-    """:class:`SyncBatchNorm` for 5D input ``(N, C, D, H, W)``.
-
-    Same arguments and math as :class:`SyncBatchNorm`; checks the input rank
-    like ``nn.BatchNorm3d``, and is an ``nn.BatchNorm3d``: ``isinstance(layer,
-    nn.BatchNorm3d)`` is true, so code that finds BatchNorm layers by type (freezing,
-    weight-decay exclusion, initialisation loops) finds it too.
-
-    Shape:
-        - Input: :math:`(N, C, D, H, W)`
-        - Output: same as input (``channels_last_3d`` is kept).
-
-    Example::
-
-        >>> bn = syncbn.SyncBatchNorm3d(16)
-        >>> y = bn(torch.randn(2, 16, 4, 8, 8))
-    """
+    __doc__ = dims_doc(
+        "SyncBatchNorm",
+        "for 5D input ``(N, C, D, H, W)``",
+        ":math:`(N, C, D, H, W)`",
+        "same as input (``channels_last_3d`` is kept).",
+        "bn = syncbn.SyncBatchNorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))",
+        "nn.BatchNorm3d",
+    )
 
     _input_dims = (5,)
     _input_dims_text = "5D"

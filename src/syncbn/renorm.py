@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ._layer import dims_doc
 from .families import Renorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
@@ -136,45 +137,33 @@ class SyncBatchRenorm(SyncBatchNorm):
 
 
 class SyncBatchRenorm1d(SyncBatchRenorm, SyncBatchNorm1d):
-    """:class:`SyncBatchRenorm` for 2D input ``(N, C)`` or 3D input ``(N, C, L)`` (an ``nn.BatchNorm1d``).
-
-    Shape:
-        - Input: :math:`(N, C)` or :math:`(N, C, L)`
-        - Output: same as input.
-
-    Example::
-
-        >>> bn = syncbn.SyncBatchRenorm1d(32)
-        >>> y = bn(torch.randn(20, 32))
-    """
+    __doc__ = dims_doc(
+        "SyncBatchRenorm",
+        "for 2D input ``(N, C)`` or 3D input ``(N, C, L)`` (an ``nn.BatchNorm1d``)",
+        ":math:`(N, C)` or :math:`(N, C, L)`",
+        "same as input.",
+        "bn = syncbn.SyncBatchRenorm1d(32)\ny = bn(torch.randn(20, 32))",
+    )
 
 
 class SyncBatchRenorm2d(SyncBatchRenorm, SyncBatchNorm2d):
-    """:class:`SyncBatchRenorm` for 4D input ``(N, C, H, W)`` (an ``nn.BatchNorm2d``).
-
-    Shape:
-        - Input: :math:`(N, C, H, W)`
-        - Output: same as input.
-
-    Example::
-
-        >>> bn = syncbn.SyncBatchRenorm2d(64)
-        >>> y = bn(torch.randn(8, 64, 32, 32))
-    """
+    __doc__ = dims_doc(
+        "SyncBatchRenorm",
+        "for 4D input ``(N, C, H, W)`` (an ``nn.BatchNorm2d``)",
+        ":math:`(N, C, H, W)`",
+        "same as input.",
+        "bn = syncbn.SyncBatchRenorm2d(64)\ny = bn(torch.randn(8, 64, 32, 32))",
+    )
 
 
 class SyncBatchRenorm3d(SyncBatchRenorm, SyncBatchNorm3d):
-    """:class:`SyncBatchRenorm` for 5D input ``(N, C, D, H, W)`` (an ``nn.BatchNorm3d``).
-
-    Shape:
-        - Input: :math:`(N, C, D, H, W)`
-        - Output: same as input.
-
-    Example::
-
-        >>> bn = syncbn.SyncBatchRenorm3d(16)
-        >>> y = bn(torch.randn(2, 16, 4, 8, 8))
-    """
+    __doc__ = dims_doc(
+        "SyncBatchRenorm",
+        "for 5D input ``(N, C, D, H, W)`` (an ``nn.BatchNorm3d``)",
+        ":math:`(N, C, D, H, W)`",
+        "same as input.",
+        "bn = syncbn.SyncBatchRenorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))",
+    )
 
 
 _RENORM_OF: dict[type, type] = {

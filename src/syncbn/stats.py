@@ -263,7 +263,7 @@ def recompute_running_stats(
             ``None`` draws it where stderr is a terminal.
 
     Returns:
-        ``model``, its running statistics updated in place.
+        ``model``, its running statistics set in place to those of ``batches``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.

@@ -334,33 +334,23 @@ def format_breakdown(res: dict[str, Any]) -> str:
     lines.append(
         "step ms (slowest rank's median): " + ", ".join(f"{k} {v:.2f}" for k, v in res["step_ms"].items())
     )
-    cols = [
-        "ratio",
-        "extra_per_collective_us",
-        "outside_us",
-        "inside_us",
-        "wait_us",
-        "frame_us",
-        "release_us",
-    ]
-    cols += ["wake_spin_us", "wake_sleep_us", "long_waits", "shared_core"]
-    heads = [
-        "x plain",
-        "extra",
-        "outside",
-        "inside",
-        "wait",
-        "frame",
-        "release",
-        "wake-spin",
-        "wake-sleep",
-        "waits>2ms",
-        "same-core",
-    ]
+    columns = {  # key -> heading
+        "ratio": "x plain",
+        "extra_per_collective_us": "extra",
+        "outside_us": "outside",
+        "inside_us": "inside",
+        "wait_us": "wait",
+        "frame_us": "frame",
+        "release_us": "release",
+        "wake_spin_us": "wake-spin",
+        "wake_sleep_us": "wake-sleep",
+        "long_waits": "waits>2ms",
+        "shared_core": "same-core",
+    }
     lines.append("per collective, us (48 per step):")
-    lines.append(f"{'variant':>20} " + " ".join(f"{h:>10}" for h in heads))
+    lines.append(f"{'variant':>20} " + " ".join(f"{h:>10}" for h in columns.values()))
     for name, row in res["rows"].items():
-        cells = [f"{row[c]:10.2f}" if c in row else f"{'-':>10}" for c in cols]
+        cells = [f"{row[c]:10.2f}" if c in row else f"{'-':>10}" for c in columns]
         lines.append(f"{name:>20} " + " ".join(cells))
     own = res["own_work_per_collective_us"]
     if own is not None:

@@ -1,16 +1,20 @@
 """End-to-end training steps for ``syncbn bench`` and ``benchmarks/speed/e2e.py``: syncbn against plain BN.
 
-Two models, each built with a normalisation factory so that the same network
+Three models, each built with a normalisation factory so that the same network
 runs with :class:`syncbn.SyncBatchNorm2d` and with ``nn.BatchNorm2d``:
 
-* :func:`deep_narrow`: 24 conv3x3(32)-BN-ReLU blocks, many small BN layers
-  (16 images of 8x8 per rank: 2,048 values per channel and layer);
+* :func:`deep_narrow` (``deep``, the narrow net): 24 conv3x3(32)-BN-ReLU
+  blocks, many small BN layers (16 images of 8x8 per rank: 2,048 values per
+  channel and layer);
+* ``wide``: 4 conv3x3-BN-ReLU blocks of 16, 32, 32 and 64 channels
+  (:func:`conv_net`) on 32x32 images;
 * :func:`resnet`: a CIFAR ResNet (stem, three stages of two basic blocks, 15
   BN layers) on 32x32 images.
 
 :func:`time_steps` runs one ``DistributedDataParallel`` SGD step of every
-variant, interleaved, and returns every rank's median; the table reports the
-slowest rank's median and the ratio to plain BN (what switching sync on costs).
+variant, interleaved, eager or ``torch.compile(DDP(model))`` (``compiled``), on
+CPU or CUDA, and returns every rank's median; the table reports the slowest
+rank's median and the ratio to plain BN (what switching sync on costs).
 """
 
 from __future__ import annotations
@@ -26,20 +30,41 @@ from torch import nn
 from ..modules import SyncBatchNorm2d
 from ._bench_runner import time_interleaved
 
-__all__ = ["MODELS", "deep_narrow", "resnet", "time_steps", "format_e2e"]
+__all__ = ["MODELS", "conv_net", "deep_narrow", "resnet", "time_steps", "format_e2e", "slowest"]
 
 Norm = Callable[[int], nn.Module]
 
 
-def deep_narrow(norm: Norm, blocks: int = 24, width: int = 32, classes: int = 10) -> nn.Module:
-    """``blocks`` conv3x3(width)-norm-ReLU blocks, global pooling and a linear head."""
+class _Rooted(nn.Module):
+    """A root module of its own: dynamo traces the whole model (a top-level ``nn.Sequential``
+    under ``torch.compile(DDP(model))`` is skipped as torch code, each child compiled apart)."""
+
+    def __init__(self, body: nn.Sequential) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
+def conv_net(norm: Norm, widths: tuple[int, ...], classes: int = 10) -> nn.Module:
+    """One conv3x3-norm-ReLU block per width, global pooling and a linear head."""
     layers: list[nn.Module] = []
     cin = 3
-    for _ in range(blocks):
+    for width in widths:
         layers += [nn.Conv2d(cin, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
         cin = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes)]
-    return nn.Sequential(*layers)
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return _Rooted(nn.Sequential(*layers))
+
+
+def deep_narrow(norm: Norm, blocks: int = 24, width: int = 32, classes: int = 10) -> nn.Module:
+    """``blocks`` conv3x3(width)-norm-ReLU blocks, global pooling and a linear head."""
+    return conv_net(norm, (width,) * blocks, classes)
+
+
+def _wide(norm: Norm) -> nn.Module:
+    return conv_net(norm, (16, 32, 32, 64))
 
 
 class _BasicBlock(nn.Module):
@@ -72,6 +97,7 @@ def resnet(norm: Norm, width: int = 32, classes: int = 10) -> nn.Module:
 #: name -> (model factory, per-rank input size HxW, description)
 MODELS: dict[str, tuple[Callable[[Norm], nn.Module], int, str]] = {
     "deep": (deep_narrow, 8, "24 conv3x3(32)-BN-ReLU blocks, 8x8 images"),
+    "wide": (_wide, 32, "4 conv3x3(16-64)-BN-ReLU blocks, 32x32 images"),
     "resnet": (resnet, 32, "ResNet-style, 15 BN layers, 32x32 images"),
 }
 
@@ -83,30 +109,43 @@ def time_steps(
     steps: int,
     warmup: int,
     norms: dict[str, Norm] | None = None,
+    *,
+    compiled: bool = False,
+    device: torch.device | None = None,
+    first_s: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """This rank's median DDP training-step time (ms) of ``model`` with each normalisation.
 
     Must run on every rank of the initialised default group. ``norms`` defaults
-    to ``{"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}``.
+    to ``{"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}``. ``compiled``
+    times ``torch.compile(DDP(model))``; ``first_s``, when given, receives each
+    variant's first step in seconds (with ``compiled``, its compile time).
     """
     build, size, _ = MODELS[model]
+    device = device or torch.device("cpu")
     norms = norms or {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, 3, size, size, generator=gen)
-    y = torch.randint(10, (batch,), generator=gen)
+    x = torch.randn(batch, 3, size, size, generator=gen).to(device)
+    y = torch.randint(10, (batch,), generator=gen).to(device)
+    cuda = device.type == "cuda"
     fns: dict[str, Callable[[], Any]] = {}
     for name, norm in norms.items():
         torch.manual_seed(0)
-        net = nn.parallel.DistributedDataParallel(build(norm))
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        ids = [device.index] if cuda else None
+        ddp = nn.parallel.DistributedDataParallel(build(norm).to(device), device_ids=ids)
+        net: Callable[[torch.Tensor], torch.Tensor] = torch.compile(ddp) if compiled else ddp
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 
-        def step(net: nn.Module = net, opt: torch.optim.Optimizer = opt) -> None:
+        def step(net: Callable[[torch.Tensor], torch.Tensor] = net, opt: torch.optim.Optimizer = opt) -> None:
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(net(x), y).backward()
             opt.step()
 
         fns[name] = step
-    times = time_interleaved(fns, steps, warmup, barrier=True, cuda=False)
+        first = time_interleaved({name: step}, 1, 0, barrier=True, cuda=cuda)[name][0]
+        if first_s is not None:
+            first_s[name] = first
+    times = time_interleaved(fns, steps, warmup, barrier=True, cuda=cuda)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 

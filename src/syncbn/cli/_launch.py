@@ -11,6 +11,7 @@ set) this process is one rank and joins the launcher's group instead.
 
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
 import sys
@@ -23,6 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = [
+    "add_launch_arguments",
+    "launch_plan",
     "launched_by_torchrun",
     "is_main_process",
     "default_backend",
@@ -46,6 +49,28 @@ def is_main_process() -> bool:
 def default_backend(device: str) -> str:
     """``nccl`` for CUDA devices, ``gloo`` otherwise."""
     return "nccl" if device == "cuda" else "gloo"
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser, device_help: str) -> None:
+    """``--world-size``, ``--device`` and ``--backend``: the flags of a command run on W ranks."""
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="ranks to spawn (default 2; ignored under torchrun)"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help=device_help)
+    parser.add_argument(
+        "--backend", default=None, help="torch.distributed backend: gloo, nccl, ... (default: by device)"
+    )
+
+
+def launch_plan(command: str, args: argparse.Namespace) -> tuple[int, str] | str:
+    """``(world size, backend)`` of a command's run, or why it cannot run (its usage error)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return f"syncbn {command}: --device cuda, but torch.cuda.is_available() is False"
+    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
+    visible = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and not launched_by_torchrun() and world_size > visible:
+        return f"syncbn {command}: {world_size} ranks need {world_size} GPUs, {visible} visible"
+    return world_size, args.backend or default_backend(args.device)
 
 
 def rank_device(device: str) -> torch.device:

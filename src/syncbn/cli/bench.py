@@ -29,17 +29,27 @@ against the floor on the same transport, collectives in place),
 unsynchronised ``nn.BatchNorm``: what switching synchronisation on costs per layer.
 
 After the layer tables (``--e2e-steps``, 0 to skip), one DDP training step of
-a many-small-layers network (24 conv3x3(32)-BN-ReLU blocks on 16 images of 8x8
-per rank, :mod:`syncbn.cli._bench_e2e`) with syncbn and with ``nn.BatchNorm2d``,
-interleaved, and its ratio (CPU, W > 1 only). ``--breakdown`` adds that step
-broken down per collective (:mod:`syncbn.cli._bench_breakdown`: own eager work,
-waiting for the peer, frame, exchange, wake-up; with and without DDP).
-``--json PATH`` writes every number. The ``benchmarks/`` scripts call the same
-code (:func:`bench_layers`, :func:`time_interleaved`).
+a many-small-layers network, the narrow net (24 conv3x3(32)-BN-ReLU blocks on
+16 images of 8x8 per rank, :mod:`syncbn.cli._bench_e2e`) with syncbn and with
+``nn.BatchNorm2d`` (and ``torch.nn.SyncBatchNorm`` on CUDA with NCCL),
+interleaved, and its ratio (W > 1 only). ``--compiled`` adds the same step
+under ``torch.compile(DDP(net))`` for the narrow net and a wide 4-block net
+(16-64 channels, 16 images of 32x32), syncbn against compiled
+``nn.BatchNorm2d``: each variant compiles first (minutes on a small CPU), then
+they alternate step by step (``--e2e-steps`` timed steps, at least 3, after 3
+warm-up steps). ``--breakdown`` adds the narrow net's step broken
+down per collective (:mod:`syncbn.cli._bench_breakdown`: own eager work,
+waiting for the peer, frame, exchange, wake-up; with and without DDP; CPU).
+Last comes the targets table (:mod:`syncbn.cli._bench_targets`): each
+performance target's measured ratio, met or not, and the load average at the
+start and the end of the run. ``--json PATH`` writes every number. The
+``benchmarks/`` scripts call the same code (:func:`bench_layers`,
+:func:`time_interleaved`).
 
 Files: the methods in :mod:`syncbn.cli._bench_methods`, the timing loop in
 :mod:`syncbn.cli._bench_runner`, ratios and tables in
-:mod:`syncbn.cli._bench_report`; this module is the command.
+:mod:`syncbn.cli._bench_report`, the targets in :mod:`syncbn.cli._bench_targets`;
+this module is the command.
 """
 
 from __future__ import annotations
@@ -49,13 +59,17 @@ import json
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from ..modules import SyncBatchNorm2d
 from ._bench_breakdown import SHORT, breakdown, format_breakdown
 from ._bench_e2e import format_e2e, slowest, time_steps
 from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchNorm
 from ._bench_report import format_table, ratios
 from ._bench_runner import bench_layers, machine_info, time_interleaved
-from ._launch import run_ranks
+from ._bench_targets import format_targets, load_average, targets
+from ._launch import DEFAULT_TIMEOUT_S, default_backend, run_ranks
 
 __all__ = [
     "DEFAULT_SHAPES",
@@ -73,6 +87,8 @@ __all__ = [
 ]
 
 DEFAULT_SHAPES: list[tuple[int, ...]] = [
+    (8, 32, 8, 8),
+    (64, 128),
     (16, 64, 32, 32),
     (32, 256, 8, 8),
     (256, 512),
@@ -104,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--backend", default="gloo", help="torch.distributed backend (default gloo)")
+    parser.add_argument(
+        "--backend", default=None, help="torch.distributed backend (default: nccl on cuda, else gloo)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument(
         "--force-sync",
@@ -122,10 +140,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also break the many-small-layers net's step down per collective (CPU, W > 1; about 20 s)",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time the narrow and the wide net's compiled DDP step (--e2e-steps, at least 3; W > 1)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
 
 
+def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+    """The narrow net's eager step and, with ``--compiled``, both nets' compiled steps (slowest rank)."""
+    out: dict[str, Any] = {"e2e": None, "compiled": None}
+    if world_size == 1 or args.force_sync:
+        return out
+    norms: dict[str, Any] = {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
+    eager_norms = dict(norms)
+    if device.type == "cuda" and dist.get_backend() == "nccl":
+        eager_norms["torch"] = nn.SyncBatchNorm
+    if args.e2e_steps > 0:
+        mine = time_steps("deep", rank, 16, args.e2e_steps, 2, eager_norms, device=device)
+        ms, _ = slowest(mine, world_size)
+        out["e2e"] = {"model": "deep", "median_ms": ms, "syncbn_over_plain": ms["syncbn"] / ms["plain"]}
+        if "torch" in ms:
+            out["e2e"]["syncbn_over_torch"] = ms["syncbn"] / ms["torch"]
+    if args.compiled:
+        out["compiled"] = {}
+        for model in ("deep", "wide"):
+            first: dict[str, float] = {}
+            steps = max(args.e2e_steps, 3)
+            mine = time_steps(model, rank, 16, steps, 3, norms, compiled=True, device=device, first_s=first)
+            ms, _ = slowest(mine, world_size)
+            compile_s, _ = slowest(first, world_size)
+            out["compiled"][model] = {
+                "median_ms": ms,
+                "first_step_s": compile_s,
+                "syncbn_over_plain": ms["syncbn"] / ms["plain"],
+            }
+    return out
+
+
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    load_start = load_average()
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     if args.device == "cuda":
@@ -141,10 +196,8 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         device=device,
         force_sync=args.force_sync,
     )
-    e2e: dict[str, Any] | None = None
-    if args.e2e_steps > 0 and world_size > 1 and device.type == "cpu" and not args.force_sync:
-        e2e_ms, _ = slowest(time_steps("deep", rank, 16, args.e2e_steps, 2), world_size)
-        e2e = {"model": "deep", "median_ms": e2e_ms, "syncbn_over_plain": e2e_ms["syncbn"] / e2e_ms["plain"]}
+    steps = _steps(args, rank, world_size, device)
+    e2e, compiled = steps["e2e"], steps["compiled"]
     parts: dict[str, Any] | None = None
     if args.breakdown and world_size > 1 and device.type == "cpu" and not args.force_sync:
         parts = breakdown(rank, world_size, SHORT, rounds=2, steps=2, warmup=1)
@@ -159,6 +212,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         "backend": args.backend,
         "threads_per_rank": args.threads,
         "force_sync": bool(args.force_sync),
+        "compiled": bool(args.compiled),
         "breakdown": parts is not None,
         "statistic": "median over iterations per rank, then the slowest rank",
     }
@@ -176,11 +230,23 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if e2e is not None:
         print(f"\nend to end, DDP training step, {args.e2e_steps} steps interleaved, slowest rank's median:")
         print(format_e2e("deep", e2e["median_ms"]))
+    if compiled is not None:
+        print("\ncompiled, torch.compile(DDP(net)) training step, interleaved, slowest rank's median:")
+        for model, rec in compiled.items():
+            first = ", ".join(f"{k} {v:.0f} s" for k, v in rec["first_step_s"].items())
+            print(format_e2e(model, rec["median_ms"]) + f"   (first step: {first})")
     if parts is not None:
         print("\nper-collective breakdown of the same net's step (benchmarks/speed/breakdown.py for more):")
         print(format_breakdown(parts))
+    compiled_ms = {k: v["median_ms"] for k, v in (compiled or {}).items()}
+    rows = targets(records, e2e["median_ms"] if e2e else None, compiled_ms)
+    load_end = load_average()
+    print("\ntargets (ratio <= goal; steps and layers as above):")
+    print(format_targets(rows, load_start, load_end))
     if args.json:
         payload = {"config": config, "machine": machine_info(), "results": records, "e2e": e2e}
+        payload["compiled"] = compiled
+        payload["targets"] = {"rows": rows, "load_start": load_start, "load_end": load_end}
         if parts is not None:
             payload["breakdown"] = parts
         with open(args.json, "w") as fh:
@@ -192,9 +258,12 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("syncbn bench: --device cuda but CUDA is not available")
         return 2
+    args.backend = args.backend or default_backend(args.device)
     if args.world_size == 1 and not args.force_sync:
         # No group: syncbn is plain batch norm; still a useful single-process timing.
         _rank_main(0, 1, args)
         return 0
-    run_ranks(_rank_main, args.world_size, args.backend, args)
+    # Ranks compile side by side: give a slower one's compile time before a collective gives up.
+    timeout_s = 600.0 if args.compiled else DEFAULT_TIMEOUT_S
+    run_ranks(_rank_main, args.world_size, args.backend, args, timeout_s=timeout_s)
     return 0

@@ -47,7 +47,7 @@ from torch import nn
 
 from .. import __version__
 from ..modules import SyncBatchNorm2d
-from ._launch import default_backend, is_main_process, launched_by_torchrun, rank_device, run_ranks
+from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
 from ._output import ProgressBar, format_error, format_table
 
 RUNS = {
@@ -61,15 +61,11 @@ _EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``demo``'s flags to ``parser``."""
-    parser.add_argument(
-        "--world-size", type=int, default=2, help="ranks to spawn (default 2; ignored under torchrun)"
-    )
     parser.add_argument("--steps", type=int, default=400, help="training steps of each run (default 400)")
     parser.add_argument("--batch", type=int, default=4, help="images per rank per step (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and data order")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
-    parser.add_argument("--backend", default=None, help="torch.distributed backend (default: by device)")
+    add_launch_arguments(parser, "where to train")
     parser.add_argument(
         "--dtype", choices=tuple(_DTYPES), default="float64", help="model and data dtype (default float64)"
     )
@@ -310,16 +306,16 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        if main:
-            print("syncbn demo: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
-        return 2
     if min(args.world_size, args.steps, args.batch) < 1:
         if main:
             print("syncbn demo: --world-size, --steps and --batch must be at least 1", file=sys.stderr)
         return 2
-    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
-    backend = args.backend or default_backend(args.device)
+    plan = launch_plan("demo", args)
+    if isinstance(plan, str):
+        if main:
+            print(plan, file=sys.stderr)
+        return 2
+    world_size, backend = plan
     config = {
         "steps": args.steps,
         "batch": args.batch,
@@ -336,14 +332,6 @@ def run(args: argparse.Namespace) -> int:
             f"{args.steps} steps, {args.dtype}, {backend} on {args.device}",
             flush=True,
         )
-    if args.device == "cuda" and not launched_by_torchrun() and world_size > torch.cuda.device_count():
-        if main:
-            print(
-                f"syncbn demo: {world_size} ranks need {world_size} GPUs, "
-                f"{torch.cuda.device_count()} visible",
-                file=sys.stderr,
-            )
-        return 2
     start = time.perf_counter()
     try:
         result = run_ranks(_demo_rank, world_size, backend, config)

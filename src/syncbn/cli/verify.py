@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from .. import __version__, groups
 from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
-from ._launch import default_backend, is_main_process, launched_by_torchrun, rank_device, run_ranks
+from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
 from ._output import format_error, format_table
 
 _DTYPE_NAMES = {
@@ -40,13 +39,7 @@ _DTYPE_NAMES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``verify``'s flags to ``parser``."""
-    parser.add_argument(
-        "--world-size", type=int, default=2, help="ranks to spawn (default 2; ignored under torchrun)"
-    )
-    parser.add_argument(
-        "--backend", default=None, help="torch.distributed backend: gloo, nccl, ... (default: by device)"
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where syncbn runs")
+    add_launch_arguments(parser, "where syncbn runs")
     parser.add_argument(
         "--tolerance-scale",
         type=float,
@@ -150,22 +143,16 @@ def _summarise(case: Case, per_rank: list[Any], scale: float) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the checks; print the table on the main process; 0 when all pass."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("syncbn verify: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
-        return 2
     if args.world_size < 1:
         print(f"syncbn verify: --world-size must be at least 1 (got {args.world_size})", file=sys.stderr)
         return 2
-    group_size = getattr(args, "group_size", None)
-    backend = args.backend or default_backend(args.device)
-    main = is_main_process()
-    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
-    if args.device == "cuda" and not launched_by_torchrun() and world_size > torch.cuda.device_count():
-        print(
-            f"syncbn verify: {world_size} ranks need {world_size} GPUs, {torch.cuda.device_count()} visible",
-            file=sys.stderr,
-        )
+    plan = launch_plan("verify", args)
+    if isinstance(plan, str):
+        print(plan, file=sys.stderr)
         return 2
+    world_size, backend = plan
+    group_size = getattr(args, "group_size", None)
+    main = is_main_process()
     if isinstance(group_size, int) and world_size % group_size:
         print(
             f"syncbn verify: --group-size must divide the world size {world_size} "

@@ -28,7 +28,7 @@ syncbn); ``num_batches_tracked`` is counted once the forward succeeded.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,7 @@ class ABN(ActivatedBatchNormBase):
     """
 
     _in_place = False
+    _repr_tracking = False
 
     def __init__(
         self,
@@ -101,15 +102,6 @@ class ABN(ActivatedBatchNormBase):
             return F.elu(y, float(self.activation_param), inplace=True)
         return y
 
-    def extra_repr(self) -> str:
-        text = (
-            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-            f"activation={self.activation}"
-        )
-        if self.activation in ("leaky_relu", "elu"):
-            text += f"[{self.activation_param}]"
-        return text
-
 
 class InPlaceABN(ABN):
     """In-place activated batch norm, local to this process (as the package's ``InPlaceABN``).
@@ -130,12 +122,7 @@ class InPlaceABN(ABN):
 
     _in_place = True
     _local = True
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Normalise and activate ``x`` in place; returns it."""
-        if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
-            return _fx.leaf_call(self, InPlaceABN.forward, x)
-        return self._forward(x)
+    forward = ActivatedBatchNormBase.forward
 
 
 class InPlaceABNSync(ABN):
@@ -165,6 +152,7 @@ class InPlaceABNSync(ABN):
     """
 
     _in_place = True
+    _group_attr = "group"
 
     def __init__(
         self,
@@ -190,17 +178,7 @@ class InPlaceABNSync(ABN):
         """
         self.group = group
 
-    def _group(self) -> Any:
-        group = self.group
-        if isinstance(group, groups.ProcessGroupRef) and groups.is_initialized():
-            self.group = group = group.lookup()
-        return group
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Normalise (over the group) and activate ``x`` in place; returns it."""
-        if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
-            return _fx.leaf_call(self, InPlaceABNSync.forward, x)
-        return self._forward(x)
+    forward = ActivatedBatchNormBase.forward
 
 
 def _samples(x: Tensor, name: str, training: bool) -> None:
@@ -211,6 +189,28 @@ def _samples(x: Tensor, name: str, training: bool) -> None:
         )
 
 
+# The arguments both functions take, at the top of their Args sections.
+_ARGS = """    Args:
+        x: input ``(N, C, *)``, overwritten.
+        weight: per-channel weight or ``None``.
+        bias: per-channel bias or ``None``.
+        running_mean: running mean or ``None``.
+        running_var: running variance or ``None``.
+        training: batch statistics (and update the running ones) or the running ones.
+        momentum: the update factor.
+        eps: added to the variance and to ``|weight|``.
+        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"``.
+        activation_param: slope or alpha.
+"""
+_F = TypeVar("_F", bound=Callable[..., Tensor])
+
+
+def _with_args(function: _F) -> _F:
+    function.__doc__ = (function.__doc__ or "").replace("    Args:\n", _ARGS, 1)
+    return function
+
+
+@_with_args
 def inplace_abn(
     x: Tensor,
     weight: Tensor | None,
@@ -231,16 +231,6 @@ def inplace_abn(
     (unbiased variance).
 
     Args:
-        x: input ``(N, C, *)``, overwritten.
-        weight: per-channel weight or ``None``.
-        bias: per-channel bias or ``None``.
-        running_mean: running mean or ``None``.
-        running_var: running variance or ``None``.
-        training: batch statistics (and update the running ones) or the running ones.
-        momentum: the update factor.
-        eps: added to the variance and to ``|weight|``.
-        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"``.
-        activation_param: slope or alpha.
 
     Shape:
         - Input: :math:`(N, C, *)`; output: the input tensor.
@@ -252,21 +242,11 @@ def inplace_abn(
     """
     check_activation(activation, activation_param)
     _samples(x, "inplace_abn", training)
-    return inplace_abn_apply(
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        training,
-        momentum,
-        eps,
-        activation,
-        activation_param,
-        None,
-    )
+    stats = (running_mean, running_var, training, momentum, eps)
+    return inplace_abn_apply(x, weight, bias, *stats, activation, activation_param, None)
 
 
+@_with_args
 def inplace_abn_sync(
     x: Tensor,
     weight: Tensor | None,
@@ -287,16 +267,6 @@ def inplace_abn_sync(
     differ, and may be 0 on some ranks.
 
     Args:
-        x: input ``(N, C, *)``, overwritten.
-        weight: per-channel weight or ``None``.
-        bias: per-channel bias or ``None``.
-        running_mean: running mean or ``None``.
-        running_var: running variance or ``None``.
-        training: batch statistics or the running ones.
-        momentum: the update factor.
-        eps: added to the variance and to ``|weight|``.
-        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"``.
-        activation_param: slope or alpha.
         group: the ``torch.distributed`` group, or ``None`` for the default group.
 
     Shape:
@@ -317,16 +287,5 @@ def inplace_abn_sync(
     sum_group = groups.resolve(group) if training else None
     if sum_group is None:
         _samples(x, "inplace_abn_sync", training)
-    return inplace_abn_apply(
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        training,
-        momentum,
-        eps,
-        activation,
-        activation_param,
-        sum_group,
-    )
+    stats = (running_mean, running_var, training, momentum, eps)
+    return inplace_abn_apply(x, weight, bias, *stats, activation, activation_param, sum_group)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._layer import dims_doc
 from ..convert import _convert
 from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
@@ -86,82 +87,52 @@ class _PackageConstructor(SyncBatchNorm):
         )
 
 
+_ARGS = """Args:
+    num_features: number of channels :math:`C`.
+    eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
+    momentum: running-statistics update factor. Default: 0.1.
+    affine: learnable per-channel scale and shift. Default: ``True``.
+    track_running_stats: keep running statistics (the original warns that it
+        does not support ``False``; here it works as in ``nn.BatchNorm``). Default: ``True``.
+    process_group: keyword-only; ``torch.distributed`` group to synchronise
+        over, ``None`` for the default group.
+    device: keyword-only; device of the parameters and buffers.
+    dtype: keyword-only; dtype of the parameters and buffers.
+
+"""
+
+
 class SynchronizedBatchNorm1d(_PackageConstructor, SyncBatchNorm1d):
-    """:class:`syncbn.SyncBatchNorm1d` with the ``sync_batchnorm`` package's constructor.
-
-    Args:
-        num_features: number of channels :math:`C`.
-        eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
-        momentum: running-statistics update factor. Default: 0.1.
-        affine: learnable per-channel scale and shift. Default: ``True``.
-        track_running_stats: keep running statistics (the original warns that it
-            does not support ``False``; here it works as in ``nn.BatchNorm``). Default: ``True``.
-        process_group: keyword-only; ``torch.distributed`` group to synchronise
-            over, ``None`` for the default group.
-        device: keyword-only; device of the parameters and buffers.
-        dtype: keyword-only; dtype of the parameters and buffers.
-
-    Shape:
-        - Input: :math:`(N, C)` or :math:`(N, C, L)`
-        - Output: same as input.
-
-    Example::
-
-        >>> bn = SynchronizedBatchNorm1d(32)
-        >>> y = bn(torch.randn(20, 32))
-    """
+    __doc__ = dims_doc(
+        "syncbn.SyncBatchNorm1d",
+        "with the ``sync_batchnorm`` package's constructor",
+        ":math:`(N, C)` or :math:`(N, C, L)`",
+        "same as input.",
+        "bn = SynchronizedBatchNorm1d(32)\ny = bn(torch.randn(20, 32))",
+        args=_ARGS,
+    )
 
 
 class SynchronizedBatchNorm2d(_PackageConstructor, SyncBatchNorm2d):
-    """:class:`syncbn.SyncBatchNorm2d` with the ``sync_batchnorm`` package's constructor.
-
-    Args:
-        num_features: number of channels :math:`C`.
-        eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
-        momentum: running-statistics update factor. Default: 0.1.
-        affine: learnable per-channel scale and shift. Default: ``True``.
-        track_running_stats: keep running statistics (the original warns that it
-            does not support ``False``; here it works as in ``nn.BatchNorm``). Default: ``True``.
-        process_group: keyword-only; ``torch.distributed`` group to synchronise
-            over, ``None`` for the default group.
-        device: keyword-only; device of the parameters and buffers.
-        dtype: keyword-only; dtype of the parameters and buffers.
-
-    Shape:
-        - Input: :math:`(N, C, H, W)`
-        - Output: same as input.
-
-    Example::
-
-        >>> bn = SynchronizedBatchNorm2d(64)
-        >>> y = bn(torch.randn(8, 64, 32, 32))
-    """
+    __doc__ = dims_doc(
+        "syncbn.SyncBatchNorm2d",
+        "with the ``sync_batchnorm`` package's constructor",
+        ":math:`(N, C, H, W)`",
+        "same as input.",
+        "bn = SynchronizedBatchNorm2d(64)\ny = bn(torch.randn(8, 64, 32, 32))",
+        args=_ARGS,
+    )
 
 
 class SynchronizedBatchNorm3d(_PackageConstructor, SyncBatchNorm3d):
-    """:class:`syncbn.SyncBatchNorm3d` with the ``sync_batchnorm`` package's constructor.
-
-    Args:
-        num_features: number of channels :math:`C`.
-        eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
-        momentum: running-statistics update factor. Default: 0.1.
-        affine: learnable per-channel scale and shift. Default: ``True``.
-        track_running_stats: keep running statistics (the original warns that it
-            does not support ``False``; here it works as in ``nn.BatchNorm``). Default: ``True``.
-        process_group: keyword-only; ``torch.distributed`` group to synchronise
-            over, ``None`` for the default group.
-        device: keyword-only; device of the parameters and buffers.
-        dtype: keyword-only; dtype of the parameters and buffers.
-
-    Shape:
-        - Input: :math:`(N, C, D, H, W)`
-        - Output: same as input.
-
-    Example::
-
-        >>> bn = SynchronizedBatchNorm3d(16)
-        >>> y = bn(torch.randn(2, 16, 4, 8, 8))
-    """
+    __doc__ = dims_doc(
+        "syncbn.SyncBatchNorm3d",
+        "with the ``sync_batchnorm`` package's constructor",
+        ":math:`(N, C, D, H, W)`",
+        "same as input.",
+        "bn = SynchronizedBatchNorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))",
+        args=_ARGS,
+    )
 
 
 _TO_SYNCHRONIZED: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [

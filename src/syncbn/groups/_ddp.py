@@ -43,6 +43,7 @@ keeps those equal on every rank).
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import Any
@@ -55,7 +56,6 @@ from ._errors import _pg_timeout
 
 __all__ = ["PlainJoinError", "UnboundedStepWarning", "check", "cover", "install"]
 
-_installed = False
 _wrappers: list[weakref.ref[nn.Module]] = []
 # DDP wrapper -> the join configuration a JoinableSyncBatchNorm covered (a new Join makes a new one).
 _covered: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -137,12 +137,9 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     return None
 
 
+@functools.cache  # once per process
 def install() -> None:
-    """Start recording DDP wrappers (once per process; syncbn does it when it is imported)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
+    """Start recording DDP wrappers (syncbn does it when it is imported)."""
     register = getattr(nn.modules.module, "register_module_module_registration_hook", None)
     if register is not None:  # torch >= 2.0
         register(_record)

@@ -108,15 +108,9 @@ def _store_for(parent: Any) -> tuple[Any, str] | None:
 def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
     """A gloo wire over ``parent``'s members, ``timeout_s`` its timeout (a weak reference), or ``None``.
 
-    The wire is a bare gloo backend (``dist.ProcessGroupGloo``) that meets its peers under a key
-    of syncbn's own in the job's store: the parent group's name (the same on every member) and
-    how many times this process made wires over that group before. Unlike ``dist.new_group`` (a
-    collective over the whole world, or, with local synchronisation, named after a count of
-    groups that differs between ranks of overlapping groups), only the parent's members take
-    part, and members of different groups never need each other. Not registered with
-    ``torch.distributed``: invisible to the user's group lookups, destroyed by :func:`release`.
-
-    Collective over the parent's members: each must call it at the same point (right after the
+    A bare ``dist.ProcessGroupGloo`` meeting in the job's store (see the module docstring),
+    invisible to the user's group lookups, destroyed by :func:`release`. Collective over the
+    parent's members: each must call it at the same point (right after the
     group's first collective, which showed every member present). ``None`` where the parent has
     no gloo CPU backend (MPI, NCCL only) or torch's internals differ: the parent then carries
     the CPU collectives.

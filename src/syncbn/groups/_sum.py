@@ -330,7 +330,7 @@ class ProcessGroupSum(FramedTransport):
         self._enter()
         self._calls += 1
         n = tensor.numel()
-        if tensor.device.type == "cpu":
+        if tensor.is_cpu:  # (``device.type`` makes a device object: ~0.2 us a call)
             shared = self._shared if self._shared_ready else self._connect_shared()
             if shared is not None:
                 # The header fields of a (tag, dtype, size) are made once; only the sequence changes.
@@ -341,8 +341,11 @@ class ProcessGroupSum(FramedTransport):
                         self._fields.clear()
                     fields = self._fields[key] = header_fields(tag, dtype_code(tensor.dtype), 0, n, 0)
                 fields[3] = self._calls & 0xFFFF
+                # A contiguous tensor goes as a flat view: the exchange's one-round path (a (2, C)
+                # backward sum otherwise takes its general one, ~2 us dearer).
+                flat = tensor if tensor.dim() == 1 or not tensor.is_contiguous() else tensor.view(-1)
                 try:
-                    shared.all_reduce_sum(tensor, self._bound_s(), fields)
+                    shared.all_reduce_sum(flat, self._bound_s(), fields)
                 except _shm.SharedMemoryError as exc:
                     raise self._shm_error(exc) from exc
                 self.last_participants = shared.last_participants

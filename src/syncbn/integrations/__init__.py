@@ -8,3 +8,14 @@
 - :mod:`syncbn.integrations.lightning`: the Lightning plugin and the accumulation callback, also
   importable as :mod:`syncbn.lightning` (the documented name).
 """
+
+from __future__ import annotations
+
+__all__ = ["missing"]
+
+
+def missing(library: str, exc: ImportError) -> ImportError:
+    """The error an integration module raises when its library (an extra of syncbn's) is not installed."""
+    return ImportError(
+        f"syncbn.integrations.{library} needs {library} (pip install 'syncbn[{library}]'); got: {exc}"
+    )

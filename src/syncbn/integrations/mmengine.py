@@ -40,13 +40,12 @@ from torch import nn
 from ..activated import InPlaceSyncBatchNorm
 from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 from ..renorm import SyncBatchRenorm
+from . import missing
 
 try:
     from mmengine.registry import MODELS
 except ImportError as exc:  # pragma: no cover - only without mmengine
-    raise ImportError(
-        "syncbn.integrations.mmengine needs mmengine (pip install 'syncbn[mmengine]'); got: " + str(exc)
-    ) from exc
+    raise missing("mmengine", exc) from exc
 
 __all__ = ["NAMES", "register", "replace_syncbn"]
 

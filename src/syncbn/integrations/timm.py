@@ -12,13 +12,12 @@ from typing import Any
 from torch import Tensor
 
 from ..modules import SyncBatchNorm, SyncBatchNorm2d
+from . import missing
 
 try:
     from timm.layers.norm_act import BatchNormAct2d, SyncBatchNormAct
 except ImportError as exc:  # pragma: no cover - only without timm
-    raise ImportError(
-        "syncbn.integrations.timm needs timm (pip install 'syncbn[timm]'); got: " + str(exc)
-    ) from exc
+    raise missing("timm", exc) from exc
 
 __all__ = ["SyncBatchNormAct2d", "BatchNormAct2d", "SyncBatchNormAct"]
 

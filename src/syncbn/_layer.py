@@ -1,0 +1,102 @@
+"""What every syncbn layer class shares: its process group, its state, copying and pickling.
+
+:class:`LayerMixin` sits first in the bases of :class:`syncbn.SyncBatchNorm` and
+:class:`syncbn._abn_layer.ActivatedBatchNormBase` (so of every family and the
+``compat`` layers). :func:`dims_doc` writes the docstring of a 1d/2d/3d class.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from . import _checks, groups
+
+__all__ = ["LayerMixin", "dims_doc", "like"]
+
+
+class LayerMixin(nn.Module):
+    """The group attribute, the layer state (name, handshake, compile token), copy and pickle."""
+
+    # The attribute holding the layer's process group (None: the layer never synchronises).
+    _group_attr: str | None = "process_group"
+
+    def _init_state(self) -> None:
+        self._syncbn_state = _checks.LayerState()  # name, index, handshake state, compile token
+        self._syncbn_state.bind(self)
+
+    def _group(self) -> Any:
+        """The layer's process group (``None``: the default group), a pickled reference looked up."""
+        if self._group_attr is None:
+            return None
+        group = getattr(self, self._group_attr, None)
+        if isinstance(group, groups.ProcessGroupRef) and groups.is_initialized():
+            group = group.lookup()
+            setattr(self, self._group_attr, group)
+        return group
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        key = self._group_attr
+        if key is not None and key in state:
+            state[key] = groups.to_picklable(state[key])
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            # A process group is a handle to live communicators: share it.
+            new.__dict__[key] = value if key == self._group_attr else copy.deepcopy(value, memo)
+        _bind(new)
+        return new
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _bind(self)
+
+
+def _bind(layer: nn.Module) -> None:
+    """Bind a copied or unpickled layer's state (a new token) to the layer (see ``_checks.LayerState``)."""
+    state = layer.__dict__.get("_syncbn_state")
+    if isinstance(state, _checks.LayerState):
+        state.bind(layer)
+
+
+def like(cls: type[Any], layer: Any, **kwargs: Any) -> Any:
+    """A ``cls`` layer built with ``layer``'s arguments ``num_features`` to ``track_running_stats``."""
+    return cls(
+        layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats, **kwargs
+    )
+
+
+def dims_doc(
+    base: str, rank: str, shape: str, output: str, example: str, plain: str = "", args: str = ""
+) -> str:
+    """The docstring of a layer class for one input rank.
+
+    Args:
+        base: the generic class, e.g. ``SyncBatchNorm``.
+        rank: what it is for, e.g. ``for 4D input ``(N, C, H, W)````.
+        shape: the input shape, e.g. ``:math:`(N, C, H, W)```.
+        output: what the output is.
+        example: the two doctest lines, the constructor then the call, separated by a newline.
+        plain: the ``nn.BatchNorm*d`` it is an instance of (adds the sentence on finding it by type).
+        args: an ``Args:`` section, placed before ``Shape:``.
+    """
+    text = f":class:`{base}` {rank}"
+    if plain:
+        text += (
+            f".\n\nSame arguments and math as :class:`{base}`; checks the input rank\nlike ``{plain}``, "
+            f"and is an ``{plain}``: ``isinstance(layer,\n{plain})`` is true, so code that finds "
+            "BatchNorm layers by type (freezing,\nweight-decay exclusion, initialisation loops) finds it too."
+        )
+    else:
+        text += "."
+    construct, call = example.split("\n")
+    return (
+        f"{text}\n\n{args}Shape:\n    - Input: {shape}\n    - Output: {output}\n\n"
+        f"Example::\n\n    >>> {construct}\n    >>> {call}\n"
+    )

@@ -1,0 +1,108 @@
+"""The closing table of ``syncbn bench``: each performance target, its measured ratio, met or not.
+
+The targets are issue 29's: a DDP training step of the narrow net (24 small
+BN layers) and, compiled, of the narrow and the wide net, syncbn against
+``nn.BatchNorm2d``; one layer's forward + backward against local BatchNorm,
+the worst over the large layers (at least :data:`LARGE` values per rank) and
+over the small ones; and, where ``torch.nn.SyncBatchNorm`` runs (CUDA with
+NCCL), the narrow net's step against it. A quantity the run did not measure
+says why (which flag or device it needs). The machine's load average at the
+start and at the end of the run comes with the table: the ratios are only as
+good as the machine was quiet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from ._output import format_table
+
+__all__ = ["LARGE", "TARGETS", "format_targets", "load_average", "targets"]
+
+#: values per rank from which a layer counts as large
+LARGE = 256 * 1024
+
+#: key -> (quantity, target: the ratio must be at most this, what the run needs to measure it)
+TARGETS: dict[str, tuple[str, float, str]] = {
+    "eager_step": ("eager DDP step, narrow net: syncbn / nn.BatchNorm2d", 1.10, "--e2e-steps > 0, W > 1"),
+    "compiled_narrow": ("compiled DDP step, narrow net: syncbn / nn.BatchNorm2d", 1.10, "--compiled, W > 1"),
+    "compiled_wide": ("compiled DDP step, wide net: syncbn / nn.BatchNorm2d", 1.05, "--compiled, W > 1"),
+    "large_layers": ("eager layer fwd+bwd, >= 256K values: syncbn / local BN, worst", 1.0, "a large shape"),
+    "small_layers": ("eager layer fwd+bwd, < 256K values: syncbn / local BN, worst", 2.0, "a small shape"),
+    "torch_step": ("eager DDP step, narrow net: syncbn / torch.nn.SyncBatchNorm", 0.8, "CUDA with NCCL"),
+}
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (``None`` where the platform has none)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _ratio(ms: dict[str, float] | None, num: str, den: str) -> float | None:
+    if not ms or num not in ms or den not in ms:
+        return None
+    return ms[num] / ms[den]
+
+
+def _worst(records: list[dict[str, Any]], large: bool) -> tuple[float | None, str]:
+    picked = [r for r in records if (math.prod(r["shape"]) >= LARGE) == large]
+    if not picked:
+        return None, ""
+    values = [(r["ratios"]["syncbn_over_local"], "x".join(map(str, r["shape"]))) for r in picked]
+    return max(v for v, _ in values), ", ".join(f"{s} {v:.2f}" for v, s in values)
+
+
+def targets(
+    records: list[dict[str, Any]],
+    e2e: dict[str, float] | None,
+    compiled: dict[str, dict[str, float]] | None,
+) -> list[dict[str, Any]]:
+    """One row per target from the run's figures (slowest-rank medians, ms).
+
+    Args:
+        records: :func:`~syncbn.cli._bench_runner.bench_layers`'s records.
+        e2e: the narrow net's eager step per variant (``syncbn``, ``plain``, maybe ``torch``).
+        compiled: per net (``deep``, ``wide``), the compiled step per variant.
+
+    Returns:
+        Rows of ``key``, ``quantity``, ``measured`` (``None``: not measured), ``target``,
+        ``met`` (``None``: not measured), ``detail`` and ``needs``.
+    """
+    compiled = compiled or {}
+    measured: dict[str, tuple[float | None, str]] = {
+        "eager_step": (_ratio(e2e, "syncbn", "plain"), ""),
+        "compiled_narrow": (_ratio(compiled.get("deep"), "syncbn", "plain"), ""),
+        "compiled_wide": (_ratio(compiled.get("wide"), "syncbn", "plain"), ""),
+        "large_layers": _worst(records, True),
+        "small_layers": _worst(records, False),
+        "torch_step": (_ratio(e2e, "syncbn", "torch"), ""),
+    }
+    rows = []
+    for key, (quantity, target, needs) in TARGETS.items():
+        value, detail = measured[key]
+        met = None if value is None else value <= target
+        row = {"key": key, "quantity": quantity, "measured": value, "target": target, "met": met}
+        rows.append({**row, "detail": detail, "needs": needs})
+    return rows
+
+
+def _load(load: list[float] | None) -> str:
+    return "unknown" if load is None else " ".join(f"{v:.2f}" for v in load)
+
+
+def format_targets(
+    rows: list[dict[str, Any]], load_start: list[float] | None, load_end: list[float] | None
+) -> str:
+    """The targets as a text table, then the load averages (1, 5, 15 min) at start and end."""
+    cells = []
+    for row in rows:
+        goal = f"<= {row['target']:.2f}"
+        if row["measured"] is None:
+            cells.append([row["quantity"], "-", goal, "not run", f"needs {row['needs']}"])
+            continue
+        met = "met" if row["met"] else "NOT met"
+        cells.append([row["quantity"], f"{row['measured']:.3f}", goal, met, row["detail"]])
+    table = format_table(["target", "ratio", "goal", "", "detail"], cells, [False, True, True])
+    return f"{table}\nload average (1, 5, 15 min): {_load(load_start)} at start, {_load(load_end)} at end"
