@@ -29,16 +29,14 @@ LAYERS: dict[str, int] = {
     "syncbn.families": 0,  # a family is its math: torch only
     "syncbn._math": 1,
     "syncbn.groups": 1,  # the communication seam
-    "syncbn._abn_math": 2,
+    "syncbn.families.inplace_abn": 2,  # the in-place family's math, on _math's helpers
     "syncbn._checks": 2,
     "syncbn._rules": 3,  # the engine's dtype rules and one-value error
     "syncbn._function": 4,  # the engine: moments, framed sum, Join policy, eager autograd
     "syncbn._ops": 5,  # the collective operator for torch.compile
-    "syncbn._abn": 6,
     "syncbn._compiled": 6,  # the traced engine around the operator
     "syncbn.functional": 7,
     "syncbn.parallel": 7,
-    "syncbn._abn_traced": 7,
     "syncbn._layer": 7,  # what every layer class shares (syncbn._layer.LayerMixin)
     "syncbn._abn_layer": 8,
     "syncbn.modules": 9,

@@ -258,6 +258,19 @@ def _saved_storages(fn) -> dict[int, int]:
     return saved
 
 
+def test_the_in_place_family_runs_the_engine_functions() -> None:
+    """One set of autograd Functions for every family: the in-place layers have no Function of their own."""
+    model = nn.Sequential(Scale(4), InPlaceABNSync(4, activation="elu", activation_param=0.5)).double()
+    x = torch.randn(6, 4, 3, dtype=torch.double)
+    assert type(model(x).grad_fn).__name__ == "SyncBatchNormFunctionBackward"
+    model.eval()
+    assert type(model(x).grad_fn).__name__ == "SyncBatchNormFunctionBackward"
+    model.train()
+    y = syncbn.parallel.data_parallel(model, x, [4, 2])
+    assert type(y.grad_fn).__name__ == "CatBackward0"
+    assert {type(e[0]).__name__ for e in y.grad_fn.next_functions} == {"_JointBatchNormBackward"}
+
+
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
 def test_backward_keeps_only_the_output(activation: str) -> None:
     conv = nn.Conv2d(3, 8, 3)

@@ -257,8 +257,9 @@ def test_input_grad_takes_the_count_as_a_float_or_a_device_tensor() -> None:
     weight = torch.rand(4, generator=gen, dtype=torch.float64) + 0.5
     mean, var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
     sums = torch.stack(_math.backward_sums(g, x, weight, mean, var, 1e-5))
-    host = _math.input_grad(g, x, weight, mean, var, 1e-5, 18.0, sums)
-    device = _math.input_grad(g, x, weight, mean, var, 1e-5, torch.tensor(18.0, dtype=torch.float64), sums)
+    host = _math.input_grad(g, x, weight, _math.Stats(mean, var, 1e-5, 18.0, 18), sums)
+    on_device = _math.Stats(mean, var, 1e-5, torch.tensor(18.0, dtype=torch.float64), 18)
+    device = _math.input_grad(g, x, weight, on_device, sums)
     torch.testing.assert_close(host, device, rtol=1e-15, atol=1e-15)
     xr = x.clone().requires_grad_()
     F.batch_norm(xr, None, None, weight, None, True, 0.0, 1e-5).backward(g)

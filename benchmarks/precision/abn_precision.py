@@ -5,7 +5,7 @@ compares against the truth, a float64 ``nn.BatchNorm`` (weight ``|w| + eps``) + 
 very same input values:
 
 * ``xhat``: the normalised input recovered from the output in backward
-  (:func:`syncbn._abn_math.recover`) against the float64 ``xhat``, in units of the input dtype's
+  (:func:`syncbn.families.inplace_abn.recover`) against the float64 ``xhat``, in units of the input dtype's
   epsilon (over all elements; ELU also without its saturated region ``y < -0.99 alpha``);
 * the layer's output, input gradient and weight/bias gradients, as a ratio of its error to the
   error of the standard pair (``nn.BatchNorm2d`` + the activation, in the same dtypes): the
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from syncbn import _abn_math
 from syncbn.compat.inplace_abn import InPlaceABN
+from syncbn.families import inplace_abn as _abn_math
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ACTS = {"leaky_relu": 0.01, "elu": 1.0}

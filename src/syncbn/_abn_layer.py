@@ -3,7 +3,7 @@
 Shared by :mod:`syncbn.activated` and :mod:`syncbn.compat.inplace_abn`:
 parameters and buffers with ``nn.BatchNorm``'s names, torch's momentum
 convention (``None``: cumulative average), training and eval, ``nn.DataParallel``
-replicas (:mod:`syncbn.parallel._abn`), ``torch.compile`` (:mod:`syncbn._abn_traced`),
+replicas (:mod:`syncbn.parallel._joint`), ``torch.compile`` (:mod:`syncbn._compiled`),
 activation checkpointing, checkpoint loading, pickling with a process group.
 """
 
@@ -15,15 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _abn, _abn_math, _fx, _rules, groups, parallel
+from . import _fx, _rules, groups, parallel
+from ._function import inplace_abn_apply
 from ._layer import LayerMixin
+from .families.inplace_abn import InPlaceABN, check_activation
 
 try:
     from . import _ops
-    from ._abn_traced import traced_inplace_abn
+    from ._compiled import traced_inplace_abn
 except ImportError:  # torch without ordered effectful custom operators: compiled models run eagerly
     _ops = None  # type: ignore[assignment]
-from .parallel._abn import replica_inplace_abn
+from .parallel._joint import replica_batch_norm
 
 __all__ = ["ActivatedBatchNormBase"]
 
@@ -101,7 +103,7 @@ class ActivatedBatchNormBase(LayerMixin):
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        _abn_math.check_activation(activation, activation_param, in_place=self._in_place)
+        check_activation(activation, activation_param, in_place=self._in_place)
         super().__init__()
         self.num_features, self.eps, self.momentum, self.affine = num_features, eps, momentum, affine
         self.track_running_stats = tracked = track_running_stats
@@ -169,7 +171,7 @@ class ActivatedBatchNormBase(LayerMixin):
     def _forward(self, x: Tensor) -> Tensor:
         """Training or eval forward of the in-place layers; returns ``x``, overwritten.
 
-        Under ``torch.compile`` the traced form (:mod:`syncbn._abn_traced`): no
+        Under ``torch.compile`` the traced form (:mod:`syncbn._compiled`): no
         graph break, the collectives the one opaque operator of :mod:`syncbn._ops`.
         """
         if _is_compiling():
@@ -194,7 +196,7 @@ class ActivatedBatchNormBase(LayerMixin):
 
     def _compiled_forward(self, x: Tensor) -> Tensor:
         # Traced, no graph break: only the collective is opaque (syncbn::all_reduce_sum, see
-        # syncbn._abn_traced); nothing guards on which layer this is (the layer is its token).
+        # syncbn._compiled); nothing guards on which layer this is (the layer is its token).
         # nn.DataParallel replicas run eagerly (one graph break per layer).
         if self.__dict__.get("_syncbn_replica") is not None:
             return _eager_forward(self, x)
@@ -240,7 +242,7 @@ class ActivatedBatchNormBase(LayerMixin):
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         act, param = self.activation, float(self.activation_param)
         if not self.training and self.running_mean is not None:
-            out = _abn.inplace_abn_apply(
+            out = inplace_abn_apply(
                 x,
                 self.weight,
                 self.bias,
@@ -255,17 +257,18 @@ class ActivatedBatchNormBase(LayerMixin):
             )
             return out
         if not self.training:  # eval without running statistics: the local batch's, no communication
-            return _abn.inplace_abn_apply(
+            return inplace_abn_apply(
                 x, self.weight, self.bias, None, None, True, 0.0, self.eps, act, param, None
             )
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:
-            out = replica_inplace_abn(self, x, factor, replica.replication, replica.index, act, param)
+            family = InPlaceABN(act, param)
+            out = replica_batch_norm(self, x, factor, replica.replication, replica.index, family)
         else:
             group = None if self._local else groups.resolve(self._group())
             running_mean = self.running_mean if self.track_running_stats else None
             running_var = self.running_var if self.track_running_stats else None
-            out = _abn.inplace_abn_apply(
+            out = inplace_abn_apply(
                 x,
                 self.weight,
                 self.bias,

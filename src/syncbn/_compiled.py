@@ -36,6 +36,11 @@ and so differs from eager syncbn (and ``torch.nn.SyncBatchNorm``, local weight
 times the global sums) wherever the ranks' weights differ (a model outside
 DDP). Eager mode does not run this form: the eager autograd function on native
 kernels costs 1.7-5.2x less per layer (``benchmarks/compile_step.py --eager-forms``).
+
+Every family runs the one traced Function: renorm through its effective affine
+map, the in-place family (:func:`traced_inplace_abn`) through its traced twins,
+written over the input, its backward batch norm's with ``(dz, xhat, a)``
+recovered from the output (:mod:`syncbn.families.inplace_abn`).
 """
 
 from __future__ import annotations
@@ -45,10 +50,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _accumulating, _function, _math, _ops
+from . import _accumulating, _function, _math, _ops, _rules
+from .families.inplace_abn import InPlaceABN
 from .groups import PHASE_BACKWARD, PHASE_FORWARD
 
-__all__ = ["sync_batch_norm", "traced_moments", "traced_update_running"]
+__all__ = ["sync_batch_norm", "traced_inplace_abn", "traced_moments", "traced_update_running"]
 
 
 def _layout(x: Tensor) -> tuple[list[int], list[int]]:
@@ -119,6 +125,9 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
 
     Returns ``(out, mean, unbiased_var, count, var)``; only ``out`` is differentiable.
     ``group`` 0: no collective (the "none" reducer: a family's math without a group).
+    The in-place family (:mod:`syncbn.families.inplace_abn`) writes ``out`` over
+    ``x`` (marked dirty) and keeps only it; in eval (``family.training`` false) it
+    uses ``running`` and returns ``out`` alone.
     """
 
     @staticmethod
@@ -131,63 +140,94 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         group: int,
         token: Tensor | None,
         family: Any = None,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        stat = _function.statistics_dtype(x, weight, None)
-        dims, shape = _layout(x)
-        total, mean, var, unbiased = traced_moments(x, group, token, stat)
+        running: tuple[Tensor, Tensor] | None = None,
+    ) -> Any:
+        in_place = family is not None and family.in_place
+        stat = _rules.statistics_dtype(x, weight, None if running is None else running[0])
+        training = not in_place or family.training
+        if training:
+            total, mean, var, unbiased = traced_moments(x, group, token, stat)
+        else:
+            assert running is not None
+            mean, var = running[0].to(stat), running[1].to(stat)
         invstd = torch.rsqrt(var + eps)
-        comp = _compute_dtype(x, stat)
-        correction = None if family is None else family.correction(mean, var, eps)
-        if correction is not None:  # the family's effective affine map; (r, d) constants
-            weight, bias = family.affine(weight, bias, *correction)
-        scale = invstd if weight is None else invstd * weight
-        y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
-        if bias is not None:
-            y = y + bias.to(comp).view(shape)
-        out = y.to(x.dtype)
-        ctx.mark_non_differentiable(mean, unbiased, total, var)
+        correction = None
+        if in_place:  # the family's elementwise forward, written over x
+            family.traced_forward_(x, weight, bias, mean, invstd, eps)
+            ctx.mark_dirty(x)
+            out = x
+        else:
+            dims, shape = _layout(x)
+            comp = _compute_dtype(x, stat)
+            correction = None if family is None else family.correction(mean, var, eps)
+            if correction is not None:  # the family's effective affine map; (r, d) constants
+                weight, bias = family.affine(weight, bias, *correction)
+            scale = invstd if weight is None else invstd * weight
+            y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
+            if bias is not None:
+                y = y + bias.to(comp).view(shape)
+            out = y.to(x.dtype)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it).
-        ctx.has_weight, ctx.has_token = weight is not None, token is not None
-        ctx.family = None if correction is None else family
-        extra = [t for t in (weight, token, *(correction or ())) if t is not None]
-        ctx.save_for_backward(x, mean, invstd, total, *extra)
-        ctx.group = group
-        ctx.param_dtype = _function.gradient_dtype(weight, bias, mean)
+        ctx.training, ctx.eps, ctx.family, ctx.group = training, eps, family, group
+        ctx.has_weight, ctx.has_bias, ctx.has_token = (
+            weight is not None,
+            in_place and bias is not None,
+            token is not None,
+        )
+        ctx.has_correction = correction is not None
+        saved = (total,) if training else ()
+        extra = [t for t in (weight, bias if in_place else None, token, *(correction or ())) if t is not None]
+        ctx.save_for_backward(out if in_place else x, mean, invstd, *saved, *extra)
+        ctx.param_dtype = _rules.gradient_dtype(weight, bias, mean)
+        if not training:
+            return out
+        ctx.mark_non_differentiable(mean, unbiased, total, var)
         return out, mean, unbiased, total, var
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_output: Tensor, *unused: Any
     ) -> tuple[Tensor | None, ...]:
-        x, mean, invstd, total, *extra = ctx.saved_tensors
+        x, mean, invstd, *extra = ctx.saved_tensors  # x: the output, for the in-place family
+        total = extra.pop(0) if ctx.training else None
         weight = extra.pop(0) if ctx.has_weight else None
+        bias = extra.pop(0) if ctx.has_bias else None
         token = extra.pop(0) if ctx.has_token else None
         family, correction = ctx.family, extra  # (r, d) when the family has a correction
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         dims, shape = _layout(x)
-        comp = _compute_dtype(x, mean.dtype)
-        xhat = (x.to(comp) - mean.to(comp).view(shape)) * invstd.to(comp).view(shape)
-        g = grad_output.to(comp)
+        in_place = family is not None and family.in_place
+        if in_place:  # dz, xhat recovered from the output, and the scale (|w| + eps) * invstd
+            g, xhat, scale = family.traced_grad_terms(x, grad_output, weight, bias, invstd, ctx.eps)
+        else:
+            comp = _compute_dtype(x, mean.dtype)
+            xhat = (x.to(comp) - mean.to(comp).view(shape)) * invstd.to(comp).view(shape)
+            g = grad_output.to(comp)
+            scale = (invstd if weight is None else invstd * weight).to(comp).view(shape)
         sum_dy = g.sum(dims)
         sum_dy_xhat = (g * xhat).sum(dims)
         grad_input = None
         if need_input:
-            packed = torch.stack([sum_dy, sum_dy_xhat])
-            summed = (
-                _ops._all_reduce_op(packed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
-                if ctx.group
-                else packed
-            )
-            n = total.clamp(min=1.0).to(comp)
-            scale = invstd if weight is None else invstd * weight
-            mean_dy = (summed[0] / n).view(shape)
-            mean_dy_xhat = (summed[1] / n).view(shape)
-            grad_input = (scale.to(comp).view(shape) * (g - mean_dy - xhat * mean_dy_xhat)).to(x.dtype)
-        if family is not None:
+            if total is None:  # eval: the statistics are constants
+                grad_input = (g * scale).to(x.dtype)
+            else:
+                packed = torch.stack([sum_dy, sum_dy_xhat])
+                summed = (
+                    _ops._all_reduce_op(packed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
+                    if ctx.group
+                    else packed
+                )
+                n = total.clamp(min=1.0).to(g.dtype)
+                mean_dy = (summed[0] / n).view(shape)
+                mean_dy_xhat = (summed[1] / n).view(shape)
+                grad_input = (scale * (g - mean_dy - xhat * mean_dy_xhat)).to(x.dtype)
+        if in_place:
+            sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight)
+        elif ctx.has_correction:
             sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *correction)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def sync_batch_norm(
@@ -215,3 +255,38 @@ def sync_batch_norm(
     _accumulating.observe(running_mean, total, mean, unbiased, momentum, unbiased=True)  # syncbn.accumulation
     traced_update_running(running_mean, running_var, mean, unbiased, total, momentum)
     return out  # type: ignore[no-any-return]
+
+
+def traced_inplace_abn(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float | Tensor,
+    eps: float,
+    activation: str,
+    param: float,
+    group: int = 0,
+    token: Tensor | None = None,
+) -> Tensor:
+    """The compiled form of :func:`syncbn._function.inplace_abn_apply`; returns ``x``, overwritten.
+
+    ``group``: a :func:`syncbn._ops.group_handle` (0: local); ``token``: the layer's
+    :func:`syncbn._ops.layer_token`. Locally, a count of one raises while tracing
+    (as the eager layer); a global count of zero leaves the running statistics unchanged.
+    """
+    family = InPlaceABN(activation, param, training)
+    running = None if running_mean is None or running_var is None else (running_mean, running_var)
+    if not training:
+        out: Tensor = _TracedSyncBatchNorm.apply(x, weight, bias, eps, 0, None, family, running)
+        return out
+    out, mean, unbiased, total, var = _TracedSyncBatchNorm.apply(
+        x, weight, bias, eps, group, token, family, running
+    )
+    if group:  # syncbn.accumulation (local layers are seen by its forward hooks)
+        _accumulating.observe(running_mean, total, mean, var, momentum)
+    with torch.no_grad():
+        traced_update_running(running_mean, running_var, mean, unbiased, total, momentum)
+    return out

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["Reduce", "differentiable_input_grads"]
+__all__ = ["Reduce", "differentiable_backward", "differentiable_input_grads"]
 
 Reduce = Callable[[Tensor, str], Tensor]
 
@@ -43,14 +43,7 @@ class _DifferentiableSum(torch.autograd.Function):
 
 
 def differentiable_input_grads(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    total: float | Tensor,
-    reduce: Reduce,
+    grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any, reduce: Reduce
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
 
@@ -58,8 +51,10 @@ def differentiable_input_grads(
     differentiable all_reduce of ``[sum x, sum x^2]`` (their values are the
     forward's, exactly; only their derivatives come from the rebuild), and the
     backward sums go through a differentiable all_reduce too: two collectives,
-    on every rank alike, where the first-order backward makes one.
+    on every rank alike, where the first-order backward makes one. ``stats``: the
+    forward's :class:`syncbn._math.Stats` (global mean, biased variance, eps, count).
     """
+    mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
     stat = mean.dtype
     dims = [0, *range(2, x.dim())]
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
@@ -87,3 +82,22 @@ def differentiable_input_grads(
     scale = invstd if weight is None else invstd * weight.to(stat)
     grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
     return grad_input.to(x.dtype), sum_dy_xhat, sum_dy
+
+
+def differentiable_backward(
+    ctx: Any, grad_output: Tensor, x: Tensor, weight: Tensor | None, reduce: Reduce
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The engine's backward (:mod:`syncbn._function`) with ``create_graph=True``, from its ``ctx``.
+
+    :func:`differentiable_input_grads`, then the family's parameter gradients
+    (``ctx.family``, ``ctx.correction``), each gradient only where ``ctx`` needs it.
+    """
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    gi, gw, gb = differentiable_input_grads(grad_output, x, weight, ctx.stats, reduce)
+    if ctx.correction is not None:
+        gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
+    return (
+        gi if need_input else None,
+        gw.to(ctx.param_dtype) if need_weight else None,
+        gb.to(ctx.param_dtype) if need_bias else None,
+    )

@@ -1,25 +1,21 @@
 """The eager engine: what every family's synchronised training step shares.
 
 Forward: :func:`synchronized_moments` (local moments, packed; ONE framed sum;
-the count rules), then the family's elementwise forward
-(:func:`synchronized_forward`: batch norm, or a family's effective affine map,
-:mod:`syncbn.families`) and the running-statistics update. Backward: local
-sums, ONE framed sum, the input gradient, the family's parameter gradients.
+the count rules), the family's elementwise forward (:func:`synchronized_forward`:
+batch norm, renorm's effective affine map, or the in-place family writing over
+its input, :mod:`syncbn.families`) and the running-statistics update. Backward:
+the family's local sums, ONE framed sum, its input and parameter gradients.
 The framed sum (:func:`_all_reduce`) and the Join policy (:func:`through_join`,
 :func:`checks_before_forward`, :func:`checks_before_backward`) live here once,
-for every family and path (eager, in-place, the compile operator).
+for every family and path. Device-to-host reads only on a rank holding fewer
+than two values per channel (then every rank whose global count is below two
+decides alike).
 
-Device-to-host synchronisation: none when this rank holds at least two values
-per channel (the global count is then at least two without looking); only a
-rank holding zero or one value reads the global count, so every rank whose
-global count is below two takes the same decision.
-
-Two autograd entry points: :class:`SyncBatchNormFunction` (eager) and
-:class:`TransformableSyncBatchNormFunction` (``setup_context`` form, under
-``torch.func``). Compiled models run :mod:`syncbn._compiled` (traced), whose
-only call into this module is the framed sum, through :mod:`syncbn._ops`.
-With ``create_graph=True`` the backward is differentiable
-(:mod:`syncbn._double_backward`).
+Two autograd entry points, for every family: :class:`SyncBatchNormFunction`
+(eager) and :class:`TransformableSyncBatchNormFunction` (``setup_context``
+form, under ``torch.func``; with ``create_graph=True`` the backward is
+differentiable, :mod:`syncbn._double_backward`). Compiled models run
+:mod:`syncbn._compiled`, whose only call here is the framed sum (:mod:`syncbn._ops`).
 """
 
 from __future__ import annotations
@@ -30,10 +26,11 @@ import torch
 from torch import Tensor
 
 from . import _accumulating, _checks, _config, _math
-from ._double_backward import differentiable_input_grads
-from ._math import finish_input_grad, local_grad_sums
+from ._double_backward import differentiable_backward
+from ._math import Stats, finish_input_grad, local_grad_sums
 from ._rules import gradient_dtype, one_value_error, statistics_dtype
 from ._threads import LOCAL
+from .families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
 from .groups import (
     PHASE_BACKWARD,
     PHASE_FORWARD,
@@ -44,23 +41,14 @@ from .groups import (
     Tag,
 )
 
-__all__ = [
-    "LOCAL",
-    "ForwardResult",
-    "Moments",
-    "SyncBatchNormFunction",
-    "finish_input_grad",
-    "gradient_dtype",
-    "local_grad_sums",
-    "one_value_error",
-    "statistics_dtype",
-    "synchronized_forward",
-    "synchronized_moments",
-]
+__all__ = ["LOCAL", "SyncBatchNormFunction", "inplace_abn_apply", "synchronized_forward"]
 
 
-def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any) -> ValueError:
-    return one_value_error(x, group.size, "ranks of the group", layer)
+def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any, family: Any = None) -> ValueError:
+    in_place = family is not None and family.in_place
+    return one_value_error(
+        x, group.size, "member(s) of the group" if in_place else "ranks of the group", layer
+    )
 
 
 class Moments(NamedTuple):
@@ -91,12 +79,11 @@ def synchronized_moments(
 ) -> Moments:
     """Local moments, packed; ONE ``reduce``; the global statistics; the count rules.
 
-    The step every family's training forward shares: local count, mean and M2
-    (stable two-pass, at least float32), packed in float64 as ``[n, n*m, M2 + n*m^2]``
-    (on the host in this thread's reusable buffer), summed by ``reduce`` (``None``:
-    this member alone), unpacked into the statistics dtype. Device-to-host reads
-    only where this member holds fewer than two values per channel; a global
-    count of one raises ``one_value_error()`` before anything changes.
+    Local count, mean and M2 (stable two-pass, at least float32), packed in
+    float64 as ``[n, n*m, M2 + n*m^2]`` (on the host in this thread's reusable
+    buffer), summed by ``reduce`` (``None``: this member alone), unpacked into the
+    statistics dtype; a global count of one raises ``one_value_error()`` before
+    anything changes.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -132,12 +119,11 @@ _joining: Any = None
 def through_join(group: Any) -> bool:
     """Whether ``group``'s collectives go through the active Join's joinable (:mod:`syncbn.join`).
 
-    The Join policy, in one place for every family and path (eager, traced,
-    functional): under Join the default group's collectives become the
-    joinable's header-then-payload exchange, whose header checks that the
-    training ranks agree, and a joined rank answers only those. The per-call
-    checks (first-use handshake, debug mode) are then skipped: a joined rank
-    would never answer them.
+    The Join policy, once for every family and path: under Join the default
+    group's collectives become the joinable's header-then-payload exchange (its
+    header checks that the training ranks agree; a joined rank answers only
+    those), and the per-call checks (handshake, debug mode), which a joined rank
+    would never answer, are skipped.
     """
     return _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None
 
@@ -145,8 +131,7 @@ def through_join(group: Any) -> bool:
 def checks_before_forward(group: Any, layer: Any, x: Tensor) -> int:
     """The handshake or debug check before a forward collective, under the Join policy.
 
-    Returns:
-        The call number recorded for debug mode (0 when none, or under Join).
+    Returns the call number recorded for debug mode (0 when none, or under Join).
     """
     if through_join(group):
         return 0
@@ -162,11 +147,10 @@ def checks_before_backward(group: Any, layer: Any, grad_output: Tensor, call: in
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
     """Sum ``tensor`` over ``group``, framed with the call's identity (:mod:`syncbn.groups`).
 
-    Every collective of a layer goes through here: over a process group the
-    frame carries the layer's identity (:func:`syncbn._checks.layer_identity`),
-    the phase, dtype and size, checked on every rank. On an accelerator
-    (``_host_side`` false) the check is deferred to the group's next call, so
-    that no device-to-host synchronisation is added; debug mode checks at once.
+    Every collective of a layer goes through here: over a process group the frame
+    carries the layer's identity, the phase, dtype and size, checked on every rank
+    (on an accelerator at the group's next call, so that no device-to-host
+    synchronisation is added; at once in debug mode).
     """
     try:
         if through_join(group):
@@ -183,11 +167,9 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
 
 
 def _host_side(x: Tensor) -> bool:
-    """Whether ``x`` lives in host memory: reading a value back then costs no device synchronisation.
+    """Whether ``x`` lives in host memory (reading a value back costs no device synchronisation).
 
-    The one switch between the CPU flow (output buffer as scratch, count read on
-    the host) and the accelerator flow (no host reads); tests flip it to run the
-    accelerator flow on CPU.
+    The one switch between the CPU and accelerator flows; tests flip it to run the latter on CPU.
     """
     return x.device.type == "cpu"
 
@@ -195,14 +177,11 @@ def _host_side(x: Tensor) -> bool:
 class ForwardResult(NamedTuple):
     """What a synchronised training forward produced, and what its backward needs."""
 
-    out: Tensor
-    mean: Tensor  # global mean, statistics dtype
-    var: Tensor  # global biased variance, statistics dtype
-    total: float | Tensor  # global count: a float on CPU, a 0-dim float64 tensor on a device
-    local_count: int  # this member's values per channel
+    out: Tensor  # the output (the in-place family: the input, overwritten)
+    stats: Any  # what backward reads: a syncbn._math.Stats, or the family's (in-place: ABNStats)
     weight: Tensor | None = None  # the weight the elementwise forward used (the family's effective one)
     correction: tuple[Tensor, Tensor] | None = None  # the family's (r, d); None for batch norm
-    family: Any = None  # the family object that made ``correction``
+    family: Any = None  # the family object (syncbn.families); None for batch norm
 
 
 def synchronized_forward(
@@ -213,42 +192,40 @@ def synchronized_forward(
     running_var: Tensor | None,
     eps: float,
     momentum: float,
-    reduce: Callable[[Tensor], Tensor],
+    reduce: Callable[[Tensor], Tensor] | None,
     one_value_error: Callable[[], Exception],
     family: Any = None,
 ) -> ForwardResult:
-    """Training-mode batch norm of ``x`` with statistics summed by ``reduce``.
+    """The training forward of ``x`` with statistics summed by ``reduce``: output and what backward needs.
 
     The transport-independent forward shared by the process-group path
     (:class:`SyncBatchNormFunction`) and the ``nn.DataParallel`` replicas
     (:mod:`syncbn.parallel`): local moments, one ``reduce`` of the packed
-    moments, normalisation into a freshly allocated output (which also served
-    as the scratch buffer for the moments) and the running-statistics update.
-    Every per-channel step is a single tensor operation on all channels at
-    once: on small layers the number of operations, not the bytes, sets the
-    time.
-
-    Args:
-        x: the local input ``(N, C, *)``.
-        weight: affine scale or ``None``.
-        bias: affine shift or ``None``.
-        running_mean: updated in place unless ``None``.
-        running_var: updated in place (unbiased variance) unless ``None``.
-        eps: added to the variance.
-        momentum: running-statistics update factor.
-        reduce: sums a float64 vector over every member, returning the sum.
-        one_value_error: builds the error raised when the global count is one.
-        family: the layer family's per-call object (:mod:`syncbn.families`),
-            or ``None`` for batch norm.
-
-    Returns:
-        The output and the statistics backward needs.
+    moments (``None``: this member alone, the in-place family only), the
+    family's elementwise forward (batch norm, ``family`` ``None``: normalisation
+    into a freshly allocated output, which also served as the moments' scratch
+    buffer) and the running-statistics update (``running_var`` unbiased);
+    ``one_value_error()`` is raised for a global count of one. Every per-channel
+    step is a single tensor operation on all channels at once: on small layers
+    the number of operations, not the bytes, sets the time.
     """
+    stat_dtype = statistics_dtype(x, weight, running_mean)
+    if family is not None and family.in_place:  # written over x: eval, nn.BatchNorm's kernel alone, or synced
+        if not family.training:
+            stats = family.eval_forward_(x, weight, bias, running_mean, running_var, eps, stat_dtype)
+        elif reduce is None and x.shape[1] and x.numel() // x.shape[1] > 1:
+            stats = family.native_forward_(
+                x, weight, bias, running_mean, running_var, momentum, eps, stat_dtype
+            )
+        else:
+            moments = synchronized_moments(x, stat_dtype, reduce, one_value_error)
+            stats = family.forward_(x, weight, bias, moments, eps)
+            moments.update_running(running_mean, running_var, momentum)
+        return ForwardResult(x, stats, weight, None, family)
     # On CPU the output buffer doubles as the moments' scratch space of the two-pass
     # statistics (see local_moments); the native kernel (CUDA, small or 16-bit input) needs none,
     # and the normalisation then allocates its own output.
     out = torch.empty_like(x) if _host_side(x) and not _math.uses_native_statistics(x) else None
-    stat_dtype = statistics_dtype(x, weight, running_mean)
     moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, scratch=out)
     mean, var = moments.mean, moments.var
     correction = None if family is None else family.correction(mean, var, eps)
@@ -259,7 +236,8 @@ def synchronized_forward(
     elif out is None:
         out = torch.empty_like(x)
     moments.update_running(running_mean, running_var, momentum)
-    return ForwardResult(out, mean, var, moments.total, moments.local_count, weight, correction, family)
+    stats = Stats(mean, var, eps, moments.total, moments.local_count)
+    return ForwardResult(out, stats, weight, correction, family)
 
 
 class _Pending:
@@ -280,93 +258,96 @@ def run_forward(
     running_var: Tensor | None,
     eps: float,
     momentum: float,
-    group: SumGroup,
+    group: SumGroup | None,
     layer: Any,
     family: Any = None,
 ) -> tuple[ForwardResult, int]:
-    """The synchronised training forward over ``group``, and the debug call number."""
-    call = checks_before_forward(group, layer, x)
-    result = synchronized_forward(
-        x,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        eps,
-        momentum,
-        lambda packed: _all_reduce(group, packed, layer, "forward"),
-        lambda: _expected_more_than_one(x, group, layer),
-        family,
-    )
-    return result, call
+    """The synchronised training forward over ``group``, and the debug call number.
+
+    ``group`` ``None`` (the in-place family without a group, and eval): no collective, no check.
+    """
+    call, reduce = 0, None
+    if group is not None:
+        call = checks_before_forward(group, layer, x)
+        reduce = lambda packed: _all_reduce(group, packed, layer, "forward")  # noqa: E731
+
+    def error() -> ValueError:
+        return _expected_more_than_one(x, LOCAL if group is None else group, layer, family)
+
+    args = (x, weight, bias, running_mean, running_var, eps, momentum, reduce, error, family)
+    return synchronized_forward(*args), call
 
 
 def _save(
-    ctx: Any,
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    result: ForwardResult,
-    eps: float,
-    group: SumGroup,
-    layer: Any,
-    call: int,
+    ctx: Any, x: Tensor, weight: Any, bias: Any, result: ForwardResult, group: Any, layer: Any, call: int
 ) -> None:
-    ctx.save_for_backward(x, weight if result.correction is None else result.weight, result.mean, result.var)
-    ctx.correction, ctx.family = result.correction, result.family
-    ctx.total = result.total
-    ctx.count = result.local_count
-    ctx.param_dtype = gradient_dtype(weight, bias, result.mean)
-    ctx.eps = eps
-    ctx.group = group
-    ctx.layer = layer
-    ctx.call = call
+    family = result.family
+    if family is not None and family.in_place:  # only the output (the input, overwritten) is kept
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias)
+    else:
+        ctx.save_for_backward(x, result.weight)
+    ctx.stats, ctx.family, ctx.correction = result.stats, family, result.correction
+    ctx.param_dtype = gradient_dtype(weight, bias, x)  # (read only where a parameter needs a gradient)
+    ctx.group, ctx.layer, ctx.call = group, layer, call
 
 
 def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    x, weight, mean, var = ctx.saved_tensors
+    stats, family, group = ctx.stats, ctx.family, ctx.group
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-    if torch.is_grad_enabled() and ctx.total:
-        # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
-        # differentiable. Every rank takes this branch alike (same create_graph, same global count).
-        checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-
-        def reduce(tensor: Tensor, phase: str) -> Tensor:
-            return _all_reduce(ctx.group, tensor, ctx.layer, phase)
-
-        gi, gw, gb = differentiable_input_grads(grad_output, x, weight, mean, var, ctx.eps, ctx.total, reduce)
+    if family is not None and family.in_place:
+        if torch.is_grad_enabled():  # the output it recovers from is not differentiable again
+            raise RuntimeError(DOUBLE_BACKWARD)
+        grad_input, sum_dy_xhat, sum_dy = _in_place_backward(ctx, grad_output, family, stats, need_input)
+    else:
+        x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled() and stats.total:
+            # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
+            # differentiable. Every rank takes this branch alike (same create_graph, same global count).
+            checks_before_backward(group, ctx.layer, grad_output, ctx.call)
+            return differentiable_backward(
+                ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, ctx.layer, phase)
+            )
+        sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
+        grad_input = None
+        if need_input:
+            checks_before_backward(group, ctx.layer, grad_output, ctx.call)
+            reduced = _all_reduce(group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
+            grad_input = finish_input_grad(grad_output, x, weight, stats, reduced)
         if ctx.correction is not None:
-            gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
-        return (
-            gi if need_input else None,
-            gw.to(ctx.param_dtype) if need_weight else None,
-            gb.to(ctx.param_dtype) if need_bias else None,
-        )
-    sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, mean, var, ctx.eps, ctx.count)
-
-    grad_input = None
-    if need_input:
-        checks_before_backward(ctx.group, ctx.layer, grad_output, ctx.call)
-        reduced = _all_reduce(ctx.group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
-        grad_input = finish_input_grad(
-            grad_output, x, weight, mean, var, ctx.eps, ctx.total, ctx.count, reduced
-        )
-
-    if ctx.correction is not None:
-        sum_dy_xhat, sum_dy = ctx.family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
+            sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
     grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
     grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
     return grad_input, grad_weight, grad_bias
 
 
-class SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm whose statistics span every member of ``group``.
+def _in_place_backward(
+    ctx: Any, grad: Tensor, family: Any, stats: Any, need_input: bool
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """``(grad_input, dweight, dbias)`` of the in-place family: from its saved output, ONE framed sum."""
+    y, weight, bias = ctx.saved_tensors
+    group = ctx.group
+    if group is None and stats.training and stats.local_count > 1:  # this process alone: one native call
+        grad_input, sum_dz, sum_dz_xhat = family.native_backward(y, grad, weight, bias, stats, need_input)
+    else:
+        carry, sum_dz, sum_dz_xhat = family.grad_sums(y, grad, weight, bias, stats)
+        reduced = None  # eval: the statistics are constants
+        if need_input and stats.training:
+            reduced = _math.pack_grad_sums(sum_dz, sum_dz_xhat)
+            if group is not None:
+                checks_before_backward(group, ctx.layer, grad, ctx.call)
+                reduced = _all_reduce(group, reduced, ctx.layer, "backward")
+        grad_input = family.input_grad(y, weight, bias, stats, carry, reduced) if need_input else None
+    return (grad_input, *family.parameter_grads(sum_dz, sum_dz_xhat, weight))
 
-    Its backward is differentiable when run with ``create_graph=True`` (double
-    backward): the collectives are then themselves differentiable all_reduces.
-    The eager form (``forward`` takes ``ctx``: ``setup_context`` functions pay an
-    ``inspect.signature`` bind per call, ~0.15 ms); under ``torch.func``
-    transforms :class:`TransformableSyncBatchNormFunction` runs instead.
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """A training call of any family whose statistics span every member of ``group``.
+
+    Batch norm's backward is differentiable with ``create_graph=True`` (through
+    differentiable all_reduces). The eager form (``forward`` takes ``ctx``:
+    ``setup_context`` costs an ``inspect.signature`` bind per call, ~0.15 ms);
+    under ``torch.func`` :class:`TransformableSyncBatchNormFunction` runs instead.
     """
 
     @staticmethod
@@ -386,7 +367,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         result, call = run_forward(
             x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
         )
-        _save(ctx, x, weight, bias, result, eps, group, layer, call)
+        _save(ctx, x, weight, bias, result, group, layer, call)
         return result.out
 
     @staticmethod
@@ -397,35 +378,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
 class TransformableSyncBatchNormFunction(torch.autograd.Function):
     """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs.
 
-    ``torch.func.grad`` (and ``vjp``, ``jacrev``) run through it (their backward
-    is the differentiable one); ``vmap`` raises (a per-sample collective has no
-    meaning). ``box`` is a fresh :class:`_Pending` per call: the forward's
-    statistics for ``setup_context``.
+    ``torch.func.grad``, ``vjp``, ``jacrev`` run through it; ``vmap`` raises. ``box``
+    is a fresh :class:`_Pending` per call: the forward's result for ``setup_context``.
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        eps: float,
-        momentum: float,
-        group: SumGroup,
-        layer: Any,
-        box: _Pending,
-        family: Any = None,
-    ) -> Tensor:
-        box.result, box.call = run_forward(
-            x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
-        )
-        return box.result.out
+    def forward(*inputs: Any) -> Tensor:  # type: ignore[override]
+        # SyncBatchNormFunction's inputs, with ``box`` after ``layer``: (x, ..., group, layer, box, family)
+        box = inputs[9]
+        box.result, box.call = run_forward(*inputs[:9], *inputs[10:])
+        out: Tensor = box.result.out
+        return out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, weight, bias, _, _, eps, _, group, layer, box = inputs[:10]
-        _save(ctx, x, weight, bias, box.result, eps, group, layer, box.call)
+        x, weight, bias, _, _, _, _, group, layer, box = inputs[:10]
+        _save(ctx, x, weight, bias, box.result, group, layer, box.call)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -438,3 +406,29 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
             "(each vmapped sample would need its own collective across ranks). Use the layer in eval "
             "mode, or outside a process group, under vmap; torch.func.grad/vjp/jacrev are supported."
         )
+
+
+def inplace_abn_apply(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    activation: str,
+    param: float,
+    group: SumGroup | None,
+    layer: Any = None,
+) -> Tensor:
+    """In-place activated batch norm (:class:`~syncbn.families.inplace_abn.InPlaceABN`) on the engine.
+
+    Checks first; over ``group`` in training (``None``: alone); returns ``x``, overwritten.
+    """
+    check_call(x, weight, running_mean, running_var, training)
+    family = InPlaceABN(activation, param, training)
+    out: Tensor = SyncBatchNormFunction.apply(
+        x, weight, bias, running_mean, running_var, eps, momentum, group if training else None, layer, family
+    )
+    return out

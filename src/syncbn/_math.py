@@ -45,6 +45,8 @@ the result, as ``nn.BatchNorm``'s own backward does.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -61,6 +63,7 @@ __all__ = [
     "pack_moments",
     "unpack_moments",
     "update_running",
+    "Stats",
     "backward_sums",
     "pack_grad_sums",
     "input_grad",
@@ -312,16 +315,17 @@ def _memory_format(x: Tensor) -> torch.memory_format | None:
     return torch.contiguous_format if x.is_contiguous() else None
 
 
-def input_grad(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    count: float | Tensor,
-    sums: Tensor,
-) -> Tensor:
+class Stats(NamedTuple):
+    """A training forward's global statistics, as its backward reads them: one object, built once."""
+
+    mean: Tensor  # global mean (statistics dtype)
+    var: Tensor  # global biased variance (statistics dtype)
+    eps: float  # xhat = (x - mean) / sqrt(var + eps)
+    total: float | Tensor  # global count N: a float on the host, a 0-dim float64 tensor on a device
+    local_count: int  # this member's values per channel
+
+
+def input_grad(grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Stats, sums: Tensor) -> Tensor:
     """Input gradient of batch normalization given the global sums.
 
     ``dx = w*invstd*(g - sum_dy/N - xhat*sum_dy_xhat/N)``, evaluated as one
@@ -336,17 +340,15 @@ def input_grad(
         grad_output: upstream gradient ``g``.
         x: the forward input.
         weight: the affine weight or ``None`` (treated as ones).
-        mean: global mean (statistics dtype).
-        var: global biased variance (statistics dtype).
-        eps: the layer's epsilon.
-        count: global count ``N`` (positive; a float, or a 0-dim tensor on ``x``'s device).
+        stats: the global statistics; ``stats.total`` (``N``) positive.
         sums: global ``[[sum(g)], [sum(g * xhat)]]``, shape ``(2, C)``, see :func:`pack_grad_sums`.
 
     Returns:
         The input gradient, shaped and typed like ``x``.
     """
     if x.dtype in _LOW_PRECISION:
-        return _low_precision_input_grad(grad_output, x, weight, mean, var, eps, count, sums)
+        return _low_precision_input_grad(grad_output, x, weight, stats, sums)
+    mean, var, eps, count = stats.mean, stats.var, stats.eps, stats.total
     scale = (var + eps).rsqrt_()  # invstd, statistics dtype
     if weight is not None:
         scale.mul_(weight)
@@ -364,10 +366,7 @@ def _low_precision_input_grad(
     grad_output: Tensor,
     x: Tensor,
     weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    count: float | Tensor,
+    stats: Stats,
     sums: Tensor,
     blocked: bool | None = None,
 ) -> Tensor:
@@ -395,11 +394,12 @@ def _low_precision_input_grad(
     No kernel in the input dtype is needed, so torch releases without float16
     CPU batch norm run it too.
     """
-    acc = torch.promote_types(mean.dtype, torch.float32)
-    mean, var = cast(mean, acc), cast(var, acc)
+    eps = stats.eps
+    acc = torch.promote_types(stats.mean.dtype, torch.float32)
+    mean, var = cast(stats.mean, acc), cast(stats.var, acc)
     invstd = (var + eps).rsqrt_()
     scale = invstd if weight is None else invstd * cast(weight, acc)
-    shift, slope = torch.mul(cast(sums, acc), scale * (-1.0 / count)).unbind(0)
+    shift, slope = torch.mul(cast(sums, acc), scale * (-1.0 / stats.total)).unbind(0)
     shape = broadcast_shape(x)
     grad_input = torch.empty_like(x)
     if blocked is None:
@@ -426,33 +426,24 @@ def _low_precision_input_grad(
 
 
 def local_grad_sums(
-    grad_output: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, eps: float, count: int
+    grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Stats
 ) -> tuple[Tensor, Tensor]:
-    """This member's ``(sum(dy), sum(dy * xhat))``; zeros for an empty local batch (``count == 0``)."""
-    if count > 0:
-        return backward_sums(grad_output, x, weight, mean, var, eps)
-    zeros = torch.zeros(x.shape[1], dtype=mean.dtype, device=x.device)
+    """This member's ``(sum(dy), sum(dy * xhat))``; zeros for an empty local batch."""
+    if stats.local_count > 0:
+        return backward_sums(grad_output, x, weight, stats.mean, stats.var, stats.eps)
+    zeros = torch.zeros(x.shape[1], dtype=stats.mean.dtype, device=x.device)
     return zeros, zeros.clone()
 
 
 def finish_input_grad(
-    grad_output: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    mean: Tensor,
-    var: Tensor,
-    eps: float,
-    total: float | Tensor,
-    count: int,
-    reduced: Tensor,
+    grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Stats, reduced: Tensor
 ) -> Tensor:
     """Input gradient from the group-summed ``[[sum(dy)], [sum(dy * xhat)]]`` (``reduced``, ``(2, C)``).
 
-    ``total`` is the global count, ``count`` this member's; an empty local batch
-    gets an empty (all-zero) gradient.
+    An empty local batch (``stats.local_count == 0``) gets an empty (all-zero) gradient.
     """
-    if count == 0:
+    if stats.local_count == 0:
         return torch.zeros_like(x)
     if reduced.device != x.device:  # nn.DataParallel: summed on the first replica's device
         reduced = reduced.to(x.device)
-    return input_grad(grad_output, x, weight, mean, var, eps, total, reduced)
+    return input_grad(grad_output, x, weight, stats, reduced)

@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _abn, _abn_math, _fx, groups
+from .. import _fx, groups
 from .._abn_layer import ActivatedBatchNormBase
+from .._function import inplace_abn_apply
+from ..families.inplace_abn import check_activation
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]
 
@@ -238,10 +240,10 @@ def inplace_abn(
         >>> h = torch.randn(4, 8, 5, 5) * 1.0
         >>> y = inplace_abn(h, None, None, None, None)
     """
-    _abn_math.check_activation(activation, activation_param)
+    check_activation(activation, activation_param)
     _samples(x, "inplace_abn", training)
     stats = (running_mean, running_var, training, momentum, eps)
-    return _abn.inplace_abn_apply(x, weight, bias, *stats, activation, activation_param, None)
+    return inplace_abn_apply(x, weight, bias, *stats, activation, activation_param, None)
 
 
 @_with_args
@@ -274,7 +276,7 @@ def inplace_abn_sync(
 
         >>> y = inplace_abn_sync(h, w, b, rm, rv, group=None)   # on every rank of the default group
     """
-    _abn_math.check_activation(activation, activation_param)
+    check_activation(activation, activation_param)
     if not groups.is_initialized():
         warnings.warn(
             "inplace_abn_sync is being called, but torch.distributed is not initialized: running the "
@@ -286,4 +288,4 @@ def inplace_abn_sync(
     if sum_group is None:
         _samples(x, "inplace_abn_sync", training)
     stats = (running_mean, running_var, training, momentum, eps)
-    return _abn.inplace_abn_apply(x, weight, bias, *stats, activation, activation_param, sum_group)
+    return inplace_abn_apply(x, weight, bias, *stats, activation, activation_param, sum_group)

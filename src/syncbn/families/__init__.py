@@ -12,11 +12,13 @@ update, dtype rules and the autograd plumbing.
 * :mod:`~syncbn.families.renorm` (:class:`Renorm`): Batch Renormalization, the
   batchnorm math with the effective affine map ``(w r, b + w d)`` where ``r``
   and ``d`` are constants of the step.
-* ``inplace_abn`` (:mod:`syncbn._abn_math`): affine + activation written over
+* :mod:`~syncbn.families.inplace_abn` (:class:`InPlaceABN`, imported from its
+  module: it builds on :mod:`syncbn._math`): affine + activation written over
   the input, the backward recovering ``xhat`` from the output.
 
-A family object for the engine has three methods (all per-channel vectors,
-no communication, traceable by ``torch.compile``):
+A family object is made per call and handed to the engine's one set of
+autograd Functions (eager, ``torch.func``, traced, DataParallel). Renorm's has
+(per-channel vectors, no communication, traceable by ``torch.compile``):
 
 ``correction(mean, var, eps)``
     ``(r, d)`` from the step's global statistics, or ``None`` (none: batchnorm).
@@ -29,7 +31,13 @@ no communication, traceable by ``torch.compile``):
     engine needs them: AOTAutograd may otherwise let the backward read a running
     statistic after the forward's in-place update).
 
-Families import torch only; the engine calls them, never the other way.
+The in-place family (``in_place`` true) supplies its phases instead: the
+elementwise forward written over the input, the backward's local reduction from
+the output, the input gradient, the parameter gradients, and their traced twins
+(see :class:`syncbn.families.inplace_abn.InPlaceABN`).
+
+Families import torch (the in-place family also :mod:`syncbn._math`'s helpers); the engine
+calls them, never the other way.
 """
 
 from .renorm import Renorm

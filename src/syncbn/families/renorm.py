@@ -35,6 +35,11 @@ class Renorm(NamedTuple):
     running_mean: Tensor | None
     running_var: Tensor | None
 
+    @property
+    def in_place(self) -> bool:
+        """Not written over the input (see :class:`syncbn.families.inplace_abn.InPlaceABN`)."""
+        return False
+
     def snapshot(self, copy: Callable[[Tensor], Tensor]) -> Renorm:
         """This object with ``copy`` of the running statistics (traced graphs update them in place)."""
         if self.running_mean is None or self.running_var is None:

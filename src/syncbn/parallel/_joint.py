@@ -1,12 +1,14 @@
 """The synchronised forward of one replica, and the joint backward of all of them.
 
-:func:`replica_batch_norm` is a replica's training forward: the moments of its
-chunk, summed over the replicas in replica order by a
-:class:`~syncbn._threads.ThreadSumGroup`, then its own normalisation. The
-replicas' outputs then become the outputs of ONE autograd node,
-:class:`_JointBatchNorm`, whose backward receives every replica's output
-gradient at once: backward never waits for another thread (see
-:mod:`syncbn.parallel`).
+:func:`replica_batch_norm` is a replica's training forward, for every family:
+the moments of its chunk, summed over the replicas in replica order by a
+:class:`~syncbn._threads.ThreadSumGroup`, then its own elementwise forward (the
+in-place family writes it over the replica's input, which must then be a tensor
+it may overwrite: the output of an earlier operation of the replica, not a
+chunk ``nn.DataParallel`` scattered). The replicas' outputs then become the
+outputs of ONE autograd node, :class:`_JointBatchNorm`, whose backward receives
+every replica's output gradient at once: backward never waits for another
+thread (see :mod:`syncbn.parallel`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _math
-from .._function import finish_input_grad, gradient_dtype, local_grad_sums, synchronized_forward
-from .._function import one_value_error as engine_one_value_error
+from .._function import inplace_abn_apply, synchronized_forward
+from .._math import finish_input_grad, local_grad_sums
+from .._rules import gradient_dtype
+from .._rules import one_value_error as engine_one_value_error
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
+from ..families.inplace_abn import DOUBLE_BACKWARD, check_writable
 
 __all__ = ["replica_batch_norm"]
 
@@ -39,32 +43,30 @@ class Replication(Protocol):
 class _Record(NamedTuple):
     """One replica's contribution to the joint autograd node."""
 
-    x: Tensor
+    x: Tensor  # what backward reads: the input (the in-place family: the output written over it)
     weight: Tensor | None
     bias: Tensor | None
     y: Tensor
     effective_weight: Tensor | None  # the weight the forward used (the family's, else ``weight``)
-    family: Any  # the family object (syncbn.families) and its (r, d), or None
-    correction: tuple[Tensor, Tensor] | None
-    mean: Tensor
-    var: Tensor
-    total: float | Tensor
-    n: int  # values per channel in this replica
-    eps: float
+    family: Any  # the family object (syncbn.families), or None
+    correction: tuple[Tensor, Tensor] | None  # the family's (r, d), or None
+    stats: Any  # the backward's statistics (syncbn._math.Stats, or the family's)
     needs_grad: bool
 
 
 def replica_batch_norm(
-    layer: _BatchNorm, x: Tensor, momentum: float, replication: Replication, rank: int
+    layer: Any, x: Tensor, momentum: float, replication: Replication, rank: int, family: Any = None
 ) -> Tensor:
     """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings.
 
     Args:
         layer: the replica (a syncbn layer).
-        x: this replica's chunk of the batch.
+        x: this replica's chunk of the batch (the in-place family: overwritten with the output).
         momentum: the running-statistics factor for this call.
         replication: the replicas' shared replication.
         rank: this replica's index in it.
+        family: the layer's family object for this call (:mod:`syncbn.families`); ``None``: the
+            layer's own (``_family_call``), or batch norm.
 
     Returns:
         This replica's output, one of the outputs of the joint autograd node.
@@ -75,11 +77,17 @@ def replica_batch_norm(
     running_var = layer.running_var if tracking else None
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
     batches = layer.num_batches_tracked if tracking else None
-    family_call = getattr(layer, "_family_call", None)
-    family = None if family_call is None else family_call()
+    if family is None:
+        family_call = getattr(layer, "_family_call", None)
+        family = None if family_call is None else family_call()
+    in_place = family is not None and family.in_place
 
-    if rendezvous.size == 1 and family is None:
-        single = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    if rendezvous.size == 1 and (family is None or in_place):
+        if in_place:
+            args = (True, momentum, eps, family.activation, family.param, None)
+            single = inplace_abn_apply(x, weight, bias, running_mean, running_var, *args)
+        else:
+            single = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
         if batches is not None:
             batches.add_(1)
         replication.publish(layer)
@@ -89,6 +97,8 @@ def replica_batch_norm(
         members = f"replicas of {replication.describe()}"
         return engine_one_value_error(x, rendezvous.size, members, who="this replica's")
 
+    if in_place:
+        check_writable(x, "in-place activated batch norm")
     with torch.no_grad():
         result = synchronized_forward(
             x,
@@ -109,19 +119,7 @@ def replica_batch_norm(
 
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     record = _Record(
-        x=x,
-        weight=weight,
-        bias=bias,
-        y=result.out,
-        effective_weight=weight if result.correction is None else result.weight,
-        family=result.family,
-        correction=result.correction,
-        mean=result.mean,
-        var=result.var,
-        total=result.total,
-        n=result.local_count,
-        eps=eps,
-        needs_grad=needs_grad,
+        x, weight, bias, result.out, result.weight, family, result.correction, result.stats, needs_grad
     )
     outputs = rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)
     out: Tensor = outputs[rank]
@@ -142,45 +140,54 @@ class _JointBatchNorm(torch.autograd.Function):
     """Identity on the precomputed outputs in forward; joint backward of all replicas.
 
     Inputs: every replica's ``x``, then every ``weight``, then every ``bias``.
-    Outputs: every replica's normalised output.
+    Outputs: every replica's output (the in-place family: its ``x``, marked dirty).
     """
 
     @staticmethod
     def forward(ctx: Any, records: list[_Record], *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
         size = len(records)
-        ctx.size = size
-        ctx.meta = [(r.mean, r.var, r.total, r.n) for r in records]
-        ctx.families = [(r.family, r.correction) for r in records]
-        ctx.eps = records[0].eps
-        ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.mean) for r in records]
-        xs = tensors[:size]
-        ctx.save_for_backward(*xs, *(r.effective_weight for r in records))  # the xs and the forward's weights
-        return tuple(r.y for r in records)
+        family = records[0].family
+        ctx.size, ctx.family = size, family
+        ctx.stats = [r.stats for r in records]
+        ctx.corrections = [r.correction for r in records]
+        ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.x) for r in records]
+        ys = [r.y for r in records]
+        if family is not None and family.in_place:
+            ctx.mark_dirty(*ys)
+        # the xs, the forward's weights, the biases
+        ctx.save_for_backward(*tensors[:size], *(r.effective_weight for r in records), *tensors[2 * size :])
+        return tuple(ys)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        size = ctx.size
+        size, family, stats = ctx.size, ctx.family, ctx.stats
+        in_place = family is not None and family.in_place
+        if in_place and torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD)
         saved = ctx.saved_tensors
-        xs, weights = saved[:size], saved[size:]
-        eps = ctx.eps
+        xs, weights, biases = saved[:size], saved[size : 2 * size], saved[2 * size :]
         needs = ctx.needs_input_grad[1:]
-        sums = [
-            local_grad_sums(grads[k], xs[k], weights[k], ctx.meta[k][0], ctx.meta[k][1], eps, ctx.meta[k][3])
-            for k in range(size)
-        ]
+        if in_place:  # the family's local reduction, recovering xhat from each output
+            parts = [family.grad_sums(xs[k], grads[k], weights[k], biases[k], stats[k]) for k in range(size)]
+            sums = [(p[1], p[2]) for p in parts]
+        else:
+            sums = [local_grad_sums(grads[k], xs[k], weights[k], stats[k]) for k in range(size)]
         reduced = ordered_sum([_math.pack_grad_sums(*s) for s in sums])  # replica order: reproducible
         grad_inputs: list[Tensor | None] = []
         for k in range(size):
-            mean, var, total, count = ctx.meta[k]
-            grad_inputs.append(
-                finish_input_grad(grads[k], xs[k], weights[k], mean, var, eps, total, count, reduced)
-                if needs[k]
-                else None
-            )
-        for k, (family, correction) in enumerate(ctx.families):
-            if correction is not None:
-                sum_dy_xhat, sum_dy = family.parameter_grads(sums[k][0], sums[k][1], *correction)
-                sums[k] = (sum_dy, sum_dy_xhat)
+            if not needs[k]:
+                grad_inputs.append(None)
+            elif in_place:
+                grad_inputs.append(
+                    family.input_grad(xs[k], weights[k], biases[k], stats[k], parts[k][0], reduced)
+                )
+            else:
+                grad_inputs.append(finish_input_grad(grads[k], xs[k], weights[k], stats[k], reduced))
+        for k, correction in enumerate(ctx.corrections):
+            if in_place:
+                sums[k] = family.parameter_grads(*sums[k], weights[k])[::-1]
+            elif correction is not None:
+                sums[k] = family.parameter_grads(*sums[k], *correction)[::-1]
         grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
         grad_biases = [
             sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)

@@ -1,0 +1,440 @@
+"""In-place activated batch norm (InPlace-ABN) as a family: its math only, eager and traced.
+
+In-place activated batch norm (InPlace-ABN, Rota Bulò et al., CVPR 2018) writes
+
+.. math::
+    y = \\phi\\big(\\hat x\\, s + b\\big), \\qquad
+    \\hat x = (x - \\mu)\\,\\text{invstd}, \\qquad s = |w| + \\epsilon
+
+over its input and keeps only :math:`y` (and per-channel vectors) for
+backward. Backward recovers what it needs from :math:`y` alone, because the
+activation :math:`\\phi` is invertible and :math:`s > 0`:
+
+.. math::
+    z = \\phi^{-1}(y), \\qquad \\hat x = (z - b) / s, \\qquad
+    \\frac{\\partial L}{\\partial z} = g\\,\\phi'(z),
+
+where :math:`\\phi'` is itself a function of :math:`y`: the slope :math:`a`
+where :math:`y < 0` for ``leaky_relu`` (:math:`\\phi^{-1}(y) = y / a` there),
+:math:`y + \\alpha` where :math:`y \\le 0` for ``elu``
+(:math:`\\phi^{-1}(y) = \\log(1 + y/\\alpha)` there). Then the input gradient is
+batch norm's, with :math:`s\\,\\text{invstd}` as the scale (see
+:func:`syncbn._math.input_grad`).
+
+Conditioning: an error :math:`\\delta` in :math:`y` (its rounding to the input
+dtype) becomes :math:`\\delta / s` in :math:`\\hat x` (divided by the slope too
+where ``leaky_relu`` is negative): small :math:`|w|` amplifies it. ``elu``
+saturates: where :math:`y \\to -\\alpha` the logarithm diverges and the
+recovered :math:`\\hat x` is only known to be very negative; its weight in the
+gradient, :math:`y + \\alpha`, goes to zero there, so only the
+:math:`\\hat x \\sum g\\hat x / N` term of the input gradient feels it. The
+argument of the logarithm is clamped at the dtype's resolution (no infinity,
+no NaN).
+
+Low-precision (float16/bfloat16) outputs are recovered in float32.
+
+The engine (:mod:`syncbn._function`, :mod:`syncbn._compiled`,
+:mod:`syncbn.parallel`) calls :class:`InPlaceABN`'s phases: the elementwise
+forward written over the input (:meth:`~InPlaceABN.forward_`, or
+``nn.BatchNorm``'s own kernel without a group, :meth:`~InPlaceABN.native_forward_`),
+the backward's local reduction recovering ``xhat`` from the output
+(:meth:`~InPlaceABN.grad_sums`), the backward's elementwise input gradient
+(:meth:`~InPlaceABN.input_grad`) and the parameter gradients (the sign of
+``w``: :meth:`~InPlaceABN.parameter_grads`), and their traced twins.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _math
+
+__all__ = [
+    "ABNStats",
+    "ACTIVATIONS",
+    "DOUBLE_BACKWARD",
+    "InPlaceABN",
+    "activate_",
+    "check_activation",
+    "check_call",
+    "check_writable",
+    "recover",
+]
+
+DOUBLE_BACKWARD = (
+    "syncbn: double backward (create_graph=True) through an in-place activated batch norm "
+    "(InPlaceABN/InPlaceABNSync/InPlaceSyncBatchNorm) is not supported: its backward recovers its "
+    "input from the output it overwrote, which is not differentiable again. Use syncbn.SyncBatchNorm "
+    "followed by the activation (or the non-in-place ABN) where second derivatives are needed."
+)
+
+ACTIVATIONS = ("leaky_relu", "elu", "identity")
+
+
+def check_activation(activation: str, param: float, *, in_place: bool = True) -> None:
+    """Raise ``ValueError`` for an activation the (in-place) layer cannot use.
+
+    Args:
+        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (and ``"relu"``
+            when ``in_place`` is false).
+        param: the slope of ``leaky_relu`` or the ``alpha`` of ``elu``; must be
+            positive for those two (a slope of 0 is ReLU, not invertible).
+        in_place: whether the activation must be invertible.
+    """
+    allowed = ACTIVATIONS if in_place else ("relu", *ACTIVATIONS)
+    if activation == "relu" and in_place:
+        raise ValueError(
+            "activation='relu' cannot be computed in place: ReLU maps every negative value to 0, so "
+            "the input cannot be recovered from the output for backward. Use 'leaky_relu' (a small "
+            "slope, e.g. 0.01), 'elu' or 'identity', or the non-in-place ABN class for ReLU "
+            f"(expected one of {', '.join(repr(a) for a in allowed)}, got 'relu')"
+        )
+    if activation not in allowed:
+        raise ValueError(
+            f"expected activation one of {', '.join(repr(a) for a in allowed)} (got {activation!r})"
+        )
+    if in_place and activation in ("leaky_relu", "elu"):
+        p = float(param)
+        if not p > 0 or p != p or p == float("inf"):
+            what = "negative slope" if activation == "leaky_relu" else "alpha"
+            raise ValueError(
+                f"expected a positive, finite activation_param (the {what} of {activation}) for the "
+                f"in-place layer, which inverts the activation in backward (got {param!r})"
+            )
+
+
+def check_writable(x: Tensor, what: str) -> None:
+    """Raise before anything changes when ``x`` cannot be overwritten under autograd."""
+    if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
+        raise RuntimeError(
+            f"{what} overwrites its input, which here is a leaf tensor that requires grad (a parameter "
+            "or an input created with requires_grad=True): autograd forbids writing over it. Pass the "
+            "output of another operation (e.g. the convolution before it), or a clone"
+        )
+
+
+def check_call(
+    x: Tensor, weight: Tensor | None, running_mean: Tensor | None, running_var: Tensor | None, training: bool
+) -> None:
+    """Raise ``ValueError`` (or :func:`check_writable`'s error) for a call the layer cannot run."""
+    if x.dim() < 2:
+        raise ValueError(f"expected an input of at least 2 dimensions (N, C, *) (got {x.dim()}D input)")
+    if weight is not None and weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"expected input with {weight.shape[0]} channels in dimension 1 "
+            f"(got input of size {list(x.shape)})"
+        )
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("expected running_mean and running_var when training=False (got None)")
+    check_writable(x, "in-place activated batch norm")
+
+
+def abs_scale(weight: Tensor | None, eps: float) -> Tensor | None:
+    """The per-channel scale ``|w| + eps`` of the in-place layers (``None`` without a weight: scale 1)."""
+    return None if weight is None else weight.detach().abs() + eps
+
+
+def affine_coefficients(
+    scale: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """``(a, c)``, ``a = s * invstd`` and ``c = b - mean * a``: ``x * a + c`` goes into the activation."""
+    a = (var + eps).rsqrt()
+    if scale is not None:
+        a = a * _math.cast(scale, a.dtype)
+    c = -mean * a
+    if bias is not None:
+        c = c + _math.cast(bias.detach(), c.dtype)
+    return a, c
+
+
+def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, param: float) -> Tensor:
+    """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``; ``None``: none); returns ``x``.
+
+    ``a`` and ``c`` are in the statistics dtype (at least float32): the affine
+    map runs there and is rounded once into ``x``'s dtype, as ``nn.BatchNorm``.
+    """
+    if a is not None and c is not None:
+        shape = _math.broadcast_shape(x)
+        # Two in-place passes: an addcmul whose first operand is broadcast is several times slower on CPU.
+        x.mul_(a.view(shape)).add_(c.view(shape))
+    if activation == "leaky_relu":
+        F.leaky_relu(x, float(param), inplace=True)
+    elif activation == "elu":
+        F.elu(x, float(param), inplace=True)
+    elif activation == "relu":
+        F.relu(x, inplace=True)
+    return x
+
+
+def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Tensor, Tensor, bool]:
+    """``(z, dz, scratch)``: the activation's input ``z`` and its gradient ``dz``, recovered from ``y``.
+
+    Both in :func:`syncbn._math.accumulation_dtype` of ``y`` (float32 for 16-bit
+    outputs). ``y`` is never written (the next layer keeps it too); ``scratch``
+    says whether ``z`` is a new tensor the caller may overwrite (the input
+    gradient is written into it). One pass each for ``leaky_relu``.
+    """
+    acc = _math.accumulation_dtype(y.dtype)
+    p = float(param)
+    widen = y.dtype != acc
+    yw = y.to(acc) if widen else y
+    gw = _math.cast(grad, acc)
+    if activation == "leaky_relu":
+        dz = torch.ops.aten.leaky_relu_backward(gw, yw, p, True)
+        if widen:
+            return F.leaky_relu(yw, 1.0 / p, inplace=True), dz, True  # the inverse of leaky_relu(., p)
+        return F.leaky_relu(yw, 1.0 / p), dz, True
+    if activation == "elu":
+        dz = torch.ops.aten.elu_backward(gw, p, 1.0, 1.0, True, yw)
+        # log1p(y / alpha) where y < 0, its argument kept above -1 (a saturated output, y == -alpha).
+        inner = torch.div(yw, p).clamp_(min=-1.0 + torch.finfo(acc).eps).log1p_()
+        return torch.where(yw < 0, inner, yw, out=inner), dz, True
+    return yw, gw, widen
+
+
+def _centre(z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per-channel ``(mean, var)`` with ``(z - mean) / sqrt(var) = xhat``: the bias and the squared scale."""
+    channels, acc = z.shape[1], z.dtype
+    mean = (
+        torch.zeros(channels, dtype=acc, device=z.device) if bias is None else _math.cast(bias.detach(), acc)
+    )
+    var = (
+        torch.ones(channels, dtype=acc, device=z.device) if scale is None else _math.cast(scale, acc).square()
+    )
+    return mean, var
+
+
+def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Local per-channel ``(sum(dz), sum(dz * xhat))``, ``xhat = (z - b) / s``, in one native pass.
+
+    Batch norm's backward kernel with mean ``b``, variance ``s^2`` and eps 0
+    (so its ``invstd`` is ``1/s``): ``xhat`` is never materialised.
+    """
+    mean, var = _centre(z, scale, bias)
+    _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
+        dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
+    )
+    return sum_dz, sum_dz_xhat
+
+
+class ABNStats(NamedTuple):
+    """What an in-place forward leaves its backward, besides the output it wrote over its input."""
+
+    invstd: Tensor  # 1 / sqrt(var + eps), var the global batch's (statistics dtype) or the running one
+    eps: float  # added to the variance and to |w|
+    total: float | Tensor  # global count (a float on CPU; 0-dim tensor on a device); 0.0 in eval
+    local_count: int  # this member's values per channel
+    training: bool
+
+
+class InPlaceABN(NamedTuple):
+    """One call of the in-place family: its activation, the activation's parameter, train or eval.
+
+    The engine calls its phases (all per-channel vectors and elementwise work, no
+    communication); ``weight`` is used as the scale ``|w| + eps``.
+    """
+
+    activation: str
+    param: float
+    training: bool = True
+
+    @property
+    def in_place(self) -> bool:
+        """The output is written over the input (the engine marks it dirty and saves the output)."""
+        return True
+
+    def _write_(
+        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
+    ) -> None:
+        a, c = affine_coefficients(abs_scale(weight, eps), bias, mean, var, eps)
+        activate_(x, a, c, self.activation, self.param)
+
+    def forward_(
+        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, moments: Any, eps: float
+    ) -> ABNStats:
+        """The elementwise forward with the global ``moments``, written over ``x``: ``act(x * a + c)``,
+        ``a = (|w| + eps) * invstd``, ``c = b - mean * a``."""
+        if moments.local_count > 0:
+            self._write_(x, weight, bias, moments.mean, moments.var, eps)
+        return ABNStats((moments.var + eps).rsqrt(), eps, moments.total, moments.local_count, True)
+
+    def eval_forward_(
+        self,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor,
+        running_var: Tensor,
+        eps: float,
+        stat: torch.dtype,
+    ) -> ABNStats:
+        """Eval: the elementwise forward with the running statistics (in ``stat``); no update."""
+        count = x.numel() // x.shape[1] if x.shape[1] else 0
+        mean, var = _math.cast(running_mean, stat), _math.cast(running_var, stat)
+        if count > 0:
+            self._write_(x, weight, bias, mean, var, eps)
+        return ABNStats((var + eps).rsqrt(), eps, 0.0, count, False)
+
+    def native_forward_(
+        self,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        momentum: float,
+        eps: float,
+        stat: torch.dtype,
+    ) -> ABNStats:
+        """Without a group: ``nn.BatchNorm``'s own training kernel over ``x`` (statistics,
+        normalisation, running update in one call), then the activation in place."""
+        scale = abs_scale(weight, eps)
+        b = None if bias is None else bias.detach()
+        if (
+            x.device.type == "cpu"
+        ):  # the CPU kernel reads the statistics first, then writes element by element
+            invstd = torch.empty(x.shape[1], dtype=stat)
+            torch.ops.aten.native_batch_norm.out(
+                x, scale, b, running_mean, running_var, True, momentum, eps,
+                out=x, save_mean=torch.empty_like(invstd), save_invstd=invstd,
+            )  # fmt: skip
+        else:
+            out, _, invstd = torch.native_batch_norm(
+                x, scale, b, running_mean, running_var, True, momentum, eps
+            )
+            x.copy_(out)
+        activate_(x, None, None, self.activation, self.param)
+        count = x.numel() // x.shape[1]
+        return ABNStats(invstd, eps, float(count), count, True)
+
+    def grad_sums(
+        self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, stats: ABNStats
+    ) -> tuple[Any, Tensor, Tensor]:
+        """The backward's local reduction: ``(carry, sum(dz), sum(dz * xhat))``.
+
+        ``z`` and ``dz`` are recovered from the output ``y``; ``carry`` (``None``
+        for an empty local batch) is what :meth:`input_grad` needs.
+        """
+        if stats.local_count == 0:
+            zeros = torch.zeros(y.shape[1], dtype=_math.accumulation_dtype(y.dtype), device=y.device)
+            return None, zeros, zeros.clone()
+        z, dz, scratch = recover(y, grad, self.activation, self.param)
+        sum_dz, sum_dz_xhat = recovered_sums(dz, z, abs_scale(weight, stats.eps), bias)
+        return (z, dz, scratch), sum_dz, sum_dz_xhat
+
+    @staticmethod
+    def input_grad(
+        y: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        stats: ABNStats,
+        carry: Any,
+        reduced: Tensor | None,
+    ) -> Tensor:
+        """The backward's elementwise input gradient, in ``y``'s dtype, from :meth:`grad_sums`' ``carry``.
+
+        With ``s = |w| + eps``, ``a = s * invstd``, ``xhat = (z - b) / s`` and the
+        global ``[[sum dz], [sum dz*xhat]]`` (``reduced``) over ``N`` values, batch
+        norm's ``a * (dz - sum_dz/N - xhat * sum_dz_xhat/N)`` is evaluated as
+        ``z * B + C + dz * A`` (per-channel ``A = a``, ``B = -a/s * sum_dz_xhat/N``,
+        ``C = -a * sum_dz/N - B * b``): three in-place passes, written into ``z``
+        when it is scratch. Eval (``reduced`` is ``None``): ``a * dz``.
+        """
+        if carry is None:  # an empty local batch
+            return torch.zeros_like(y)
+        z, dz, scratch = carry
+        acc, scale, dtype = z.dtype, abs_scale(weight, stats.eps), y.dtype
+        shape = _math.broadcast_shape(z)
+        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
+        a = s * _math.cast(stats.invstd, acc)
+        if reduced is None:
+            return torch.mul(dz, a.view(shape)).to(dtype)
+        count = stats.total
+        n = count if isinstance(count, float) else count.to(acc)
+        sums = _math.cast(reduced.to(z.device), acc)
+        b_coef = -a / s * sums[1] / n
+        c_coef = -a * sums[0] / n
+        if bias is not None:
+            c_coef = c_coef - b_coef * _math.cast(bias.detach(), acc)
+        out = z.mul_(b_coef.view(shape)) if scratch else torch.mul(z, b_coef.view(shape))
+        out.add_(c_coef.view(shape)).addcmul_(dz, a.view(shape))
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def native_backward(
+        self,
+        y: Tensor,
+        grad: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        stats: ABNStats,
+        need_input: bool,
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
+        """Without a group: ``(grad_input, sum(dz), sum(dz * xhat))`` in ONE native batch-norm backward call.
+
+        Batch norm's training backward of ``z`` with saved mean ``b``, saved invstd
+        ``1/s`` (so its ``xhat`` is ``(z - b) / s``) and weight ``s^2 * invstd`` (so
+        its scale is ``s * invstd``) is exactly the in-place layer's.
+        """
+        z, dz, _ = recover(y, grad, self.activation, self.param)
+        acc, eps = z.dtype, stats.eps
+        scale = abs_scale(weight, eps)
+        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
+        mean = torch.zeros_like(s) if bias is None else _math.cast(bias.detach(), acc)
+        w = s * s * _math.cast(stats.invstd, acc)
+        grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
+            dz, z, w, None, None, mean, s.reciprocal(), True, eps, [need_input, True, True]
+        )
+        if grad_input is not None and grad_input.dtype != y.dtype:
+            grad_input = grad_input.to(y.dtype)
+        return grad_input if need_input else None, sum_dz, sum_dz_xhat
+
+    @staticmethod
+    def parameter_grads(sum_dz: Tensor, sum_dz_xhat: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(dweight, dbias) = (sign(w) * sum(dz * xhat), sum(dz))``: ``d|w|/dw`` is -1 where ``w < 0``."""
+        if weight is None:
+            return sum_dz_xhat, sum_dz
+        return torch.where(weight.detach() < 0, -sum_dz_xhat, sum_dz_xhat), sum_dz
+
+    # The traced twins (syncbn._compiled): plain tensor operations only, no host reads, no reused buffers.
+
+    def traced_forward_(
+        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
+    ) -> None:
+        """:meth:`forward_` in traced operations: ``x <- act(x * a + c)``."""
+        a = invstd if weight is None else invstd * (weight.abs() + eps).to(invstd.dtype)
+        c = -mean * a if bias is None else bias.to(a.dtype) - mean * a
+        shape = _math.broadcast_shape(x)
+        with torch.no_grad():
+            x.copy_(x * a.view(shape) + c.view(shape))
+            if self.activation == "leaky_relu":
+                F.leaky_relu(x, self.param, inplace=True)
+            elif self.activation == "elu":
+                F.elu(x, self.param, inplace=True)
+
+    def traced_grad_terms(
+        self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, invstd: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dz, xhat, a)`` in traced operations, recovered from the output ``y``.
+
+        The traced engine's backward is batch norm's with them in place of ``(dy, xhat, w * invstd)``.
+        """
+        acc = _math.accumulation_dtype(y.dtype)
+        shape, p = _math.broadcast_shape(y), self.param
+        yw, g = y.to(acc), grad.to(acc)
+        if self.activation == "leaky_relu":
+            negative = yw < 0
+            z = torch.where(negative, yw / p, yw)
+            dz = torch.where(negative, g * p, g)
+        elif self.activation == "elu":
+            z = torch.where(yw < 0, torch.log1p((yw / p).clamp(min=-1.0 + torch.finfo(acc).eps)), yw)
+            dz = torch.where(yw <= 0, g * (yw + p), g)
+        else:
+            z, dz = yw, g
+        scale = torch.ones_like(invstd) if weight is None else (weight.abs() + eps).to(invstd.dtype)
+        shift = torch.zeros_like(invstd) if bias is None else bias.to(invstd.dtype)
+        xhat = (z - shift.to(acc).view(shape)) / scale.to(acc).view(shape)
+        return dz, xhat, (scale * invstd).to(acc).view(shape)
