@@ -85,7 +85,7 @@ def _train_side_by_side(
 
 
 def _compiled_calls() -> int:
-    from syncbn import _ops
+    from syncbn.engine import _ops
 
     return _ops.calls
 

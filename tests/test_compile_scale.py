@@ -77,7 +77,7 @@ def _graphs() -> int:
 
 
 def _op_calls() -> tuple[int, int]:
-    from syncbn import _ops
+    from syncbn.engine import _ops
 
     return _ops.calls, _ops.backward_calls
 

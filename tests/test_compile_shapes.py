@@ -32,7 +32,7 @@ from _helpers.dist_harness import launch
 
 pytestmark = pytest.mark.skipif(
     syncbn.modules._ops is None,
-    reason=f"torch {torch.__version__} has no custom operators with ordered effects (syncbn._ops)",
+    reason=f"torch {torch.__version__} has no custom operators with ordered effects (syncbn.engine._ops)",
 )
 
 SIZES = ((3, 3, 3), (2, 4, 5))  # per rank: fixed on rank 0, changing on rank 1

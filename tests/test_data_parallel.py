@@ -20,8 +20,8 @@ import syncbn
 from _helpers.marks import needs_2_gpus, needs_cuda
 from _helpers.modules import Scale
 from syncbn import parallel
-from syncbn._function import SyncBatchNormFunction
 from syncbn._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
+from syncbn.engine._function import SyncBatchNormFunction
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("short_replica_timeout")]
 

@@ -36,7 +36,8 @@ from torch import nn
 import syncbn
 from _helpers.dist_harness import launch
 from _helpers.marks import needs_shm
-from syncbn import _checks, _function, _shm, groups
+from syncbn import _checks, _shm, groups
+from syncbn.engine import _function
 
 SHORT = 2.0
 TRANSPORTS = pytest.mark.parametrize(

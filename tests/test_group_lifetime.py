@@ -1,6 +1,6 @@
 """Groups are released with their process group (issue 27, item 3), on real gloo ranks.
 
-The compiled path names a group by an integer handle (:func:`syncbn._ops.group_handle`); the
+The compiled path names a group by an integer handle (:func:`syncbn.engine._ops.group_handle`); the
 handle table holds its groups weakly, so ``destroy_process_group()`` + ``init_process_group()``
 cycles (elastic restarts in one process, notebooks, test suites) and subgroups made and destroyed
 leave nothing behind: open file descriptors and mapped shared-memory segments come back to what
@@ -28,9 +28,11 @@ from _helpers.dist_harness import launch
 from syncbn import _shm, groups
 
 try:
-    from syncbn import _ops
-except ImportError:  # syncbn._ops raises ImportError (not ModuleNotFoundError) on torch without them
-    pytest.skip("no ordered effectful custom operators in this torch (syncbn._ops)", allow_module_level=True)
+    from syncbn.engine import _ops
+except ImportError:  # syncbn.engine._ops raises ImportError (not ModuleNotFoundError) on torch without them
+    pytest.skip(
+        "no ordered effectful custom operators in this torch (syncbn.engine._ops)", allow_module_level=True
+    )
 
 _SEGMENT = re.compile(r"syncbn-\d+-[0-9a-f]{12}")
 CYCLES = 3

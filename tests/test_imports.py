@@ -19,22 +19,22 @@ PACKAGE = "syncbn"
 LAYERS: dict[str, int] = {
     # the shared arithmetic's leaves, the family math, configuration and transports' leaves
     "syncbn._config": 0,
-    "syncbn._packing": 0,
-    "syncbn._double_backward": 0,
+    "syncbn.engine._packing": 0,
+    "syncbn.engine._double_backward": 0,
     "syncbn._shm": 0,
     "syncbn._threads": 0,
     "syncbn._names": 0,
     "syncbn._accumulating": 0,  # the running-statistics hook of syncbn.accumulation
     "syncbn._fx": 0,  # how layers appear in torch.fx graphs (torch only)
     "syncbn.families": 0,  # a family is its math: torch only
-    "syncbn._math": 1,
+    "syncbn.engine._math": 1,
     "syncbn.groups": 1,  # the communication seam
     "syncbn.families.inplace_abn": 2,  # the in-place family's math, on _math's helpers
     "syncbn._checks": 2,
-    "syncbn._rules": 3,  # the engine's dtype rules and one-value error
-    "syncbn._function": 4,  # the engine: moments, framed sum, Join policy, eager autograd
-    "syncbn._ops": 5,  # the collective operator for torch.compile
-    "syncbn._compiled": 6,  # the traced engine around the operator
+    "syncbn.engine._rules": 3,  # the engine's dtype rules and one-value error
+    "syncbn.engine._function": 4,  # the engine: moments, framed sum, Join policy, eager autograd
+    "syncbn.engine._ops": 5,  # the collective operator for torch.compile
+    "syncbn.engine._compiled": 6,  # the traced engine around the operator
     "syncbn.functional": 7,
     "syncbn.parallel": 7,
     "syncbn._layer": 7,  # what every layer class shares (syncbn._layer.LayerMixin)
@@ -109,7 +109,7 @@ def _layer(module: str) -> int | None:
 
 def test_the_graph_is_read() -> None:
     graph = _graph()
-    assert "syncbn._function" in graph["syncbn.functional"]
+    assert "syncbn.engine._function" in graph["syncbn.functional"]
     assert "syncbn.modules" in graph["syncbn.convert"]
     assert "syncbn.parallel._joint" in graph["syncbn.parallel._replication"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncbn import _math
+from syncbn.engine import _math
 
 
 @pytest.mark.parametrize("shape", [(7, 3, 5, 4), (5, 4, 3, 2, 2), (9, 2, 11)])

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import syncbn
-from syncbn import _math
+from syncbn.engine import _math
 
 
 class TwoCopies:

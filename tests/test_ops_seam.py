@@ -1,9 +1,9 @@
-"""The collective seam other layers may use: ``syncbn._ops.all_reduce_sum`` (docs/works-with.md).
+"""The collective seam other layers may use: ``syncbn.engine._ops.all_reduce_sum`` (docs/works-with.md).
 
 A layer of the user's own (a "sum of squares" normaliser) calls it in its forward: on 2 gloo
 ranks, eagerly and under ``torch.compile(fullgraph=True)``, the result is the sum over the
 ranks, with the first-use handshake of the layer, one framed collective per call, and no graph
-break. (``syncbn._ops`` needs ordered effectful custom operators: on torch without them the
+break. (``syncbn.engine._ops`` needs ordered effectful custom operators: on torch without them the
 seam is not there, and these tests skip.)
 """
 
@@ -30,7 +30,7 @@ class _RankNorm(nn.Module):
         self._syncbn_state.bind(self)
 
     def forward(self, x: Tensor) -> Tensor:
-        from syncbn import _ops
+        from syncbn.engine import _ops
 
         packed = torch.cat([x.new_full((1,), x.shape[0]), x.square().sum(0)])
         total = _ops.all_reduce_sum(packed, None, self, "forward", source=x)

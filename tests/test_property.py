@@ -49,13 +49,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 import syncbn  # noqa: E402
 from _helpers.dist_harness import launch  # noqa: E402
-from syncbn import _function, _math  # noqa: E402
+from syncbn.engine import _function, _math  # noqa: E402
 from syncbn.parallel import data_parallel  # noqa: E402
 
 FACTOR = 1.5
 FLOOR_ULPS = 16.0
 # The float64 merge of the ranks' moments, var = Q/N - mean^2, loses about
-# 1e-16 * kappa^2 of the variance (see syncbn._math): part of the floor.
+# 1e-16 * kappa^2 of the variance (see syncbn.engine._math): part of the floor.
 MERGE_EPS = torch.finfo(torch.float64).eps
 
 # (input dtype, layer dtype): the combinations nn.BatchNorm itself runs on CPU.

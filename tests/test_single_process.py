@@ -14,9 +14,9 @@ from torch import nn
 
 import syncbn
 from _helpers.compare import assert_same_step
-from syncbn import _math
-from syncbn._function import SyncBatchNormFunction
 from syncbn.cli.bench import LoopbackGroup
+from syncbn.engine import _math
+from syncbn.engine._function import SyncBatchNormFunction
 
 CLASSES = [
     (syncbn.SyncBatchNorm1d, nn.BatchNorm1d, (6, 4)),
@@ -278,7 +278,7 @@ def test_shared_empty_and_one_tensors_are_never_written() -> None:
 @pytest.mark.parametrize("shape", [(6, 3), (4, 3, 5), (3, 3, 4, 4), (40, 3, 100, 100)])
 def test_accelerator_flow_on_cpu_matches_batchnorm(monkeypatch: pytest.MonkeyPatch, shape) -> None:
     """The flow CUDA takes (no host reads: the count stays a tensor; a fresh output), run on CPU."""
-    from syncbn import _function
+    from syncbn.engine import _function
 
     monkeypatch.setattr(_function, "_host_side", lambda x: False)
     gen = torch.Generator().manual_seed(4)

@@ -75,7 +75,7 @@ def _case(model_name: str, wrapping: str, rank: int, args: argparse.Namespace) -
     from torch._dynamo.utils import counters
 
     import syncbn
-    from syncbn import _ops
+    from syncbn.engine import _ops
 
     torch._dynamo.reset()
     graphs_before = int(counters["stats"]["unique_graphs"])  # the counter runs for the whole process

@@ -5,7 +5,7 @@
 
 ``--eager-forms`` times instead, in one process, one layer's eager forward +
 backward through the eager autograd function and through the traced form the
-compiler sees (``syncbn._compiled``, run eagerly), with a loopback group: what
+compiler sees (``syncbn.engine._compiled``, run eagerly), with a loopback group: what
 serving eager mode with the traced form would cost.
 
 Two networks (Conv-BN-ReLU blocks, then pooling and a linear head:

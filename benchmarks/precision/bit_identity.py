@@ -51,7 +51,7 @@ torch.set_num_threads(1)
 import torch.distributed as dist
 import syncbn
 from syncbn import groups
-from syncbn._function import SyncBatchNormFunction
+from syncbn.engine._function import SyncBatchNormFunction
 
 class Loopback:
     size, rank = 2, 0

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 import syncbn
 from syncbn import groups
-from syncbn._function import SyncBatchNormFunction
+from syncbn.engine._function import SyncBatchNormFunction
 
 
 class Loopback:

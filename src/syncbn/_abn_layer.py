@@ -3,7 +3,7 @@
 Shared by :mod:`syncbn.activated` and :mod:`syncbn.compat.inplace_abn`:
 parameters and buffers with ``nn.BatchNorm``'s names, torch's momentum
 convention (``None``: cumulative average), training and eval, ``nn.DataParallel``
-replicas (:mod:`syncbn.parallel._joint`), ``torch.compile`` (:mod:`syncbn._compiled`),
+replicas (:mod:`syncbn.parallel._joint`), ``torch.compile`` (:mod:`syncbn.engine._compiled`),
 activation checkpointing, checkpoint loading, pickling with a process group.
 """
 
@@ -15,14 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _fx, _rules, groups, parallel
-from ._function import inplace_abn_apply
+from . import _fx, groups, parallel
 from ._layer import LayerMixin
+from .engine import _rules
+from .engine._function import inplace_abn_apply
 from .families.inplace_abn import InPlaceABN, check_activation
 
 try:
-    from . import _ops
-    from ._compiled import traced_inplace_abn
+    from .engine import _ops
+    from .engine._compiled import traced_inplace_abn
 except ImportError:  # torch without ordered effectful custom operators: compiled models run eagerly
     _ops = None  # type: ignore[assignment]
 from .parallel._joint import replica_batch_norm
@@ -171,8 +172,8 @@ class ActivatedBatchNormBase(LayerMixin):
     def _forward(self, x: Tensor) -> Tensor:
         """Training or eval forward of the in-place layers; returns ``x``, overwritten.
 
-        Under ``torch.compile`` the traced form (:mod:`syncbn._compiled`): no
-        graph break, the collectives the one opaque operator of :mod:`syncbn._ops`.
+        Under ``torch.compile`` the traced form (:mod:`syncbn.engine._compiled`): no
+        graph break, the collectives the one opaque operator of :mod:`syncbn.engine._ops`.
         """
         if _is_compiling():
             if _ops is None or (
@@ -196,7 +197,7 @@ class ActivatedBatchNormBase(LayerMixin):
 
     def _compiled_forward(self, x: Tensor) -> Tensor:
         # Traced, no graph break: only the collective is opaque (syncbn::all_reduce_sum, see
-        # syncbn._compiled); nothing guards on which layer this is (the layer is its token).
+        # syncbn.engine._compiled); nothing guards on which layer this is (the layer is its token).
         # nn.DataParallel replicas run eagerly (one graph break per layer).
         if self.__dict__.get("_syncbn_replica") is not None:
             return _eager_forward(self, x)

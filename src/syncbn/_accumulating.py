@@ -23,7 +23,7 @@ from torch import Tensor
 __all__ = ["Moments", "observe", "listening"]
 
 # torch.compiler.is_compiling arrived in torch 2.3; torch 2.2 has torch._dynamo.is_compiling. (The
-# same test as syncbn._rules.is_compiling, which this layer-0 module sits below.)
+# same test as syncbn.engine._rules.is_compiling, which this layer-0 module sits below.)
 _is_compiling: Callable[[], bool] = (
     getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 )

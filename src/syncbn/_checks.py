@@ -91,7 +91,7 @@ class LayerState:
         # plain attribute, so model.to(device) leaves it on the host, where the collective
         # operator reads it without a device synchronisation). Dynamo lifts it as a graph input
         # and guards its dtype and shape only, never which layer it belongs to: one compiled
-        # frame serves every layer (syncbn._ops).
+        # frame serves every layer (syncbn.engine._ops).
         value = next(_token_counter)
         self.token = torch.tensor(value, dtype=torch.int64)
         self.owner: weakref.ref[nn.Module] | None = None

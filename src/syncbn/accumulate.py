@@ -29,9 +29,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _accumulating, _rules, groups
+from . import _accumulating, groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import LayerMixin
+from .engine import _rules
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]

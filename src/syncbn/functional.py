@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
-from ._function import LOCAL, SyncBatchNormFunction, TransformableSyncBatchNormFunction, _Pending
+from .engine._function import LOCAL, SyncBatchNormFunction, TransformableSyncBatchNormFunction, _Pending
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
 

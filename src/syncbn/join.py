@@ -44,7 +44,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
-from . import _config, _function, groups
+from . import _config, groups
+from .engine import _function
 
 __all__ = ["JoinableSyncBatchNorm"]
 

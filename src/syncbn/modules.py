@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _fx, _rules, groups, parallel
+from . import _fx, groups, parallel
 from ._layer import LayerMixin, dims_doc
+from .engine import _rules
 
 try:
-    from . import _compiled, _ops
+    from .engine import _compiled, _ops
 except ImportError:  # torch without custom operators: compiled models run the eager layer (graph breaks)
     _ops = None  # type: ignore[assignment]
     _compiled = None  # type: ignore[assignment]
@@ -255,7 +256,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         return out
 
     def _compiled_training_forward(self, input: Tensor, factor: float, tracking: bool) -> Tensor:
-        # Under torch.compile: traced arithmetic around the opaque collective (syncbn._compiled).
+        # Under torch.compile: traced arithmetic around the opaque collective (syncbn.engine._compiled).
         # Nothing here guards on which layer this is: the layer travels as its token, a graph
         # input, so a frame compiled for one layer serves them all.
         running_mean = self.running_mean if tracking else None

@@ -16,5 +16,5 @@ HAS_COMPILED_OPS = syncbn.modules._ops is not None
 
 needs_compiled_ops = pytest.mark.skipif(
     not HAS_COMPILED_OPS,
-    reason=f"torch {torch.__version__} has no custom operators with ordered effects (syncbn._ops)",
+    reason=f"torch {torch.__version__} has no custom operators with ordered effects (syncbn.engine._ops)",
 )

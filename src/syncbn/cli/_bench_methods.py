@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._function import SyncBatchNormFunction
+from ..engine._function import SyncBatchNormFunction
 from ..groups import ProcessGroupSum
 from ..modules import SyncBatchNorm
 

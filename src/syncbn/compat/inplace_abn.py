@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import _fx, groups
 from .._abn_layer import ActivatedBatchNormBase
-from .._function import inplace_abn_apply
+from ..engine._function import inplace_abn_apply
 from ..families.inplace_abn import check_activation
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]

@@ -1,8 +1,8 @@
 """Layer families: only their math, on the one engine.
 
 A family says what differs between synchronised normalisation layers, in
-torch's own phase names; the engine (:mod:`syncbn._function` eager,
-:mod:`syncbn._compiled` traced, :mod:`syncbn.parallel` replicas) owns
+torch's own phase names; the engine (:mod:`syncbn.engine._function` eager,
+:mod:`syncbn.engine._compiled` traced, :mod:`syncbn.parallel` replicas) owns
 everything else: local moments, packing, the count/empty/one-value rules, the
 framed collective, the handshake and Join policy, the running-statistics
 update, dtype rules and the autograd plumbing.
@@ -13,7 +13,7 @@ update, dtype rules and the autograd plumbing.
   batchnorm math with the effective affine map ``(w r, b + w d)`` where ``r``
   and ``d`` are constants of the step.
 * :mod:`~syncbn.families.inplace_abn` (:class:`InPlaceABN`, imported from its
-  module: it builds on :mod:`syncbn._math`): affine + activation written over
+  module: it builds on :mod:`syncbn.engine._math`): affine + activation written over
   the input, the backward recovering ``xhat`` from the output.
 
 A family object is made per call and handed to the engine's one set of
@@ -36,7 +36,7 @@ elementwise forward written over the input, the backward's local reduction from
 the output, the input gradient, the parameter gradients, and their traced twins
 (see :class:`syncbn.families.inplace_abn.InPlaceABN`).
 
-Families import torch (the in-place family also :mod:`syncbn._math`'s helpers); the engine
+Families import torch (the in-place family also :mod:`syncbn.engine._math`'s helpers); the engine
 calls them, never the other way.
 """
 

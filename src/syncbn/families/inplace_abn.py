@@ -19,7 +19,7 @@ where :math:`y < 0` for ``leaky_relu`` (:math:`\\phi^{-1}(y) = y / a` there),
 :math:`y + \\alpha` where :math:`y \\le 0` for ``elu``
 (:math:`\\phi^{-1}(y) = \\log(1 + y/\\alpha)` there). Then the input gradient is
 batch norm's, with :math:`s\\,\\text{invstd}` as the scale (see
-:func:`syncbn._math.input_grad`).
+:func:`syncbn.engine._math.input_grad`).
 
 Conditioning: an error :math:`\\delta` in :math:`y` (its rounding to the input
 dtype) becomes :math:`\\delta / s` in :math:`\\hat x` (divided by the slope too
@@ -33,7 +33,7 @@ no NaN).
 
 Low-precision (float16/bfloat16) outputs are recovered in float32.
 
-The engine (:mod:`syncbn._function`, :mod:`syncbn._compiled`,
+The engine (:mod:`syncbn.engine._function`, :mod:`syncbn.engine._compiled`,
 :mod:`syncbn.parallel`) calls :class:`InPlaceABN`'s phases: the elementwise
 forward written over the input (:meth:`~InPlaceABN.forward_`, or
 ``nn.BatchNorm``'s own kernel without a group, :meth:`~InPlaceABN.native_forward_`),
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _math
+from ..engine import _math
 
 __all__ = [
     "ABNStats",
@@ -173,7 +173,7 @@ def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, pa
 def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Tensor, Tensor, bool]:
     """``(z, dz, scratch)``: the activation's input ``z`` and its gradient ``dz``, recovered from ``y``.
 
-    Both in :func:`syncbn._math.accumulation_dtype` of ``y`` (float32 for 16-bit
+    Both in :func:`syncbn.engine._math.accumulation_dtype` of ``y`` (float32 for 16-bit
     outputs). ``y`` is never written (the next layer keeps it too); ``scratch``
     says whether ``z`` is a new tensor the caller may overwrite (the input
     gradient is written into it). One pass each for ``leaky_relu``.
@@ -399,7 +399,8 @@ class InPlaceABN(NamedTuple):
             return sum_dz_xhat, sum_dz
         return torch.where(weight.detach() < 0, -sum_dz_xhat, sum_dz_xhat), sum_dz
 
-    # The traced twins (syncbn._compiled): plain tensor operations only, no host reads, no reused buffers.
+    # The traced twins (syncbn.engine._compiled): plain tensor operations only, no host reads,
+    # no reused buffers.
 
     def traced_forward_(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float

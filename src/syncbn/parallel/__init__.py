@@ -20,7 +20,7 @@ runs replica ``k`` on chunk ``k`` of the batch in thread ``k``, and gathers.
    when another layer was enrolled in between.
 2. **Forward** (:mod:`syncbn.parallel._joint`). Replica ``k`` computes its
    chunk's moments (the same math as the multi-process path,
-   :mod:`syncbn._math`), and a :class:`~syncbn._threads.ThreadSumGroup` sums the
+   :mod:`syncbn.engine._math`), and a :class:`~syncbn._threads.ThreadSumGroup` sums the
    packed moments over the replicas in replica order, so every replica gets the
    same bits whatever the threads' timing. Each replica normalises its own
    chunk in its own thread. Replica 0 then writes the updated running

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _math
-from .._function import inplace_abn_apply, synchronized_forward
-from .._math import finish_input_grad, local_grad_sums
-from .._rules import gradient_dtype
-from .._rules import one_value_error as engine_one_value_error
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
+from ..engine import _math
+from ..engine._function import inplace_abn_apply, synchronized_forward
+from ..engine._math import finish_input_grad, local_grad_sums
+from ..engine._rules import gradient_dtype
+from ..engine._rules import one_value_error as engine_one_value_error
 from ..families.inplace_abn import DOUBLE_BACKWARD, check_writable
 
 __all__ = ["replica_batch_norm"]
@@ -50,7 +50,7 @@ class _Record(NamedTuple):
     effective_weight: Tensor | None  # the weight the forward used (the family's, else ``weight``)
     family: Any  # the family object (syncbn.families), or None
     correction: tuple[Tensor, Tensor] | None  # the family's (r, d), or None
-    stats: Any  # the backward's statistics (syncbn._math.Stats, or the family's)
+    stats: Any  # the backward's statistics (syncbn.engine._math.Stats, or the family's)
     needs_grad: bool
 
 

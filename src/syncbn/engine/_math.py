@@ -2,7 +2,7 @@
 
 Everything here works on one process's tensors. The communication seam
 (:mod:`syncbn.groups`) sums the small packed tensors produced here across
-ranks; the autograd function (:mod:`syncbn._function`) strings the two together.
+ranks; the autograd function (:mod:`syncbn.engine._function`) strings the two together.
 
 Forward
 -------

@@ -52,7 +52,7 @@ def differentiable_input_grads(
     forward's, exactly; only their derivatives come from the rebuild), and the
     backward sums go through a differentiable all_reduce too: two collectives,
     on every rank alike, where the first-order backward makes one. ``stats``: the
-    forward's :class:`syncbn._math.Stats` (global mean, biased variance, eps, count).
+    forward's :class:`syncbn.engine._math.Stats` (global mean, biased variance, eps, count).
     """
     mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
     stat = mean.dtype
@@ -87,7 +87,7 @@ def differentiable_input_grads(
 def differentiable_backward(
     ctx: Any, grad_output: Tensor, x: Tensor, weight: Tensor | None, reduce: Reduce
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """The engine's backward (:mod:`syncbn._function`) with ``create_graph=True``, from its ``ctx``.
+    """The engine's backward (:mod:`syncbn.engine._function`) with ``create_graph=True``, from its ``ctx``.
 
     :func:`differentiable_input_grads`, then the family's parameter gradients
     (``ctx.family``, ``ctx.correction``), each gradient only where ``ctx`` needs it.

@@ -2,9 +2,9 @@
 
 Under ``torch.compile`` only the communication is opaque: ``syncbn::all_reduce_sum``
 sums a tensor over a syncbn group through the same framed path as eager
-(:func:`syncbn._function._all_reduce`: shared memory, the frame check on every
+(:func:`syncbn.engine._function._all_reduce`: shared memory, the frame check on every
 rank, the deferred check on accelerators, ``Join``), while the batch-norm
-arithmetic around it is ordinary traced code (:mod:`syncbn._compiled`) that the
+arithmetic around it is ordinary traced code (:mod:`syncbn.engine._compiled`) that the
 compiler fuses. The operator is registered as having *ordered side effects*
 (``torch.library._register_effectful_op(..., EffectType.ORDERED)``): AOTAutograd
 threads an effect token through every call, so the calls of a graph are never
@@ -65,8 +65,9 @@ except (ImportError, AttributeError) as exc:
         "layer (with graph breaks)"
     ) from exc
 
-from . import _checks, _function, _rules, groups
-from .groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_NAMES, PHASE_OTHER
+from .. import _checks, groups
+from ..groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_NAMES, PHASE_OTHER
+from . import _function, _rules
 
 __all__ = [
     "CHECK_ONE_VALUE",
@@ -223,7 +224,7 @@ def _framed_sum(
     sum_group: Any, tensor: Tensor, layer: Any, phase: int, source: Tensor | None, flags: int
 ) -> Tensor:
     """Handshake or debug check (with ``source``), the framed sum of a copy, the one-value check."""
-    if source is not None:  # the Join policy of syncbn._function decides whether checks run
+    if source is not None:  # the Join policy of syncbn.engine._function decides whether checks run
         if phase == PHASE_FORWARD:
             _function.checks_before_forward(sum_group, layer, source)
         elif phase == PHASE_BACKWARD:
@@ -292,7 +293,7 @@ def all_reduce_sum(
 
     The seam for layers built on syncbn's collective (in-place activated batch
     norm, say): in eager mode the framed sum of
-    :func:`syncbn._function._all_reduce`; while ``torch.compile`` traces, the
+    :func:`syncbn.engine._function._all_reduce`; while ``torch.compile`` traces, the
     ordered effectful operator ``syncbn::all_reduce_sum`` (no graph break, no
     guard on ``layer``, never reordered or dropped). Without a group of more than
     one member the sum is ``tensor`` itself (copied).
@@ -325,7 +326,7 @@ def all_reduce_sum(
     Example::
 
         >>> packed = torch.stack([local_sum, local_sum_sq])         # (2, C)
-        >>> total = syncbn._ops.all_reduce_sum(packed, None, self, "forward")
+        >>> total = syncbn.engine._ops.all_reduce_sum(packed, None, self, "forward")
     """
     code = _PHASES.get(phase, PHASE_OTHER)
     flags = CHECK_ONE_VALUE if one_value_check else 0

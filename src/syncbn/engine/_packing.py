@@ -3,7 +3,7 @@
 Each rank packs its count, mean and biased variance as ``[n, n*mean, n*(var + mean^2)]``
 (:func:`pack_moments`, into this thread's reusable :class:`MomentBuffer` on the host); the
 sum over ranks is ``[N, S, Q]``, from which :func:`unpack_moments` gives the global mean and
-the biased and unbiased variances (see :mod:`syncbn._math` for the error analysis). The
+the biased and unbiased variances (see :mod:`syncbn.engine._math` for the error analysis). The
 backward's ``[[sum dy], [sum dy*xhat]]`` is :func:`pack_grad_sums`.
 """
 

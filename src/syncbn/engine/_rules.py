@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import _checks, _math
+from .. import _checks
+from . import _math
 
 __all__ = [
     "gradient_dtype",

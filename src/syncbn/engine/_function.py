@@ -14,8 +14,8 @@ decides alike).
 Two autograd entry points, for every family: :class:`SyncBatchNormFunction`
 (eager) and :class:`TransformableSyncBatchNormFunction` (``setup_context``
 form, under ``torch.func``; with ``create_graph=True`` the backward is
-differentiable, :mod:`syncbn._double_backward`). Compiled models run
-:mod:`syncbn._compiled`, whose only call here is the framed sum (:mod:`syncbn._ops`).
+differentiable, :mod:`syncbn.engine._double_backward`). Compiled models run
+:mod:`syncbn.engine._compiled`, whose only call here is the framed sum (:mod:`syncbn.engine._ops`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,10 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _accumulating, _checks, _config, _math
-from ._double_backward import differentiable_backward
-from ._math import Stats, finish_input_grad, local_grad_sums
-from ._rules import gradient_dtype, one_value_error, statistics_dtype
-from ._threads import LOCAL
-from .families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
-from .groups import (
+from .. import _accumulating, _checks, _config
+from .._threads import LOCAL
+from ..families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
+from ..groups import (
     PHASE_BACKWARD,
     PHASE_FORWARD,
     PHASE_OTHER,
@@ -40,6 +37,10 @@ from .groups import (
     SumGroup,
     Tag,
 )
+from . import _math
+from ._double_backward import differentiable_backward
+from ._math import Stats, finish_input_grad, local_grad_sums
+from ._rules import gradient_dtype, one_value_error, statistics_dtype
 
 __all__ = ["LOCAL", "SyncBatchNormFunction", "inplace_abn_apply", "synchronized_forward"]
 
@@ -178,7 +179,7 @@ class ForwardResult(NamedTuple):
     """What a synchronised training forward produced, and what its backward needs."""
 
     out: Tensor  # the output (the in-place family: the input, overwritten)
-    stats: Any  # what backward reads: a syncbn._math.Stats, or the family's (in-place: ABNStats)
+    stats: Any  # what backward reads: a syncbn.engine._math.Stats, or the family's (in-place: ABNStats)
     weight: Tensor | None = None  # the weight the elementwise forward used (the family's effective one)
     correction: tuple[Tensor, Tensor] | None = None  # the family's (r, d); None for batch norm
     family: Any = None  # the family object (syncbn.families); None for batch norm

@@ -5,7 +5,7 @@ runs :func:`sync_batch_norm` here instead of the eager autograd function: an
 ``autograd.Function`` whose forward and backward are ordinary tensor
 operations (dynamo traces both; AOTAutograd hands the backward graph to
 inductor), with only the two collectives opaque (``syncbn::all_reduce_sum``,
-:mod:`syncbn._ops`). Inductor then fuses the statistics into the producer's
+:mod:`syncbn.engine._ops`). Inductor then fuses the statistics into the producer's
 epilogue, the normalisation with the activation that follows, and the
 backward's sums and input gradient, as it does for ``nn.BatchNorm``.
 
@@ -50,9 +50,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _accumulating, _function, _math, _ops, _rules
-from .families.inplace_abn import InPlaceABN
-from .groups import PHASE_BACKWARD, PHASE_FORWARD
+from .. import _accumulating
+from ..families.inplace_abn import InPlaceABN
+from ..groups import PHASE_BACKWARD, PHASE_FORWARD
+from . import _function, _math, _ops, _rules
 
 __all__ = ["sync_batch_norm", "traced_inplace_abn", "traced_moments", "traced_update_running"]
 
@@ -271,10 +272,10 @@ def traced_inplace_abn(
     group: int = 0,
     token: Tensor | None = None,
 ) -> Tensor:
-    """The compiled form of :func:`syncbn._function.inplace_abn_apply`; returns ``x``, overwritten.
+    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten.
 
-    ``group``: a :func:`syncbn._ops.group_handle` (0: local); ``token``: the layer's
-    :func:`syncbn._ops.layer_token`. Locally, a count of one raises while tracing
+    ``group``: a :func:`syncbn.engine._ops.group_handle` (0: local); ``token``: the layer's
+    :func:`syncbn.engine._ops.layer_token`. Locally, a count of one raises while tracing
     (as the eager layer); a global count of zero leaves the running statistics unchanged.
     """
     family = InPlaceABN(activation, param, training)
