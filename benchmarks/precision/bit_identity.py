@@ -13,7 +13,7 @@ without affine parameters and running statistics:
 Per case it hashes the output, the input, weight and bias gradients, the running statistics
 after three steps and an eval-mode output, and prints which cases differ::
 
-    python benchmarks/precision/bit_identity.py --src /work/main/src --src src
+    python benchmarks/precision/bit_identity.py --src OLD/src --src NEW/src
 
 Exit status 1 when any hash differs.
 """
