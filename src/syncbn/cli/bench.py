@@ -69,7 +69,7 @@ from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchN
 from ._bench_report import format_table, ratios
 from ._bench_runner import bench_layers, machine_info, time_interleaved
 from ._bench_targets import format_targets, load_average, targets
-from ._launch import DEFAULT_TIMEOUT_S, default_backend, run_ranks
+from ._launch import DEFAULT_TIMEOUT_S, add_launch_arguments, default_backend, run_ranks
 
 __all__ = [
     "DEFAULT_SHAPES",
@@ -109,20 +109,16 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (default 2)")
     parser.add_argument(
         "--shapes",
         type=parse_shapes,
         default=DEFAULT_SHAPES,
-        help="comma-separated per-rank input shapes, e.g. 16x64x32x32,256x512 (default: five standard ones)",
+        help="comma-separated per-rank input shapes, e.g. 16x64x32x32,256x512 (default: the seven of the targets table)",
     )
     parser.add_argument("--iters", type=int, default=40, help="timed iterations per method (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument(
-        "--backend", default=None, help="torch.distributed backend (default: nccl on cuda, else gloo)"
-    )
+    add_launch_arguments(parser, "where the layers run (default cpu)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument(
         "--force-sync",
