@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes",
         type=parse_shapes,
         default=DEFAULT_SHAPES,
-        help="comma-separated per-rank input shapes, e.g. 16x64x32x32,256x512 (default: the seven of the targets table)",
+        help="comma-separated per-rank input shapes, e.g. 16x64x32x32,256x512 (default: 7 shapes)",
     )
     parser.add_argument("--iters", type=int, default=40, help="timed iterations per method (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
