@@ -172,7 +172,7 @@ def _host_side(x: Tensor) -> bool:
 
     The one switch between the CPU and accelerator flows; tests flip it to run the latter on CPU.
     """
-    return x.device.type == "cpu"
+    return x.is_cpu  # (``device.type`` makes a device object: ~0.2 us a call)
 
 
 class ForwardResult(NamedTuple):

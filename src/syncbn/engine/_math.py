@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import _packing
 from ._packing import _ONES, MomentBuffer, moment_buffer, pack_grad_sums, pack_moments, unpack_moments  # noqa: F401
 
 __all__ = [
@@ -87,10 +88,6 @@ def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
 def broadcast_shape(x: Tensor) -> list[int]:
     """Shape ``[1, C, 1, ...]`` that broadcasts a per-channel vector against ``x``."""
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
-
-
-def _reduce_dims(x: Tensor) -> list[int]:
-    return [0, *range(2, x.dim())]
 
 
 def _is_channels_last(x: Tensor) -> bool:
@@ -151,7 +148,7 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
     dtype = x.dtype
     numel = x.numel()
     if dtype in _LOW_PRECISION:
-        if x.device.type == "cpu":
+        if x.is_cpu:
             buffers = moment_buffer(x.shape[1], x.device)
             return torch.batch_norm_update_stats(x, buffers.scratch_mean, buffers.scratch_var, 0.0)
         native = False
@@ -163,7 +160,7 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
         return cast(mean, acc), cast(var, acc)
     n = numel // x.shape[1]
     ndim = x.dim()
-    dims = _REDUCE_DIMS[ndim] if ndim < len(_REDUCE_DIMS) else _reduce_dims(x)
+    dims = _REDUCE_DIMS[ndim] if ndim < len(_REDUCE_DIMS) else [0, *range(2, ndim)]
     mean = x.sum(dims, dtype=acc).div_(n)
     usable = scratch if scratch is not None and scratch.dtype == acc and scratch.is_contiguous() else None
     if numel >= _BLOCKED_MIN_NUMEL and x.shape[0] > 1 and x.is_contiguous():
@@ -218,7 +215,7 @@ def normalize(
     """
     if out is None:
         return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-    empty = _EMPTY.get(mean.dtype) if mean.device.type == "cpu" else None
+    empty = _EMPTY.get(mean.dtype) if mean.is_cpu else None
     if empty is None:
         empty = mean.new_empty(0)  # inference mode leaves the saved statistics empty
     # torch.native_batch_norm(out=...) is the out overload without the Python of torch.ops (~2 us).
@@ -251,10 +248,7 @@ def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype, scratch: Tensor | Non
 
 # Read-only empty tensors for the statistics an inference-mode native_batch_norm.out leaves
 # empty (each saves a call per layer).
-_EMPTY = {
-    dtype: torch.empty(0, dtype=dtype)
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-}
+_EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (*_LOW_PRECISION, torch.float32, torch.float64)}
 _ZERO = {dtype: torch.zeros((), dtype=dtype) for dtype in (torch.float32, torch.float64)}
 
 
@@ -330,10 +324,9 @@ def input_grad(grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Sta
 
     ``dx = w*invstd*(g - sum_dy/N - xhat*sum_dy_xhat/N)``, evaluated as one
     inference-mode batch norm of ``x`` (the two correction terms as weight and
-    bias) followed by an in-place ``addcmul`` of ``g * (w * invstd)``. (Doing
-    both a block of samples at a time, so each block of ``dx`` is still in
-    cache for the ``addcmul``, measured no faster on CPU.) float16/bfloat16
-    ``x`` is computed in float32 and rounded once instead (see
+    bias) followed by an in-place ``addcmul`` of ``g * (w * invstd)`` (a block
+    of samples at a time measured no faster on CPU). float16/bfloat16 ``x`` is
+    computed in float32 and rounded once instead (see
     :func:`_low_precision_input_grad`): ``nn.BatchNorm``'s own error.
 
     Args:
@@ -349,17 +342,24 @@ def input_grad(grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Sta
     if x.dtype in _LOW_PRECISION:
         return _low_precision_input_grad(grad_output, x, weight, stats, sums)
     mean, var, eps, count = stats.mean, stats.var, stats.eps, stats.total
-    scale = (var + eps).rsqrt_()  # invstd, statistics dtype
+    zero = _ZERO.get(var.dtype) if x.is_cpu and isinstance(count, float) else None
+    mine = zero is not None and var.is_cpu and sums.dtype is var.dtype is mean.dtype  # (see GradBuffer)
+    mine = mine and not torch.is_grad_enabled()
+    buffer = _packing.grad_buffer(x.shape[1], var.dtype, x.dim()) if mine else None
+    scale = (var + eps if buffer is None else torch.add(var, eps, out=buffer.scale)).rsqrt_()  # invstd
     if weight is not None:
         scale.mul_(weight)
-    zero = _ZERO.get(scale.dtype) if x.device.type == "cpu" else None
-    if zero is not None and isinstance(count, float):  # 0 + sums * scale * (-1/N) in one call
-        corrections = cast(torch.addcmul(zero, sums, scale, value=-1.0 / count), mean.dtype)
+    if zero is not None:  # 0 + sums * scale * (-1/N) in one call (``count`` a float here)
+        into = None if buffer is None else buffer.corrections
+        corrections = cast(torch.addcmul(zero, sums, scale, value=-1.0 / count, out=into), mean.dtype)  # type: ignore[arg-type]
     else:
         corrections = cast(torch.mul(sums, scale * (-1.0 / count)), mean.dtype)
-    shift, slope = corrections.unbind(0)  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
+    if buffer is not None:  # its views, made once
+        shift, slope, view = buffer.shift, buffer.slope, buffer.scale_view
+    else:  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
+        (shift, slope), view = corrections.unbind(0), scale.view(broadcast_shape(x))
     grad_input = torch.batch_norm(x, slope, shift, mean, var, False, 0.0, eps, False)
-    return grad_input.addcmul_(grad_output, scale.view(broadcast_shape(x)))
+    return grad_input.addcmul_(grad_output, view)
 
 
 def _low_precision_input_grad(

@@ -4,7 +4,8 @@ Each rank packs its count, mean and biased variance as ``[n, n*mean, n*(var + me
 (:func:`pack_moments`, into this thread's reusable :class:`MomentBuffer` on the host); the
 sum over ranks is ``[N, S, Q]``, from which :func:`unpack_moments` gives the global mean and
 the biased and unbiased variances (see :mod:`syncbn.engine._math` for the error analysis). The
-backward's ``[[sum dy], [sum dy*xhat]]`` is :func:`pack_grad_sums`.
+backward's ``[[sum dy], [sum dy*xhat]]`` is :func:`pack_grad_sums`; its input gradient's
+per-channel temporaries live in this thread's reusable :class:`GradBuffer` on the host.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MomentBuffer", "moment_buffer", "pack_moments", "unpack_moments", "pack_grad_sums"]
+__all__ = [
+    "GradBuffer",
+    "MomentBuffer",
+    "grad_buffer",
+    "moment_buffer",
+    "pack_moments",
+    "unpack_moments",
+    "pack_grad_sums",
+]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Read-only one-element tensors for the head of the packed vector (each saves a call per layer).
@@ -91,6 +100,39 @@ def moment_buffer(channels: int, device: torch.device) -> MomentBuffer:
         if len(cache) >= 256:
             cache.clear()
         buffer = cache[key] = MomentBuffer(channels, device)
+    return buffer
+
+
+class GradBuffer:
+    """One thread's reusable per-channel buffers of the input gradient (host, one dtype and rank).
+
+    ``scale`` (``w * invstd``, ``(C,)``) with ``scale_view`` (``(1, C, 1, ...)``, against the
+    input), and ``corrections`` (``(2, C)``) with its rows ``shift`` and ``slope``: what
+    :func:`~syncbn.engine._math.input_grad` computes per call and reads only inside that call.
+    Writing them here saves a view, an unbind and two allocations per backward.
+    """
+
+    __slots__ = ("scale", "scale_view", "corrections", "shift", "slope")
+
+    def __init__(self, channels: int, dtype: torch.dtype, ndim: int) -> None:
+        with torch.inference_mode(False):  # usable in place inside and outside inference mode
+            self.scale = torch.empty(channels, dtype=dtype)
+            self.corrections = torch.empty(2, channels, dtype=dtype)
+            self.scale_view = self.scale.view([1, channels] + [1] * (ndim - 2))
+            self.shift, self.slope = self.corrections.unbind(0)
+
+
+def grad_buffer(channels: int, dtype: torch.dtype, ndim: int) -> GradBuffer:
+    """This thread's :class:`GradBuffer` for ``channels`` values of ``dtype`` against ``ndim``-D input."""
+    cache: dict[tuple[int, torch.dtype, int], GradBuffer] | None = getattr(_thread_state, "grads", None)
+    if cache is None:
+        cache = _thread_state.grads = {}
+    key = (channels, dtype, ndim)
+    buffer = cache.get(key)
+    if buffer is None:
+        if len(cache) >= 256:
+            cache.clear()
+        buffer = cache[key] = GradBuffer(channels, dtype, ndim)
     return buffer
 
 
@@ -177,7 +219,7 @@ def unpack_moments(
     mine = buffer if buffer is not None and packed is buffer.packed else None
     sums = mine.sums if mine is not None else packed[1:].view(2, channels)  # [S, Q]
     count: float | Tensor
-    if packed.device.type == "cpu" if read_count is None else read_count:
+    if packed.is_cpu if read_count is None else read_count:
         words = mine.words if mine is not None else None
         count = words[0] if words is not None else float(mine.head if mine is not None else packed[0])
         unbias: float | Tensor = count / max(count - 1.0, 1.0)

@@ -1,0 +1,62 @@
+"""The eager hot path's shortcuts give the same bits as the general path they stand in for.
+
+``SyncBatchNorm.forward`` enters the engine through ``SyncBatchNormFunction``'s C
+``apply`` (bound once) and the host's input gradient writes its per-channel
+temporaries into this thread's ``GradBuffer``: both must change nothing but time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import syncbn
+from syncbn import modules
+from syncbn.engine import _packing
+
+
+class TwoCopies:
+    """Two members holding identical batches: the sum is twice this member's tensor."""
+
+    size = 2
+    rank = 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.mul_(2)
+
+
+def _step(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm(shape[1], process_group=TwoCopies()).to(dtype)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
+    g = torch.randn(shape, dtype=dtype)
+    out = layer(x)
+    out.backward(g)
+    assert x.grad is not None and layer.weight.grad is not None and layer.bias.grad is not None
+    return [out, x.grad, layer.weight.grad, layer.bias.grad, layer.running_mean, layer.running_var]
+
+
+def test_c_apply_is_bound() -> None:
+    assert modules._apply_c is not None  # the shortcut is taken on this torch
+
+
+@pytest.mark.parametrize("shape", [(16, 32, 8, 8), (64, 128), (4, 3, 5), (3, 4, 2, 3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shortcuts_are_bit_identical(shape: tuple[int, ...], dtype: torch.dtype, monkeypatch) -> None:
+    fast = _step(shape, dtype)
+    monkeypatch.setattr(modules, "_apply_c", None)  # Function.apply's Python wrapper
+    monkeypatch.setattr(_packing, "grad_buffer", lambda *args: None)  # the input gradient without it
+    slow = _step(shape, dtype)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+
+
+def test_grad_buffer_views_are_made_once() -> None:
+    first = _packing.grad_buffer(5, torch.float32, 4)
+    assert _packing.grad_buffer(5, torch.float32, 4) is first
+    assert first.scale_view.shape == (1, 5, 1, 1)
+    assert first.scale_view.data_ptr() == first.scale.data_ptr()
+    assert first.slope.data_ptr() == first.corrections[1].data_ptr()
