@@ -51,12 +51,12 @@ torch.set_num_threads(1)
 import torch.distributed as dist
 import syncbn
 from syncbn import groups
-from syncbn.engine._function import SyncBatchNormFunction
+try:
+    from syncbn.engine._function import SyncBatchNormFunction
+except ImportError:  # a tree from before the engine had its folder
+    from syncbn._function import SyncBatchNormFunction
 
-class Loopback:
-    size, rank = 2, 0
-    def all_reduce_sum(self, t):
-        return t
+from syncbn.cli._bench_methods import LoopbackGroup as Loopback  # a group of 2 whose sum is the identity
 
 def digest(tensors):
     h = hashlib.sha256()

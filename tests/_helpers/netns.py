@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
+from syncbn._shm._wait import alive  # (a zombie counts as gone)
+
 _PREFIX = "sbn"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,16 +63,6 @@ def available() -> str:
     return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> None:
     """Delete the namespaces of earlier runs whose process is gone (names ``sbn<pid>...``)."""
     for name in _ip("netns", "list", check=False).stdout.split():
@@ -78,7 +70,7 @@ def remove_stale() -> None:
             continue
         rest = name[len(_PREFIX) :]
         digits = rest[: len(rest) - len(rest.lstrip("0123456789"))]
-        if digits and int(digits) != os.getpid() and not _alive(int(digits)):
+        if digits and int(digits) != os.getpid() and not alive(int(digits)):
             _ip("netns", "del", name, check=False)
 
 
