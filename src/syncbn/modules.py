@@ -14,7 +14,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _fx, groups, parallel
 from ._layer import LayerMixin, dims_doc
 from .engine import _rules
-from .engine._function import SyncBatchNormFunction
 
 try:
     from .engine import _compiled, _ops
@@ -43,33 +42,6 @@ def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -
 _is_compiling = _rules.is_compiling
 _warn_while_tracing = _rules.warn_while_tracing
 _in_backward = _rules.in_backward
-
-
-# SyncBatchNormFunction.apply's C entry, bound once (both exist on every supported torch; else
-# ``apply``). Outside torch.func transforms and tracing, Function.apply's Python wrapper only
-# unwraps dead functorch wrappers before calling it: done alike in _apply_eager, ~3 us less a call.
-_unwrap_if_dead: Any = getattr(torch._C._functorch, "unwrap_if_dead", None)
-_apply_entry: Any = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
-_apply_c: Any = (
-    None
-    if _unwrap_if_dead is None or _apply_entry is None
-    else _apply_entry.__get__(None, SyncBatchNormFunction)
-)
-
-
-def _apply_eager(x: Tensor, weight: Any, bias: Any, mean: Any, var: Any, *args: Any) -> Tensor:
-    """``SyncBatchNormFunction.apply(x, weight, bias, mean, var, *args)`` outside transforms and tracing."""
-    if _apply_c is None:
-        return SyncBatchNormFunction.apply(x, weight, bias, mean, var, *args)  # type: ignore[no-any-return]
-    unwrap = _unwrap_if_dead
-    return _apply_c(  # type: ignore[no-any-return]
-        unwrap(x),
-        None if weight is None else unwrap(weight),
-        None if bias is None else unwrap(bias),
-        None if mean is None else unwrap(mean),
-        None if var is None else unwrap(var),
-        *args,
-    )
 
 
 class SyncBatchNorm(LayerMixin, _BatchNorm):
@@ -273,10 +245,6 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         family = self._family_call(recomputing, True)
         if group is None and family is None:  # not distributed, or a group of one: exactly nn.BatchNorm
             out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
-        elif group is not None and not compiling and not torch._C._are_functorch_transforms_active():
-            # The common case, straight into the engine (synchronized's checks and wrapper skipped).
-            args = (eps, factor, group, self, family)
-            out = _apply_eager(input, weight, bias, running_mean, running_var, *args)
         else:  # the input was checked above
             out = synchronized(
                 input, running_mean, running_var, weight, bias, factor, eps, group, self, family
