@@ -11,7 +11,7 @@ per-channel temporaries live in this thread's reusable :class:`GradBuffer` on th
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -84,6 +84,21 @@ class MomentBuffer:
 
 
 _thread_state = threading.local()
+_Buffer = TypeVar("_Buffer")
+
+
+def _per_thread(slot: str, make: Callable[..., _Buffer], *key: Any) -> _Buffer:
+    """This thread's ``make(*key)`` in its cache ``slot`` (made on first use; at most 256 kept)."""
+    cache: dict[tuple[Any, ...], _Buffer] | None = getattr(_thread_state, slot, None)
+    if cache is None:
+        cache = {}
+        setattr(_thread_state, slot, cache)
+    buffer = cache.get(key)
+    if buffer is None:
+        if len(cache) >= 256:
+            cache.clear()
+        buffer = cache[key] = make(*key)
+    return buffer
 
 
 def moment_buffer(channels: int, device: torch.device) -> MomentBuffer:
@@ -91,16 +106,7 @@ def moment_buffer(channels: int, device: torch.device) -> MomentBuffer:
 
     Per thread, so ``nn.DataParallel``'s replica threads never share one.
     """
-    cache: dict[tuple[int, torch.device], MomentBuffer] | None = getattr(_thread_state, "moments", None)
-    if cache is None:
-        cache = _thread_state.moments = {}
-    key = (channels, device)
-    buffer = cache.get(key)
-    if buffer is None:
-        if len(cache) >= 256:
-            cache.clear()
-        buffer = cache[key] = MomentBuffer(channels, device)
-    return buffer
+    return _per_thread("moments", MomentBuffer, channels, device)
 
 
 class GradBuffer:
@@ -124,16 +130,7 @@ class GradBuffer:
 
 def grad_buffer(channels: int, dtype: torch.dtype, ndim: int) -> GradBuffer:
     """This thread's :class:`GradBuffer` for ``channels`` values of ``dtype`` against ``ndim``-D input."""
-    cache: dict[tuple[int, torch.dtype, int], GradBuffer] | None = getattr(_thread_state, "grads", None)
-    if cache is None:
-        cache = _thread_state.grads = {}
-    key = (channels, dtype, ndim)
-    buffer = cache.get(key)
-    if buffer is None:
-        if len(cache) >= 256:
-            cache.clear()
-        buffer = cache[key] = GradBuffer(channels, dtype, ndim)
-    return buffer
+    return _per_thread("grads", GradBuffer, channels, dtype, ndim)
 
 
 def pack_moments(
