@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms import Join
 
 import syncbn
+from _helpers.compare import join_reference_step
 from _helpers.dist_harness import launch
 
 # Batches per rank: rank 1 joins after its first step, or before any (so the layers' first use,
@@ -95,14 +96,7 @@ def _run(rank: int, world_size: int, family: str, debug: bool, batches: tuple[in
     errors: list[float] = []
 
     def reference_step(step: int) -> Tensor:
-        active = [r for r in range(world_size) if step < batches[r]]
-        pairs = [_batch(step, r) for r in active]
-        y = ref(torch.cat([x for x, _ in pairs]))
-        (y * torch.cat([g for _, g in pairs])).sum().div(world_size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        lo = sum(pairs[i][0].shape[0] for i in range(active.index(rank))) if rank in active else 0
-        return y.detach()[lo : lo + (_batch(step, rank)[0].shape[0])]
+        return join_reference_step(ref, ref_opt, _batch, step, batches, rank)
 
     with Join([joinable, ddp]):
         for step in range(batches[rank]):

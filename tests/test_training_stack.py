@@ -24,6 +24,7 @@ from torch.distributed.algorithms import Join
 from torch.utils.checkpoint import checkpoint
 
 import syncbn
+from _helpers.compare import join_reference_step
 from _helpers.dist_harness import launch, launch_once
 
 SIZES = (3, 5)  # per-rank batch sizes of the 2-rank cases (uneven on purpose)
@@ -278,24 +279,13 @@ def _join(rank: int, world_size: int, shared_memory: bool) -> dict[str, Any]:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 
-    def reference_step(step: int) -> tuple[list[int], Tensor]:
-        active = [r for r in range(world_size) if step < BATCHES[r]]
-        pairs = [_join_batch(step, r) for r in active]
-        y = ref(torch.cat([x for x, _ in pairs]))
-        # DDP divides by the initial world size; a joined rank contributes zero gradients.
-        (y * torch.cat([g for _, g in pairs])).sum().div(world_size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        offsets = [0]
-        for x, _ in pairs:
-            offsets.append(offsets[-1] + x.shape[0])
-        i = active.index(rank) if rank in active else 0
-        return active, y.detach()[offsets[i] : offsets[i + 1]]
+    def reference_step(step: int) -> Tensor:
+        return join_reference_step(ref, ref_opt, _join_batch, step, BATCHES, rank)
 
     errors: list[float] = []
     with Join([joinable, ddp]):
         for step in range(BATCHES[rank]):
-            _, y_ref = reference_step(step)
+            y_ref = reference_step(step)
             x, g = _join_batch(step, rank)
             y = ddp(x)
             (y * g).sum().backward()

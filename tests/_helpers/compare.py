@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -59,3 +61,31 @@ def rank_steps_errors(
         torch.distributed.all_reduce(grad)  # DDP's sum over ranks: the big batch's gradient
         errors[f"param {name}"] = (grad - q.grad).abs().max().item()
     return errors
+
+
+def join_reference_step(
+    ref: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Callable[[int, int], tuple[Tensor, Tensor]],
+    step: int,
+    batches: Sequence[int],
+    rank: int,
+) -> Tensor:
+    """One step of the global-batch reference of a Join run; this rank's rows of its output.
+
+    ``ref`` runs on the concatenation of ``batch(step, r)`` inputs of the ranks ``r`` still
+    training (``step < batches[r]``), backward with their upstream gradients divided by the world
+    size (DDP divides by the initial world size; a joined rank contributes zero gradients), then
+    ``opt`` steps. ``batches`` holds one count per rank (its length is the world size); a rank
+    that has joined gets an empty slice.
+    """
+    active = [r for r in range(len(batches)) if step < batches[r]]
+    pairs = [batch(step, r) for r in active]
+    y = ref(torch.cat([x for x, _ in pairs]))
+    (y * torch.cat([g for _, g in pairs])).sum().div(len(batches)).backward()
+    opt.step()
+    opt.zero_grad()
+    if rank not in active:
+        return y.detach()[:0]
+    lo = sum(x.shape[0] for x, _ in pairs[: active.index(rank)])
+    return y.detach()[lo : lo + pairs[active.index(rank)][0].shape[0]]
