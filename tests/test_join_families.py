@@ -17,10 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.algorithms import Join
 
 import syncbn
-from _helpers.compare import join_reference_step
+from _helpers.compare import join_run
 from _helpers.dist_harness import launch
 
 # Batches per rank: rank 1 joins after its first step, or before any (so the layers' first use,
@@ -93,22 +92,11 @@ def _run(rank: int, world_size: int, family: str, debug: bool, batches: tuple[in
     joinable = syncbn.JoinableSyncBatchNorm(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    errors: list[float] = []
 
-    def reference_step(step: int) -> Tensor:
-        return join_reference_step(ref, ref_opt, _batch, step, batches, rank)
+    def error(y: Tensor, y_ref: Tensor) -> float:
+        return max(_err(y, y_ref), _state_err(model, ref))
 
-    with Join([joinable, ddp]):
-        for step in range(batches[rank]):
-            y_ref = reference_step(step)
-            x, g = _batch(step, rank)
-            y = ddp(x)
-            (y * g).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            errors.append(max(_err(y, y_ref), _state_err(model, ref)))
-    for step in range(batches[rank], max(batches)):
-        reference_step(step)
+    errors = join_run(ddp, joinable, opt, ref, ref_opt, _batch, batches, rank, error)
     return {"steps": errors, "final": _state_err(model, ref), "shadowed": joinable.shadowed}
 
 

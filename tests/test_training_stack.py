@@ -24,7 +24,7 @@ from torch.distributed.algorithms import Join
 from torch.utils.checkpoint import checkpoint
 
 import syncbn
-from _helpers.compare import join_reference_step
+from _helpers.compare import join_run
 from _helpers.dist_harness import launch, launch_once
 
 SIZES = (3, 5)  # per-rank batch sizes of the 2-rank cases (uneven on purpose)
@@ -279,21 +279,10 @@ def _join(rank: int, world_size: int, shared_memory: bool) -> dict[str, Any]:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 
-    def reference_step(step: int) -> Tensor:
-        return join_reference_step(ref, ref_opt, _join_batch, step, BATCHES, rank)
+    def error(y: Tensor, y_ref: Tensor) -> float:
+        return max(_max_err(y, y_ref), _state_err(model, ref))
 
-    errors: list[float] = []
-    with Join([joinable, ddp]):
-        for step in range(BATCHES[rank]):
-            y_ref = reference_step(step)
-            x, g = _join_batch(step, rank)
-            y = ddp(x)
-            (y * g).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            errors.append(max(_max_err(y, y_ref), _state_err(model, ref)))
-    for step in range(BATCHES[rank], max(BATCHES)):  # the steps the others still trained
-        reference_step(step)
+    errors = join_run(ddp, joinable, opt, ref, ref_opt, _join_batch, BATCHES, rank, error)
     return {"steps": errors, "final": _state_err(model, ref), "shadowed": joinable.shadowed}
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms import Join
 
 
 def assert_same_step(ours: nn.Module, ref: nn.Module, x: Tensor) -> None:
@@ -89,3 +91,34 @@ def join_reference_step(
         return y.detach()[:0]
     lo = sum(x.shape[0] for x, _ in pairs[: active.index(rank)])
     return y.detach()[lo : lo + pairs[active.index(rank)][0].shape[0]]
+
+
+def join_run(
+    ddp: nn.Module,
+    joinable: Any,
+    opt: torch.optim.Optimizer,
+    ref: nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    batch: Callable[[int, int], tuple[Tensor, Tensor]],
+    batches: Sequence[int],
+    rank: int,
+    error: Callable[[Tensor, Tensor], float],
+) -> list[float]:
+    """Train ``ddp`` under ``Join([joinable, ddp])`` for this rank's ``batches[rank]`` steps.
+
+    Beside each step, the reference's step (:func:`join_reference_step`); after them, the
+    reference's steps the other ranks still train. Returns ``error(y, y_ref)`` per step.
+    """
+    errors: list[float] = []
+    with Join([joinable, ddp]):
+        for step in range(batches[rank]):
+            y_ref = join_reference_step(ref, ref_opt, batch, step, batches, rank)
+            x, g = batch(step, rank)
+            y = ddp(x)
+            (y * g).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            errors.append(error(y, y_ref))
+    for step in range(batches[rank], max(batches)):  # the steps the others still train
+        join_reference_step(ref, ref_opt, batch, step, batches, rank)
+    return errors
