@@ -19,6 +19,9 @@ every member makes at the same collective points. Nothing else takes part: unlik
 ``dist.new_group`` (a collective of the whole job, or, with local synchronisation, a name derived
 from each rank's own count of groups, which differs between ranks of overlapping groups), a wire
 never needs a rank outside its group. Wires are not registered with ``torch.distributed``.
+Meeting takes two bounded steps (:func:`_connect`): a presence check in the store with the bound,
+then gloo's connection with a fifth of it (gloo waits five times a group's timeout for a pair's
+first connection), the timeout raised to the bound once connected.
 
 Teardown (found with gdb on torch 2.2.2: the exit hang of issue 23). When Python drops a tensor
 that a gloo work still holds, the tensor keeps its Python object alive, and gloo's worker thread,
@@ -150,11 +153,43 @@ def make_sets(
             continue
         where = "-".join(map(str, members))
         prefixed = dist.PrefixStore(f"syncbn/wire/{name}/{generation}/{where}/", store)
-        wire = dist.ProcessGroupGloo(prefixed, members.index(me), len(members), timedelta(seconds=timeout_s))
+        wire = _connect(prefixed, members.index(me), len(members), timeout_s)
         key = adopt(wire)
         _ranks[key] = [ranks[r] for r in members]
         made[tuple(members)] = weakref.ref(wire)
     return made
+
+
+# Gloo waits up to five times a group's timeout for a pair's first connection (``waitUntil`` in
+# gloo/transport/tcp/pair.h, since 2020): a member lost between publishing its address and
+# connecting would hold the others in the constructor for 5x syncbn's bound (seen: 38 s and more
+# with a 10 s bound).
+_CONNECT_WAITS = 5
+
+
+def _connect(store: Any, rank: int, size: int, timeout_s: float) -> Any:
+    """A gloo group over ``store`` whose members all meet within ``timeout_s`` each way, or an error.
+
+    Two bounded steps. First every member marks itself present and waits for the others
+    (``store.wait`` with the bound: the store's own timeout, 30 minutes by default, never
+    applies). Then gloo connects the pairs with a timeout of ``timeout_s / 5``, so that its
+    initial-connect wait (five times the timeout) also ends at the bound; the group's timeout is
+    then raised to ``timeout_s`` for its collectives. Where torch cannot change a gloo group's
+    timeout (before 2.13, :data:`CARRIES_TIMEOUT`) the group is made with ``timeout_s``: a member
+    lost in the milliseconds between the presence check and its connection is then found at up
+    to five times the bound.
+    """
+    here = [f"here/{r}" for r in range(size)]
+    store.set(here[rank], "1")
+    store.wait(here, timedelta(seconds=timeout_s))
+    connect_s = timeout_s / _CONNECT_WAITS if CARRIES_TIMEOUT else timeout_s
+    wire = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=connect_s))
+    if connect_s != timeout_s and not set_timeout(wire, timeout_s):
+        raise RuntimeError(
+            f"syncbn could not set the timeout of its gloo group to {timeout_s:g} s after its "
+            f"connection (made with {connect_s:g} s); torch {torch.__version__}"
+        )
+    return wire
 
 
 def wire_ranks(group: Any) -> list[int] | None:
