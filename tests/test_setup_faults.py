@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -204,8 +205,7 @@ def _lost_while_the_wire_connects(rank: int, world_size: int) -> dict[str, Any]:
         else:
             # Gloo publishes this rank's address under "<device>/<rank>" ("0/0"), then connects.
             def watch() -> None:
-                while not store.check(["0/0"]):
-                    time.sleep(0.0002)
+                store.wait(["0/0"], timedelta(seconds=30))
                 os.kill(os.getpid(), signal.SIGKILL)
 
             threading.Thread(target=watch, daemon=True).start()
