@@ -50,10 +50,11 @@ __all__ = ["LOCAL", "Params", "SyncBatchNormFunction", "inplace_abn_apply", "syn
 class Params(NamedTuple):
     """A training call's arguments besides the tensors autograd tracks, as one object.
 
-    Built once at the entry (the layer, :func:`syncbn.functional.sync_batch_norm`,
-    a DataParallel replica, :func:`inplace_abn_apply`) and carried through every
-    layer of the engine, eager and traced alike; ``x``, ``weight`` and ``bias``
-    stay direct arguments of ``Function.apply``.
+    Built once at the entry (the layers' eager and compiled forwards,
+    :func:`syncbn.functional.sync_batch_norm`, a DataParallel replica,
+    :func:`inplace_abn_apply`) and carried through every layer of the engine,
+    eager and traced alike; ``x``, ``weight`` and ``bias`` stay direct arguments
+    of ``Function.apply``.
     """
 
     running_mean: Tensor | None  # updated in place (None: not tracked)
