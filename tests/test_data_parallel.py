@@ -21,7 +21,7 @@ from _helpers.marks import needs_2_gpus, needs_cuda
 from _helpers.modules import Scale
 from syncbn import parallel
 from syncbn._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
-from syncbn.engine._function import SyncBatchNormFunction
+from syncbn.engine._function import Params, SyncBatchNormFunction
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("short_replica_timeout")]
 
@@ -233,7 +233,7 @@ def test_a_blocking_backward_would_fail_on_cpu_but_boundedly() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             group = ThreadSumGroup(self.rendezvous, self.rank)
-            return SyncBatchNormFunction.apply(x, None, None, None, None, 1e-5, 0.1, group)
+            return SyncBatchNormFunction.apply(x, None, None, Params(None, None, 1e-5, 0.1, group))
 
     rendezvous = Rendezvous(2, timeout=0.3, label="naive")
     replicas = [Naive(), Naive()]

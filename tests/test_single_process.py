@@ -16,7 +16,7 @@ import syncbn
 from _helpers.compare import assert_same_step
 from syncbn.cli.bench import LoopbackGroup
 from syncbn.engine import _math
-from syncbn.engine._function import SyncBatchNormFunction
+from syncbn.engine._function import Params, SyncBatchNormFunction
 
 CLASSES = [
     (syncbn.SyncBatchNorm1d, nn.BatchNorm1d, (6, 4)),
@@ -101,7 +101,9 @@ def test_gradcheck_float64(affine, shape) -> None:
     weight, bias = (w, b) if affine else (None, None)
 
     def fn(x, *params):
-        return SyncBatchNormFunction.apply(x, *(params or (None, None)), None, None, 1e-5, 0.1, OneMember())
+        return SyncBatchNormFunction.apply(
+            x, *(params or (None, None)), Params(None, None, 1e-5, 0.1, OneMember())
+        )
 
     assert torch.autograd.gradcheck(fn, (x, *((weight, bias) if affine else ())))
 
@@ -113,7 +115,7 @@ def test_function_with_group_of_one_equals_batch_norm() -> None:
     b = torch.randn(4, dtype=torch.float64, requires_grad=True)
     rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
     rm2, rv2 = rm.clone(), rv.clone()
-    y = SyncBatchNormFunction.apply(x, w, b, rm, rv, 1e-5, 0.1, OneMember())
+    y = SyncBatchNormFunction.apply(x, w, b, Params(rm, rv, 1e-5, 0.1, OneMember()))
     x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
     y2 = F.batch_norm(x2, rm2, rv2, w2, b2, True, 0.1, 1e-5)
     g = torch.randn_like(y)
@@ -245,7 +247,7 @@ def test_bias_false_through_the_synchronised_function() -> None:
     w = torch.rand(3, dtype=torch.float64, requires_grad=True)
 
     def fn(x, w):
-        return SyncBatchNormFunction.apply(x, w, None, None, None, 1e-5, 0.1, OneMember())
+        return SyncBatchNormFunction.apply(x, w, None, Params(None, None, 1e-5, 0.1, OneMember()))
 
     assert torch.autograd.gradcheck(fn, (x, w))
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from . import _fx, groups, parallel
 from ._layer import LayerMixin
 from .engine import _rules
-from .engine._function import inplace_abn_apply
+from .engine._function import Params, inplace_abn_apply
 from .families.inplace_abn import InPlaceABN, check_activation
 
 try:
@@ -215,19 +215,10 @@ class ActivatedBatchNormBase(LayerMixin):
         running = self.training is False and self.running_mean is not None
         mean = self.running_mean if (tracking or running) else None
         var = self.running_var if (tracking or running) else None
+        token = _ops.layer_token(self) if handle else None
+        family = InPlaceABN(act, param, not running)
         out = traced_inplace_abn(
-            x,
-            self.weight,
-            self.bias,
-            mean,
-            var,
-            not running,
-            factor,
-            self.eps,
-            act,
-            param,
-            handle,
-            _ops.layer_token(self) if handle else None,
+            x, self.weight, self.bias, Params(mean, var, self.eps, factor, handle, token, family)
         )
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)

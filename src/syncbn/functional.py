@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
-from .engine._function import LOCAL, SyncBatchNormFunction, TransformableSyncBatchNormFunction, _Pending
+from .engine._function import Params, SyncBatchNormFunction, TransformableSyncBatchNormFunction, _Pending
 from .engine._rules import is_compiling
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
@@ -225,7 +225,7 @@ def sync_batch_norm(
     group = groups.resolve(process_group)
     if group is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
-    return synchronized(input, running_mean, running_var, weight, bias, momentum, eps, group, layer)
+    return synchronized(input, weight, bias, Params(running_mean, running_var, eps, momentum, group, layer))
 
 
 # SyncBatchNormFunction.apply's C entry, bound once (both exist on every supported torch; else
@@ -240,45 +240,28 @@ _apply_c: Any = (
 )
 
 
-def _apply_eager(x: Tensor, weight: Any, bias: Any, mean: Any, var: Any, *args: Any) -> Tensor:
-    """``SyncBatchNormFunction.apply(x, weight, bias, mean, var, *args)``, outside torch.func transforms."""
+def _apply_eager(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
+    """``SyncBatchNormFunction.apply(x, weight, bias, params)``, outside torch.func transforms."""
     if _apply_c is None or is_compiling():
-        return SyncBatchNormFunction.apply(x, weight, bias, mean, var, *args)  # type: ignore[no-any-return]
+        return SyncBatchNormFunction.apply(x, weight, bias, params)  # type: ignore[no-any-return]
     unwrap = _unwrap_if_dead
     return _apply_c(  # type: ignore[no-any-return]
-        unwrap(x),
-        None if weight is None else unwrap(weight),
-        None if bias is None else unwrap(bias),
-        None if mean is None else unwrap(mean),
-        None if var is None else unwrap(var),
-        *args,
+        unwrap(x), None if weight is None else unwrap(weight), None if bias is None else unwrap(bias), params
     )
 
 
-def synchronized(
-    input: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    momentum: float,
-    eps: float,
-    group: groups.SumGroup | None,
-    layer: Any,
-    family: Any = None,
-) -> Tensor:
+def synchronized(input: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
     """The training call of :func:`sync_batch_norm` over a resolved group, input already checked.
 
     ``SyncBatchNorm.forward`` calls this directly: its checks and group lookup are
-    its own, and a small layer's time is mostly such per-call work. ``family``:
-    the layer family's per-call object (:mod:`syncbn.families`), ``None`` for
-    batch norm; ``group`` ``None`` runs the engine locally (a family without a group).
+    its own, and a small layer's time is mostly such per-call work. ``params``:
+    the call's other arguments (:class:`syncbn.engine._function.Params`), made
+    once by the caller; ``params.group`` :data:`~syncbn._threads.LOCAL` runs the
+    engine locally (a family without a group).
     """
-    if group is None:
-        group = LOCAL
     if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
         transformed: Tensor = TransformableSyncBatchNormFunction.apply(
-            input, weight, bias, running_mean, running_var, eps, momentum, group, layer, _Pending(), family
+            input, weight, bias, params, _Pending()
         )
         return transformed
-    return _apply_eager(input, weight, bias, running_mean, running_var, eps, momentum, group, layer, family)
+    return _apply_eager(input, weight, bias, params)

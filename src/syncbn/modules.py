@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _fx, groups, parallel
 from ._layer import LayerMixin, dims_doc
 from .engine import _rules
+from .engine._function import LOCAL, Params
 
 try:
     from .engine import _compiled, _ops
@@ -245,10 +246,11 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         family = self._family_call(recomputing, True)
         if group is None and family is None:  # not distributed, or a group of one: exactly nn.BatchNorm
             out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
-        else:  # the input was checked above
-            out = synchronized(
-                input, running_mean, running_var, weight, bias, factor, eps, group, self, family
+        else:  # the input was checked above; without a group, a family's math alone (LOCAL)
+            params = Params(
+                running_mean, running_var, eps, factor, LOCAL if group is None else group, self, family
             )
+            out = synchronized(input, weight, bias, params)
         if tracking:
             batches = self.num_batches_tracked
             if batches is not None:
@@ -273,18 +275,9 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             momentum: float | Tensor = (
                 factor if factor >= 0.0 or seen is None else 1.0 / (seen.to(torch.float64) + 1.0)
             )
-            out = _compiled.sync_batch_norm(
-                input,
-                running_mean,
-                running_var,
-                self.weight,
-                self.bias,
-                momentum,
-                self.eps,
-                handle,
-                _ops.layer_token(self) if handle else None,
-                family,
-            )
+            token = _ops.layer_token(self) if handle else None
+            params = Params(running_mean, running_var, self.eps, momentum, handle, token, family)
+            out = _compiled.sync_batch_norm(input, self.weight, self.bias, params)
         else:
             out = F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, True, factor, self.eps

@@ -1,6 +1,11 @@
 """The engine: what every layer family's synchronised training step shares, written once.
 
-One training step of any family (:mod:`syncbn.families`) runs, in this package:
+One training step of any family (:mod:`syncbn.families`) runs, in this package,
+on ``x``, ``weight`` and ``bias`` (the tensors autograd tracks, direct arguments
+of every ``Function.apply``) and ONE :class:`_function.Params`: the running
+statistics, eps, momentum, group, layer and family object, built once at the
+entry (the layer, :func:`syncbn.functional.sync_batch_norm`, a DataParallel
+replica) and carried through every step below, eager and traced alike:
 
 1. the handshake and Join policy (:func:`_function.checks_before_forward`):
    first-use agreement of the ranks, debug checks, or the active Join's exchange;
@@ -11,7 +16,7 @@ One training step of any family (:mod:`syncbn.families`) runs, in this package:
    batch, one value per channel) before anything changes;
 3. the family's elementwise forward (batch norm's one native pass, renorm's
    effective affine map, or the in-place activation written over the input) and
-   the running-statistics update (:meth:`_function.Moments.update_running`);
+   the update of the call's running statistics (:meth:`_function.Moments.update_running`);
 4. backward: the family's local sums, ONE framed sum, the family's input and
    parameter gradients from the forward's :class:`._math.Stats`.
 

@@ -51,7 +51,6 @@ import torch
 from torch import Tensor
 
 from .. import _accumulating
-from ..families.inplace_abn import InPlaceABN
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
 
@@ -104,18 +103,12 @@ def traced_moments(
     return total, mean64.to(stat), var64.to(stat), unbiased
 
 
-def traced_update_running(
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    mean: Tensor,
-    unbiased: Tensor,
-    total: Tensor,
-    momentum: float | Tensor,
-) -> None:
-    """The running-statistics update in traced operations: weight ``momentum * (N > 0)``, no host read."""
+def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tensor, total: Tensor) -> None:
+    """``params``' running-statistics update, traced: weight ``momentum * (N > 0)``, no host read."""
+    running_mean, running_var = params.running_mean, params.running_var
     if running_mean is None and running_var is None:
         return
-    weight_t = (total > 0).to(mean.dtype) * momentum
+    weight_t = (total > 0).to(mean.dtype) * params.momentum
     for running, batch in ((running_mean, mean), (running_var, unbiased)):
         if running is not None:
             running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
@@ -125,25 +118,24 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm over a group, in traceable operations (see the module docstring).
 
     Returns ``(out, mean, unbiased_var, count, var)``; only ``out`` is differentiable.
-    ``group`` 0: no collective (the "none" reducer: a family's math without a group).
-    The in-place family (:mod:`syncbn.families.inplace_abn`) writes ``out`` over
-    ``x`` (marked dirty) and keeps only it; in eval (``family.training`` false) it
-    uses ``running`` and returns ``out`` alone.
+    ``params`` (:class:`~syncbn.engine._function.Params`) in its traced form: ``group``
+    a group handle (0: no collective, the "none" reducer: a family's math without a
+    group), ``layer`` the layer's token (``None``: anonymous). The in-place family
+    (:mod:`syncbn.families.inplace_abn`) writes ``out`` over ``x`` (marked dirty) and
+    keeps only it; in eval (``family.training`` false) it uses the running statistics
+    and returns ``out`` alone. The running statistics are not updated here.
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        eps: float,
-        group: int,
-        token: Tensor | None,
-        family: Any = None,
-        running: tuple[Tensor, Tensor] | None = None,
-    ) -> Any:
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
+    ) -> Any:  # type: ignore[override]
+        eps, group, token, family = params.eps, params.group, params.layer, params.family
         in_place = family is not None and family.in_place
+        running = None
+        if in_place and params.running_mean is not None and params.running_var is not None:
+            running = (params.running_mean, params.running_var)
+        # (the running statistics' dtype counts for the in-place family only, as it always did here)
         stat = _rules.statistics_dtype(x, weight, None if running is None else running[0])
         training = not in_place or family.training
         if training:
@@ -228,66 +220,44 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
             sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *correction)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None
 
 
 def sync_batch_norm(
-    x: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    momentum: float | Tensor,
-    eps: float,
-    group: int,
-    token: Tensor | None,
-    family: Any = None,
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """Training-mode synchronised batch norm in traced operations (``group`` a handle; 0: no collective).
+    """Training-mode synchronised batch norm, traced (``params.group`` a handle; 0: no collective).
 
     The running statistics are updated here with the batch's global mean and
     unbiased variance, and only where the global count is positive (the update
-    weight is ``momentum * (N > 0)``, no host read). ``family``: the layer
+    weight is ``momentum * (N > 0)``, no host read). ``params.family``: the layer
     family's per-call object (:mod:`syncbn.families`), ``None`` for batch norm.
     """
-    if family is not None:
-        family = family.snapshot(_ops.snapshot)  # (r, d) from the statistics before the update below
-    out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, eps, group, token, family)
-    _accumulating.observe(running_mean, total, mean, unbiased, momentum, unbiased=True)  # syncbn.accumulation
-    traced_update_running(running_mean, running_var, mean, unbiased, total, momentum)
+    if params.family is not None:  # (r, d) from the statistics before the update below
+        params = params._replace(family=params.family.snapshot(_ops.snapshot))
+    out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
+    traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)
     return out  # type: ignore[no-any-return]
 
 
 def traced_inplace_abn(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    training: bool,
-    momentum: float | Tensor,
-    eps: float,
-    activation: str,
-    param: float,
-    group: int = 0,
-    token: Tensor | None = None,
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
     """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten.
 
-    ``group``: a :func:`syncbn.engine._ops.group_handle` (0: local); ``token``: the layer's
-    :func:`syncbn.engine._ops.layer_token`. Locally, a count of one raises while tracing
-    (as the eager layer); a global count of zero leaves the running statistics unchanged.
+    ``params.family``: the call's :class:`~syncbn.families.inplace_abn.InPlaceABN`;
+    ``params.group``: a :func:`syncbn.engine._ops.group_handle` (0: local; always 0 in
+    eval); ``params.layer``: the layer's :func:`syncbn.engine._ops.layer_token`.
+    Locally, a count of one raises while tracing (as the eager layer); a global count
+    of zero leaves the running statistics unchanged.
     """
-    family = InPlaceABN(activation, param, training)
-    running = None if running_mean is None or running_var is None else (running_mean, running_var)
-    if not training:
-        out: Tensor = _TracedSyncBatchNorm.apply(x, weight, bias, eps, 0, None, family, running)
+    if not params.family.training:
+        out: Tensor = _TracedSyncBatchNorm.apply(x, weight, bias, params)
         return out
-    out, mean, unbiased, total, var = _TracedSyncBatchNorm.apply(
-        x, weight, bias, eps, group, token, family, running
-    )
-    if group:  # syncbn.accumulation (local layers are seen by its forward hooks)
-        _accumulating.observe(running_mean, total, mean, var, momentum)
+    out, mean, unbiased, total, var = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    if params.group:  # syncbn.accumulation (local layers are seen by its forward hooks)
+        _accumulating.observe(params.running_mean, total, mean, var, params.momentum)
     with torch.no_grad():
-        traced_update_running(running_mean, running_var, mean, unbiased, total, momentum)
+        traced_update_running(params, mean, unbiased, total)
     return out

@@ -11,11 +11,13 @@ for every family and path. Device-to-host reads only on a rank holding fewer
 than two values per channel (then every rank whose global count is below two
 decides alike).
 
-Two autograd entry points, for every family: :class:`SyncBatchNormFunction`
+Two autograd entry points, for every family, both ``apply(x, weight, bias,
+params)`` with one :class:`Params` for everything else: :class:`SyncBatchNormFunction`
 (eager) and :class:`TransformableSyncBatchNormFunction` (``setup_context``
 form, under ``torch.func``; with ``create_graph=True`` the backward is
 differentiable, :mod:`syncbn.engine._double_backward`). Compiled models run
-:mod:`syncbn.engine._compiled`, whose only call here is the framed sum (:mod:`syncbn.engine._ops`).
+:mod:`syncbn.engine._compiled` (on the same :class:`Params`, in their traced form), whose only
+call here is the framed sum (:mod:`syncbn.engine._ops`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,26 @@ from ._double_backward import differentiable_backward
 from ._math import Stats, finish_input_grad, local_grad_sums
 from ._rules import gradient_dtype, one_value_error, statistics_dtype
 
-__all__ = ["LOCAL", "SyncBatchNormFunction", "inplace_abn_apply", "synchronized_forward"]
+__all__ = ["LOCAL", "Params", "SyncBatchNormFunction", "inplace_abn_apply", "synchronized_forward"]
+
+
+class Params(NamedTuple):
+    """A training call's arguments besides the tensors autograd tracks, as one object.
+
+    Built once at the entry (the layers' eager and compiled forwards,
+    :func:`syncbn.functional.sync_batch_norm`, a DataParallel replica,
+    :func:`inplace_abn_apply`) and carried through every layer of the engine,
+    eager and traced alike; ``x``, ``weight`` and ``bias`` stay direct arguments
+    of ``Function.apply``.
+    """
+
+    running_mean: Tensor | None  # updated in place (None: not tracked)
+    running_var: Tensor | None  # updated in place, with the unbiased variance
+    eps: float
+    momentum: Any  # a float (traced: a 0-dim tensor for a cumulative average)
+    group: Any = None  # eager: a SumGroup (None: no collective); traced: a group handle (0: none)
+    layer: Any = None  # eager: the calling layer (errors, handshake state); traced: its token
+    family: Any = None  # the family's per-call object (syncbn.families); None: batch norm
 
 
 def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any, family: Any = None) -> ValueError:
@@ -62,13 +83,12 @@ class Moments(NamedTuple):
     local_count: int  # this member's values per channel
     global_count: float  # the global count, or the lower bound 2.0 when this member holds >= 2
 
-    def update_running(
-        self, running_mean: Tensor | None, running_var: Tensor | None, momentum: float
-    ) -> None:
-        """The running-statistics update (none for an empty global batch)."""
+    def update_running(self, params: Params) -> None:
+        """The update of ``params``' running statistics (none for an empty global batch)."""
         if self.global_count > 0:  # (syncbn.accumulation sees every update here)
+            running_mean, momentum = params.running_mean, params.momentum
             _accumulating.observe(running_mean, self.total, self.mean, self.var, momentum)
-            _math.update_running(running_mean, running_var, self.mean, self.unbiased, momentum)
+            _math.update_running(running_mean, params.running_var, self.mean, self.unbiased, momentum)
 
 
 def synchronized_moments(
@@ -182,20 +202,15 @@ class ForwardResult(NamedTuple):
     stats: Any  # what backward reads: a syncbn.engine._math.Stats, or the family's (in-place: ABNStats)
     weight: Tensor | None = None  # the weight the elementwise forward used (the family's effective one)
     correction: tuple[Tensor, Tensor] | None = None  # the family's (r, d); None for batch norm
-    family: Any = None  # the family object (syncbn.families); None for batch norm
 
 
 def synchronized_forward(
     x: Tensor,
     weight: Tensor | None,
     bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    eps: float,
-    momentum: float,
+    params: Params,
     reduce: Callable[[Tensor], Tensor] | None,
     one_value_error: Callable[[], Exception],
-    family: Any = None,
 ) -> ForwardResult:
     """The training forward of ``x`` with statistics summed by ``reduce``: output and what backward needs.
 
@@ -203,26 +218,31 @@ def synchronized_forward(
     (:class:`SyncBatchNormFunction`) and the ``nn.DataParallel`` replicas
     (:mod:`syncbn.parallel`): local moments, one ``reduce`` of the packed
     moments (``None``: this member alone, the in-place family only), the
-    family's elementwise forward (batch norm, ``family`` ``None``: normalisation
-    into a freshly allocated output, which also served as the moments' scratch
-    buffer) and the running-statistics update (``running_var`` unbiased);
-    ``one_value_error()`` is raised for a global count of one. Every per-channel
-    step is a single tensor operation on all channels at once: on small layers
-    the number of operations, not the bytes, sets the time.
+    family's elementwise forward (batch norm, ``params.family`` ``None``:
+    normalisation into a freshly allocated output, which also served as the
+    moments' scratch buffer) and the update of ``params``' running statistics
+    (``running_var`` unbiased); ``one_value_error()`` is raised for a global
+    count of one. ``params.group`` is not read here: ``reduce`` is the
+    transport. Every per-channel step is a single tensor operation on all
+    channels at once: on small layers the number of operations, not the bytes,
+    sets the time.
     """
-    stat_dtype = statistics_dtype(x, weight, running_mean)
+    family, eps = params.family, params.eps
+    stat_dtype = statistics_dtype(x, weight, params.running_mean)
     if family is not None and family.in_place:  # written over x: eval, nn.BatchNorm's kernel alone, or synced
+        running_mean, running_var = params.running_mean, params.running_var
         if not family.training:
             stats = family.eval_forward_(x, weight, bias, running_mean, running_var, eps, stat_dtype)
         elif reduce is None and x.shape[1] and x.numel() // x.shape[1] > 1:
+            momentum = params.momentum
             stats = family.native_forward_(
                 x, weight, bias, running_mean, running_var, momentum, eps, stat_dtype
             )
         else:
             moments = synchronized_moments(x, stat_dtype, reduce, one_value_error)
             stats = family.forward_(x, weight, bias, moments, eps)
-            moments.update_running(running_mean, running_var, momentum)
-        return ForwardResult(x, stats, weight, None, family)
+            moments.update_running(params)
+        return ForwardResult(x, stats, weight, None)
     # On CPU the output buffer doubles as the moments' scratch space of the two-pass
     # statistics (see local_moments); the native kernel (CUDA, small or 16-bit input) needs none,
     # and the normalisation then allocates its own output.
@@ -236,9 +256,9 @@ def synchronized_forward(
         out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
     elif out is None:
         out = torch.empty_like(x)
-    moments.update_running(running_mean, running_var, momentum)
+    moments.update_running(params)
     stats = Stats(mean, var, eps, moments.total, moments.local_count)
-    return ForwardResult(out, stats, weight, correction, family)
+    return ForwardResult(out, stats, weight, correction)
 
 
 class _Pending:
@@ -252,49 +272,39 @@ class _Pending:
 
 
 def run_forward(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    eps: float,
-    momentum: float,
-    group: SumGroup | None,
-    layer: Any,
-    family: Any = None,
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params
 ) -> tuple[ForwardResult, int]:
-    """The synchronised training forward over ``group``, and the debug call number.
+    """The synchronised training forward over ``params.group``, and the debug call number.
 
     ``group`` ``None`` (the in-place family without a group, and eval): no collective, no check.
     """
+    group, layer = params.group, params.layer
     call, reduce = 0, None
     if group is not None:
         call = checks_before_forward(group, layer, x)
         reduce = lambda packed: _all_reduce(group, packed, layer, "forward")  # noqa: E731
 
     def error() -> ValueError:
-        return _expected_more_than_one(x, LOCAL if group is None else group, layer, family)
+        return _expected_more_than_one(x, LOCAL if group is None else group, layer, params.family)
 
-    args = (x, weight, bias, running_mean, running_var, eps, momentum, reduce, error, family)
-    return synchronized_forward(*args), call
+    return synchronized_forward(x, weight, bias, params, reduce, error), call
 
 
 def _save(
-    ctx: Any, x: Tensor, weight: Any, bias: Any, result: ForwardResult, group: Any, layer: Any, call: int
+    ctx: Any, x: Tensor, weight: Any, bias: Any, result: ForwardResult, params: Params, call: int
 ) -> None:
-    family = result.family
-    if family is not None and family.in_place:  # only the output (the input, overwritten) is kept
+    if params.family is not None and params.family.in_place:  # only the output (the input, overwritten)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, weight, bias)
     else:
         ctx.save_for_backward(x, result.weight)
-    ctx.stats, ctx.family, ctx.correction = result.stats, family, result.correction
+    ctx.stats, ctx.family, ctx.correction = result.stats, params.family, result.correction
     ctx.param_dtype = gradient_dtype(weight, bias, x)  # (read only where a parameter needs a gradient)
-    ctx.group, ctx.layer, ctx.call = group, layer, call
+    ctx.params, ctx.call = params, call
 
 
 def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    stats, family, group = ctx.stats, ctx.family, ctx.group
+    stats, family, group, layer = ctx.stats, ctx.family, ctx.params.group, ctx.params.layer
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     if family is not None and family.in_place:
         if torch.is_grad_enabled():  # the output it recovers from is not differentiable again
@@ -305,15 +315,15 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
         if torch.is_grad_enabled() and stats.total:
             # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
             # differentiable. Every rank takes this branch alike (same create_graph, same global count).
-            checks_before_backward(group, ctx.layer, grad_output, ctx.call)
+            checks_before_backward(group, layer, grad_output, ctx.call)
             return differentiable_backward(
-                ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, ctx.layer, phase)
+                ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, layer, phase)
             )
         sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
         grad_input = None
         if need_input:
-            checks_before_backward(group, ctx.layer, grad_output, ctx.call)
-            reduced = _all_reduce(group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), ctx.layer, "backward")
+            checks_before_backward(group, layer, grad_output, ctx.call)
+            reduced = _all_reduce(group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), layer, "backward")
             grad_input = finish_input_grad(grad_output, x, weight, stats, reduced)
         if ctx.correction is not None:
             sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
@@ -327,7 +337,7 @@ def _in_place_backward(
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """``(grad_input, dweight, dbias)`` of the in-place family: from its saved output, ONE framed sum."""
     y, weight, bias = ctx.saved_tensors
-    group = ctx.group
+    group, layer = ctx.params.group, ctx.params.layer
     if group is None and stats.training and stats.local_count > 1:  # this process alone: one native call
         grad_input, sum_dz, sum_dz_xhat = family.native_backward(y, grad, weight, bias, stats, need_input)
     else:
@@ -336,8 +346,8 @@ def _in_place_backward(
         if need_input and stats.training:
             reduced = _math.pack_grad_sums(sum_dz, sum_dz_xhat)
             if group is not None:
-                checks_before_backward(group, ctx.layer, grad, ctx.call)
-                reduced = _all_reduce(group, reduced, ctx.layer, "backward")
+                checks_before_backward(group, layer, grad, ctx.call)
+                reduced = _all_reduce(group, reduced, layer, "backward")
         grad_input = family.input_grad(y, weight, bias, stats, carry, reduced) if need_input else None
     return (grad_input, *family.parameter_grads(sum_dz, sum_dz_xhat, weight))
 
@@ -352,28 +362,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        eps: float,
-        momentum: float,
-        group: SumGroup,
-        layer: Any = None,
-        family: Any = None,
-    ) -> Tensor:
-        result, call = run_forward(
-            x, weight, bias, running_mean, running_var, eps, momentum, group, layer, family
-        )
-        _save(ctx, x, weight, bias, result, group, layer, call)
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:  # type: ignore[override]
+        result, call = run_forward(x, weight, bias, params)
+        _save(ctx, x, weight, bias, result, params, call)
         return result.out
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None)
+        return (*_backward(ctx, grad_output), None)
 
 
 class TransformableSyncBatchNormFunction(torch.autograd.Function):
@@ -384,21 +380,21 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(*inputs: Any) -> Tensor:  # type: ignore[override]
-        # SyncBatchNormFunction's inputs, with ``box`` after ``layer``: (x, ..., group, layer, box, family)
-        box = inputs[9]
-        box.result, box.call = run_forward(*inputs[:9], *inputs[10:])
+    def forward(
+        x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params, box: _Pending
+    ) -> Tensor:  # type: ignore[override]
+        box.result, box.call = run_forward(x, weight, bias, params)
         out: Tensor = box.result.out
         return out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, weight, bias, _, _, _, _, group, layer, box = inputs[:10]
-        _save(ctx, x, weight, bias, box.result, group, layer, box.call)
+        x, weight, bias, params, box = inputs
+        _save(ctx, x, weight, bias, box.result, params, box.call)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return (*_backward(ctx, grad_output), None, None, None, None, None, None, None, None)
+        return (*_backward(ctx, grad_output), None, None)
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
@@ -429,7 +425,6 @@ def inplace_abn_apply(
     """
     check_call(x, weight, running_mean, running_var, training)
     family = InPlaceABN(activation, param, training)
-    out: Tensor = SyncBatchNormFunction.apply(
-        x, weight, bias, running_mean, running_var, eps, momentum, group if training else None, layer, family
-    )
+    params = Params(running_mean, running_var, eps, momentum, group if training else None, layer, family)
+    out: Tensor = SyncBatchNormFunction.apply(x, weight, bias, params)
     return out

@@ -16,8 +16,9 @@ update, dtype rules and the autograd plumbing.
   module: it builds on :mod:`syncbn.engine._math`): affine + activation written over
   the input, the backward recovering ``xhat`` from the output.
 
-A family object is made per call and handed to the engine's one set of
-autograd Functions (eager, ``torch.func``, traced, DataParallel). Renorm's has
+A family object is made per call and handed, in the call's
+:class:`syncbn.engine._function.Params`, to the engine's one set of autograd
+Functions (eager, ``torch.func``, traced, DataParallel). Renorm's has
 (per-channel vectors, no communication, traceable by ``torch.compile``):
 
 ``correction(mean, var, eps)``

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
 from ..engine import _math
-from ..engine._function import inplace_abn_apply, synchronized_forward
+from ..engine._function import Params, inplace_abn_apply, synchronized_forward
 from ..engine._math import finish_input_grad, local_grad_sums
 from ..engine._rules import gradient_dtype
 from ..engine._rules import one_value_error as engine_one_value_error
@@ -99,19 +99,10 @@ def replica_batch_norm(
 
     if in_place:
         check_writable(x, "in-place activated batch norm")
+    group = ThreadSumGroup(rendezvous, rank)
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family)
     with torch.no_grad():
-        result = synchronized_forward(
-            x,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            eps,
-            momentum,
-            ThreadSumGroup(rendezvous, rank).all_reduce_sum,
-            one_value_error,
-            family,
-        )
+        result = synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
         if batches is not None:
             batches.add_(1)
     if rank == 0:
