@@ -55,6 +55,12 @@ try:
     from syncbn.engine._function import SyncBatchNormFunction
 except ImportError:  # a tree from before the engine had its folder
     from syncbn._function import SyncBatchNormFunction
+try:  # the engine's parameter object: apply(x, weight, bias, Params(...))
+    from syncbn.engine._function import Params
+    def _apply(x, w, b, rm, rv, eps, momentum, group, layer):
+        return SyncBatchNormFunction.apply(x, w, b, Params(rm, rv, eps, momentum, group, layer))
+except ImportError:
+    _apply = SyncBatchNormFunction.apply
 
 from syncbn.cli._bench_methods import LoopbackGroup as Loopback  # a group of 2 whose sum is the identity
 
@@ -115,7 +121,7 @@ def function_case(spec, dtype, group):
     got = []
     for _ in range(2):
         xg = x.detach().requires_grad_(True)
-        out = SyncBatchNormFunction.apply(xg, w, b, rm, rv, 1e-5, 0.1, group, layer)
+        out = _apply(xg, w, b, rm, rv, 1e-5, 0.1, group, layer)
         out.backward(dy)
         got += [out, xg.grad, w.grad, b.grad]
         w.grad = b.grad = None

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 import syncbn
 from syncbn import groups
-from syncbn.engine._function import SyncBatchNormFunction
+from syncbn.engine._function import Params, SyncBatchNormFunction
 
 
 class Loopback:
@@ -87,7 +87,7 @@ def _layer_step(
 
     def step() -> None:
         x.grad = weight.grad = bias.grad = None
-        out = SyncBatchNormFunction.apply(x, weight, bias, rm, rv, 1e-5, 0.1, group, layer)
+        out = SyncBatchNormFunction.apply(x, weight, bias, Params(rm, rv, 1e-5, 0.1, group, layer))
         out.backward(dy)
 
     return step

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..engine._function import SyncBatchNormFunction
+from ..engine._function import Params, SyncBatchNormFunction
 from ..groups import ProcessGroupSum
 from ..modules import SyncBatchNorm
 
@@ -144,11 +144,10 @@ class _ForcedSync(nn.Module):
         self.kind = kind
 
     def forward(self, x: Tensor) -> Tensor:
-        bn = self.bn
+        bn: Any = self.bn
         if self.kind == "syncbn":
-            return SyncBatchNormFunction.apply(  # type: ignore[no-any-return]
-                x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum, ProcessGroupSum()
-            )
+            params = Params(bn.running_mean, bn.running_var, bn.eps, bn.momentum, ProcessGroupSum())
+            return SyncBatchNormFunction.apply(x, bn.weight, bn.bias, params)  # type: ignore[no-any-return]
         from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFn
 
         group = dist.group.WORLD
