@@ -101,11 +101,7 @@ _TO_SYNC: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
     (nn.BatchNorm2d, SyncBatchNorm2d),
     (nn.BatchNorm3d, SyncBatchNorm3d),
 ]
-_TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [
-    (SyncBatchNorm1d, nn.BatchNorm1d),
-    (SyncBatchNorm2d, nn.BatchNorm2d),
-    (SyncBatchNorm3d, nn.BatchNorm3d),
-]
+_TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [(sync, plain) for plain, sync in _TO_SYNC]
 
 
 @functools.cache

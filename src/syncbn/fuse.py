@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ._checks import name_layers
+from ._layer import like
 from .activated import InPlaceSyncBatchNorm, InPlaceSyncBatchNorm2d, activation_of
 from .modules import SyncBatchNorm
 
@@ -124,17 +125,7 @@ def _fused(bn: Any, act: nn.Module, process_group: Any) -> InPlaceSyncBatchNorm:
     activation, param = activation_of(act)  # type: ignore[misc]
     cls = InPlaceSyncBatchNorm2d if isinstance(bn, nn.BatchNorm2d) else InPlaceSyncBatchNorm
     group = process_group if process_group is not None else getattr(bn, "process_group", None)
-    new = cls(
-        bn.num_features,
-        bn.eps,
-        bn.momentum,
-        bn.affine,
-        bn.track_running_stats,
-        process_group=group,
-        device="meta",
-        activation=activation,
-        activation_param=param,
-    )
+    new = like(cls, bn, process_group=group, device="meta", activation=activation, activation_param=param)
     with torch.no_grad():
         if bn.weight is not None:
             bn.weight.sub_(bn.eps).clamp_(min=0.0)

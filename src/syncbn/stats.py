@@ -21,14 +21,14 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import groups
+from .convert import _check_module
 
 __all__ = ["sync_running_stats", "recompute_running_stats"]
 
 
 def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _BatchNorm]]:
     """The model's BatchNorm layers that keep running statistics, each once, in module order."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{function} expected a torch.nn.Module (got {type(model).__name__})")
+    _check_module(model, function)
     seen: set[int] = set()
     layers = []
     for name, mod in model.named_modules():
