@@ -29,18 +29,11 @@ __all__ = ["sync_running_stats", "recompute_running_stats"]
 def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _BatchNorm]]:
     """The model's BatchNorm layers that keep running statistics, each once, in module order."""
     _check_module(model, function)
-    seen: set[int] = set()
-    layers = []
-    for name, mod in model.named_modules():
-        if (
-            isinstance(mod, _BatchNorm)
-            and id(mod) not in seen
-            and mod.running_mean is not None
-            and mod.running_var is not None
-        ):
-            seen.add(id(mod))
-            layers.append((name, mod))
-    return layers
+    return [
+        (name, mod)
+        for name, mod in model.named_modules()  # each module once (named_modules skips repeats)
+        if isinstance(mod, _BatchNorm) and mod.running_mean is not None and mod.running_var is not None
+    ]
 
 
 def _layout_code(layers: list[tuple[str, _BatchNorm]]) -> float:

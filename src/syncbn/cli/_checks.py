@@ -27,12 +27,7 @@ from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatch
 __all__ = ["Case", "run_case", "tolerance", "standard_cases", "EXACT_KEYS"]
 
 _REF = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
-_OURS: dict[int, type[SyncBatchNorm]] = {
-    2: SyncBatchNorm1d,
-    3: SyncBatchNorm1d,
-    4: SyncBatchNorm2d,
-    5: SyncBatchNorm3d,
-}
+_OURS = {2: SyncBatchNorm1d, 3: SyncBatchNorm1d, 4: SyncBatchNorm2d, 5: SyncBatchNorm3d}
 
 #: Error keys that must be exactly zero (flags and counters, not rounding errors).
 EXACT_KEYS = ("nan", "num_batches_tracked")

@@ -58,9 +58,7 @@ def _group_size(text: str) -> int | str:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive int or {groups.NODE!r} (got {text!r})"
-        ) from None
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int or {groups.NODE!r} (got {text!r})")
     return value
