@@ -413,10 +413,8 @@ def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
     if not isinstance(group, ProcessGroupSum):
         return 0
     if _config.debug_enabled():
-        call = 0
         state = state_of(layer) if layer is not None else None
-        if state is not None:
-            call = state.calls + 1
+        call = state.calls + 1 if state is not None else 0
         _check(group, layer, x, 1.0, call, True)
         if state is not None:  # counted only once every rank accepted the call
             state.calls = call
