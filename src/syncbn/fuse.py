@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ._checks import name_layers
-from ._layer import like
+from ._layer import check_module, like
 from .activated import InPlaceSyncBatchNorm, InPlaceSyncBatchNorm2d, activation_of
 from .modules import SyncBatchNorm
 
@@ -84,8 +84,7 @@ def fuse_batchnorm_activation(
         >>> [type(m).__name__ for m in model]
         ['Conv2d', 'InPlaceSyncBatchNorm2d', 'Identity']
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fuse_batchnorm_activation expected a torch.nn.Module (got {type(module).__name__})")
+    check_module(module, "fuse_batchnorm_activation")
     pairs = _pairs(module)
     bad = []
     for name, seq, i in pairs:

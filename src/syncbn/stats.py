@@ -21,14 +21,14 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import groups
-from .convert import _check_module
+from ._layer import check_module
 
 __all__ = ["sync_running_stats", "recompute_running_stats"]
 
 
 def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _BatchNorm]]:
     """The model's BatchNorm layers that keep running statistics, each once, in module order."""
-    _check_module(model, function)
+    check_module(model, function)
     return [
         (name, mod)
         for name, mod in model.named_modules()  # each module once (named_modules skips repeats)

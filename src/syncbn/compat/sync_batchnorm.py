@@ -37,8 +37,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._layer import dims_doc
-from ..convert import _check_module, _convert
+from .._layer import check_module, dims_doc
+from ..convert import _convert
 from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __all__ = [
@@ -262,7 +262,7 @@ def convert_model(module: nn.Module) -> nn.Module:
 
         >>> model = convert_model(nn.DataParallel(model, device_ids=[0, 1]))
     """
-    _check_module(module, "convert_model")
+    check_module(module, "convert_model")
     if isinstance(module, nn.DataParallel):
         inner = convert_model(module.module)
         # Without GPUs nn.DataParallel sets neither output_device nor dim.
