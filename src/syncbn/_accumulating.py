@@ -124,14 +124,11 @@ def observe(
     update factor it is about to use: a factor of exactly 0 (a checkpointed
     recomputation) is not a new batch and is ignored. Traceable by ``torch.compile``.
     """
-    if not _listeners or running_mean is None:
+    if not _listeners or running_mean is None or (isinstance(momentum, float) and momentum == 0.0):
         return
-    moments = _listeners.get(id(running_mean))
-    if moments is None or moments.running_mean is not running_mean:
-        return
-    if isinstance(momentum, float) and momentum == 0.0:
-        return
-    moments.add(count, mean, var, unbiased)
+    moments = listening(running_mean)
+    if moments is not None:
+        moments.add(count, mean, var, unbiased)
 
 
 def listening(running_mean: Tensor) -> Moments | None:

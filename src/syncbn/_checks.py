@@ -171,9 +171,7 @@ def _install_binding_hook() -> None:
     if _binding_hook_installed:
         return
     _binding_hook_installed = True
-    register = getattr(nn.modules.module, "register_module_module_registration_hook", None)
-    if register is not None:  # torch >= 2.0
-        register(_bind_child)
+    nn.modules.module.register_module_module_registration_hook(_bind_child)
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> int:
@@ -333,7 +331,6 @@ def _compare(
     if not debug:
         fields = ("phase", "channels", "dtype")
     shows: dict[str, Any] = {
-        "identity": None,
         "call": lambda v: f"call {_whole(v)}",
         "phase": lambda v: _PHASES.get(v, "?"),
         "channels": lambda v: f"{_whole(v)} channels",
@@ -416,10 +413,8 @@ def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
     if not isinstance(group, ProcessGroupSum):
         return 0
     if _config.debug_enabled():
-        call = 0
         state = state_of(layer) if layer is not None else None
-        if state is not None:
-            call = state.calls + 1
+        call = state.calls + 1 if state is not None else 0
         _check(group, layer, x, 1.0, call, True)
         if state is not None:  # counted only once every rank accepted the call
             state.calls = call

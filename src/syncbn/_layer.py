@@ -2,7 +2,8 @@
 
 :class:`LayerMixin` sits first in the bases of :class:`syncbn.SyncBatchNorm` and
 :class:`syncbn._abn_layer.ActivatedBatchNormBase` (so of every family and the
-``compat`` layers). :func:`dims_doc` writes the docstring of a 1d/2d/3d class.
+``compat`` layers). :func:`dims_doc` writes the docstring of a 1d/2d/3d class,
+:func:`like` a layer with another's arguments, :func:`check_module` a tool's model check.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from . import _checks, groups
 
-__all__ = ["LayerMixin", "dims_doc", "like"]
+__all__ = ["LayerMixin", "check_module", "dims_doc", "like"]
 
 
 class LayerMixin(nn.Module):
@@ -63,6 +64,12 @@ def _bind(layer: nn.Module) -> None:
     state = layer.__dict__.get("_syncbn_state")
     if isinstance(state, _checks.LayerState):
         state.bind(layer)
+
+
+def check_module(module: Any, function: str) -> None:
+    """Raise ``TypeError`` unless ``module`` is an ``nn.Module`` (``function`` names the caller)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{function} expected a torch.nn.Module (got {type(module).__name__})")
 
 
 def like(cls: type[Any], layer: Any, **kwargs: Any) -> Any:

@@ -74,9 +74,7 @@ def install(on_wrap: Callable[[nn.Module], None]) -> None:
             return
         _installed = True
         _on_wrap = on_wrap
-    register = getattr(nn.modules.module, "register_module_module_registration_hook", None)
-    if register is not None:  # torch >= 2.0
-        register(_record)
+    nn.modules.module.register_module_module_registration_hook(_record)
 
 
 def _holder(child: nn.Module) -> tuple[nn.Module, str] | None:

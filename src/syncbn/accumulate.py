@@ -37,12 +37,10 @@ from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
 
-_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
 
 def _recomputing() -> bool:
     """A forward inside a backward pass: ``torch.utils.checkpoint`` recomputing (eager only)."""
-    return not _rules.is_compiling() and _graph_task() != -1
+    return not _rules.is_compiling() and _rules.in_backward()
 
 
 def _is_local(layer: nn.Module) -> bool:

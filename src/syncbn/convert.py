@@ -38,7 +38,7 @@ from torch.nn.utils import parametrize
 
 from . import groups
 from ._checks import name_layers
-from ._layer import like
+from ._layer import check_module, like
 from .activated import InPlaceSyncBatchNorm, plain_equivalent
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, set_converter
 
@@ -101,11 +101,7 @@ _TO_SYNC: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
     (nn.BatchNorm2d, SyncBatchNorm2d),
     (nn.BatchNorm3d, SyncBatchNorm3d),
 ]
-_TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [
-    (SyncBatchNorm1d, nn.BatchNorm1d),
-    (SyncBatchNorm2d, nn.BatchNorm2d),
-    (SyncBatchNorm3d, nn.BatchNorm3d),
-]
+_TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [(sync, plain) for plain, sync in _TO_SYNC]
 
 
 @functools.cache
@@ -297,11 +293,6 @@ def _replace(module: nn.Module, swap: Callable[[nn.Module, str], nn.Module]) -> 
     return visit(module, "")
 
 
-def _check_module(module: Any, function: str) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{function} expected a torch.nn.Module (got {type(module).__name__})")
-
-
 def convert_sync_batchnorm(
     module: nn.Module, process_group: Any = None, *, group_size: int | str | None = None
 ) -> nn.Module:
@@ -356,7 +347,7 @@ def convert_sync_batchnorm(
         >>> type(model[1]).__name__
         'SyncBatchNorm2d'
     """
-    _check_module(module, "convert_sync_batchnorm")
+    check_module(module, "convert_sync_batchnorm")
     process_group = groups.group_for(process_group, group_size, "convert_sync_batchnorm")
     return _convert(module, process_group, _TO_SYNC)
 
@@ -428,5 +419,5 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         >>> plain = syncbn.revert_sync_batchnorm(model).eval()
         >>> scripted = torch.jit.script(plain)
     """
-    _check_module(module, "revert_sync_batchnorm")
+    check_module(module, "revert_sync_batchnorm")
     return _replace(module, _to_plain)

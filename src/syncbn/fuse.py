@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ._checks import name_layers
+from ._layer import check_module, like
 from .activated import InPlaceSyncBatchNorm, InPlaceSyncBatchNorm2d, activation_of
 from .modules import SyncBatchNorm
 
@@ -83,8 +84,7 @@ def fuse_batchnorm_activation(
         >>> [type(m).__name__ for m in model]
         ['Conv2d', 'InPlaceSyncBatchNorm2d', 'Identity']
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fuse_batchnorm_activation expected a torch.nn.Module (got {type(module).__name__})")
+    check_module(module, "fuse_batchnorm_activation")
     pairs = _pairs(module)
     bad = []
     for name, seq, i in pairs:
@@ -124,17 +124,7 @@ def _fused(bn: Any, act: nn.Module, process_group: Any) -> InPlaceSyncBatchNorm:
     activation, param = activation_of(act)  # type: ignore[misc]
     cls = InPlaceSyncBatchNorm2d if isinstance(bn, nn.BatchNorm2d) else InPlaceSyncBatchNorm
     group = process_group if process_group is not None else getattr(bn, "process_group", None)
-    new = cls(
-        bn.num_features,
-        bn.eps,
-        bn.momentum,
-        bn.affine,
-        bn.track_running_stats,
-        process_group=group,
-        device="meta",
-        activation=activation,
-        activation_param=param,
-    )
+    new = like(cls, bn, process_group=group, device="meta", activation=activation, activation_param=param)
     with torch.no_grad():
         if bn.weight is not None:
             bn.weight.sub_(bn.eps).clamp_(min=0.0)

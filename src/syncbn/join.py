@@ -45,18 +45,17 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from . import _config, groups
+from ._checks import _DTYPES, _dtype_code
+from ._layer import LayerMixin
 from .engine import _function
 
 __all__ = ["JoinableSyncBatchNorm"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HEADER = 4
 
 
 def _explicit_groups(model: nn.Module) -> list[nn.Module]:
     """The synchronised layers of ``model``, of every family, that hold a process group of their own."""
-    from ._layer import LayerMixin
-
     return [m for m in model.modules() if isinstance(m, LayerMixin) and m._group() is not None]
 
 
@@ -163,7 +162,7 @@ class JoinableSyncBatchNorm(Joinable):
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """Header then payload, on the joinable's own group (see the module docstring)."""
         n = float(tensor.numel())
-        code = float(_DTYPES.index(tensor.dtype) + 1) if tensor.dtype in _DTYPES else 99.0
+        code = _dtype_code(tensor.dtype)
         header = torch.tensor([1.0, n, n * n, code], dtype=torch.float64)
         self._sum.all_reduce_sum(header)
         active, total, squares, codes = header.tolist()

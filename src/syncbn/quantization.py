@@ -60,10 +60,10 @@ __all__ = [
 ]
 
 
-def _check(first: nn.Module, bn: nn.Module, kinds: tuple[type, type]) -> None:
-    if not (isinstance(first, kinds[0]) and isinstance(bn, kinds[1])):
+def _check(first: nn.Module, bn: nn.Module, kind: type) -> None:
+    if not (isinstance(first, kind) and isinstance(bn, SyncBatchNorm)):
         raise TypeError(
-            f"expected a {kinds[0].__name__} and a {kinds[1].__name__} "
+            f"expected a {kind.__name__} and a {SyncBatchNorm.__name__} "
             f"(got {type(first).__name__} and {type(bn).__name__})"
         )
     out = getattr(first, "out_channels", getattr(first, "out_features", None))
@@ -79,13 +79,22 @@ def _check(first: nn.Module, bn: nn.Module, kinds: tuple[type, type]) -> None:
         )
 
 
-def _fused(torch_cls: type, kinds: tuple[type, type], doc: str) -> type:
+# ours -> (torch's float fused class, torch's QAT class of the same name)
+_QAT: dict[type, tuple[type, type]] = {}
+
+
+def _fused(torch_cls: type, kind: type) -> type:
+    """Torch's fused ``torch_cls`` taking a ``kind`` (conv or linear) layer and a syncbn layer."""
+
     def __init__(self: nn.Sequential, *modules: nn.Module) -> None:
-        _check(modules[0], modules[1], kinds)
+        _check(modules[0], modules[1], kind)
         nn.Sequential.__init__(self, *modules)  # torch's __init__ accepts its exact types only
 
     name = torch_cls.__name__.replace("Bn", "SyncBn")
-    return type(name, (torch_cls,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+    doc = _DOC.format(torch=torch_cls.__name__)
+    ours = type(name, (torch_cls,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+    _QAT[ours] = (torch_cls, getattr(nniqat, torch_cls.__name__))
+    return ours
 
 
 _DOC = """Torch's fused ``{torch}`` holding a synchronised batch norm (``fuse_modules_qat``'s output).
@@ -93,24 +102,13 @@ _DOC = """Torch's fused ``{torch}`` holding a synchronised batch norm (``fuse_mo
     ``prepare_qat`` turns it into torch's QAT ``{torch}`` whose ``bn`` is the
     synchronised layer itself.
     """
-ConvSyncBn1d = _fused(nni.ConvBn1d, (nn.Conv1d, SyncBatchNorm), _DOC.format(torch="ConvBn1d"))
-ConvSyncBn2d = _fused(nni.ConvBn2d, (nn.Conv2d, SyncBatchNorm), _DOC.format(torch="ConvBn2d"))
-ConvSyncBn3d = _fused(nni.ConvBn3d, (nn.Conv3d, SyncBatchNorm), _DOC.format(torch="ConvBn3d"))
-ConvSyncBnReLU1d = _fused(nni.ConvBnReLU1d, (nn.Conv1d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU1d"))
-ConvSyncBnReLU2d = _fused(nni.ConvBnReLU2d, (nn.Conv2d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU2d"))
-ConvSyncBnReLU3d = _fused(nni.ConvBnReLU3d, (nn.Conv3d, SyncBatchNorm), _DOC.format(torch="ConvBnReLU3d"))
-LinearSyncBn1d = _fused(nni.LinearBn1d, (nn.Linear, SyncBatchNorm), _DOC.format(torch="LinearBn1d"))
-
-# ours -> (torch's float fused class, torch's QAT class)
-_QAT: dict[type, tuple[type, type]] = {
-    ConvSyncBn1d: (nni.ConvBn1d, nniqat.ConvBn1d),
-    ConvSyncBn2d: (nni.ConvBn2d, nniqat.ConvBn2d),
-    ConvSyncBn3d: (nni.ConvBn3d, nniqat.ConvBn3d),
-    ConvSyncBnReLU1d: (nni.ConvBnReLU1d, nniqat.ConvBnReLU1d),
-    ConvSyncBnReLU2d: (nni.ConvBnReLU2d, nniqat.ConvBnReLU2d),
-    ConvSyncBnReLU3d: (nni.ConvBnReLU3d, nniqat.ConvBnReLU3d),
-    LinearSyncBn1d: (nni.LinearBn1d, nniqat.LinearBn1d),
-}
+ConvSyncBn1d = _fused(nni.ConvBn1d, nn.Conv1d)
+ConvSyncBn2d = _fused(nni.ConvBn2d, nn.Conv2d)
+ConvSyncBn3d = _fused(nni.ConvBn3d, nn.Conv3d)
+ConvSyncBnReLU1d = _fused(nni.ConvBnReLU1d, nn.Conv1d)
+ConvSyncBnReLU2d = _fused(nni.ConvBnReLU2d, nn.Conv2d)
+ConvSyncBnReLU3d = _fused(nni.ConvBnReLU3d, nn.Conv3d)
+LinearSyncBn1d = _fused(nni.LinearBn1d, nn.Linear)
 
 
 class _ToQAT:

@@ -21,26 +21,19 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import groups
+from ._layer import check_module
 
 __all__ = ["sync_running_stats", "recompute_running_stats"]
 
 
 def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _BatchNorm]]:
     """The model's BatchNorm layers that keep running statistics, each once, in module order."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{function} expected a torch.nn.Module (got {type(model).__name__})")
-    seen: set[int] = set()
-    layers = []
-    for name, mod in model.named_modules():
-        if (
-            isinstance(mod, _BatchNorm)
-            and id(mod) not in seen
-            and mod.running_mean is not None
-            and mod.running_var is not None
-        ):
-            seen.add(id(mod))
-            layers.append((name, mod))
-    return layers
+    check_module(model, function)
+    return [
+        (name, mod)
+        for name, mod in model.named_modules()  # each module once (named_modules skips repeats)
+        if isinstance(mod, _BatchNorm) and mod.running_mean is not None and mod.running_var is not None
+    ]
 
 
 def _layout_code(layers: list[tuple[str, _BatchNorm]]) -> float:

@@ -5,9 +5,9 @@ collectives per step) runs in *variants* that change one thing at a time
 against the base (DDP with default buckets, one torch thread, no pinning, the
 default spin): no DDP, DDP buckets, ``torch.set_num_threads(2)``, each rank
 pinned to one core (every thread of the process, ``os.sched_setaffinity``), and
-the shared-memory wait's spin budget (where :class:`syncbn._shm._spin.SpinPolicy`
-exists), and, opt-in, ``torch.compile(DDP(net))`` (``*-compiled``). Every variant
-runs with ``nn.BatchNorm2d`` (``plain-*``) and with
+the shared-memory wait's spin budget (:class:`syncbn._shm._spin.SpinPolicy`),
+and, opt-in, ``torch.compile(DDP(net))`` (``*-compiled``). Every variant runs
+with ``nn.BatchNorm2d`` (``plain-*``) and with
 :class:`syncbn.SyncBatchNorm2d` (``syncbn-*``); ``own-noddp`` is syncbn over a
 group whose sum is the identity (the layer's own eager work, no collective).
 
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import groups
+from .._shm._spin import SpinPolicy
 from ..modules import SyncBatchNorm2d
 from ._bench_e2e import deep_narrow
 from ._bench_methods import LoopbackGroup
@@ -56,7 +57,7 @@ __all__ = ["DEFAULT", "VARIANTS", "SHORT", "breakdown", "format_breakdown", "bar
 #: name -> settings changed against the base (ddp: DDP kwargs, None = no DDP; threads; pin; spin_s)
 VARIANTS: dict[str, dict[str, Any]] = {}
 for _norm in ("plain", "syncbn"):
-    VARIANTS[f"{_norm}"] = {}
+    VARIANTS[_norm] = {}
     VARIANTS[f"{_norm}-noddp"] = {"ddp": None}
     VARIANTS[f"{_norm}-1bucket"] = {"ddp": {"bucket_cap_mb": 100}}
     VARIANTS[f"{_norm}-smallbuckets"] = {"ddp": {"bucket_cap_mb": 0.05}}
@@ -89,26 +90,21 @@ def _settings(spec: dict[str, Any], rank: int) -> Iterator[None]:
     """Apply a variant's thread count, pinning and spin budget; restore them afterwards."""
     threads = torch.get_num_threads()
     cpus = os.sched_getaffinity(0)
-    patched = None
+    patched: Any = None
     torch.set_num_threads(spec.get("threads", 1))
     if spec.get("pin"):
         _set_affinity({sorted(cpus)[rank % len(cpus)]})
     if "spin_s" in spec:
-        try:
-            from .._shm._spin import SpinPolicy
-
-            patched = (SpinPolicy, SpinPolicy.budget)
-            value = spec["spin_s"]
-            SpinPolicy.budget = lambda self, now: value  # type: ignore[method-assign]
-        except (ImportError, AttributeError):
-            patched = None
+        patched = SpinPolicy.budget
+        value = spec["spin_s"]
+        SpinPolicy.budget = lambda self, now: value  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.set_num_threads(threads)
         _set_affinity(cpus)
         if patched is not None:
-            patched[0].budget = patched[1]  # type: ignore[method-assign]
+            SpinPolicy.budget = patched  # type: ignore[method-assign]
 
 
 def _getcpu() -> Callable[[], int]:
@@ -206,12 +202,12 @@ def bare_sum(calls: int = 200, values: int = 65) -> dict[str, float]:
 
 
 def breakdown(
-    rank: int, world_size: int, names: list[str], *, rounds: int, steps: int, warmup: int, batch: int = 16
+    rank: int, world_size: int, names: list[str], *, rounds: int, steps: int, warmup: int
 ) -> dict[str, Any] | None:
     """Run ``names`` interleaved in ``rounds`` of ``steps`` steps; rank 0 returns the figures, others None."""
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, 3, 8, 8, generator=gen)
-    y = torch.randint(10, (batch,), generator=gen)
+    x = torch.randn(16, 3, 8, 8, generator=gen)  # 16 images of 8x8 per rank
+    y = torch.randint(10, (16,), generator=gen)
     fns = {name: _step_fn(name, x, y) for name in names}
     rec = _Recorder()
     for name, fn in fns.items():  # warm-up; connects the shared memory before the wrap

@@ -47,20 +47,20 @@ class _Rooted(nn.Module):
         return self.body(x)  # type: ignore[no-any-return]
 
 
-def conv_net(norm: Norm, widths: tuple[int, ...], classes: int = 10) -> nn.Module:
-    """One conv3x3-norm-ReLU block per width, global pooling and a linear head."""
+def conv_net(norm: Norm, widths: tuple[int, ...]) -> nn.Module:
+    """One conv3x3-norm-ReLU block per width, global pooling and a linear head (10 classes)."""
     layers: list[nn.Module] = []
     cin = 3
     for width in widths:
         layers += [nn.Conv2d(cin, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
         cin = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
     return _Rooted(nn.Sequential(*layers))
 
 
-def deep_narrow(norm: Norm, blocks: int = 24, width: int = 32, classes: int = 10) -> nn.Module:
-    """``blocks`` conv3x3(width)-norm-ReLU blocks, global pooling and a linear head."""
-    return conv_net(norm, (width,) * blocks, classes)
+def deep_narrow(norm: Norm) -> nn.Module:
+    """The narrow net: 24 conv3x3(32)-norm-ReLU blocks, global pooling and a linear head."""
+    return conv_net(norm, (32,) * 24)
 
 
 def _wide(norm: Norm) -> nn.Module:
@@ -83,14 +83,14 @@ class _BasicBlock(nn.Module):
         return F.relu(self.bn2(self.conv2(out)) + self.down(x))
 
 
-def resnet(norm: Norm, width: int = 32, classes: int = 10) -> nn.Module:
-    """A small ResNet for 32x32 images with 15 normalisation layers."""
+def resnet(norm: Norm, width: int = 32) -> nn.Module:
+    """A small ResNet for 32x32 images with 15 normalisation layers (10 classes)."""
     layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
     cin = width
     for cout, stride in ((width, 1), (2 * width, 2), (4 * width, 2)):
         layers += [_BasicBlock(cin, cout, stride, norm), _BasicBlock(cout, cout, 1, norm)]
         cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
     return nn.Sequential(*layers)
 
 
@@ -156,10 +156,10 @@ def slowest(mine: dict[str, float], world_size: int) -> tuple[dict[str, float], 
     return {k: max(g[k] for g in gathered) for k in mine}, gathered
 
 
-def format_e2e(model: str, ms: dict[str, float], base: str = "plain") -> str:
-    """One line: each variant's slowest-rank median and its ratio to ``base``."""
-    parts = [f"{base} {ms[base]:.2f} ms"]
+def format_e2e(model: str, ms: dict[str, float]) -> str:
+    """One line: each variant's slowest-rank median and its ratio to ``plain``."""
+    parts = [f"plain {ms['plain']:.2f} ms"]
     for name, value in ms.items():
-        if name != base:
-            parts.append(f"{name} {value:.2f} ms (x{value / ms[base]:.3f})")
+        if name != "plain":
+            parts.append(f"{name} {value:.2f} ms (x{value / ms['plain']:.3f})")
     return f"  {model:>6} ({MODELS[model][2]}): " + "   ".join(parts)

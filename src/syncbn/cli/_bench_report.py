@@ -12,7 +12,7 @@ def ratios(ms: dict[str, float]) -> dict[str, float | None]:
     floor = ms["local"] + ms.get("2xAR", 0.0)
     sync = ms["syncbn"]
     own_floor = ms["local"] + ms["2xAR-shm"] if "2xAR-shm" in ms else None
-    out: dict[str, float | None] = {
+    return {
         "floor_ms": floor,
         "syncbn_over_local": sync / ms["local"],
         "syncbn_over_floor": sync / floor,
@@ -26,7 +26,6 @@ def ratios(ms: dict[str, float]) -> dict[str, float | None]:
         "syncbn_over_torch": sync / ms["torch"] if "torch" in ms else None,
         "naive_over_local": ms["naive"] / ms["local"] if "naive" in ms else None,
     }
-    return out
 
 
 def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:

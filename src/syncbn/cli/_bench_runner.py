@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from ..groups import ProcessGroupSum
 from ._bench_methods import METHODS, build
 from ._bench_report import ratios
+from ._bench_targets import load_average
 
 __all__ = ["bench_layers", "machine_info", "time_interleaved"]
 
@@ -168,13 +169,12 @@ def bench_layers(
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
-    info: dict[str, Any] = {
+    return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_average": load_average(),
     }
-    return info

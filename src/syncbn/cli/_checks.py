@@ -27,12 +27,7 @@ from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatch
 __all__ = ["Case", "run_case", "tolerance", "standard_cases", "EXACT_KEYS"]
 
 _REF = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
-_OURS: dict[int, type[SyncBatchNorm]] = {
-    2: SyncBatchNorm1d,
-    3: SyncBatchNorm1d,
-    4: SyncBatchNorm2d,
-    5: SyncBatchNorm3d,
-}
+_OURS = {2: SyncBatchNorm1d, 3: SyncBatchNorm1d, 4: SyncBatchNorm2d, 5: SyncBatchNorm3d}
 
 #: Error keys that must be exactly zero (flags and counters, not rounding errors).
 EXACT_KEYS = ("nan", "num_batches_tracked")
@@ -123,27 +118,19 @@ def run_case(
     ref = _REF.get(ndim, nn.BatchNorm1d)(channels, **kwargs).double()
     cls = SyncBatchNorm if case.generic else _OURS[ndim]
     ours = cls(channels, process_group=group, **kwargs).to(device=device, dtype=_layer_dtype(case))
-    with torch.no_grad():
-        if (
-            ref.weight is not None
-            and ref.bias is not None
-            and ours.weight is not None
-            and ours.bias is not None
-        ):
+    with torch.no_grad():  # the same kwargs: both layers have weights, and running stats, or neither
+        if ref.affine:
             w = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
             b = torch.randn(channels, generator=gen, dtype=torch.float64)
-            ref.weight.copy_(w)
-            ref.bias.copy_(b)
-            ours.weight.copy_(w)
-            ours.bias.copy_(b)
-        if ref.running_mean is not None and ref.running_var is not None and ours.running_mean is not None:
-            assert ours.running_var is not None
+            for layer in (ref, ours):
+                layer.get_parameter("weight").copy_(w)
+                layer.get_parameter("bias").copy_(b)
+        if ref.track_running_stats:
             rm = torch.randn(channels, generator=gen, dtype=torch.float64)
             rv = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
-            ref.running_mean.copy_(rm)
-            ref.running_var.copy_(rv)
-            ours.running_mean.copy_(rm)
-            ours.running_var.copy_(rv)
+            for layer in (ref, ours):
+                layer.get_buffer("running_mean").copy_(rm)
+                layer.get_buffer("running_var").copy_(rv)
 
     errors: dict[str, float] = {}
 

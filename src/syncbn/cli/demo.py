@@ -217,11 +217,10 @@ def _demo_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, 
         buffers = {k: v.detach().cpu() for k, v in nets[name].named_buffers()}
         result["label"] = RUNS[name]
         result["final_train_loss"] = sum(result["losses"][-tail:]) / tail
-        result["max_param_diff"] = _max_diff(params, truth_params)
+        by_name = {k: (params[k].double() - truth_params[k].double()).abs().max().item() for k in params}
+        result["max_param_diff"] = max(by_name.values(), default=0.0)
         result["max_buffer_diff"] = _max_diff(buffers, truth_buffers)
-        result["param_diff_by_name"] = {
-            k: (params[k].double() - truth_params[k].double()).abs().max().item() for k in params
-        }
+        result["param_diff_by_name"] = by_name
     results["global"]["max_param_scale"] = max(v.abs().max().item() for v in truth_params.values())
     return {"runs": results, "world_size": world_size, "loss_tail_steps": tail}
 
@@ -273,7 +272,7 @@ def _print_report(report: dict[str, Any]) -> None:
         diff = "(reference)" if name == "global" else format_error(run["max_param_diff"])
         rows.append(
             [
-                f"{name}",
+                name,
                 run["label"],
                 f"{run['final_train_loss']:.4f}",
                 f"{run['test_accuracy']:.2%}",

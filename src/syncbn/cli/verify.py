@@ -29,13 +29,6 @@ from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
 from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
 from ._output import format_error, format_table
 
-_DTYPE_NAMES = {
-    torch.float64: "float64",
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``verify``'s flags to ``parser``."""
@@ -65,9 +58,7 @@ def _group_size(text: str) -> int | str:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive int or {groups.NODE!r} (got {text!r})"
-        ) from None
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int or {groups.NODE!r} (got {text!r})")
     return value
@@ -129,8 +120,8 @@ def _summarise(case: Case, per_rank: list[Any], scale: float) -> dict[str, Any]:
         "case": case.name,
         "sizes": list(case.sizes),
         "shape": [sum(case.sizes), *case.inner],
-        "dtype": _DTYPE_NAMES.get(case.dtype, str(case.dtype)),
-        "layer_dtype": _DTYPE_NAMES.get(case.layer_dtype, "") if case.layer_dtype else "",
+        "dtype": str(case.dtype).removeprefix("torch."),
+        "layer_dtype": str(case.layer_dtype).removeprefix("torch.") if case.layer_dtype else "",
         "memory_format": str(case.memory_format).replace("torch.", "") if case.memory_format else "",
         "errors": errors,
         "worst_key": worst_key,

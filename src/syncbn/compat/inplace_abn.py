@@ -37,7 +37,7 @@ from torch import Tensor
 from .. import _fx, groups
 from .._abn_layer import ActivatedBatchNormBase
 from ..engine._function import inplace_abn_apply
-from ..families.inplace_abn import check_activation
+from ..families.inplace_abn import activate_, check_activation
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]
 
@@ -94,13 +94,7 @@ class ABN(ActivatedBatchNormBase):
         y = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, use_batch, factor, self.eps)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-        if self.activation == "relu":
-            return F.relu(y, inplace=True)
-        if self.activation == "leaky_relu":
-            return F.leaky_relu(y, float(self.activation_param), inplace=True)
-        if self.activation == "elu":
-            return F.elu(y, float(self.activation_param), inplace=True)
-        return y
+        return activate_(y, None, None, self.activation, self.activation_param)
 
 
 class InPlaceABN(ABN):

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._layer import dims_doc
+from .._layer import check_module, dims_doc
 from ..convert import _convert
 from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
@@ -76,14 +76,7 @@ class _PackageConstructor(SyncBatchNorm):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
-            num_features,
-            eps,
-            momentum,
-            affine,
-            track_running_stats,
-            process_group=process_group,
-            device=device,
-            dtype=dtype,
+            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
         )
 
 
@@ -269,8 +262,7 @@ def convert_model(module: nn.Module) -> nn.Module:
 
         >>> model = convert_model(nn.DataParallel(model, device_ids=[0, 1]))
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"convert_model expected a torch.nn.Module (got {type(module).__name__})")
+    check_module(module, "convert_model")
     if isinstance(module, nn.DataParallel):
         inner = convert_model(module.module)
         # Without GPUs nn.DataParallel sets neither output_device nor dim.
