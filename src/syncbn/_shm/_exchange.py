@@ -65,15 +65,6 @@ _REASONS = {
 _META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(7)
 
 
-def _pack(fields: list[int]) -> tuple[int, int, int]:
-    """The seven header fields of :mod:`syncbn.groups` as three non-negative int64 words."""
-    return (
-        (fields[0] << 16) | fields[1],
-        (fields[2] << 16) | fields[3],
-        (((fields[4] << 16) | fields[5]) << 16) | fields[6],
-    )
-
-
 def _unpack(line: tuple[int, ...]) -> list[int]:
     """The seven header fields from a metadata line."""
     layer, a, b = line[_META_LAYER], line[_META_ID], line[_META_SIZE]

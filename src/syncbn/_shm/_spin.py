@@ -53,11 +53,6 @@ class SpinPolicy:
         self.typical = 0.0
         self.cap = _SPIN_BUSY_S if ranks > _cores() else _SPIN_S
 
-    @property
-    def oversubscribed(self) -> bool:
-        """Whether this machine's ranks outnumber the cores this process may use."""
-        return self.cap == _SPIN_BUSY_S
-
     def budget(self, now: float) -> float:
         """Seconds to spin in the wait that starts at ``now`` (``time.monotonic()``)."""
         if self.fixed:

@@ -140,9 +140,7 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
 @functools.cache  # once per process
 def install() -> None:
     """Start recording DDP wrappers (syncbn does it when it is imported)."""
-    register = getattr(nn.modules.module, "register_module_module_registration_hook", None)
-    if register is not None:  # torch >= 2.0
-        register(_record)
+    nn.modules.module.register_module_module_registration_hook(_record)
 
 
 def cover(model: nn.Module) -> None:
