@@ -185,8 +185,26 @@ def tracing_a_checkpointed_region() -> bool:
     return False
 
 
-@_custom_op("syncbn::all_reduce_sum", mutates_args=())
-def _all_reduce_op(
+# Registered directly (``torch.library.Library``), not through ``torch.library.custom_op``: a
+# compiled graph calls ``torch.ops.syncbn.all_reduce_sum.default`` twice per layer per step, and
+# custom_op's layers (its autograd wrapper, a redispatch, a dynamo-disabling wrapper and an
+# aliasing check, all in Python) cost several times the framing they wrap
+# (benchmarks/compile/op_call.py). Here: the implementation at CompositeExplicitAutograd (every
+# device), the fake kernel for tracing (fake tensors, meta), and at Autograd one small kernel
+# (_all_reduce_autograd) that records the adjoint where a gradient flows and otherwise goes
+# straight to the implementation.
+_lib = torch.library.Library("syncbn", "FRAGMENT")
+_lib.define(
+    "all_reduce_sum(Tensor tensor, int group, Tensor? layer, int phase, Tensor? source, int flags) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_all_reduce_op = torch.ops.syncbn.all_reduce_sum.default
+_redispatch = _all_reduce_op.redispatch  # off the hot path: fake tensors, modes, the adjoint
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_grad_enabled = torch._C.is_grad_enabled
+
+
+def _all_reduce_impl(
     tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Tensor | None, flags: int
 ) -> Tensor:
     """The framed sum of ``tensor`` over group handle ``group`` (see the module docstring)."""
@@ -237,26 +255,69 @@ def _framed_sum(
     return summed
 
 
-@_all_reduce_op.register_fake
 def _all_reduce_fake(
     tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Tensor | None, flags: int
 ) -> Tensor:
     return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    ctx.group, ctx.phase = inputs[1], inputs[3]
-    ctx.layer = inputs[2]
+class _Adjoint(torch.autograd.Function):
+    """The operator's autograd formula: it is its own adjoint.
+
+    d(sum over ranks of t_r)/d t_r is the identity: each rank's gradient is the sum of every
+    rank's upstream gradient, one more collective (on every rank alike).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, keyset: Any, *args: Any) -> Tensor:  # type: ignore[override]
+        """``args``: the operator's ``(tensor, group, layer, phase, source, flags)``."""
+        ctx.group, ctx.layer = args[1], args[2]
+        with torch._C._AutoDispatchBelowAutograd():
+            result: Tensor = _redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        summed = _all_reduce_op(grad, ctx.group, ctx.layer, PHASE_BACKWARD, None, 0)
+        return None, summed, None, None, None, None, None
 
 
-def _adjoint(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-    # d(sum over ranks of t_r)/d t_r is the identity: each rank's gradient is the sum of every
-    # rank's upstream gradient, one more collective (on every rank alike).
-    summed = _all_reduce_op(grad, ctx.group, ctx.layer, PHASE_BACKWARD, None, 0)
-    return summed, None, None, None, None, None
+def _all_reduce_autograd(
+    keyset: Any, tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Any, flags: int
+) -> Tensor:
+    """The Autograd kernel: record the adjoint where a gradient flows, else straight to the sum.
+
+    On a plain device tensor (no fake tensor, dispatch mode or functionalization: the keyset
+    below autograd leads to a device's kernel, which is :func:`_all_reduce_impl`) it calls the
+    implementation itself, saving a redispatch through the dispatcher (~2 us); otherwise it
+    redispatches.
+    """
+    if _grad_enabled() and (tensor.requires_grad or (source is not None and source.requires_grad)):
+        out: Tensor = _Adjoint.apply(keyset, tensor, group, layer, phase, source, flags)
+        return out
+    raw = keyset.raw_repr()
+    direct = _direct.get(raw)
+    if direct is None:
+        direct = _direct[raw] = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _DEVICE_KEYS
+    if direct:
+        return _all_reduce_impl(tensor, group, layer, phase, source, flags)
+    result: Tensor = _redispatch(keyset & _AFTER_AUTOGRAD, tensor, group, layer, phase, source, flags)
+    return result
 
 
-_all_reduce_op.register_autograd(_adjoint, setup_context=_setup_context)
+# The device dispatch keys whose kernel is _all_reduce_impl (CompositeExplicitAutograd), and per
+# dispatch keyset (its raw value) whether the Autograd kernel may call it directly.
+_DEVICE_KEYS = frozenset(
+    getattr(torch._C.DispatchKey, name)
+    for name in ("CPU", "CUDA", "XPU", "MPS", "HPU", "MTIA", "PrivateUse1")
+    if hasattr(torch._C.DispatchKey, name)
+)
+_direct: dict[int, bool] = {}
+
+
+_lib.impl("all_reduce_sum", _all_reduce_impl, "CompositeExplicitAutograd")
+_lib.impl("all_reduce_sum", _all_reduce_autograd, "Autograd", with_keyset=True)
+torch.library.register_fake("syncbn::all_reduce_sum", _all_reduce_fake, lib=_lib)
 
 # The collective is a side effect: keep every call, in program order, even where the output
 # is empty (an empty local batch still takes part) or unused.
