@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from typing import Callable
+
+from _trees import run_trees
 
 WIDTHS, SHAPE = (16,) * 24, (16, 3, 8, 8)
 
@@ -88,21 +87,8 @@ def main() -> None:
         for key, value in res.items():
             print(f"{key:>20}: {value:10.2f}")
         return
-    runs: dict[str, list[dict[str, float]]] = {src: [] for src in args.src}
-    for _ in range(args.repeat):
-        for src in args.src:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
-            cmd = [
-                sys.executable,
-                __file__,
-                "--steps",
-                str(args.steps),
-                "--rounds",
-                str(args.rounds),
-                "--json",
-            ]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-            runs[src].append(json.loads(out.strip().splitlines()[-1]))
+    forwarded = ["--steps", str(args.steps), "--rounds", str(args.rounds)]
+    runs = run_trees(__file__, args.src, args.repeat, forwarded)
     print(f"thread CPU time, median of {args.repeat} runs x {args.rounds} rounds x {args.steps} steps")
     for src in args.src:
         cells = {key: statistics.median(r[key] for r in runs[src]) for key in runs[src][0]}

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any, Callable
+
+from _trees import run_trees
 
 VARIANTS = ("op", "op no_grad", "op token", "framed", "op grad")
 
@@ -117,21 +116,8 @@ def main() -> None:
         for name, us in res.items():
             print(f"{name:>16}: {us:7.2f} us/call")
         return
-    runs: dict[str, list[dict[str, float]]] = {src: [] for src in args.src}
-    for _ in range(args.repeat):
-        for src in args.src:
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
-            cmd = [
-                sys.executable,
-                __file__,
-                "--calls",
-                str(args.calls),
-                "--rounds",
-                str(args.rounds),
-                "--json",
-            ]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-            runs[src].append(json.loads(out.strip().splitlines()[-1]))
+    forwarded = ["--calls", str(args.calls), "--rounds", str(args.rounds)]
+    runs = run_trees(__file__, args.src, args.repeat, forwarded)
     names = list(runs[args.src[0]][0])
     print(
         f"us/call, thread CPU time, median of {args.repeat} runs x {args.rounds} rounds x {args.calls} calls"
