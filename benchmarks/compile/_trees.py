@@ -24,3 +24,19 @@ def run_trees(script: str, srcs: list[str], repeat: int, args: list[str]) -> dic
             out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
             runs[src].append(json.loads(out.strip().splitlines()[-1]))
     return runs
+
+
+def add_arguments(parser: Any, repeat: int) -> None:
+    """The options every such script takes: ``--src`` (repeatable), ``--repeat``, ``--json``."""
+    parser.add_argument("--src", action="append", default=[], help="a syncbn source tree (repeatable)")
+    parser.add_argument("--repeat", type=int, default=repeat, help="runs per --src, taking turns")
+    parser.add_argument("--json", action="store_true", help="print one JSON line (one process)")
+
+
+def print_one(result: dict[str, Any], as_json: bool, line: str) -> None:
+    """One process's result: a JSON line, or ``line.format(key, value)`` per measurement."""
+    if as_json:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        print(line.format(key, value))

@@ -18,12 +18,11 @@ taking turns ``--repeat`` times; printed: the median over the runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Callable
 
-from _trees import run_trees
+from _trees import add_arguments, print_one, run_trees
 
 WIDTHS, SHAPE = (16,) * 24, (16, 3, 8, 8)
 
@@ -75,17 +74,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--src", action="append", default=[], help="a syncbn source tree (repeatable)")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per --src, taking turns")
-    parser.add_argument("--json", action="store_true", help="print one JSON line (one process)")
+    add_arguments(parser, repeat=2)
     args = parser.parse_args()
     if not args.src:
-        res = _measure(args.steps, args.rounds)
-        if args.json:
-            print(json.dumps(res))
-            return
-        for key, value in res.items():
-            print(f"{key:>20}: {value:10.2f}")
+        print_one(_measure(args.steps, args.rounds), args.json, "{:>20}: {:10.2f}")
         return
     forwarded = ["--steps", str(args.steps), "--rounds", str(args.rounds)]
     runs = run_trees(__file__, args.src, args.repeat, forwarded)

@@ -23,12 +23,11 @@ sources taking turns ``--repeat`` times; printed: the median over the runs of ea
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any, Callable
 
-from _trees import run_trees
+from _trees import add_arguments, print_one, run_trees
 
 VARIANTS = ("op", "op no_grad", "op token", "framed", "op grad")
 
@@ -104,17 +103,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--src", action="append", default=[], help="a syncbn source tree (repeatable)")
-    parser.add_argument("--repeat", type=int, default=5, help="runs per --src, taking turns")
-    parser.add_argument("--json", action="store_true", help="print one JSON line (one process)")
+    add_arguments(parser, repeat=5)
     args = parser.parse_args()
     if not args.src:
-        res = _measure(args.calls, args.rounds)
-        if args.json:
-            print(json.dumps(res))
-            return
-        for name, us in res.items():
-            print(f"{name:>16}: {us:7.2f} us/call")
+        print_one(_measure(args.calls, args.rounds), args.json, "{:>16}: {:7.2f} us/call")
         return
     forwarded = ["--calls", str(args.calls), "--rounds", str(args.rounds)]
     runs = run_trees(__file__, args.src, args.repeat, forwarded)
