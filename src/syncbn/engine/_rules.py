@@ -25,9 +25,9 @@ __all__ = [
     "warn_while_tracing",
 ]
 
-# Both exist from torch 2.3 on; older torch has the dynamo spelling and no task id (no recompute detection).
+# torch.compiler.is_compiling exists from torch 2.3 on; torch 2.2 has the dynamo spelling.
 is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id  # torch 2.2 has it (checked)
 
 
 @torch._dynamo.assume_constant_result
