@@ -58,11 +58,16 @@ try:  # custom operators with ordered side effects: recent torch only
 
     _register_effectful_op = torch.library._register_effectful_op
     _custom_op = torch.library.custom_op
+    # What the directly registered collective below uses (all present on torch 2.13 and 2.15).
+    _register_fake = torch.library.register_fake
+    _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+    _BelowAutograd = torch._C._AutoDispatchBelowAutograd
+    _grad_enabled = torch._C.is_grad_enabled
 except (ImportError, AttributeError) as exc:
     raise ImportError(
-        "syncbn's torch.compile operators need torch.library.custom_op and ordered effectful "
-        f"operators, which torch {torch.__version__} lacks; compiled models then run the eager "
-        "layer (with graph breaks)"
+        "syncbn's torch.compile operators need torch.library.custom_op, register_fake and ordered "
+        f"effectful operators, which torch {torch.__version__} lacks; compiled models then run the "
+        "eager layer (with graph breaks)"
     ) from exc
 
 from .. import _checks, groups
@@ -200,8 +205,6 @@ _lib.define(
 )
 _all_reduce_op = torch.ops.syncbn.all_reduce_sum.default
 _redispatch = _all_reduce_op.redispatch  # off the hot path: fake tensors, modes, the adjoint
-_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-_grad_enabled = torch._C.is_grad_enabled
 
 
 def _all_reduce_impl(
@@ -272,7 +275,7 @@ class _Adjoint(torch.autograd.Function):
     def forward(ctx: Any, keyset: Any, *args: Any) -> Tensor:  # type: ignore[override]
         """``args``: the operator's ``(tensor, group, layer, phase, source, flags)``."""
         ctx.group, ctx.layer = args[1], args[2]
-        with torch._C._AutoDispatchBelowAutograd():
+        with _BelowAutograd():
             result: Tensor = _redispatch(keyset & _AFTER_AUTOGRAD, *args)
         return result
 
@@ -317,7 +320,7 @@ _direct: dict[int, bool] = {}
 
 _lib.impl("all_reduce_sum", _all_reduce_impl, "CompositeExplicitAutograd")
 _lib.impl("all_reduce_sum", _all_reduce_autograd, "Autograd", with_keyset=True)
-torch.library.register_fake("syncbn::all_reduce_sum", _all_reduce_fake, lib=_lib)
+_register_fake("syncbn::all_reduce_sum", _all_reduce_fake, lib=_lib)
 
 # The collective is a side effect: keep every call, in program order, even where the output
 # is empty (an empty local batch still takes part) or unused.
