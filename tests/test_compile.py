@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 import syncbn
 import syncbn.modules
-from _helpers.dist_harness import launch_once
+from _helpers.dist_harness import launch, launch_once
 from _helpers.marks import needs_compiled_ops
 
 pytestmark = needs_compiled_ops
@@ -207,12 +207,13 @@ def test_compiled_double_backward_raises_clearly() -> None:
         assert "create_graph" in text or "double backward" in text, text
 
 
-@pytest.mark.timeout(300)
-def test_single_process_fullgraph_no_break_equals_eager() -> None:
+def _single_process(rank: int, world_size: int) -> tuple[int, float]:
+    """Graph breaks and the worst difference from eager, with no process group (as one process)."""
     import torch._dynamo
 
+    dist.destroy_process_group()
     x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
-    assert torch._dynamo.explain(_conv())(x).graph_break_count == 0
+    breaks = torch._dynamo.explain(_conv())(x).graph_break_count
     eager = _conv()
     compiled = copy.deepcopy(eager)
     worst = _train_side_by_side(
@@ -223,6 +224,16 @@ def test_single_process_fullgraph_no_break_equals_eager() -> None:
         ((4,), (5,)),
         ((3, 8, 8), (8, 6, 6)),
     )
+    return breaks, worst
+
+
+@pytest.mark.timeout(300)
+def test_single_process_fullgraph_no_break_equals_eager() -> None:
+    # In a child process: on torch 2.15 a compiled backward in the test process leaves autograd
+    # unusable in the ranks later tests fork from it ("Unable to handle autograd's threading in
+    # combination with fork-based multiprocessing").
+    ((breaks, worst),) = launch(_single_process, 1, timeout=280)
+    assert breaks == 0
     assert worst <= 1e-12
 
 
