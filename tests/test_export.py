@@ -11,9 +11,11 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import syncbn
+from _helpers.dist_harness import launch
 
 
 def _model() -> nn.Module:
@@ -37,13 +39,21 @@ def _model() -> nn.Module:
     return ours
 
 
-def test_torch_export_of_an_eval_model() -> None:
+def _export(rank: int, world_size: int) -> float:
+    """The worst difference between the exported program and the model, as one process."""
+    dist.destroy_process_group()
     model = _model()
-    x = torch.randn(4, 3, 8, 8)
+    x, x2 = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)
     program = torch.export.export(model, (x,))
-    torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=1e-6)
-    x2 = torch.randn(4, 3, 8, 8)
-    torch.testing.assert_close(program.module()(x2), model(x2), rtol=0, atol=1e-6)
+    return max(float((program.module()(v) - model(v)).abs().max()) for v in (x, x2))
+
+
+def test_torch_export_of_an_eval_model() -> None:
+    # In a child process: on torch 2.15, torch.export in the test process leaves autograd unusable
+    # in ranks later tests fork from it ("Unable to handle autograd's threading in combination
+    # with fork-based multiprocessing").
+    (worst,) = launch(_export, 1)
+    assert worst <= 1e-6
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-exporter", "dynamo-exporter"])
