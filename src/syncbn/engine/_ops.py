@@ -327,21 +327,26 @@ _register_fake("syncbn::all_reduce_sum", _all_reduce_fake, lib=_lib)
 _register_effectful_op("syncbn::all_reduce_sum", EffectType.ORDERED)
 
 
-@_custom_op("syncbn::snapshot", mutates_args=())
-def snapshot(tensor: Tensor) -> Tensor:
+def _snapshot_impl(tensor: Tensor) -> Tensor:
     """A copy of ``tensor`` that a compiled backward keeps rather than recomputes.
 
     AOTAutograd's partitioner may recompute cheap values in the backward graph
     from a forward input; where that input is a buffer the forward updates in
     place (a running statistic), the recomputation would read the updated value.
-    An opaque operator is never recomputed, so its copy is saved instead.
+    An opaque operator is never recomputed, so its copy is saved instead. Registered
+    directly, as the collective (no autograd formula: it copies buffers only).
     """
     return tensor.clone()
 
 
-@snapshot.register_fake
 def _snapshot_fake(tensor: Tensor) -> Tensor:
     return torch.empty_like(tensor)
+
+
+_lib.define("snapshot(Tensor tensor) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
+_lib.impl("snapshot", _snapshot_impl, "CompositeExplicitAutograd")
+_register_fake("syncbn::snapshot", _snapshot_fake, lib=_lib)
+snapshot = torch.ops.syncbn.snapshot.default
 
 
 def all_reduce_sum(
