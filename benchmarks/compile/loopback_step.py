@@ -17,12 +17,11 @@ taking turns ``--repeat`` times; printed: the median over the runs.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Callable
 
-from _trees import add_arguments, print_one, run_trees
+from _trees import measure_or_compare
 
 WIDTHS, SHAPE = (16,) * 24, (16, 3, 8, 8)
 
@@ -71,20 +70,13 @@ def _measure(steps: int, rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=10)
-    add_arguments(parser, repeat=2)
-    args = parser.parse_args()
-    if not args.src:
-        print_one(_measure(args.steps, args.rounds), args.json, "{:>20}: {:10.2f}")
+    counts = {"steps": 20, "rounds": 10}
+    args, medians = measure_or_compare(__file__, __doc__, counts, 2, _measure, "{:>20}: {:10.2f}")
+    if medians is None:
         return
-    forwarded = ["--steps", str(args.steps), "--rounds", str(args.rounds)]
-    runs = run_trees(__file__, args.src, args.repeat, forwarded)
     print(f"thread CPU time, median of {args.repeat} runs x {args.rounds} rounds x {args.steps} steps")
     for src in args.src:
-        cells = {key: statistics.median(r[key] for r in runs[src]) for key in runs[src][0]}
-        print(f"{src}: " + ", ".join(f"{key} {value:.2f}" for key, value in cells.items()))
+        print(f"{src}: " + ", ".join(f"{key} {value:.2f}" for key, value in medians[src].items()))
 
 
 if __name__ == "__main__":

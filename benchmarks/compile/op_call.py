@@ -22,12 +22,11 @@ sources taking turns ``--repeat`` times; printed: the median over the runs of ea
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from typing import Any, Callable
+from typing import Callable
 
-from _trees import add_arguments, print_one, run_trees
+from _trees import measure_or_compare
 
 VARIANTS = ("op", "op no_grad", "op token", "framed", "op grad")
 
@@ -100,24 +99,16 @@ def _measure(calls: int, rounds: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=30)
-    add_arguments(parser, repeat=5)
-    args = parser.parse_args()
-    if not args.src:
-        print_one(_measure(args.calls, args.rounds), args.json, "{:>16}: {:7.2f} us/call")
+    counts = {"calls": 200, "rounds": 30}
+    args, medians = measure_or_compare(__file__, __doc__, counts, 5, _measure, "{:>16}: {:7.2f} us/call")
+    if medians is None:
         return
-    forwarded = ["--calls", str(args.calls), "--rounds", str(args.rounds)]
-    runs = run_trees(__file__, args.src, args.repeat, forwarded)
-    names = list(runs[args.src[0]][0])
     print(
         f"us/call, thread CPU time, median of {args.repeat} runs x {args.rounds} rounds x {args.calls} calls"
     )
     print(f"{'':>16}  " + "  ".join(f"{src[-24:]:>24}" for src in args.src))
-    for name in names:
-        cells: list[Any] = [statistics.median(r[name] for r in runs[src]) for src in args.src]
-        print(f"{name:>16}: " + "  ".join(f"{c:24.2f}" for c in cells))
+    for name in medians[args.src[0]]:
+        print(f"{name:>16}: " + "  ".join(f"{medians[src][name]:24.2f}" for src in args.src))
 
 
 if __name__ == "__main__":
