@@ -53,21 +53,19 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-try:  # custom operators with ordered side effects: recent torch only
+try:  # operators with ordered side effects: recent torch only (all present on torch 2.13 and 2.15)
     from torch._library.effects import EffectType
 
     _register_effectful_op = torch.library._register_effectful_op
-    _custom_op = torch.library.custom_op
-    # What the directly registered collective below uses (all present on torch 2.13 and 2.15).
     _register_fake = torch.library.register_fake
     _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
     _BelowAutograd = torch._C._AutoDispatchBelowAutograd
     _grad_enabled = torch._C.is_grad_enabled
 except (ImportError, AttributeError) as exc:
     raise ImportError(
-        "syncbn's torch.compile operators need torch.library.custom_op, register_fake and ordered "
-        f"effectful operators, which torch {torch.__version__} lacks; compiled models then run the "
-        "eager layer (with graph breaks)"
+        "syncbn's torch.compile operators need torch.library.register_fake and ordered effectful "
+        f"operators, which torch {torch.__version__} lacks; compiled models then run the eager "
+        "layer (with graph breaks)"
     ) from exc
 
 from .. import _checks, groups
