@@ -7,12 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from syncbn.cli._bench_targets import TARGETS, format_targets, targets
+from syncbn.cli._bench_targets import MANY_FAULTS, TARGETS, allocator_note, format_targets, targets
 from syncbn.cli.bench import NaiveSyncBatchNorm, parse_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +72,8 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         "2xAR-shm",
         "local+AR",
         "syncbn",
+        "alone",
+        "a/local",
         "sync-pg",
         "naive",
         "torch",
@@ -87,8 +90,11 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     assert data["machine"]["torch"] == torch.__version__
     assert [r["shape"] for r in data["results"]] == [list(s) for s in parse_shapes(shapes)]
     for rec in data["results"]:
-        methods = {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "syncbn-pg", "naive"}
+        methods = {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "alone", "syncbn-pg", "naive"}
         assert set(rec["median_ms"]) == methods  # no torch on CPU
+        if sys.platform.startswith("linux"):  # minor page faults per call, counted per thread
+            assert set(rec["faults_per_call"]) == methods
+            assert all(v >= 0 for v in rec["faults_per_call"].values())
         assert all(v > 0 for v in rec["median_ms"].values())
         assert len(rec["per_rank_median_ms"]) == 2
         ratios = rec["ratios"]
@@ -97,6 +103,7 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         assert ratios["syncbn_over_torch"] is None
         ms = rec["median_ms"]
         assert ratios["syncbn_over_local"] == pytest.approx(ms["syncbn"] / ms["local"])
+        assert ratios["alone_over_local"] == pytest.approx(ms["alone"] / ms["local"])
     e2e = data["e2e"]
     assert e2e["model"] == "deep" and set(e2e["median_ms"]) == {"syncbn", "plain"}
     assert e2e["syncbn_over_plain"] == pytest.approx(e2e["median_ms"]["syncbn"] / e2e["median_ms"]["plain"])
@@ -114,7 +121,7 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     assert data["compiled"] is None
 
 
-def _record(shape: tuple[int, ...], ratio: float) -> dict[str, object]:
+def _record(shape: tuple[int, ...], ratio: float) -> dict[str, Any]:
     return {"shape": list(shape), "ratios": {"syncbn_over_local": ratio}}
 
 
@@ -145,6 +152,24 @@ def test_targets_table_from_given_numbers() -> None:
     empty = format_targets(targets([], None, None), None, None)
     assert empty.count("not run") == len(TARGETS) and "needs --compiled" in empty
     assert empty.endswith("unknown at start, unknown at end")
+
+
+def test_targets_detail_shows_own_work_and_the_allocator_note_names_the_worst_faults() -> None:
+    record = _record((32, 64, 56, 56), 1.3)
+    record["ratios"]["alone_over_local"] = 0.9
+    rows = {r["key"]: r for r in targets([record], None, None)}
+    assert rows["large_layers"]["detail"] == "32x64x56x56 1.30 (alone 0.90)"
+    # Faults per call below the threshold, or not counted (no faults_per_call): no note.
+    quiet = _record((8, 4), 2.0)
+    quiet["faults_per_call"] = {"local": MANY_FAULTS - 1.0, "syncbn": 0.5}
+    assert allocator_note([quiet, _record((4, 4), 1.0)]) is None
+    many = _record((16, 64, 32, 32), 1.1)
+    many["faults_per_call"] = {"local": 700.0, "syncbn": 450.0}
+    more = _record((32, 64, 56, 56), 1.0)
+    more["faults_per_call"] = {"local": 900.0, "syncbn": 3100.0}
+    note = allocator_note([quiet, many, more])
+    assert note is not None
+    assert "up to 3100 per layer call (32x64x56x56)" in note and "MALLOC_TRIM_THRESHOLD_" in note
 
 
 def test_bench_single_process_runs_without_a_group() -> None:

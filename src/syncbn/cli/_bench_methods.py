@@ -19,7 +19,7 @@ from ..modules import SyncBatchNorm
 
 __all__ = ["METHODS", "LocalWithCollectives", "LoopbackGroup", "NaiveSyncBatchNorm", "build"]
 
-METHODS = ("local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "syncbn-pg", "naive", "torch")
+METHODS = ("local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "alone", "syncbn-pg", "naive", "torch")
 
 
 class LoopbackGroup:
@@ -136,17 +136,23 @@ def _local_bn(dim: int, channels: int) -> nn.Module:
 
 
 class _ForcedSync(nn.Module):
-    """Run a synchronised autograd function directly, even on a group of one."""
+    """Run a synchronised autograd function directly, even on a group of one.
+
+    ``kind``: ``"syncbn"`` (syncbn's engine over the default group), ``"alone"`` (syncbn's
+    engine over a :class:`LoopbackGroup`: its own work, no peer to wait for) or ``"torch"``.
+    """
 
     def __init__(self, bn: nn.Module, kind: str) -> None:
         super().__init__()
         self.bn = bn
         self.kind = kind
+        self.group: Any = LoopbackGroup() if kind == "alone" else None
 
     def forward(self, x: Tensor) -> Tensor:
         bn: Any = self.bn
-        if self.kind == "syncbn":
-            params = Params(bn.running_mean, bn.running_var, bn.eps, bn.momentum, ProcessGroupSum())
+        if self.kind != "torch":
+            group = self.group or ProcessGroupSum()
+            params = Params(bn.running_mean, bn.running_var, bn.eps, bn.momentum, group)
             return SyncBatchNormFunction.apply(x, bn.weight, bn.bias, params)  # type: ignore[no-any-return]
         from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFn
 
@@ -167,6 +173,8 @@ def build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
         mod = SyncBatchNorm(channels)
         if force_sync:
             mod = _ForcedSync(mod, "syncbn")
+    elif method == "alone":
+        mod = _ForcedSync(SyncBatchNorm(channels), "alone")
     elif method == "syncbn-pg":
         if x.is_cuda or not dist.is_initialized() or force_sync:
             return None  # only CPU collectives have the shared-memory path to turn off

@@ -15,6 +15,7 @@ def ratios(ms: dict[str, float]) -> dict[str, float | None]:
     return {
         "floor_ms": floor,
         "syncbn_over_local": sync / ms["local"],
+        "alone_over_local": ms["alone"] / ms["local"] if "alone" in ms else None,
         "syncbn_over_floor": sync / floor,
         "own_floor_ms": own_floor,
         "syncbn_over_own_floor": sync / own_floor if own_floor else None,
@@ -35,8 +36,9 @@ def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:
     """
     ratio_key = "ratios" if kind == "median_ms" else "cpu_ratios"
     head = (
-        f"{'shape':>16} {'s/local':>7} {'local':>7} {'2xAR':>6} {'2xAR-shm':>8} {'local+AR':>8}"
-        f" {'syncbn':>7} {'sync-pg':>7} {'naive':>7} {'torch':>7} {'s/floor':>7} {'s/floor-shm':>11}"
+        f"{'shape':>16} {'s/local':>7} {'a/local':>7} {'local':>7} {'2xAR':>6} {'2xAR-shm':>8}"
+        f" {'local+AR':>8} {'syncbn':>7} {'alone':>7} {'sync-pg':>7} {'naive':>7} {'torch':>7}"
+        f" {'s/floor':>7} {'s/floor-shm':>11}"
         f" {'pg/l+AR':>7} {'s/naive':>7} {'s/torch':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -48,9 +50,10 @@ def format_table(records: list[dict[str, Any]], kind: str = "median_ms") -> str:
         ms, r = rec[kind], rec[ratio_key]
         shape = "x".join(str(d) for d in rec["shape"])
         lines.append(
-            f"{shape:>16} {r['syncbn_over_local']:>7.3f} {ms['local']:>7.3f} {ms.get('2xAR', 0.0):>6.3f}"
+            f"{shape:>16} {r['syncbn_over_local']:>7.3f} {cell(r.get('alone_over_local'), 7, '.3f')}"
+            f" {ms['local']:>7.3f} {ms.get('2xAR', 0.0):>6.3f}"
             f" {cell(ms.get('2xAR-shm'), 8, '.3f')} {cell(ms.get('local+AR'), 8, '.3f')}"
-            f" {ms['syncbn']:>7.3f} {cell(ms.get('syncbn-pg'), 7, '.3f')}"
+            f" {ms['syncbn']:>7.3f} {cell(ms.get('alone'), 7, '.3f')} {cell(ms.get('syncbn-pg'), 7, '.3f')}"
             f" {cell(ms.get('naive'), 7, '.3f')} {cell(ms.get('torch'), 7, '.3f')}"
             f" {r['syncbn_over_floor']:>7.3f} {cell(r.get('syncbn_over_own_floor'), 11, '.3f')}"
             f" {cell(r.get('syncbn_pg_over_interleaved_floor'), 7, '.3f')}"

@@ -21,6 +21,13 @@ from ._bench_methods import METHODS, build
 from ._bench_report import ratios
 from ._bench_targets import load_average
 
+try:  # per-thread resource usage: Linux
+    import resource
+
+    _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
+except ImportError:  # Windows
+    _RUSAGE_THREAD = None
+
 __all__ = ["bench_layers", "machine_info", "time_interleaved"]
 
 
@@ -32,13 +39,16 @@ def time_interleaved(
     barrier: bool,
     cuda: bool,
     cpu_times: dict[str, list[float]] | None = None,
+    faults: dict[str, list[int]] | None = None,
 ) -> dict[str, list[float]]:
     """Time each callable ``warmup + iters`` times, interleaved; wall seconds of the timed ones.
 
     With ``barrier``, every call starts after a ``dist.barrier()`` (untimed), so
     ranks start each measurement together. ``cpu_times``, when given, receives
     the calling thread's CPU seconds per call: the compute cost, which time spent
-    waiting for peers or for a busy machine's scheduler does not inflate.
+    waiting for peers or for a busy machine's scheduler does not inflate. ``faults``, when
+    given and the platform counts them per thread (Linux), receives the calling thread's minor
+    page faults per call: memory the allocator had handed back to the kernel and got again.
     """
     times: dict[str, list[float]] = {name: [] for name in steps}
     for it in range(warmup + iters):
@@ -47,6 +57,7 @@ def time_interleaved(
                 dist.barrier()
             if cuda:
                 torch.cuda.synchronize()
+            faults_start = _minor_faults()
             cpu_start = time.thread_time()
             start = time.perf_counter()
             step()
@@ -58,7 +69,17 @@ def time_interleaved(
                 times[name].append(elapsed)
                 if cpu_times is not None:
                     cpu_times.setdefault(name, []).append(cpu)
+                if faults is not None and faults_start is not None:
+                    faults.setdefault(name, []).append((_minor_faults() or 0) - faults_start)
     return times
+
+
+def _minor_faults() -> int | None:
+    """This thread's minor page faults so far (``None`` where the platform does not count them)."""
+    if _RUSAGE_THREAD is None:
+        return None
+    faults: int = resource.getrusage(_RUSAGE_THREAD).ru_minflt
+    return faults
 
 
 def _two_sums(
@@ -109,6 +130,27 @@ def _layer_steps(
     return steps
 
 
+def _time_methods(
+    steps: dict[str, Callable[[], Any]], iters: int, warmup: int, distributed: bool, cuda: bool
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[int]], str | None]:
+    """Wall times, thread CPU times and page faults per call of ``steps``; without ``torch`` if it fails."""
+    cpu: dict[str, list[float]] = {}
+    faults: dict[str, list[int]] = {}
+    try:
+        times = time_interleaved(
+            steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu, faults=faults
+        )
+        return times, cpu, faults, None
+    except Exception as exc:  # e.g. a backend without the collective torch's SyncBN needs
+        steps.pop("torch", None)
+        cpu.clear()
+        faults.clear()
+        times = time_interleaved(
+            steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu, faults=faults
+        )
+        return times, cpu, faults, f"torch.nn.SyncBatchNorm failed: {type(exc).__name__}: {exc}"
+
+
 def bench_layers(
     rank: int,
     world_size: int,
@@ -124,7 +166,9 @@ def bench_layers(
 
     Must run on every rank of an initialised default group (or in a single
     process without one). Returns one record per shape with ``median_ms`` per
-    method (the largest over ranks), ``per_rank_median_ms`` and ``ratios``.
+    method (the largest over ranks), ``per_rank_median_ms``, ``ratios`` and
+    ``faults_per_call`` (the worse rank's mean minor page faults per call; empty
+    where the platform does not count them per thread).
     """
     device = device or torch.device("cpu")
     distributed = dist.is_initialized()
@@ -132,18 +176,11 @@ def bench_layers(
     for shape in shapes:
         steps = _layer_steps(shape, dtype, device, rank, force_sync)
         cuda = device.type == "cuda"
-        cpu: dict[str, list[float]] = {}
-        try:
-            times = time_interleaved(steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu)
-            error = None
-        except Exception as exc:  # e.g. a backend without the collective torch's SyncBN needs
-            steps.pop("torch", None)
-            cpu = {}
-            times = time_interleaved(steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu)
-            error = f"torch.nn.SyncBatchNorm failed: {type(exc).__name__}: {exc}"
+        times, cpu, faults, error = _time_methods(steps, iters, warmup, distributed, cuda)
         mine = {
             "wall": {name: statistics.median(ts) * 1e3 for name, ts in times.items()},
             "cpu": {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()},
+            "faults": {name: statistics.mean(fs) for name, fs in faults.items()},
         }
         if distributed:
             gathered: list[Any] = [None] * world_size
@@ -152,11 +189,13 @@ def bench_layers(
             gathered = [mine]
         slowest = {name: max(r["wall"][name] for r in gathered) for name in mine["wall"]}
         slowest_cpu = {name: max(r["cpu"][name] for r in gathered) for name in mine["cpu"]}
+        worst_faults = {name: max(r["faults"][name] for r in gathered) for name in mine["faults"]}
         records.append(
             {
                 "shape": list(shape),
                 "median_ms": slowest,
                 "cpu_median_ms": slowest_cpu,
+                "faults_per_call": worst_faults,
                 "per_rank_median_ms": [r["wall"] for r in gathered],
                 "per_rank_cpu_median_ms": [r["cpu"] for r in gathered],
                 "ratios": ratios(slowest),

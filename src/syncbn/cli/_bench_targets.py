@@ -4,8 +4,10 @@ The targets are issue 29's: a DDP training step of the narrow net (24 small
 BN layers) and, compiled, of the narrow and the wide net, syncbn against
 ``nn.BatchNorm2d``; one layer's forward + backward against local BatchNorm,
 the worst over the large layers (at least :data:`LARGE` values per rank) and
-over the small ones; and, where ``torch.nn.SyncBatchNorm`` runs (CUDA with
-NCCL), the narrow net's step against it. A quantity the run did not measure
+over the small ones (each shape's detail adds syncbn's own work against it,
+``alone``: the same engine over a loopback group, no peer to wait for); and,
+where ``torch.nn.SyncBatchNorm`` runs (CUDA with NCCL), the narrow net's step
+against it. A quantity the run did not measure
 says why (which flag or device it needs). The machine's load average at the
 start and at the end of the run comes with the table: the ratios are only as
 good as the machine was quiet.
@@ -19,7 +21,7 @@ from typing import Any
 
 from ._output import format_table
 
-__all__ = ["LARGE", "TARGETS", "format_targets", "load_average", "targets"]
+__all__ = ["LARGE", "MANY_FAULTS", "TARGETS", "allocator_note", "format_targets", "load_average", "targets"]
 
 #: values per rank from which a layer counts as large
 LARGE = 256 * 1024
@@ -50,8 +52,42 @@ def _worst(records: list[dict[str, Any]], large: bool) -> tuple[float | None, st
     picked = [r for r in records if (math.prod(r["shape"]) >= LARGE) == large]
     if not picked:
         return None, ""
-    values = [(r["ratios"]["syncbn_over_local"], "x".join(map(str, r["shape"]))) for r in picked]
-    return max(v for v, _ in values), ", ".join(f"{s} {v:.2f}" for v, s in values)
+    worst = max(r["ratios"]["syncbn_over_local"] for r in picked)
+    return worst, ", ".join(_shape_detail(r) for r in picked)
+
+
+def _shape_detail(record: dict[str, Any]) -> str:
+    """``SHAPE RATIO``, with syncbn's own work against local BN (``alone``) where it was measured."""
+    text = "x".join(map(str, record["shape"])) + f" {record['ratios']['syncbn_over_local']:.2f}"
+    alone = record["ratios"].get("alone_over_local")
+    return text if alone is None else f"{text} (alone {alone:.2f})"
+
+
+#: minor page faults per call from which ``syncbn bench`` points at the allocator (256 KiB in 4 KiB pages)
+MANY_FAULTS = 64
+
+
+def allocator_note(records: list[dict[str, Any]]) -> str | None:
+    """A note when layer calls page-faulted memory in again (glibc returning freed blocks), else ``None``.
+
+    A synchronised layer pays for such faults twice: its own, and the wait for a peer hit by
+    theirs (``benchmarks/speed/skew.py``). The note names the worst shape's faults per call.
+    """
+    worst: tuple[float, str] | None = None
+    for record in records:
+        faults = record.get("faults_per_call") or {}
+        count = max(faults.get("local", 0.0), faults.get("syncbn", 0.0))
+        if count >= MANY_FAULTS and (worst is None or count > worst[0]):
+            worst = (count, "x".join(map(str, record["shape"])))
+    if worst is None:
+        return None
+    return (
+        f"page faults: up to {worst[0]:.0f} per layer call ({worst[1]}): the allocator gives freed "
+        "activation memory back to the kernel and each step faults it in again, and a synchronised "
+        "layer also waits for a peer's faults. On Linux with glibc, MALLOC_TRIM_THRESHOLD_=4000000000 "
+        "MALLOC_MMAP_THRESHOLD_=268435456 in the training processes' environment keeps it (see the "
+        "performance page of the docs)."
+    )
 
 
 def targets(

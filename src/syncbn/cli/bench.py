@@ -14,6 +14,8 @@ them alike, one training forward + backward (random upstream gradient) of:
   is the floor as a real step meets it: each collective also waits for the
   slower rank's compute, which back-to-back ``2xAR`` never does;
 * ``syncbn``: :class:`syncbn.SyncBatchNorm` (shared memory where available);
+* ``alone``: syncbn's engine over a loopback group (its sum returns its input):
+  syncbn's own work, with no collective and no peer to wait for (``a/local``);
 * ``syncbn-pg``: :class:`syncbn.SyncBatchNorm` with shared memory off, so its
   collectives take the same transport as ``2xAR`` (CPU only);
 * ``naive``: the common naive algorithm (per-channel mean and mean of squares,
@@ -26,7 +28,11 @@ slowest rank's median for each method, with the ratios
 floor on syncbn's own transport), ``syncbn-pg / (local+AR)`` (the algorithm
 against the floor on the same transport, collectives in place),
 ``syncbn / naive`` and ``syncbn / torch``; first of all ``s/local``, syncbn against
-unsynchronised ``nn.BatchNorm``: what switching synchronisation on costs per layer.
+unsynchronised ``nn.BatchNorm``: what switching synchronisation on costs per layer,
+and ``a/local``, ``alone`` against it: the part of that which is syncbn's own work
+(the rest is the collectives and the wait for the slower rank). Where layer calls
+fault in much memory again (glibc giving freed blocks back to the kernel, counted per
+call on Linux), a note after the targets says so and how to keep it.
 
 After the layer tables (``--e2e-steps``, 0 to skip), one DDP training step of
 a many-small-layers network, the narrow net (24 conv3x3(32)-BN-ReLU blocks on
@@ -68,7 +74,7 @@ from ._bench_e2e import format_e2e, slowest, time_steps
 from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchNorm
 from ._bench_report import format_table, ratios
 from ._bench_runner import bench_layers, machine_info, time_interleaved
-from ._bench_targets import format_targets, load_average, targets
+from ._bench_targets import allocator_note, format_targets, load_average, targets
 from ._launch import DEFAULT_TIMEOUT_S, add_launch_arguments, default_backend, run_ranks
 
 __all__ = [
@@ -239,6 +245,9 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     load_end = load_average()
     print("\ntargets (ratio <= goal; steps and layers as above):")
     print(format_targets(rows, load_start, load_end))
+    note = allocator_note(records)
+    if note is not None:
+        print(note)
     if args.json:
         payload = {"config": config, "machine": machine_info(), "results": records, "e2e": e2e}
         payload["compiled"] = compiled
