@@ -85,8 +85,8 @@ def allocator_note(records: list[dict[str, Any]]) -> str | None:
         f"page faults: up to {worst[0]:.0f} per layer call ({worst[1]}): the allocator gives freed "
         "activation memory back to the kernel and each step faults it in again, and a synchronised "
         "layer also waits for a peer's faults. On Linux with glibc, MALLOC_TRIM_THRESHOLD_=4000000000 "
-        "MALLOC_MMAP_THRESHOLD_=268435456 in the training processes' environment keeps it (see the "
-        "performance page of the docs)."
+        "MALLOC_MMAP_THRESHOLD_=268435456 in the training processes' environment keeps it (this command "
+        "run with them shows the difference; see the performance page of the docs)."
     )
 
 
