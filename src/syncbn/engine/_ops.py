@@ -283,6 +283,16 @@ class _Adjoint(torch.autograd.Function):
         return None, summed, None, None, None, None, None
 
 
+# The device dispatch keys whose kernel is _all_reduce_impl (CompositeExplicitAutograd), and per
+# dispatch keyset (its raw value) whether the Autograd kernel may call it directly.
+_DEVICE_KEYS = frozenset(
+    getattr(torch._C.DispatchKey, name)
+    for name in ("CPU", "CUDA", "XPU", "MPS", "HPU", "MTIA", "PrivateUse1")
+    if hasattr(torch._C.DispatchKey, name)
+)
+_direct: dict[int, bool] = {}
+
+
 def _all_reduce_autograd(
     keyset: Any, tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Any, flags: int
 ) -> Tensor:
@@ -304,16 +314,6 @@ def _all_reduce_autograd(
         return _all_reduce_impl(tensor, group, layer, phase, source, flags)
     result: Tensor = _redispatch(keyset & _AFTER_AUTOGRAD, tensor, group, layer, phase, source, flags)
     return result
-
-
-# The device dispatch keys whose kernel is _all_reduce_impl (CompositeExplicitAutograd), and per
-# dispatch keyset (its raw value) whether the Autograd kernel may call it directly.
-_DEVICE_KEYS = frozenset(
-    getattr(torch._C.DispatchKey, name)
-    for name in ("CPU", "CUDA", "XPU", "MPS", "HPU", "MTIA", "PrivateUse1")
-    if hasattr(torch._C.DispatchKey, name)
-)
-_direct: dict[int, bool] = {}
 
 
 _lib.impl("all_reduce_sum", _all_reduce_impl, "CompositeExplicitAutograd")
