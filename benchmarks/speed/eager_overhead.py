@@ -3,9 +3,16 @@
 A group that claims two members and returns its input unchanged stands in for
 the collective, so the time is syncbn's own work per layer (Python, dispatcher
 calls, passes over memory): what a code change to the eager path can make
-slower. Run it against two source trees, alternating, in fresh processes::
+slower. Run it against two source trees, alternating, in fresh processes, the order
+turning every round::
 
     python benchmarks/speed/eager_overhead.py --src OLD/src --src NEW/src --rounds 3
+
+The children run with an allocator that keeps freed blocks (``skew.CONFIGS["no-trim"]``:
+glibc's trim and mmap thresholds raised), because with glibc's defaults the page faults of
+memory handed back to the kernel and faulted in again move a large shape's time by up to 40%
+from one process to the next, whichever tree it runs; ``--allocator glibc`` measures with the
+defaults instead (a change that allocates more shows there too).
 
 Prints the median forward+backward thread CPU time per shape and source tree (ms, one
 thread) and their ratio.
@@ -15,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+
+from skew import CONFIGS
 
 SHAPES = ("32x64", "256x512", "64x256x4x4", "16x64x32x32")
 
@@ -53,17 +63,20 @@ def main() -> None:
     parser.add_argument("--src", action="append", required=True, help="a src/ folder holding syncbn")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--allocator", choices=sorted(CONFIGS), default="no-trim")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, float]]] = {src: [] for src in args.src}
-    for _ in range(args.rounds):
-        for src in args.src:
-            env_path = {"PYTHONPATH": src}
+    for i in range(args.rounds):
+        # The order turns every round (ABBA...): a run measured faster in the second place of a
+        # round whichever tree it was (up to 25% on the large shapes), so a fixed order is biased.
+        for src in args.src if i % 2 == 0 else args.src[::-1]:
+            env_path = {"PYTHONPATH": src, **CONFIGS[args.allocator]}
             proc = subprocess.run(
                 [sys.executable, "-c", _CHILD, args.shapes],
                 capture_output=True,
                 text=True,
                 check=True,
-                env={**__import__("os").environ, **env_path},
+                env={**os.environ, **env_path},
             )
             runs[src].append(json.loads(proc.stdout))
     shapes = args.shapes.split(",")
