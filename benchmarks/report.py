@@ -36,14 +36,15 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 def layers_table(runs: list[Any], kind: str = "median_ms") -> str:
     ratio_key = "ratios" if kind == "median_ms" else "cpu_ratios"
     lines = [
-        "| shape (per rank) | local BN | 2xAR (gloo) | 2xAR (shm) | syncbn | syncbn-pg | naive"
-        " | syncbn / local BN | syncbn / floor"
+        "| shape (per rank) | local BN | 2xAR (gloo) | 2xAR (shm) | syncbn | alone | syncbn-pg | naive"
+        " | syncbn / local BN | alone / local BN | syncbn / floor"
         " | syncbn / shm floor | syncbn-pg / (local+AR) | syncbn / naive |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    methods = ("local", "2xAR", "2xAR-shm", "syncbn", "syncbn-pg", "naive")
+    methods = ("local", "2xAR", "2xAR-shm", "syncbn", "alone", "syncbn-pg", "naive")
     ratio_names = (
         "syncbn_over_local",
+        "alone_over_local",
         "syncbn_over_floor",
         "syncbn_over_own_floor",
         "syncbn_pg_over_interleaved_floor",
