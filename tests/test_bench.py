@@ -303,6 +303,46 @@ def test_floor_script_reports_the_decomposition(tmp_path) -> None:
         assert rec["lockstep_ms"] == pytest.approx(ms["syncbn"] - ms["own"] - ms["2rounds"])
 
 
+def test_skew_script_compares_the_allocators(tmp_path) -> None:
+    proc = _run(
+        [os.path.join(SPEED, "skew.py"), "--shapes", "4x3x4x4", "--iters", "3", "--rounds", "1"],
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if "4x3x4x4" in line]
+    assert [row[0] for row in rows] == ["glibc", "no-trim"]
+    for row in rows:
+        local, syncbn, arith, s_local, a_local = map(float, row[2:7])
+        assert min(local, syncbn, arith) > 0
+        # (the table's times are rounded to microseconds: tiny layers' ratios only roughly agree)
+        assert s_local == pytest.approx(syncbn / local, rel=0.05)
+        assert a_local == pytest.approx(arith / local, rel=0.05)
+        assert 0.0 <= float(row[-1]) <= 1.0  # the share of collectives where one rank waited
+    assert "load average" in proc.stdout
+
+
+def test_eager_overhead_script_compares_two_trees() -> None:
+    src = os.path.join(ROOT, "src")
+    proc = _run(
+        [
+            os.path.join(SPEED, "eager_overhead.py"),
+            "--src",
+            src,
+            "--src",
+            src,
+            "--rounds",
+            "2",
+            "--shapes",
+            "8x4",
+        ],
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = [line.split() for line in proc.stdout.splitlines() if line.lstrip().startswith("8x4")]
+    assert float(row[1]) > 0 and float(row[2]) > 0
+    assert float(row[3]) == pytest.approx(float(row[2]) / float(row[1]), abs=0.002)
+
+
 class _CountingSum:
     """A group whose sum is the identity, counting the tensors it is handed."""
 
