@@ -6,7 +6,7 @@ forward + backward of three layers on each ``--shapes`` input:
 
 * ``local``: unsynchronised ``nn.BatchNorm``;
 * ``syncbn``: :class:`syncbn.SyncBatchNorm` (shared-memory framed sums between the ranks);
-* ``arith``: syncbn's engine with a loopback group (the same arithmetic and autograd path, the
+* ``alone``: syncbn's engine with a loopback group (the same arithmetic and autograd path, the
   sums returned as they are: no peer, no waiting).
 
 Per call and rank it records wall time and minor page faults (``RUSAGE_THREAD``), and for each
@@ -22,7 +22,7 @@ Each configuration runs in fresh processes, the configurations alternating ``--r
   as page faults, a fault per 4 KiB page, when next written).
 
 Printed: per configuration and shape, medians over rounds of the slowest rank's medians (ms), the
-ratios ``syncbn / local`` and ``arith / local``, faults per call, the collective's median and mean
+ratios ``syncbn / local`` and ``alone / local``, faults per call, the collective's median and mean
 time (us), the median arrival skew (us) and the share of collectives where one rank waited
 longer than ``--late-ms`` (the slow share), with the load average::
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -43,44 +42,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 CONFIGS = {
     "glibc": {},
     "no-trim": {"MALLOC_TRIM_THRESHOLD_": "4000000000", "MALLOC_MMAP_THRESHOLD_": "268435456"},
 }
 WARMUP = 10
-
-
-def _bn(dim: int, channels: int) -> nn.Module:
-    return {5: nn.BatchNorm3d, 4: nn.BatchNorm2d}.get(dim, nn.BatchNorm1d)(channels)
-
-
-class _Arith(nn.Module):
-    """syncbn's engine over a loopback group: the synchronised arithmetic with nothing to wait for."""
-
-    def __init__(self, channels: int, dim: int) -> None:
-        super().__init__()
-        from syncbn.cli._bench_methods import LoopbackGroup
-
-        self.bn = _bn(dim, channels)
-        self.group = LoopbackGroup()
-
-    def forward(self, x: Tensor) -> Tensor:
-        from syncbn.engine._function import Params, SyncBatchNormFunction
-
-        bn: Any = self.bn
-        params = Params(bn.running_mean, bn.running_var, bn.eps, bn.momentum, self.group)
-        out: Tensor = SyncBatchNormFunction.apply(x, bn.weight, bn.bias, params)
-        return out
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+METHODS = ("local", "syncbn", "alone")  # as syncbn bench builds them (syncbn.cli._bench_methods)
 
 
 def _rank(rank: int, world: int, shapes: list[tuple[int, ...]], iters: int) -> list[dict[str, Any]]:
-    import syncbn
+    from syncbn.cli._bench_methods import build
+    from syncbn.cli._bench_runner import time_interleaved, training_step
     from syncbn.groups import ProcessGroupSum
 
     log: list[tuple[int, int]] = []
@@ -96,33 +70,16 @@ def _rank(rank: int, world: int, shapes: list[tuple[int, ...]], iters: int) -> l
     records = []
     for shape in shapes:
         gen = torch.Generator().manual_seed(rank)
-        channels, dim = shape[1], len(shape)
-        mods: dict[str, nn.Module] = {
-            "local": _bn(dim, channels),
-            "syncbn": syncbn.SyncBatchNorm(channels),
-            "arith": _Arith(channels, dim),
-        }
-        xs = {name: torch.randn(shape, generator=gen).requires_grad_() for name in mods}
-        grad = torch.randn(shape, generator=gen)
-        times: dict[str, list[float]] = {name: [] for name in mods}
-        faults = dict.fromkeys(mods, 0)
+        x_data, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        steps = {name: training_step(build(name, x_data, False), x_data, grad) for name in METHODS}
+        faults: dict[str, list[int]] = {}
         log.clear()
-        for it in range(WARMUP + iters):
-            for name, mod in mods.items():
-                x = xs[name]
-                x.grad = None
-                mod.zero_grad(set_to_none=True)
-                f0, t0 = _faults(), time.perf_counter()
-                mod(x).backward(grad)
-                elapsed, faulted = time.perf_counter() - t0, _faults() - f0
-                if it >= WARMUP:
-                    times[name].append(elapsed)
-                    faults[name] += faulted
+        times = time_interleaved(steps, iters, WARMUP, barrier=False, cuda=False, faults=faults)
         logs: list[Any] = [None] * world
         dist.all_gather_object(logs, log[2 * WARMUP :])
         mine = {
             "ms": {name: statistics.median(ts) * 1e3 for name, ts in times.items()},
-            "faults": {name: count / iters for name, count in faults.items()},
+            "faults": {name: statistics.mean(counts) for name, counts in faults.items()},
         }
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
@@ -162,48 +119,27 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _table(results: dict[str, list[list[dict[str, Any]]]]) -> str:
-    head = [
-        "config",
-        "shape",
-        "local",
-        "syncbn",
-        "arith",
-        "s/local",
-        "a/local",
-        "flt local",
-        "flt syncbn",
-        "coll med",
-        "coll mean",
-        "skew med",
-        "slow share",
-    ]
-    rows = [head]
+    from syncbn.cli._output import format_table
+
+    head = ["config", "shape", "local", "syncbn", "alone", "s/local", "a/local", "flt local", "flt syncbn"]
+    head += ["coll med", "coll mean", "skew med", "slow share"]
+    rows = []
     for config, runs in results.items():
         for i, first in enumerate(runs[0]):
 
             def med(get: Any, i: int = i, runs: list[Any] = runs) -> float:
                 return statistics.median(get(run[i]) for run in runs)
 
-            ms = {k: med(lambda r, k=k: r["ms"][k]) for k in ("local", "syncbn", "arith")}
-            rows.append(
-                [
-                    config,
-                    "x".join(map(str, first["shape"])),
-                    f"{ms['local']:.3f}",
-                    f"{ms['syncbn']:.3f}",
-                    f"{ms['arith']:.3f}",
-                    f"{med(lambda r: r['ms']['syncbn'] / r['ms']['local']):.2f}",
-                    f"{med(lambda r: r['ms']['arith'] / r['ms']['local']):.2f}",
-                    f"{med(lambda r: r['faults']['local']):.0f}",
-                    f"{med(lambda r: r['faults']['syncbn']):.0f}",
-                    f"{med(lambda r: r['call_median_us']):.0f}",
-                    f"{med(lambda r: r['call_mean_us']):.0f}",
-                    f"{med(lambda r: r['skew_median_us']):.0f}",
-                    f"{med(lambda r: r['slow_share']):.2f}",
-                ]
-            )
-    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+            ms = [f"{med(lambda r, k=k: r['ms'][k]):.3f}" for k in METHODS]
+            ratios = [f"{med(lambda r, k=k: r['ms'][k] / r['ms']['local']):.2f}" for k in ("syncbn", "alone")]
+            faults = [f"{med(lambda r, k=k: r['faults'][k]):.0f}" for k in ("local", "syncbn")]
+            waits = [
+                f"{med(lambda r, k=k: r[k]):.0f}"
+                for k in ("call_median_us", "call_mean_us", "skew_median_us")
+            ]
+            share = f"{med(lambda r: r['slow_share']):.2f}"
+            rows.append([config, "x".join(map(str, first["shape"])), *ms, *ratios, *faults, *waits, share])
+    return format_table(head, rows, [False, False] + [True] * (len(head) - 2))
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ try:  # per-thread resource usage: Linux
 except ImportError:  # Windows
     _RUSAGE_THREAD = None
 
-__all__ = ["bench_layers", "machine_info", "time_interleaved"]
+__all__ = ["bench_layers", "machine_info", "time_interleaved", "training_step"]
 
 
 def time_interleaved(
@@ -119,15 +119,23 @@ def _layer_steps(
             continue
         if dtype in (torch.float16, torch.bfloat16) and not x_data.is_cuda and method == "naive":
             mod = mod.to(dtype)
-        x = x_data.clone().requires_grad_(True)
-
-        def step(mod: nn.Module = mod, x: Tensor = x) -> None:
-            x.grad = None
-            mod.zero_grad(set_to_none=True)
-            mod(x).backward(dy)
-
-        steps[method] = step
+        steps[method] = training_step(mod, x_data, dy)
     return steps
+
+
+def training_step(mod: nn.Module, x_data: Tensor, dy: Tensor) -> Callable[[], None]:
+    """One timed call: ``mod``'s training forward on a copy of ``x_data``, backward with ``dy``.
+
+    Gradients are cleared first, so every call allocates and writes them as the first step does.
+    """
+    x = x_data.clone().requires_grad_(True)
+
+    def step() -> None:
+        x.grad = None
+        mod.zero_grad(set_to_none=True)
+        mod(x).backward(dy)
+
+    return step
 
 
 def _time_methods(
