@@ -1,16 +1,7 @@
-"""The running-statistics hook that :class:`syncbn.accumulation` listens on.
+"""The running-statistics hook that :class:`syncbn.accumulation` listens on (docs/internals/tools.md).
 
-Where the engine updates a layer's running statistics with a training batch's
-global moments, it first calls :func:`observe` with them: the global count, the
-mean and the biased variance that the one forward collective already produced.
-Outside an accumulation block this is one truth test of an empty dict. Inside
-one, the moments of every micro-batch are merged here, exactly (Chan's pairwise
-formulas in float64, no host read), and the block replaces the micro-batches'
-updates by one update with the merged moments when it ends.
-
-The observed layer is recognised by its ``running_mean`` tensor (the engine has
-no other handle on it), so the hook needs no change to any signature: whatever
-path the engine takes, it passes the tensor it is about to update.
+The engine calls :func:`observe` with a batch's global moments where it updates a layer's running
+statistics; the layer is recognised by its ``running_mean`` tensor.
 """
 
 from __future__ import annotations
@@ -22,8 +13,7 @@ from torch import Tensor
 
 __all__ = ["Moments", "observe", "listening"]
 
-# torch.compiler.is_compiling arrived in torch 2.3; torch 2.2 has torch._dynamo.is_compiling. (The
-# same test as syncbn.engine._rules.is_compiling, which this layer-0 module sits below.)
+# As syncbn.engine._rules.is_compiling (above this layer-0 module); torch 2.2 has no torch.compiler's.
 _is_compiling: Callable[[], bool] = (
     getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 )
@@ -35,33 +25,24 @@ _listeners: dict[int, Moments] = {}
 class Moments:
     """The count, mean and sum of squared deviations per channel of the batches seen, in float64.
 
-    Eager batches are kept as they come (one ``stack`` of the mean and variance
-    per batch: a single small copy, as the engine may reuse its buffers) and
-    merged at the end in one exact two-pass reduction; batches seen while
-    ``torch.compile`` traces are merged on the spot with Chan's pairwise
-    formulas (traced tensor operations, fused by the compiler).
-
-    Args:
-        running_mean: the buffer whose updates this object collects (kept alive
-            while it listens, so its ``id`` cannot be reused).
+    Eager batches are kept (a copy: the engine may reuse its buffers) and merged at the end in one
+    two-pass reduction; traced batches are merged on the spot (Chan). ``running_mean`` is kept
+    alive while listening, so its ``id`` cannot be reused.
     """
 
     def __init__(self, running_mean: Tensor) -> None:
         self.running_mean = running_mean
         device = running_mean.device
-        # One element, not 0-dim: AOTAutograd (torch 2.13, aot_eager and inductor) dropped the
-        # in-place update of a 0-dim tensor reached this way, and kept those of 1-dim ones.
+        # One element, not 0-dim: AOTAutograd (torch 2.13) dropped in-place updates of 0-dim ones.
         self.count = torch.zeros(1, dtype=torch.float64, device=device)
         self.mean = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
         self.m2 = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
         self.batches: list[tuple[float | Tensor, Tensor]] = []  # eager: (count, stack(mean, var))
 
     def add(self, count: float | Tensor, mean: Tensor, var: Tensor, unbiased: bool = False) -> None:
-        """Add one batch of ``count`` values per channel, ``mean`` and biased ``var``.
+        """Add one batch of ``count`` values per channel, ``mean`` and biased (or ``unbiased``) ``var``.
 
-        With ``unbiased``, ``var`` is the unbiased variance (``m2 / (count - 1)``).
-        Under ``torch.compile`` only tensor operations run (no Python state
-        changes), so dynamo traces it without a guard on the values.
+        Under ``torch.compile`` only tensor operations run, so dynamo adds no guard on the values.
         """
         if unbiased or _is_compiling():
             self._merge(count, mean, var, unbiased)
@@ -70,8 +51,8 @@ class Moments:
         self.batches.append((kept, torch.stack((mean.detach(), var.detach()))))
 
     def _merge(self, count: float | Tensor, mean: Tensor, var: Tensor, unbiased: bool) -> None:
-        # Chan et al.: with d = mean_b - mean_a and n = n_a + n_b, mean = mean_a + d * n_b / n
-        # and m2 = m2_a + m2_b + d^2 * n_a * n_b / n. An empty batch changes nothing.
+        # Chan et al.: d = mean_b - mean_a, n = n_a + n_b: mean = mean_a + d * n_b / n,
+        # m2 = m2_a + m2_b + d^2 * n_a * n_b / n. An empty batch changes nothing.
         n_b = torch.as_tensor(count, dtype=torch.float64, device=self.count.device)
         mean_b = mean.detach().to(device=self.mean.device, dtype=torch.float64)
         m2_b = var.detach().to(device=self.mean.device, dtype=torch.float64)
@@ -116,13 +97,10 @@ def observe(
     *,
     unbiased: bool = False,
 ) -> None:
-    """Tell a listening accumulation block about a batch's global moments.
+    """Tell a listening block about a batch's global moments, where the engine updates ``running_mean``.
 
-    The engine calls this where it updates ``running_mean`` (and the running
-    variance) with the global ``mean`` and biased ``var`` of ``count`` values per
-    channel (``unbiased``: ``var`` is the unbiased variance). ``momentum`` is the
-    update factor it is about to use: a factor of exactly 0 (a checkpointed
-    recomputation) is not a new batch and is ignored. Traceable by ``torch.compile``.
+    ``momentum`` is the update factor about to be used: exactly 0 (a checkpointed recomputation)
+    is not a new batch and is ignored. Traceable by ``torch.compile``.
     """
     if not _listeners or running_mean is None or (isinstance(momentum, float) and momentum == 0.0):
         return

@@ -1,23 +1,6 @@
 """One exact running-statistics update per optimizer step under gradient accumulation.
 
-With gradient accumulation over ``k`` micro-batches, every batch-norm layer
-takes ``k`` momentum steps per optimizer step, so its running statistics are
-not those of the large batch the accumulation stands in for.
-:func:`accumulation` gives them back: inside the block every micro-batch is
-normalised with its own statistics (synchronised across ranks as usual), and
-when the block ends each layer's running mean and variance take **one** update
-with the mean and unbiased variance of all micro-batches of all ranks together,
-``num_batches_tracked`` goes up by one, as one forward over their
-concatenation would do.
-
-How: the synchronised layers already sum ``[count, sum, sum of squares]`` over
-the ranks for every micro-batch; the engine shows those global moments to the
-block (:mod:`syncbn._accumulating`), which keeps them (one small copy per layer
-and micro-batch) and merges them exactly in float64 when the block ends (Chan's
-pairwise formulas as traced operations under ``torch.compile``). No collective
-is added, and nothing is read on the host before the block ends. Layers that
-run locally (no process group, a group of one, plain ``nn.BatchNorm``) have
-their micro-batches' moments computed in float64 by a forward pre-hook.
+How the micro-batches' moments are collected and merged: docs/internals/tools.md.
 """
 
 from __future__ import annotations
@@ -84,8 +67,8 @@ class _Layer:
         self.mean0 = running_mean.detach().clone()
         self.var0 = running_var.detach().clone()
         tracked = layer.num_batches_tracked
-        self.batches = tracked if isinstance(tracked, Tensor) else None
-        self.batches0 = None if self.batches is None else self.batches.detach().clone()
+        # (num_batches_tracked, its value at begin), or None
+        self.batches = (tracked, tracked.detach().clone()) if isinstance(tracked, Tensor) else None
         self.moments = _accumulating.listen(running_mean)
         self.pending: tuple[int, Tensor, Tensor] | None = None
         self.hooks: list[Any] = []
@@ -114,22 +97,22 @@ class _Layer:
             hook.remove()
         _accumulating.stop(self.moments)
         with torch.no_grad():
-            before = self.batches0
-            ran = self.batches is not None and before is not None and not torch.equal(self.batches, before)
             self.running_mean.copy_(self.mean0)
             self.running_var.copy_(self.var0)
-            if self.batches is not None and self.batches0 is not None:
-                self.batches.copy_(self.batches0)
+            if self.batches is not None:
+                tracked, before = self.batches
+                ran = not torch.equal(tracked, before)
+                tracked.copy_(before)
+                if commit and ran:
+                    tracked.add_(1)
             if not commit:
                 return
-            if ran and self.batches is not None:
-                self.batches.add_(1)
             count, mean, m2 = self.moments.result()
             if count <= 0.0:
                 return
             momentum: Any = self.layer.momentum
             if momentum is None:  # cumulative moving average, this update included
-                seen = float(self.batches.item()) if self.batches is not None else 1.0
+                seen = float(self.batches[0].item()) if self.batches is not None else 1.0
                 factor = 1.0 / max(seen, 1.0)
             else:
                 factor = float(momentum)
@@ -152,23 +135,19 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
 
     Use it around the ``k`` forward/backward passes of one optimizer step.
     Inside, every batch-norm layer of ``model`` normalises each micro-batch
-    with that micro-batch's statistics (synchronised over the layer's group,
-    as always). When the block ends, each layer's ``running_mean`` and
-    ``running_var`` take **one** momentum update with the mean and unbiased
-    variance of all micro-batches of all ranks together, and
-    ``num_batches_tracked`` goes up by one: exactly what one training forward
-    over the concatenated ``k x W`` micro-batches would leave (``momentum=None``,
-    the cumulative average, included). An exception inside the block leaves
-    the running statistics and ``num_batches_tracked`` as they were before it.
+    with that micro-batch's statistics (synchronised as always). When the block
+    ends, each layer's ``running_mean`` and ``running_var`` take **one** momentum
+    update with the mean and unbiased variance of all micro-batches of all ranks
+    together, and ``num_batches_tracked`` goes up by one: exactly what one
+    training forward over the concatenated ``k x W`` micro-batches would leave
+    (``momentum=None`` included). An exception inside the block leaves the
+    running statistics and ``num_batches_tracked`` as they were before it.
 
-    No collective is added: the synchronised layers already sum every
-    micro-batch's count, sum and sum of squares over their group, and the
-    block merges those global moments (in float64, Chan's formulas). Every rank
-    merges the same numbers, so the ranks' statistics stay identical.
-
-    Covers syncbn's layers (``SyncBatchNorm*``, the in-place activated layers)
-    and plain ``nn.BatchNorm*`` (local: their moments are computed by a forward
-    pre-hook). ``torch.nn.SyncBatchNorm`` is refused (convert the model first).
+    No collective is added: the block merges the global moments the layers
+    already sum (in float64, Chan's formulas), so the ranks' statistics stay
+    identical. Covers syncbn's layers and plain ``nn.BatchNorm*`` (local, seen
+    by a forward pre-hook); ``torch.nn.SyncBatchNorm`` is refused (convert the
+    model first).
 
     Args:
         model: the module whose batch-norm layers accumulate (DDP wrappers and

@@ -1,14 +1,4 @@
-"""Fuse a model's BatchNorm + LeakyReLU/ELU pairs into :class:`syncbn.InPlaceSyncBatchNorm` layers.
-
-The in-place layer scales by :math:`|\\gamma| + \\epsilon` (so that it stays
-invertible); a trained BatchNorm scales by its weight :math:`w`. The fused
-layer's weight is set to :math:`w - \\epsilon`, which reproduces :math:`w`
-exactly when :math:`w \\ge \\epsilon`. A channel with :math:`w < \\epsilon`
-(negative or nearly zero) cannot be represented: ``strict=True`` (the default)
-refuses the model before changing anything; ``strict=False`` fuses anyway with
-the weight clamped to :math:`0` (scale :math:`\\epsilon`) on those channels and
-a warning, which changes what the layer computes there.
-"""
+"""Fuse a model's BatchNorm + LeakyReLU/ELU pairs into :class:`syncbn.InPlaceSyncBatchNorm` layers."""
 
 from __future__ import annotations
 
@@ -55,13 +45,20 @@ def fuse_batchnorm_activation(
 
     Each pair ``(bn, act)`` at positions ``i, i+1`` becomes
     ``(InPlaceSyncBatchNorm, nn.Identity())``: the ``state_dict`` keys stay
-    those of the BatchNorm (the activation had none), the ``Parameter``
-    objects and buffers are the BatchNorm's own (an optimizer built before
-    keeps working), the weight's value becomes ``w - eps`` (see the module
-    docstring for ``w < eps``). ``nn.BatchNorm2d`` becomes
-    :class:`~syncbn.InPlaceSyncBatchNorm2d`, the others the generic
-    :class:`~syncbn.InPlaceSyncBatchNorm`. Only ``nn.LeakyReLU`` with a
-    positive slope and ``nn.ELU`` qualify (``ReLU`` is not invertible).
+    those of the BatchNorm, the ``Parameter`` objects and buffers are the
+    BatchNorm's own (an optimizer built before keeps working).
+    ``nn.BatchNorm2d`` becomes :class:`~syncbn.InPlaceSyncBatchNorm2d`, the
+    others the generic :class:`~syncbn.InPlaceSyncBatchNorm`. Only
+    ``nn.LeakyReLU`` with a positive slope and ``nn.ELU`` qualify (``ReLU`` is
+    not invertible).
+
+    The in-place layer scales by :math:`|\\gamma| + \\epsilon` (to stay
+    invertible), so the fused weight is :math:`w - \\epsilon`, which reproduces
+    :math:`w` exactly when :math:`w \\ge \\epsilon`. Channels with
+    :math:`w < \\epsilon` cannot be represented: ``strict=True`` refuses the
+    model before changing anything; ``strict=False`` clamps their weight to
+    :math:`0` (scale :math:`\\epsilon`), with a warning, which changes what the
+    layer computes there.
 
     Args:
         module: the model.

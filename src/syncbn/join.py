@@ -1,35 +1,7 @@
 """Uneven inputs: SyncBatchNorm layers under ``torch.distributed.algorithms.Join``.
 
-With ``Join``, a rank that runs out of batches leaves the training loop while
-the others go on. DDP's own join hook shadows DDP's gradient all_reduces; the
-SyncBatchNorm collectives need shadowing too, or the ranks still training wait
-for the joined rank forever. :class:`JoinableSyncBatchNorm` is the
-:class:`~torch.distributed.algorithms.Joinable` that does it: a joined rank
-answers every SyncBatchNorm collective of the ranks still training with an
-empty batch's contribution (count 0, zero sums), so they train exactly as if it
-had an empty batch.
-
-Protocol, while a ``Join`` context holding the joinable is active (every rank
-alike, until its post-hook):
-
-* every SyncBatchNorm collective becomes two, on a process group of its own
-  (created with the joinable, so they never interleave with DDP's collectives on
-  the default group, whatever the transport): a fixed-size header
-  ``[1, size, size^2, dtype]`` summed over the ranks, then the payload. The
-  header's sum tells the number of ranks still training (its first entry) and
-  proves they all send the same size (``sum(size)^2 == n * sum(size^2)`` only
-  when all sizes are equal), else every training rank raises;
-* a joined rank runs a background thread that loops: sum a zero header; if the
-  first entry is 0, every rank has joined: stop; else sum a zero payload of the
-  size and dtype the header announced. (The thread is needed because the
-  training ranks interleave SyncBatchNorm collectives with DDP's gradient
-  buckets in an order the joined rank cannot know; on its own group the thread
-  need not know it.)
-* once every rank has joined, each rank without a thread sends one zero
-  header, which ends the threads.
-
-The cost is one extra small collective per SyncBatchNorm collective, only
-inside the ``Join`` context.
+A joined rank answers every SyncBatchNorm collective of the ranks still training with an empty
+batch's contribution. The protocol: docs/internals/tools.md.
 """
 
 from __future__ import annotations
@@ -54,22 +26,17 @@ __all__ = ["JoinableSyncBatchNorm"]
 _HEADER = 4
 
 
-def _explicit_groups(model: nn.Module) -> list[nn.Module]:
-    """The synchronised layers of ``model``, of every family, that hold a process group of their own."""
-    return [m for m in model.modules() if isinstance(m, LayerMixin) and m._group() is not None]
-
-
 class JoinableSyncBatchNorm(Joinable):
     """Makes the SyncBatchNorm layers of ``model`` joinable, for uneven inputs.
 
     Pass it to ``torch.distributed.algorithms.Join`` first, before the DDP model:
     a rank that has run out of batches then contributes an empty batch to every
     SyncBatchNorm collective of the ranks still training, and nothing hangs.
-    Create it on every rank at the same point (it creates a process group, with
+    Create it on every rank at the same point (it creates a process group with
     syncbn's bound as its timeout); the layers must synchronise over the default
-    group. Without it, a ``Join([ddp])`` over SyncBatchNorm layers raises
+    group. Without it, ``Join([ddp])`` over SyncBatchNorm layers raises
     :class:`syncbn.groups.PlainJoinError` on every rank at the first SyncBatchNorm
-    collective inside the ``Join`` (DDP's join hook cannot shadow syncbn's collectives).
+    collective inside the ``Join``.
 
     Args:
         model: the model, bare or wrapped in ``DistributedDataParallel``.
@@ -94,7 +61,7 @@ class JoinableSyncBatchNorm(Joinable):
     def __init__(self, model: nn.Module) -> None:
         if not groups.is_initialized():
             raise ValueError("JoinableSyncBatchNorm needs an initialised torch.distributed process group")
-        others = _explicit_groups(model)
+        others = [m for m in model.modules() if isinstance(m, LayerMixin) and m._group() is not None]
         if others:
             raise ValueError(
                 "JoinableSyncBatchNorm supports layers synchronising over the default group only; "
@@ -103,7 +70,7 @@ class JoinableSyncBatchNorm(Joinable):
         self._config = _JoinConfig.construct_disabled_join_config()
         super().__init__()
         self._model = model
-        # A group of its own, with syncbn's bound as its timeout (so gloo gives up at the bound too).
+        # syncbn's bound as the group's timeout, so gloo gives up at the bound too.
         bound = _config.get_timeout()
         group = dist.new_group(
             list(range(dist.get_world_size())), timeout=None if bound is None else timedelta(seconds=bound)
@@ -117,7 +84,7 @@ class JoinableSyncBatchNorm(Joinable):
         self._hook_handle = model.register_forward_pre_hook(self._notify)
         self.shadowed = 0  # collectives this rank shadowed as a joined rank (for tests and logs)
 
-    # The Join context sets this when it is built: the moment join mode starts.
+    # Set by Join when it is built: join mode starts.
     @property
     def _join_config(self) -> _JoinConfig:
         return self._config
@@ -136,9 +103,8 @@ class JoinableSyncBatchNorm(Joinable):
             _function._joining = self
 
     def _notify(self, module: nn.Module, args: Any) -> None:
-        # First joinable: this is the per-iteration all_reduce the joined ranks count with.
-        # DDP, second in the list, gets no work handle of its own: hand it this one, as DDP
-        # does with its own when first (its gradient division may use the count).
+        # The per-iteration all_reduce the joined ranks count with; DDP, second in the list, gets
+        # this work handle, as it uses its own when first (its gradient division may use the count).
         if _function._joining is not self:
             return
         groups._ddp.cover(self._model)  # this Join shadows syncbn: not a plain Join([ddp])
@@ -160,7 +126,7 @@ class JoinableSyncBatchNorm(Joinable):
 
     # Active side: called by _function._all_reduce for every SyncBatchNorm collective.
     def all_reduce(self, tensor: Tensor) -> Tensor:
-        """Header then payload, on the joinable's own group (see the module docstring)."""
+        """Header then payload, on the joinable's own group (docs/internals/tools.md)."""
         n = float(tensor.numel())
         code = _dtype_code(tensor.dtype)
         header = torch.tensor([1.0, n, n * n, code], dtype=torch.float64)

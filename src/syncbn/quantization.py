@@ -1,28 +1,11 @@
 """Eager-mode quantization with syncbn's layers: ``fuse_modules``, ``fuse_modules_qat``, ``prepare_qat``.
 
-``torch.ao.quantization`` finds how to fuse a list of modules in a table keyed by
-their exact types, and swaps fused modules for their quantization-aware (QAT)
-counterparts through another. Importing :mod:`syncbn` adds syncbn's layer
-types to both tables (entries for syncbn's own types only: nothing changes for
-any other model), so that on a converted model:
-
-- ``fuse_modules(model.eval(), [["conv", "bn", "relu"]])`` folds the batch
-  norm into the convolution (or the linear layer), as for ``nn.BatchNorm``:
-  eval uses the running statistics, there is nothing left to synchronise.
-  A ``[bn, relu]`` pair becomes torch's ``BNReLU2d``/``BNReLU3d`` around a plain
-  ``nn.BatchNorm`` copy of the layer (eval never communicates).
-- ``fuse_modules_qat(model.train(), ...)`` gives :class:`ConvSyncBn2d` and its
-  siblings: torch's fused containers holding the synchronised layer. Then
-  ``prepare_qat`` swaps each for torch's own QAT module (``ConvBn2d``,
-  ``ConvBnReLU2d``, ``LinearBn1d`` of ``torch.ao.nn.intrinsic.qat``) whose
-  ``bn`` is the synchronised layer itself, with its parameters, buffers and
-  process group: the fused module's batch statistics span every rank, exactly,
-  and ``torch.ao.quantization.convert`` later folds it as usual.
-
-``[bn, relu]`` pairs are not fused for QAT (torch has no QAT module for them;
-leave them unfused: ``ValueError`` says so). On a torch whose private tables
-moved, :func:`fuser_methods` gives the same methods for
-``fuse_custom_config_dict={"additional_fuser_method_mapping": ...}``.
+Importing :mod:`syncbn` adds syncbn's layer types (only those) to ``torch.ao.quantization``'s
+fuser and QAT tables. On a converted model, ``fuse_modules`` folds the batch norm in eval, as for
+``nn.BatchNorm``; ``fuse_modules_qat`` gives :class:`ConvSyncBn2d` and its siblings, which
+``prepare_qat`` turns into torch's QAT modules whose ``bn`` is the synchronised layer itself, so
+their batch statistics span every rank. ``[bn, relu]`` pairs are not fused for QAT (``ValueError``).
+The recipes page (FX, quantization and export) has the details and limits.
 
 Example::
 
@@ -126,7 +109,7 @@ class _ToQAT:
         if "use_precomputed_fake_quant" in inspect.signature(self.qat.from_float).parameters:
             kwargs["use_precomputed_fake_quant"] = use_precomputed_fake_quant
         new: nn.Module = self.qat.from_float(plain, **kwargs)
-        # from_float gave a plain batch norm the layer's own Parameters and buffers: put the layer back.
+        # from_float made a plain batch norm sharing the layer's Parameters and buffers: put the layer back.
         bn = mod[1]  # type: ignore[index]
         bn.train(new.bn.training)  # type: ignore[union-attr]
         new.bn = bn

@@ -1,13 +1,6 @@
-"""Re-aligning the ranks after a failed collective: :func:`sync_buffers`.
+"""Re-aligning the ranks' batch-norm buffers after a failed collective: :func:`sync_buffers`.
 
-After a :class:`~syncbn.CollectiveError` the ranks may hold different
-batch-norm buffers: a rank that was late can have completed the abandoned
-call with the data its peer left behind (gloo), one rank can have updated its
-running statistics in a forward whose backward never met its peers, or a
-deferred check (accelerators) can have found a mismatch after the statistics
-were used. :func:`sync_buffers` copies one rank's running statistics and
-``num_batches_tracked`` to every rank, over a (new or still usable) group, so
-the ranks leave the recovery with equal buffers.
+See docs/robustness.md (Recovery) for when the buffers can differ.
 """
 
 from __future__ import annotations
@@ -46,12 +39,12 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
     Every normalisation layer of ``model`` with running statistics
     (``syncbn.SyncBatchNorm*``, ``nn.BatchNorm*d``, ``nn.InstanceNorm*d`` with
     ``track_running_stats=True``) takes ``running_mean``, ``running_var`` and
-    ``num_batches_tracked`` from rank ``src``. The values travel as one framed
-    sum (float64, exact for every float16/bfloat16/float32 value and for counts
-    below ``2**53``), so models that differ between ranks give a
-    :class:`~syncbn.CollectiveError` naming both sizes on every rank, never a
-    transport abort, and no buffer changes. A collective: call it on every rank.
-    Parameters are not touched (DDP broadcasts them at construction).
+    ``num_batches_tracked`` from rank ``src``, for instance after a
+    :class:`~syncbn.CollectiveError`. The values travel as one framed float64
+    sum (exact for float16/bfloat16/float32 values and counts below ``2**53``),
+    so models that differ between ranks give a ``CollectiveError`` naming both
+    sizes on every rank and no buffer changes. A collective: call it on every
+    rank. Parameters are not touched (DDP broadcasts them at construction).
 
     Args:
         model: the model (``DistributedDataParallel``/``DataParallel`` wrappers

@@ -5,24 +5,17 @@ runs by changing only the import::
 
     from syncbn.compat.inplace_abn import ABN, InPlaceABN, InPlaceABNSync
 
-Constructors, defaults, attributes, ``state_dict`` keys (those of
-``nn.BatchNorm``), version-1 checkpoints (no ``num_batches_tracked``),
+Constructors, defaults, attributes, ``state_dict`` keys (version-1 checkpoints too),
 ``extra_repr`` and ``set_group`` are the package's. The in-place classes compute
 
 .. math::
     y = \\phi\\Big(\\frac{x - \\mu}{\\sqrt{\\sigma^2 + \\epsilon}}\\,(|w| + \\epsilon) + b\\Big)
 
-over their input (returned, marked dirty), keeping only :math:`y` for
-backward; ``ABN`` is batch norm with the plain weight followed by the
-activation (``relu`` allowed, nothing recovered). ``InPlaceABNSync`` runs
-syncbn's exact synchronisation: one ``all_reduce`` of ``O(C)`` values each way
-whatever the world size, framed and bounded, uneven and empty per-rank
-batches, the same output and gradients as the global batch. Unlike the
-package it runs on CPU as well as GPU, in ``nn.DataParallel`` replicas, and
-takes no C++/CUDA build. Differences: an empty batch gives an empty output
-(the package raised); ``InPlaceABNSync`` in eval without running statistics
-normalises with the local batch and does not communicate (eval never does in
-syncbn); ``num_batches_tracked`` is counted once the forward succeeded.
+over their input (returned, marked dirty), keeping only :math:`y` for backward; ``ABN`` is batch
+norm with the plain weight, then the activation (``relu`` allowed). ``InPlaceABNSync`` runs
+syncbn's exact synchronisation (one ``all_reduce`` of ``O(C)`` values, uneven and empty per-rank
+batches), on CPU and GPU, with no C++/CUDA build. The differences from the package are listed in
+the memory guide (Migrating from inplace-abn).
 """
 
 from __future__ import annotations
@@ -123,8 +116,7 @@ class InPlaceABNSync(ABN):
     """In-place activated batch norm synchronised over ``group`` (as the package's ``InPlaceABNSync``).
 
     Same as :class:`InPlaceABN`, with training statistics over every rank of
-    ``group`` (``None``: the default group, looked up at call time; no
-    initialised process group: the local layer).
+    ``group`` (without an initialised process group: the local layer).
 
     Args:
         num_features: number of channels :math:`C`.
@@ -134,7 +126,8 @@ class InPlaceABNSync(ABN):
         track_running_stats: keep running statistics. Default: ``True``.
         activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"``. Default: ``"leaky_relu"``.
         activation_param: slope or alpha. Default: 0.01.
-        group: the ``torch.distributed`` group, or ``None`` for the default group.
+        group: the ``torch.distributed`` group, or ``None`` for the default group (looked up
+            at call time).
 
     Shape:
         - Input: :math:`(N, C, *)`; per-rank batch sizes may differ (or be 0).
@@ -183,7 +176,7 @@ def _samples(x: Tensor, name: str, training: bool) -> None:
         )
 
 
-# The arguments both functions take, at the top of their Args sections.
+# The arguments both functions take, put at the top of their Args sections.
 _ARGS = """    Args:
         x: input ``(N, C, *)``, overwritten.
         weight: per-channel weight or ``None``.

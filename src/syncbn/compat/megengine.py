@@ -7,23 +7,9 @@ Change only the import line (and keep MegEngine's arguments)::
 
     bn = SyncBatchNorm(64, momentum=0.9, freeze=False, group=None)
 
-It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics:
-
-* ``momentum`` is the fraction of the *old* running value kept:
-  ``running = momentum * running + (1 - momentum) * batch``. MegEngine's 0.9 is
-  PyTorch's 0.1; the layer stores the PyTorch-convention factor
-  ``1 - momentum`` in its ``momentum`` attribute, so its ``state_dict`` and
-  :func:`syncbn.revert_sync_batchnorm` give an ``nn.BatchNorm`` that behaves
-  the same.
-* ``freeze=True`` normalises with the running statistics in training too,
-  never updates them, gives weight and bias no gradient, and never communicates.
-* Input of 2, 3 or 4 dimensions, ``(N, C)``, ``(N, C, L)`` or ``(N, C, H, W)``.
-* ``track_running_stats=False`` normalises with the batch statistics of the
-  whole group in eval too, as MegEngine does (its forward runs in training mode
-  whenever there are no running statistics): that eval forward and its backward
-  communicate, unlike every other eval forward of syncbn.
-* ``group=None`` is the default ``torch.distributed`` group.
-* ``name=`` (MegEngine's ``Module`` keyword) is accepted and kept as ``.name``.
+It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics (momentum
+convention, ``freeze``, ``group``, ``name``, eval without running statistics); the Migration guide
+maps each of them.
 """
 
 from __future__ import annotations
@@ -53,14 +39,15 @@ class SyncBatchNorm(_SyncBatchNorm):
         num_features: number of channels :math:`C`.
         eps: added to the variance for numerical stability. Default: 1e-5.
         momentum: fraction of the old running statistics kept at each training
-            step (MegEngine convention; PyTorch's ``momentum`` is ``1 - momentum``).
-            Default: 0.9.
+            step (MegEngine convention; the ``momentum`` attribute stores PyTorch's
+            ``1 - momentum``, so :func:`syncbn.revert_sync_batchnorm` gives an equivalent
+            ``nn.BatchNorm``). Default: 0.9.
         affine: learnable per-channel scale and shift. Default: ``True``.
         track_running_stats: keep running statistics; without them eval uses the
             batch statistics of the whole group (and communicates), as MegEngine
             does. Default: ``True``.
-        freeze: normalise with the running statistics, never update them and do
-            not train weight and bias. Default: ``False``.
+        freeze: normalise with the running statistics, never update them nor
+            communicate, and do not train weight and bias. Default: ``False``.
         group: ``torch.distributed`` group to synchronise over; ``None`` is the
             default group. Also readable and settable as ``process_group``.
         name: keyword-only; MegEngine's module name, a non-empty string or ``None``.
@@ -75,8 +62,7 @@ class SyncBatchNorm(_SyncBatchNorm):
         TypeError: ``momentum`` is not a real number; ``name`` is neither a
             string nor ``None``.
         ValueError: ``freeze=True`` with ``track_running_stats=False``; an empty
-            ``name``; in
-            forward, input that is not 2D, 3D or 4D
+            ``name``; in forward, input that is not 2D, 3D or 4D
             ("expected 2D, 3D or 4D input (got 5D input)").
 
     Example::
@@ -132,8 +118,7 @@ class SyncBatchNorm(_SyncBatchNorm):
     def forward(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.training or self.running_mean is not None or self.running_var is not None:
             return super().forward(input, *args, **kwargs)  # type: ignore[no-any-return]
-        # MegEngine: without running statistics, eval normalises as training does, with the
-        # batch statistics of the whole group (and no running statistics to update).
+        # MegEngine: without running statistics, eval normalises with the whole group's batch statistics.
         self.training = True
         try:
             return super().forward(input, *args, **kwargs)  # type: ignore[no-any-return]

@@ -7,22 +7,13 @@ Change only the import line::
         SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model,
     )
 
-The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d`` under that
-package's constructor ``(num_features, eps=1e-5, momentum=0.1, affine=True,
-track_running_stats=True)``. They synchronise across the replicas of a plain
-``nn.DataParallel`` and, unlike the original, across the processes of
-``torch.distributed`` too. syncbn's layers need no replication callback, but
-:class:`DataParallelWithCallback` and :func:`patch_replication_callback` still
-run the package's protocol for other modules: after each replication, every
-replica's submodules that define ``__data_parallel_replicate__(ctx, copy_id)``
-are called with one context object per submodule position (shared by its
-copies), the first copy before the others.
-
-Numerics follow ``nn.BatchNorm`` exactly where the original did not: the
-variance gets ``eps`` added (the original clamps it at ``eps``), and sums are
-accumulated in float64 from locally centred moments (the original sums ``x``
-and ``x**2`` in the input dtype, which cancels catastrophically when
-``|mean| >> std``).
+The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d`` with that package's
+constructor. They synchronise across the replicas of a plain ``nn.DataParallel`` (no replication
+callback needed) and across ``torch.distributed`` processes; :class:`DataParallelWithCallback` and
+:func:`patch_replication_callback` still run the package's callbacks for other modules. Numerics
+follow ``nn.BatchNorm``: ``eps`` is added to the variance (the original clamps it), and sums are
+float64 over locally centred moments (the original's ``x`` and ``x**2`` sums cancel when
+``|mean| >> std``). The Migration guide lists every difference.
 """
 
 from __future__ import annotations
@@ -56,12 +47,7 @@ __all__ = [
 
 
 class _PackageConstructor(SyncBatchNorm):
-    """The ``sync_batchnorm`` package's positional constructor.
-
-    ``(num_features, eps, momentum, affine, track_running_stats)``.
-
-    The remaining syncbn arguments are keyword-only here.
-    """
+    """The package's positional constructor; syncbn's other arguments are keyword-only."""
 
     def __init__(
         self,
@@ -138,23 +124,20 @@ _TO_SYNCHRONIZED: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
 class CallbackContext:
     """The object the copies of one submodule share during a replication callback.
 
-    Empty: the modules' ``__data_parallel_replicate__`` methods store what
-    they need on it (the package's master copy, ``copy_id == 0``, is called
-    first and typically leaves something there for the others).
+    Empty: ``__data_parallel_replicate__`` methods store what they need on it (copy 0, called
+    first, typically leaves something there for the others).
     """
 
 
 def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
     """Call ``__data_parallel_replicate__(ctx, copy_id)`` on the replicas' submodules that define it.
 
-    The package's replication protocol: ``replicas`` are the copies of one
-    module made by one replication (all alike in structure); submodule ``j`` of
-    every copy gets the same :class:`CallbackContext`, and copy ``i`` is
-    called with ``copy_id = i``, copy 0 first. syncbn's own layers define no
-    such method and need none.
+    The package's replication protocol: submodule ``j`` of every copy gets the
+    same :class:`CallbackContext`, and copy ``i`` is called with
+    ``copy_id = i``, copy 0 first. syncbn's own layers need no such method.
 
     Args:
-        replicas: the copies, in replica order.
+        replicas: the copies of one module made by one replication, in replica order.
 
     Example::
 
@@ -174,10 +157,8 @@ def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
 class DataParallelWithCallback(nn.DataParallel):
     """``nn.DataParallel`` that runs the package's replication callbacks after each replication.
 
-    syncbn layers synchronise across the replicas of a plain ``nn.DataParallel``
-    and need no callback; other modules written for the package (defining
-    ``__data_parallel_replicate__(ctx, copy_id)``) still get theirs, see
-    :func:`execute_replication_callbacks`.
+    syncbn layers need no callback; other modules written for the package still
+    get theirs (:func:`execute_replication_callbacks`).
 
     Args:
         module: the module to replicate.
@@ -199,11 +180,9 @@ class DataParallelWithCallback(nn.DataParallel):
 def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
     """Make an existing ``nn.DataParallel`` run the package's replication callbacks.
 
-    Its ``replicate`` is wrapped so that :func:`execute_replication_callbacks`
-    runs on the replicas, as :class:`DataParallelWithCallback` does. A
-    :class:`DataParallelWithCallback`, or a module patched already, is left
-    as it is (the callbacks run once per replication, never twice). syncbn's
-    own layers need no callback.
+    Its ``replicate`` is wrapped to run :func:`execute_replication_callbacks`,
+    as :class:`DataParallelWithCallback` does. A :class:`DataParallelWithCallback`,
+    or a module patched already, is left as it is (the callbacks run once).
 
     Args:
         data_parallel: the ``nn.DataParallel`` (or subclass) to patch.
@@ -241,11 +220,10 @@ def convert_model(module: nn.Module) -> nn.Module:
     """Swap a model's BatchNorm layers for ``SynchronizedBatchNorm*d`` layers.
 
     ``nn.BatchNorm1d/2d/3d`` become :class:`SynchronizedBatchNorm1d`/``2d``/``3d``
-    and other BatchNorm layers the generic :class:`syncbn.SyncBatchNorm`,
-    keeping the very same parameters, buffers, modes and hooks (see
-    :func:`syncbn.convert_sync_batchnorm`, which this is, with these classes).
-    An ``nn.DataParallel`` root comes back as a :class:`DataParallelWithCallback`
-    around the converted module, with the same ``device_ids``,
+    and other BatchNorm layers the generic :class:`syncbn.SyncBatchNorm`: this is
+    :func:`syncbn.convert_sync_batchnorm` with these classes (the same parameters,
+    buffers, modes and hooks). An ``nn.DataParallel`` root comes back as a
+    :class:`DataParallelWithCallback` with the same ``device_ids``,
     ``output_device`` and ``dim``.
 
     Args:
@@ -279,8 +257,8 @@ def convert_model(module: nn.Module) -> nn.Module:
 def patch_sync_batchnorm() -> Iterator[None]:
     """Within the block, ``torch.nn.BatchNorm1d/2d/3d`` build ``SynchronizedBatchNorm1d/2d/3d``.
 
-    For models whose construction code cannot be edited. The original
-    ``torch.nn`` classes are restored on exit, also on error.
+    For models whose construction code cannot be edited; the ``torch.nn`` classes
+    are restored on exit, also on error.
 
     Example::
 
@@ -300,10 +278,9 @@ def patch_sync_batchnorm() -> Iterator[None]:
 def set_sbn_eps_mode(mode: str) -> None:
     """Accept the package's eps-mode switch; syncbn always adds eps to the variance.
 
-    ``"plus"`` (``sqrt(var + eps)``, as ``nn.BatchNorm``) is what syncbn does
-    anyway. ``"clamp"`` (``sqrt(max(var, eps))``, the package's default) is not
-    implemented: it warns and syncbn keeps adding eps, so results equal
-    ``nn.BatchNorm``.
+    ``"plus"`` (``sqrt(var + eps)``, as ``nn.BatchNorm``) is what syncbn does.
+    ``"clamp"`` (``sqrt(max(var, eps))``, the package's default) warns and
+    changes nothing.
 
     Args:
         mode: ``"clamp"`` or ``"plus"``.

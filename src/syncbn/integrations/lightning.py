@@ -1,20 +1,9 @@
-"""PyTorch Lightning plugin: train with syncbn's synchronized BatchNorm.
+"""PyTorch Lightning plugin and callback: train with syncbn's synchronized BatchNorm.
 
-``Trainer(sync_batchnorm=True)`` swaps BatchNorm layers for
-``torch.nn.SyncBatchNorm``, which fails on CPU (and turns syncbn's layers back
-into torch's). Pass :class:`SyncBatchNorm` in ``plugins`` instead (without
-``sync_batchnorm=True``)::
-
-    trainer = lightning.pytorch.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", plugins=[syncbn.lightning.SyncBatchNorm()]
-    )
-
-With ``Trainer(accumulate_grad_batches=k)``, add the :class:`AccumulatedStatistics` callback for
-one exact running-statistics update per optimizer step (:class:`syncbn.accumulation`).
-
-Importing this module imports Lightning (``lightning.pytorch``, or the
-standalone ``pytorch_lightning`` package when only that is installed);
-``import syncbn`` alone never does. Install with ``pip install "syncbn[lightning]"``.
+``Trainer(sync_batchnorm=True)`` picks ``torch.nn.SyncBatchNorm`` (no CPU, and syncbn's layers
+turned back into torch's): pass ``plugins=[syncbn.lightning.SyncBatchNorm()]`` instead. Importing
+this module imports Lightning (``lightning.pytorch``, else ``pytorch_lightning``); ``import syncbn``
+alone never does. See docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -47,10 +36,10 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
 
     The Trainer calls :meth:`apply` when it sets up a distributed strategy
     (``ddp``, ``ddp_spawn``, ...) and :meth:`revert` when asked to undo it.
-    Everything the converter keeps is kept: parameters (optimizers stay
-    valid), buffers, hooks, BatchNorm subclasses (reverted to the very same
-    classes), timm's ``BatchNormAct2d``, parametrizations; layers that already
-    are syncbn layers stay as they are. Works on CPU (gloo) and GPU (NCCL).
+    Everything the converter keeps is kept (parameters, so optimizers stay
+    valid, buffers, hooks, subclasses, timm's ``BatchNormAct2d``); syncbn
+    layers stay as they are. Works on CPU (gloo) and GPU (NCCL). Do not also
+    pass ``sync_batchnorm=True``.
 
     Args:
         process_group: the group the layers synchronise over; ``None`` (the
@@ -103,14 +92,12 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
 class AccumulatedStatistics(Callback):  # type: ignore[misc]
     """Lightning callback: one running-statistics update per optimizer step under gradient accumulation.
 
-    With ``Trainer(accumulate_grad_batches=k)`` every batch-norm layer would take
-    ``k`` momentum steps per optimizer step. This callback opens a
-    :class:`syncbn.accumulation` block at the first micro-batch of each step and
-    commits it in ``on_before_optimizer_step``, after the ``k`` backward passes:
-    the running statistics then take one exact update over all micro-batches of
-    all ranks (see :class:`syncbn.accumulation`). A step Lightning skips leaves
-    its micro-batches to the next update; the block is committed at the end of
-    each training epoch, and discarded when training raises.
+    For ``Trainer(accumulate_grad_batches=k)``: a :class:`syncbn.accumulation`
+    block opens at the first micro-batch of each step and commits in
+    ``on_before_optimizer_step``, so the running statistics take one exact
+    update over all micro-batches of all ranks instead of ``k``. A step
+    Lightning skips leaves its micro-batches to the next update; the block is
+    committed at the end of each training epoch, and discarded when training raises.
 
     Example::
 

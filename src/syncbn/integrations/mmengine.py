@@ -1,25 +1,16 @@
 """syncbn's layers by name in OpenMMLab configs (mmengine's ``MODELS``, mmcv's ``build_norm_layer``).
 
-Importing this module registers, in mmengine's root ``MODELS`` registry (which
-mmdetection's, mmsegmentation's and mmpretrain's registries fall back to):
+Importing this module registers, in mmengine's root ``MODELS`` registry (which mmdetection's,
+mmsegmentation's and mmpretrain's fall back to), the names of :data:`NAMES`: ``"ExactSyncBN"``
+(:class:`syncbn.SyncBatchNorm`, any input of 2+ dims, as mmcv's ``"SyncBN"``), ``"ExactSyncBN1d"``
+to ``"ExactSyncBN3d"``, ``"ExactInPlaceSyncBN"`` (:class:`syncbn.InPlaceSyncBatchNorm`: give the
+``ConvModule`` ``act_cfg=None``) and ``"ExactSyncBNRenorm"``. A config names them with
+``norm_cfg=dict(type="ExactSyncBN", requires_grad=True)`` and
+``custom_imports=dict(imports=["syncbn.integrations.mmengine"], allow_failed_imports=False)``.
 
-- ``"ExactSyncBN"``: :class:`syncbn.SyncBatchNorm` (any input with at least 2 dims,
-  as mmcv's ``"SyncBN"``);
-- ``"ExactSyncBN1d"``, ``"ExactSyncBN2d"``, ``"ExactSyncBN3d"``:
-  :class:`syncbn.SyncBatchNorm1d` and its siblings;
-- ``"ExactInPlaceSyncBN"``: :class:`syncbn.InPlaceSyncBatchNorm` (batch norm and
-  activation in one in-place layer: give the ``ConvModule`` ``act_cfg=None``),
-
-so that a config names them: ``norm_cfg=dict(type="ExactSyncBN", requires_grad=True)``,
-with ``custom_imports=dict(imports=["syncbn.integrations.mmengine"],
-allow_failed_imports=False)`` in the config (or ``import syncbn.integrations.mmengine``
-in the training script). mmcv's ``build_norm_layer`` then returns ``("bn", layer)``.
-
-To make an existing config's ``"SyncBN"`` mean :class:`syncbn.SyncBatchNorm`
-without editing it, opt in with :func:`replace_syncbn` (or import
-:mod:`syncbn.integrations.mmengine_syncbn`, which calls it, from
-``custom_imports``). Needs ``mmengine`` (``pip install "syncbn[mmengine]"``);
-mmcv (``mmcv-lite`` is enough) for ``build_norm_layer`` and ``ConvModule``.
+To make an existing config's ``"SyncBN"`` mean :class:`syncbn.SyncBatchNorm`, opt in with
+:func:`replace_syncbn` (or import :mod:`syncbn.integrations.mmengine_syncbn`). Needs ``mmengine``
+(``pip install "syncbn[mmengine]"``); mmcv (``mmcv-lite`` is enough) for ``build_norm_layer``.
 
 Example::
 
@@ -74,8 +65,7 @@ def register() -> None:
 
 
 def _load_mmcv_norms() -> None:
-    # mmcv registers "SyncBN" when mmcv.cnn is imported, without force: it must come first,
-    # or its own registration would fail ("SyncBN is already registered").
+    # mmcv registers "SyncBN" (without force) when mmcv.cnn is imported: first, or that would fail.
     if importlib.util.find_spec("mmcv") is not None:
         importlib.import_module("mmcv.cnn")
 
@@ -83,10 +73,9 @@ def _load_mmcv_norms() -> None:
 def replace_syncbn(enable: bool = True) -> None:
     """Make ``"SyncBN"`` in configs build :class:`syncbn.SyncBatchNorm` (``enable=False`` undoes it).
 
-    Opt-in and process-wide: every ``build_norm_layer(dict(type="SyncBN"), ...)``
-    and ``MODELS.build(dict(type="SyncBN", ...))`` after it builds syncbn's layer,
-    in every OpenMMLab codebase sharing mmengine's root registry. Call it on every
-    rank before the model is built (a config's ``custom_imports`` of
+    Process-wide: every later ``build_norm_layer(dict(type="SyncBN"), ...)`` or
+    ``MODELS.build(dict(type="SyncBN", ...))`` builds syncbn's layer. Call it on
+    every rank before the model is built (a config's ``custom_imports`` of
     :mod:`syncbn.integrations.mmengine_syncbn` does).
 
     Args:

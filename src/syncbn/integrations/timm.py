@@ -1,8 +1,7 @@
 """The synchronised form of timm's ``BatchNormAct2d`` (batch norm, then dropout and activation).
 
-Imported by :func:`syncbn.convert_sync_batchnorm` only when a model holds a
-timm ``BatchNormAct2d`` (or timm's ``SyncBatchNormAct``), so syncbn itself never
-imports timm. Needs ``timm`` (``pip install "syncbn[timm]"``).
+Imported by :func:`syncbn.convert_sync_batchnorm` only when a model holds one (or timm's
+``SyncBatchNormAct``), so syncbn never imports timm otherwise. Needs ``pip install "syncbn[timm]"``.
 """
 
 from __future__ import annotations
@@ -25,14 +24,12 @@ __all__ = ["SyncBatchNormAct2d", "BatchNormAct2d", "SyncBatchNormAct"]
 class SyncBatchNormAct2d(SyncBatchNorm2d, BatchNormAct2d):  # type: ignore[misc]
     """timm's ``BatchNormAct2d`` with syncbn's synchronised batch norm.
 
-    Batch norm over every rank's batch (:class:`syncbn.SyncBatchNorm2d`), then
-    the layer's ``drop`` and ``act`` modules, as ``BatchNormAct2d`` does. It is
-    both a :class:`syncbn.SyncBatchNorm2d` and a timm ``BatchNormAct2d``, so
-    timm's own utilities (``freeze_batch_norm_2d``, ...) recognise it.
-    :func:`syncbn.convert_sync_batchnorm` makes it from a ``BatchNormAct2d``
-    (keeping ``drop``, ``act`` and every other attribute), and
-    :func:`syncbn.revert_sync_batchnorm` turns it back into the very same class
-    it came from.
+    Batch norm over every rank's batch, then the layer's ``drop`` and ``act``
+    modules. It is both a :class:`syncbn.SyncBatchNorm2d` and a timm
+    ``BatchNormAct2d``, so timm's utilities (``freeze_batch_norm_2d``, ...)
+    recognise it. :func:`syncbn.convert_sync_batchnorm` makes it from a
+    ``BatchNormAct2d`` (keeping every attribute), and
+    :func:`syncbn.revert_sync_batchnorm` turns it back into that very class.
 
     Args:
         *args: as ``timm.layers.BatchNormAct2d``.
