@@ -185,10 +185,9 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
             raise RuntimeError(
                 "syncbn.accumulation: begin() called twice (expected commit() or discard() between)"
             )
-        layers = _layers(self.model)
         opened: list[_Layer] = []
         try:
-            for layer in layers:
+            for layer in _layers(self.model):
                 opened.append(_Layer(layer))
         except BaseException:
             for state in opened:

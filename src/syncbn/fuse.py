@@ -52,19 +52,16 @@ def fuse_batchnorm_activation(
     ``nn.LeakyReLU`` with a positive slope and ``nn.ELU`` qualify (``ReLU`` is
     not invertible).
 
-    The in-place layer scales by :math:`|\\gamma| + \\epsilon` (to stay
-    invertible), so the fused weight is :math:`w - \\epsilon`, which reproduces
-    :math:`w` exactly when :math:`w \\ge \\epsilon`. Channels with
-    :math:`w < \\epsilon` cannot be represented: ``strict=True`` refuses the
-    model before changing anything; ``strict=False`` clamps their weight to
-    :math:`0` (scale :math:`\\epsilon`), with a warning, which changes what the
-    layer computes there.
+    The in-place scale is :math:`|w| + \\epsilon`, so the fused weight is
+    :math:`w - \\epsilon`: exact when :math:`w \\ge \\epsilon`. Channels below
+    cannot be represented (``strict``: refused; else clamped to 0, scale
+    :math:`\\epsilon`, which changes the model there).
 
     Args:
         module: the model.
         process_group: the group the fused layers synchronise over (``None``:
             the default group; a ``SyncBatchNorm``'s own group is kept).
-        strict: refuse weights below ``eps`` (``True``) or clamp them (``False``, with a warning).
+        strict: refuse weights below ``eps`` (``True``) or clamp them to 0 (``False``, with a warning).
 
     Returns:
         ``module``, with the pairs fused.

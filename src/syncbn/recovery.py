@@ -50,10 +50,8 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
         model: the model (``DistributedDataParallel``/``DataParallel`` wrappers
             are looked through).
         src: the group rank whose buffers every rank takes.
-        process_group: the group, ``None`` for the default group. After a
-            ``CollectiveError`` that timed out or failed, that group is
-            unusable: destroy it and pass a new one (or re-initialise the
-            default group) first.
+        process_group: the group, ``None`` for the default group. A group whose
+            collective timed out or failed is unusable: pass a new one.
 
     Returns:
         The number of buffers synchronised (0 when there is nothing to do: no
@@ -69,7 +67,7 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
         >>> try:
         ...     train_step(model, batch)
         ... except syncbn.CollectiveError as exc:
-        ...     if not exc.mismatch:                       # the group is unusable
+        ...     if not exc.mismatch:                       # the group is unusable: a new one
         ...         torch.distributed.destroy_process_group()
         ...         torch.distributed.init_process_group("gloo")
         ...     syncbn.sync_buffers(model)                 # every rank: equal buffers again

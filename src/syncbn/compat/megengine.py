@@ -27,9 +27,8 @@ __all__ = ["SyncBatchNorm"]
 class SyncBatchNorm(_SyncBatchNorm):
     """Synchronized batch norm with MegEngine's constructor and momentum convention.
 
-    Training statistics span every rank of ``group``; the result equals
-    ``nn.BatchNorm`` with ``momentum = 1 - momentum`` on the concatenation of
-    all ranks' batches.
+    Training statistics span every rank of ``group``, as ``nn.BatchNorm`` with
+    ``momentum = 1 - momentum`` on the concatenation of all ranks' batches:
 
     .. math::
         \\text{running} = \\text{momentum} \\cdot \\text{running}
@@ -44,8 +43,7 @@ class SyncBatchNorm(_SyncBatchNorm):
             ``nn.BatchNorm``). Default: 0.9.
         affine: learnable per-channel scale and shift. Default: ``True``.
         track_running_stats: keep running statistics; without them eval uses the
-            batch statistics of the whole group (and communicates), as MegEngine
-            does. Default: ``True``.
+            whole group's batch statistics (and communicates). Default: ``True``.
         freeze: normalise with the running statistics, never update them nor
             communicate, and do not train weight and bias. Default: ``False``.
         group: ``torch.distributed`` group to synchronise over; ``None`` is the
@@ -62,8 +60,7 @@ class SyncBatchNorm(_SyncBatchNorm):
         TypeError: ``momentum`` is not a real number; ``name`` is neither a
             string nor ``None``.
         ValueError: ``freeze=True`` with ``track_running_stats=False``; an empty
-            ``name``; in forward, input that is not 2D, 3D or 4D
-            ("expected 2D, 3D or 4D input (got 5D input)").
+            ``name``; in forward, input that is not 2D, 3D or 4D.
 
     Example::
 
