@@ -163,9 +163,8 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
         >>> int(model[1].num_batches_tracked)              # one update per optimizer step
         1
 
-    The block can also be opened and closed by hand (a training loop's hooks):
-    :meth:`begin` starts collecting, :meth:`commit` applies the update,
-    :meth:`discard` puts the statistics back.
+    A training loop's hooks can also drive it by hand: :meth:`begin`, then
+    :meth:`commit` or :meth:`discard`.
     """
 
     def __init__(self, model: nn.Module) -> None:

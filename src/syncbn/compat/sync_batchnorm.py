@@ -11,9 +11,8 @@ The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d`` with that package's
 constructor. They synchronise across the replicas of a plain ``nn.DataParallel`` (no replication
 callback needed) and across ``torch.distributed`` processes; :class:`DataParallelWithCallback` and
 :func:`patch_replication_callback` still run the package's callbacks for other modules. Numerics
-follow ``nn.BatchNorm``: ``eps`` is added to the variance (the original clamps it), and sums are
-float64 over locally centred moments (the original's ``x`` and ``x**2`` sums cancel when
-``|mean| >> std``). The Migration guide lists every difference.
+follow ``nn.BatchNorm`` (``eps`` added to the variance, not a clamp; float64 sums of centred
+moments, where the original's cancel when ``|mean| >> std``). The Migration guide lists every difference.
 """
 
 from __future__ import annotations
