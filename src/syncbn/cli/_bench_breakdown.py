@@ -1,35 +1,6 @@
 """Per-collective breakdown of the narrow net's DDP step (``syncbn bench --breakdown``).
 
-The narrow net (:func:`syncbn.cli._bench_e2e.deep_narrow`: 24 BN layers, so 48
-collectives per step) runs in *variants* that change one thing at a time
-against the base (DDP with default buckets, one torch thread, no pinning, the
-default spin): no DDP, DDP buckets, ``torch.set_num_threads(2)``, each rank
-pinned to one core (every thread of the process, ``os.sched_setaffinity``), and
-the shared-memory wait's spin budget (:class:`syncbn._shm._spin.SpinPolicy`),
-and, opt-in, ``torch.compile(DDP(net))`` (``*-compiled``). Every variant runs
-with ``nn.BatchNorm2d`` (``plain-*``) and with
-:class:`syncbn.SyncBatchNorm2d` (``syncbn-*``); ``own-noddp`` is syncbn over a
-group whose sum is the identity (the layer's own eager work, no collective).
-
-Everything is measured from outside the library: the resolved default group's
-``all_reduce_sum`` (and, where present, its shared-memory exchange's) is
-wrapped on the instance to record ``perf_counter_ns`` at entry and exit. The
-clock is system-wide, so rank 0 aligns the ranks' i-th calls and splits each
-collective into: ``wait``, the time a rank waits for the later rank to arrive
-(skew); ``frame``, the framed call minus the exchange inside it (Python framing
-on the calling rank); ``release``, the later rank's exchange from its arrival to
-its exit (arrival-to-release with both ranks present); and the waiting rank's
-exit lag behind the later rank's exit, its wake-up latency, for waits under
-0.5 ms (``wake-spin``: answered while spinning) and over 2 ms (``wake-sleep``,
-after the spin gave up; ``waits>2ms``: how many such waits per step, both ranks);
-``same-core``: the share of collectives both ranks left on the same core (``sched_getcpu``). ``inside`` is
-the whole framed call (wait included), ``outside`` the extra step time per
-collective that is not inside one (the layer's own eager work and its
-knock-on effects), ``extra`` the step time over ``nn.BatchNorm2d``'s.
-
-Statistic: per step and rank, each part summed over the step's collectives and
-divided by their number; the median over steps; the mean of the ranks. Step
-times: each rank's median, then the slowest rank. Rounds interleave the variants.
+Variants, what each column measures and the statistic: docs/internals/cli.md.
 """
 
 from __future__ import annotations

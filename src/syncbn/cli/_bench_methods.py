@@ -1,8 +1,7 @@
-"""The methods ``syncbn bench`` times: reference layers and helpers (see :mod:`syncbn.cli.bench`).
+"""The reference layers ``syncbn bench`` times besides syncbn and ``torch.nn.SyncBatchNorm``.
 
-Everything but syncbn itself and ``torch.nn.SyncBatchNorm`` is written here:
-the naive algorithm, local BatchNorm with syncbn's two collectives in place,
-a loopback group and the forced-sync wrappers.
+The naive algorithm, local BatchNorm with syncbn's two collectives in place, a loopback
+group and the forced-sync wrappers; the methods are described in docs/internals/cli.md.
 """
 
 from __future__ import annotations

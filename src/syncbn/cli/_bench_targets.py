@@ -1,16 +1,6 @@
 """The closing table of ``syncbn bench``: each performance target, its measured ratio, met or not.
 
-The targets are issue 29's: a DDP training step of the narrow net (24 small
-BN layers) and, compiled, of the narrow and the wide net, syncbn against
-``nn.BatchNorm2d``; one layer's forward + backward against local BatchNorm,
-the worst over the large layers (at least :data:`LARGE` values per rank) and
-over the small ones (each shape's detail adds syncbn's own work against it,
-``alone``: the same engine over a loopback group, no peer to wait for); and,
-where ``torch.nn.SyncBatchNorm`` runs (CUDA with NCCL), the narrow net's step
-against it. A quantity the run did not measure
-says why (which flag or device it needs). The machine's load average at the
-start and at the end of the run comes with the table: the ratios are only as
-good as the machine was quiet.
+The targets and what each needs: docs/internals/cli.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Equivalence checks: syncbn on W ranks vs ``nn.BatchNorm`` on the global batch in float64.
 
-Shared by ``python -m syncbn verify`` and the test suite (``tests/_helpers/equivalence.py``
-re-exports these names). Every rank builds the same global batch and upstream
-gradient from one seed, takes its shard, and compares with a float64
-``nn.BatchNorm`` run on the whole batch on the CPU of the same process. The
-results are error magnitudes (relative to the reference's scale for outputs and
-gradients, absolute for running statistics); :func:`tolerance` says what is
-acceptable for a case.
-
-Every rank of the group must run the same cases in the same order: each case
-runs collectives (the layer's own, and one ``all_reduce`` of the weight/bias
-gradients, which stay per rank in syncbn and are summed here as DDP would).
+Shared by ``python -m syncbn verify`` and the test suite; every rank of the group must run
+the same cases in the same order (each runs collectives). See docs/internals/cli.md.
 """
 
 from __future__ import annotations

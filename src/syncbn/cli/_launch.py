@@ -1,12 +1,6 @@
-"""Start W local ranks, or join the ones a launcher (torchrun) started.
+"""Start W local ranks that meet through a file (no ports), or join the ones torchrun started.
 
-Commands call :func:`run_ranks` with a module-level function. Without a
-launcher it starts ``world_size`` processes that meet through a ``FileStore``
-in a temporary directory: no ports. On Linux with a CPU backend they are forked
-(no second import of torch: seconds saved per rank); with NCCL, once CUDA is
-initialised, or elsewhere, they are spawned.
-Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
-set) this process is one rank and joins the launcher's group instead.
+See docs/internals/cli.md.
 """
 
 from __future__ import annotations

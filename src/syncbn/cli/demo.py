@@ -1,32 +1,9 @@
 """``python -m syncbn demo``: why synchronised batch norm matters, on real data.
 
-Trains one small conv net on scikit-learn's digits (1,797 real 8x8 images,
-shipped with scikit-learn, no download) three ways, from the same
-initialisation and on the same sequence of global batches:
-
-1. ``local``: ``nn.BatchNorm2d`` under DDP on W ranks. Each rank normalises
-   its own few images: what DDP gives without synchronisation.
-2. ``syncbn``: :class:`syncbn.SyncBatchNorm2d` under DDP on the same W ranks:
-   every layer normalises over the whole global batch.
-3. ``global``: one process holding the whole global batch with plain
-   ``nn.BatchNorm2d``: the ground truth that (2) must reproduce.
-
-It prints a table of the final training loss, the test accuracy and the largest
-parameter difference of runs 1 and 2 from run 3, and writes a PNG of the loss
-curves and a JSON file with every number to ``--out`` (``./syncbn-demo`` by
-default; ``--no-out`` writes nothing). The comparison runs in float64 by
-default, so that syncbn's difference from the ground truth stays at float64
-rounding (about 1e-14 after 400 steps). With ``--dtype float32`` the runs agree
-to rounding for the first few dozen steps and then drift apart: once a rounding
-difference flips the sign of one ReLU input, that unit's gradient differs by a
-whole step, and training amplifies it (about 0.3 after 400 steps). In float64
-such a flip is about 1e9 times less likely, and does not happen here.
-
-Evaluation uses rank 0's model. With plain BatchNorm the ranks' running
-statistics differ (each tracks its own shards; DDP runs here with
-``broadcast_buffers=False``, and DDP's default of broadcasting rank 0's buffers
-before every forward would leave rank 0's statistics the same); the weights are
-the same on every rank, as DDP averages gradients.
+Trains one small conv net on scikit-learn's digits three ways from the same initialisation
+and global batches: ``local`` (``nn.BatchNorm2d`` per rank under DDP), ``syncbn``
+(:class:`syncbn.SyncBatchNorm2d` under DDP) and ``global`` (one process, the whole batch:
+the ground truth). What it prints and writes: docs/getting-started.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """``python -m syncbn verify``: run the equivalence checks on this machine and backend.
 
-Each rank runs the test suite's equivalence matrix (:mod:`syncbn.cli._checks`):
-1d to 6d inputs, uneven and empty per-rank batches, momentum/affine/running-stat
-options, float64/float32/float16/bfloat16, large means, ``channels_last``. Every
-case compares syncbn's output, input gradient, summed weight/bias gradients and
-running statistics with ``nn.BatchNorm`` on the whole global batch in float64.
-The command prints a pass/fail table with the worst measured error of each case
-over all ranks, and exits 0 only when every case passes (1 otherwise, 2 for a
-usage error). Under ``torchrun`` it checks the launcher's ranks, across nodes
-too; rank 0 prints. ``--group-size k`` (or ``node``) runs the matrix on the
-groups of :func:`syncbn.groups.subgroup` instead: every group against
-``nn.BatchNorm`` on that group's batch.
+Each rank runs the test suite's matrix (:mod:`syncbn.cli._checks`) against ``nn.BatchNorm``
+on the global batch in float64; exit code 0 when every case passes, 1 otherwise, 2 for a
+usage error. ``--group-size`` checks each group of :func:`syncbn.groups.subgroup` against its
+own batch. See docs/getting-started.md.
 """
 
 from __future__ import annotations
