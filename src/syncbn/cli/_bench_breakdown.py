@@ -256,7 +256,7 @@ def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]
 def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
     step_ms = {n: max(statistics.median(g["times"][n]) for g in gathered) * 1e3 for n in names}
     has_inner = all(g["inner"] for g in gathered)
-    parts: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, float]] = {}
     for n in names:
         if not n.startswith("syncbn"):
             continue
@@ -264,23 +264,18 @@ def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
             _parts([g["calls"][n][s] for g in gathered], has_inner)
             for s in range(len(gathered[0]["calls"][n]))
         ]
-        per_step = [p for p in per_step if p]
+        per_step = [step for step in per_step if step]
         keys = per_step[0].keys() if per_step else []
-        parts[n] = {k: statistics.median(p[k] for p in per_step) for k in keys}
-    rows: dict[str, dict[str, float]] = {}
-    for n in names:
-        if not n.startswith("syncbn"):
-            continue
+        parts = {k: statistics.median(step[k] for step in per_step) for k in keys}
         suffix = n[len("syncbn") :]
         plain = step_ms.get("plain" + suffix, step_ms.get("plain"))
         row = {"step_ms": step_ms[n], "plain_ms": plain if plain else float("nan")}
         if plain:
             row["ratio"] = step_ms[n] / plain
             row["extra_per_collective_us"] = (step_ms[n] - plain) * 1e3 / (2 * LAYERS)
-        p = parts.get(n, {})
-        row.update(p)
-        if plain and "inside_us" in p:
-            row["outside_us"] = row["extra_per_collective_us"] - p["inside_us"]
+        row.update(parts)
+        if plain and "inside_us" in parts:
+            row["outside_us"] = row["extra_per_collective_us"] - parts["inside_us"]
         rows[n] = row
     own = None
     if "own-noddp" in step_ms and "plain-noddp" in step_ms:
