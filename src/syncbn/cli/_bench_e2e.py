@@ -22,8 +22,7 @@ Norm = Callable[[int], nn.Module]
 
 
 class _Rooted(nn.Module):
-    """A root module of its own: dynamo traces the whole model (a top-level ``nn.Sequential``
-    under ``torch.compile(DDP(model))`` is skipped as torch code, each child compiled apart)."""
+    """A root module, so that dynamo traces the whole model (it skips a top-level ``nn.Sequential``)."""
 
     def __init__(self, body: nn.Sequential) -> None:
         super().__init__()
@@ -102,10 +101,9 @@ def time_steps(
 ) -> dict[str, float]:
     """This rank's median DDP training-step time (ms) of ``model`` with each normalisation.
 
-    Must run on every rank of the initialised default group. ``norms`` defaults
-    to ``{"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}``. ``compiled``
-    times ``torch.compile(DDP(model))``; ``first_s``, when given, receives each
-    variant's first step in seconds (with ``compiled``, its compile time).
+    Collective: every rank of the default group calls it. ``norms`` defaults to syncbn and
+    plain BN; ``compiled`` times ``torch.compile(DDP(model))``; ``first_s``, when given,
+    receives each variant's first step in seconds (with ``compiled``, its compile time).
     """
     build, size, _ = MODELS[model]
     device = device or torch.device("cpu")

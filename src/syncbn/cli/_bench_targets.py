@@ -58,10 +58,10 @@ MANY_FAULTS = 64
 
 
 def allocator_note(records: list[dict[str, Any]]) -> str | None:
-    """A note when layer calls page-faulted memory in again (glibc returning freed blocks), else ``None``.
+    """A note naming the worst shape when layer calls page-faulted memory in again, else ``None``.
 
-    A synchronised layer pays for such faults twice: its own, and the wait for a peer hit by
-    theirs (``benchmarks/speed/skew.py``). The note names the worst shape's faults per call.
+    A synchronised layer pays for such faults twice: its own, and the wait for a peer's
+    (``benchmarks/speed/skew.py``).
     """
     worst: tuple[float, str] | None = None
     for record in records:
@@ -85,16 +85,11 @@ def targets(
     e2e: dict[str, float] | None,
     compiled: dict[str, dict[str, float]] | None,
 ) -> list[dict[str, Any]]:
-    """One row per target from the run's figures (slowest-rank medians, ms).
+    """One row per target from ``bench_layers``' records and the steps' slowest-rank medians (ms).
 
-    Args:
-        records: :func:`~syncbn.cli._bench_runner.bench_layers`'s records.
-        e2e: the narrow net's eager step per variant (``syncbn``, ``plain``, maybe ``torch``).
-        compiled: per net (``deep``, ``wide``), the compiled step per variant.
-
-    Returns:
-        Rows of ``key``, ``quantity``, ``measured`` (``None``: not measured), ``target``,
-        ``met`` (``None``: not measured), ``detail`` and ``needs``.
+    ``e2e``: the narrow net's eager step per variant; ``compiled``: per net (``deep``, ``wide``),
+    the compiled step per variant. Rows have ``key``, ``quantity``, ``measured``, ``target``,
+    ``met`` (both ``None`` when not measured), ``detail`` and ``needs``.
     """
     compiled = compiled or {}
     measured: dict[str, tuple[float | None, str]] = {

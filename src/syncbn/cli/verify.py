@@ -173,18 +173,10 @@ def run(args: argparse.Namespace) -> int:
         for s in summaries:
             layout = s["dtype"] + (f" ({s['layer_dtype']} layer)" if s["layer_dtype"] else "")
             layout += f" {s['memory_format']}" if s["memory_format"] else ""
-            rows.append(
-                [
-                    s["case"],
-                    "x".join(map(str, s["shape"])),
-                    ",".join(map(str, s["sizes"])),
-                    layout,
-                    format_error(s["worst_error"]),
-                    s["worst_key"] or "-",
-                    format_error(s["tolerance"]),
-                    "PASS" if s["passed"] else "FAIL",
-                ]
-            )
+            shape, split = "x".join(map(str, s["shape"])), ",".join(map(str, s["sizes"]))
+            worst, tol = format_error(s["worst_error"]), format_error(s["tolerance"])
+            result = "PASS" if s["passed"] else "FAIL"
+            rows.append([s["case"], shape, split, layout, worst, s["worst_key"] or "-", tol, result])
         headers = ["case", "global shape", "per rank", "dtype", "max error", "where", "tolerance", "result"]
         print(format_table(headers, rows, right=[False, False, False, False, True, False, True, False]))
         for s in summaries:
