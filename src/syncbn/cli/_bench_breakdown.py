@@ -9,7 +9,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Callable
 
 import torch
@@ -25,7 +25,7 @@ from ._bench_methods import LoopbackGroup
 
 __all__ = ["DEFAULT", "VARIANTS", "SHORT", "breakdown", "format_breakdown", "bare_sum"]
 
-#: name -> settings changed against the base (ddp: DDP kwargs, None = no DDP; threads; pin; spin_s)
+#: name -> settings changed against the base (ddp: DDP kwargs, None = no DDP; threads; pin; spin_s; compile)
 VARIANTS: dict[str, dict[str, Any]] = {}
 for _norm in ("plain", "syncbn"):
     VARIANTS[_norm] = {}
@@ -50,10 +50,8 @@ LAYERS = 24  # BN layers of the narrow net: 2 collectives each per step
 
 def _set_affinity(cpus: set[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
-        try:
+        with suppress(OSError):
             os.sched_setaffinity(int(tid), cpus)
-        except OSError:
-            pass
 
 
 @contextmanager

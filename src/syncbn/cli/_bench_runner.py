@@ -105,9 +105,8 @@ def _layer_steps(
             steps[method] = _two_sums(channels, device, dist.all_reduce if dist.is_initialized() else None)
             continue
         if method == "2xAR-shm":
-            if not dist.is_initialized() or device.type != "cpu" or force_sync:
-                continue
-            steps[method] = _two_sums(channels, device, ProcessGroupSum(None).all_reduce_sum)
+            if dist.is_initialized() and device.type == "cpu" and not force_sync:
+                steps[method] = _two_sums(channels, device, ProcessGroupSum(None).all_reduce_sum)
             continue
         mod = build(method, x_data, force_sync)
         if mod is None:
