@@ -1,35 +1,6 @@
 """Per-collective breakdown of the narrow net's DDP step (``syncbn bench --breakdown``).
 
-The narrow net (:func:`syncbn.cli._bench_e2e.deep_narrow`: 24 BN layers, so 48
-collectives per step) runs in *variants* that change one thing at a time
-against the base (DDP with default buckets, one torch thread, no pinning, the
-default spin): no DDP, DDP buckets, ``torch.set_num_threads(2)``, each rank
-pinned to one core (every thread of the process, ``os.sched_setaffinity``), and
-the shared-memory wait's spin budget (:class:`syncbn._shm._spin.SpinPolicy`),
-and, opt-in, ``torch.compile(DDP(net))`` (``*-compiled``). Every variant runs
-with ``nn.BatchNorm2d`` (``plain-*``) and with
-:class:`syncbn.SyncBatchNorm2d` (``syncbn-*``); ``own-noddp`` is syncbn over a
-group whose sum is the identity (the layer's own eager work, no collective).
-
-Everything is measured from outside the library: the resolved default group's
-``all_reduce_sum`` (and, where present, its shared-memory exchange's) is
-wrapped on the instance to record ``perf_counter_ns`` at entry and exit. The
-clock is system-wide, so rank 0 aligns the ranks' i-th calls and splits each
-collective into: ``wait``, the time a rank waits for the later rank to arrive
-(skew); ``frame``, the framed call minus the exchange inside it (Python framing
-on the calling rank); ``release``, the later rank's exchange from its arrival to
-its exit (arrival-to-release with both ranks present); and the waiting rank's
-exit lag behind the later rank's exit, its wake-up latency, for waits under
-0.5 ms (``wake-spin``: answered while spinning) and over 2 ms (``wake-sleep``,
-after the spin gave up; ``waits>2ms``: how many such waits per step, both ranks);
-``same-core``: the share of collectives both ranks left on the same core (``sched_getcpu``). ``inside`` is
-the whole framed call (wait included), ``outside`` the extra step time per
-collective that is not inside one (the layer's own eager work and its
-knock-on effects), ``extra`` the step time over ``nn.BatchNorm2d``'s.
-
-Statistic: per step and rank, each part summed over the step's collectives and
-divided by their number; the median over steps; the mean of the ranks. Step
-times: each rank's median, then the slowest rank. Rounds interleave the variants.
+Variants, what each column measures and the statistic: docs/internals/cli.md.
 """
 
 from __future__ import annotations
@@ -38,7 +9,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Callable
 
 import torch
@@ -54,7 +25,7 @@ from ._bench_methods import LoopbackGroup
 
 __all__ = ["DEFAULT", "VARIANTS", "SHORT", "breakdown", "format_breakdown", "bare_sum"]
 
-#: name -> settings changed against the base (ddp: DDP kwargs, None = no DDP; threads; pin; spin_s)
+#: name -> settings changed against the base (ddp: DDP kwargs, None = no DDP; threads; pin; spin_s; compile)
 VARIANTS: dict[str, dict[str, Any]] = {}
 for _norm in ("plain", "syncbn"):
     VARIANTS[_norm] = {}
@@ -79,10 +50,8 @@ LAYERS = 24  # BN layers of the narrow net: 2 collectives each per step
 
 def _set_affinity(cpus: set[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
-        try:
+        with suppress(OSError):
             os.sched_setaffinity(int(tid), cpus)
-        except OSError:
-            pass
 
 
 @contextmanager
@@ -285,7 +254,7 @@ def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]
 def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
     step_ms = {n: max(statistics.median(g["times"][n]) for g in gathered) * 1e3 for n in names}
     has_inner = all(g["inner"] for g in gathered)
-    parts: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, float]] = {}
     for n in names:
         if not n.startswith("syncbn"):
             continue
@@ -293,23 +262,18 @@ def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
             _parts([g["calls"][n][s] for g in gathered], has_inner)
             for s in range(len(gathered[0]["calls"][n]))
         ]
-        per_step = [p for p in per_step if p]
+        per_step = [step for step in per_step if step]
         keys = per_step[0].keys() if per_step else []
-        parts[n] = {k: statistics.median(p[k] for p in per_step) for k in keys}
-    rows: dict[str, dict[str, float]] = {}
-    for n in names:
-        if not n.startswith("syncbn"):
-            continue
+        parts = {k: statistics.median(step[k] for step in per_step) for k in keys}
         suffix = n[len("syncbn") :]
         plain = step_ms.get("plain" + suffix, step_ms.get("plain"))
         row = {"step_ms": step_ms[n], "plain_ms": plain if plain else float("nan")}
         if plain:
             row["ratio"] = step_ms[n] / plain
             row["extra_per_collective_us"] = (step_ms[n] - plain) * 1e3 / (2 * LAYERS)
-        p = parts.get(n, {})
-        row.update(p)
-        if plain and "inside_us" in p:
-            row["outside_us"] = row["extra_per_collective_us"] - p["inside_us"]
+        row.update(parts)
+        if plain and "inside_us" in parts:
+            row["outside_us"] = row["extra_per_collective_us"] - parts["inside_us"]
         rows[n] = row
     own = None
     if "own-noddp" in step_ms and "plain-noddp" in step_ms:

@@ -1,20 +1,6 @@
 """End-to-end training steps for ``syncbn bench`` and ``benchmarks/speed/e2e.py``: syncbn against plain BN.
 
-Three models, each built with a normalisation factory so that the same network
-runs with :class:`syncbn.SyncBatchNorm2d` and with ``nn.BatchNorm2d``:
-
-* :func:`deep_narrow` (``deep``, the narrow net): 24 conv3x3(32)-BN-ReLU
-  blocks, many small BN layers (16 images of 8x8 per rank: 2,048 values per
-  channel and layer);
-* ``wide``: 4 conv3x3-BN-ReLU blocks of 16, 32, 32 and 64 channels
-  (:func:`conv_net`) on 32x32 images;
-* :func:`resnet`: a CIFAR ResNet (stem, three stages of two basic blocks, 15
-  BN layers) on 32x32 images.
-
-:func:`time_steps` runs one ``DistributedDataParallel`` SGD step of every
-variant, interleaved, eager or ``torch.compile(DDP(model))`` (``compiled``), on
-CPU or CUDA, and returns every rank's median; the table reports the slowest
-rank's median and the ratio to plain BN (what switching sync on costs).
+The models and how they are timed: docs/internals/cli.md.
 """
 
 from __future__ import annotations
@@ -36,8 +22,7 @@ Norm = Callable[[int], nn.Module]
 
 
 class _Rooted(nn.Module):
-    """A root module of its own: dynamo traces the whole model (a top-level ``nn.Sequential``
-    under ``torch.compile(DDP(model))`` is skipped as torch code, each child compiled apart)."""
+    """A root module, so that dynamo traces the whole model (it skips a top-level ``nn.Sequential``)."""
 
     def __init__(self, body: nn.Sequential) -> None:
         super().__init__()
@@ -116,10 +101,9 @@ def time_steps(
 ) -> dict[str, float]:
     """This rank's median DDP training-step time (ms) of ``model`` with each normalisation.
 
-    Must run on every rank of the initialised default group. ``norms`` defaults
-    to ``{"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}``. ``compiled``
-    times ``torch.compile(DDP(model))``; ``first_s``, when given, receives each
-    variant's first step in seconds (with ``compiled``, its compile time).
+    Collective: every rank of the default group calls it. ``norms`` defaults to syncbn and
+    plain BN; ``compiled`` times ``torch.compile(DDP(model))``; ``first_s``, when given,
+    receives each variant's first step in seconds (with ``compiled``, its compile time).
     """
     build, size, _ = MODELS[model]
     device = device or torch.device("cpu")

@@ -1,8 +1,7 @@
-"""The methods ``syncbn bench`` times: reference layers and helpers (see :mod:`syncbn.cli.bench`).
+"""What ``syncbn bench`` times besides syncbn and ``torch.nn.SyncBatchNorm`` (docs/internals/cli.md).
 
-Everything but syncbn itself and ``torch.nn.SyncBatchNorm`` is written here:
-the naive algorithm, local BatchNorm with syncbn's two collectives in place,
-a loopback group and the forced-sync wrappers.
+The naive algorithm, local BatchNorm with syncbn's two collectives in place, a loopback group
+and the forced-sync wrappers.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ METHODS = ("local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "alone", "syncbn-p
 class LoopbackGroup:
     """A two-member :class:`~syncbn.groups.SumGroup` whose sum is the identity.
 
-    Runs syncbn's whole synchronised code path in one process (for memory
-    measurements and device-synchronisation checks); the statistics are then the
-    local batch's, so the result equals ``nn.BatchNorm``'s.
+    Runs syncbn's whole synchronised code path in one process; the statistics are the local
+    batch's, so the result equals ``nn.BatchNorm``'s.
     """
 
     size = 2
@@ -57,10 +55,9 @@ class _AllReduceMean(torch.autograd.Function):
 class NaiveSyncBatchNorm(nn.Module):
     """The common naive synchronised batch norm, for comparison only.
 
-    Per-channel mean and mean of squares in the input dtype, averaged over
-    ranks by an autograd-aware ``all_reduce``, ``var = E[x^2] - E[x]^2``, and
-    normalisation by broadcasting arithmetic that autograd differentiates.
-    Ranks are weighted equally (right for equal per-rank batches only).
+    Per-channel mean and mean of squares in the input dtype, averaged over ranks by an
+    autograd-aware ``all_reduce`` (ranks weighted equally: right for equal batches only),
+    ``var = E[x^2] - E[x]^2``, and normalisation by broadcasting arithmetic.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1) -> None:
@@ -128,18 +125,13 @@ class LocalWithCollectives(nn.Module):
 
 
 def _local_bn(dim: int, channels: int) -> nn.Module:
-    if dim == 2 or dim == 3:
-        return nn.BatchNorm1d(channels)
-    if dim == 4:
-        return nn.BatchNorm2d(channels)
-    return nn.BatchNorm3d(channels)
+    return {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d}.get(dim, nn.BatchNorm3d)(channels)
 
 
 class _ForcedSync(nn.Module):
-    """Run a synchronised autograd function directly, even on a group of one.
+    """Run ``kind``'s synchronised autograd function directly, even on a group of one.
 
-    ``kind``: ``"syncbn"`` (syncbn's engine over the default group), ``"alone"`` (syncbn's
-    engine over a :class:`LoopbackGroup`: its own work, no peer to wait for) or ``"torch"``.
+    ``kind``: ``"syncbn"`` (the default group), ``"alone"`` (a :class:`LoopbackGroup`) or ``"torch"``.
     """
 
     def __init__(self, bn: nn.Module, kind: str) -> None:

@@ -43,12 +43,10 @@ def time_interleaved(
 ) -> dict[str, list[float]]:
     """Time each callable ``warmup + iters`` times, interleaved; wall seconds of the timed ones.
 
-    With ``barrier``, every call starts after a ``dist.barrier()`` (untimed), so
-    ranks start each measurement together. ``cpu_times``, when given, receives
-    the calling thread's CPU seconds per call: the compute cost, which time spent
-    waiting for peers or for a busy machine's scheduler does not inflate. ``faults``, when
-    given and the platform counts them per thread (Linux), receives the calling thread's minor
-    page faults per call: memory the allocator had handed back to the kernel and got again.
+    With ``barrier``, every call starts after an untimed ``dist.barrier()``. ``cpu_times``,
+    when given, receives the thread's CPU seconds per call (not inflated by waiting for peers
+    or the scheduler); ``faults``, where the platform counts them per thread (Linux), its minor
+    page faults per call (memory the allocator had given back to the kernel).
     """
     times: dict[str, list[float]] = {name: [] for name in steps}
     for it in range(warmup + iters):
@@ -76,10 +74,7 @@ def time_interleaved(
 
 def _minor_faults() -> int | None:
     """This thread's minor page faults so far (``None`` where the platform does not count them)."""
-    if _RUSAGE_THREAD is None:
-        return None
-    faults: int = resource.getrusage(_RUSAGE_THREAD).ru_minflt
-    return faults
+    return None if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD).ru_minflt
 
 
 def _two_sums(
@@ -110,9 +105,8 @@ def _layer_steps(
             steps[method] = _two_sums(channels, device, dist.all_reduce if dist.is_initialized() else None)
             continue
         if method == "2xAR-shm":
-            if not dist.is_initialized() or device.type != "cpu" or force_sync:
-                continue
-            steps[method] = _two_sums(channels, device, ProcessGroupSum(None).all_reduce_sum)
+            if dist.is_initialized() and device.type == "cpu" and not force_sync:
+                steps[method] = _two_sums(channels, device, ProcessGroupSum(None).all_reduce_sum)
             continue
         mod = build(method, x_data, force_sync)
         if mod is None:
@@ -126,7 +120,7 @@ def _layer_steps(
 def training_step(mod: nn.Module, x_data: Tensor, dy: Tensor) -> Callable[[], None]:
     """One timed call: ``mod``'s training forward on a copy of ``x_data``, backward with ``dy``.
 
-    Gradients are cleared first, so every call allocates and writes them as the first step does.
+    Gradients are cleared first, so every call allocates them as the first step does.
     """
     x = x_data.clone().requires_grad_(True)
 
@@ -144,19 +138,20 @@ def _time_methods(
     """Wall times, thread CPU times and page faults per call of ``steps``; without ``torch`` if it fails."""
     cpu: dict[str, list[float]] = {}
     faults: dict[str, list[int]] = {}
-    try:
-        times = time_interleaved(
-            steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu, faults=faults
-        )
-        return times, cpu, faults, None
-    except Exception as exc:  # e.g. a backend without the collective torch's SyncBN needs
-        steps.pop("torch", None)
+
+    def timed() -> dict[str, list[float]]:
         cpu.clear()
         faults.clear()
-        times = time_interleaved(
+        return time_interleaved(
             steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu, faults=faults
         )
-        return times, cpu, faults, f"torch.nn.SyncBatchNorm failed: {type(exc).__name__}: {exc}"
+
+    try:
+        return timed(), cpu, faults, None
+    except Exception as exc:  # e.g. a backend without the collective torch's SyncBN needs
+        steps.pop("torch", None)
+        error = f"torch.nn.SyncBatchNorm failed: {type(exc).__name__}: {exc}"
+        return timed(), cpu, faults, error
 
 
 def bench_layers(
@@ -172,11 +167,10 @@ def bench_layers(
 ) -> list[dict[str, Any]]:
     """Time every method on every shape on this rank; every rank returns the slowest-rank medians.
 
-    Must run on every rank of an initialised default group (or in a single
-    process without one). Returns one record per shape with ``median_ms`` per
-    method (the largest over ranks), ``per_rank_median_ms``, ``ratios`` and
-    ``faults_per_call`` (the worse rank's mean minor page faults per call; empty
-    where the platform does not count them per thread).
+    Must run on every rank of an initialised default group (or in a single process without
+    one). One record per shape: ``median_ms`` per method (the largest over ranks),
+    ``per_rank_median_ms``, ``ratios`` and ``faults_per_call`` (the worst rank's mean minor
+    page faults per call; empty where the platform does not count them per thread).
     """
     device = device or torch.device("cpu")
     distributed = dist.is_initialized()
@@ -190,24 +184,21 @@ def bench_layers(
             "cpu": {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()},
             "faults": {name: statistics.mean(fs) for name, fs in faults.items()},
         }
+        gathered: list[Any] = [mine]
         if distributed:
-            gathered: list[Any] = [None] * world_size
+            gathered = [None] * world_size
             dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
-        slowest = {name: max(r["wall"][name] for r in gathered) for name in mine["wall"]}
-        slowest_cpu = {name: max(r["cpu"][name] for r in gathered) for name in mine["cpu"]}
-        worst_faults = {name: max(r["faults"][name] for r in gathered) for name in mine["faults"]}
+        worst = {kind: {name: max(r[kind][name] for r in gathered) for name in mine[kind]} for kind in mine}
         records.append(
             {
                 "shape": list(shape),
-                "median_ms": slowest,
-                "cpu_median_ms": slowest_cpu,
-                "faults_per_call": worst_faults,
+                "median_ms": worst["wall"],
+                "cpu_median_ms": worst["cpu"],
+                "faults_per_call": worst["faults"],
                 "per_rank_median_ms": [r["wall"] for r in gathered],
                 "per_rank_cpu_median_ms": [r["cpu"] for r in gathered],
-                "ratios": ratios(slowest),
-                "cpu_ratios": ratios(slowest_cpu),
+                "ratios": ratios(worst["wall"]),
+                "cpu_ratios": ratios(worst["cpu"]),
                 "error": error,
             }
         )

@@ -1,16 +1,6 @@
 """The closing table of ``syncbn bench``: each performance target, its measured ratio, met or not.
 
-The targets are issue 29's: a DDP training step of the narrow net (24 small
-BN layers) and, compiled, of the narrow and the wide net, syncbn against
-``nn.BatchNorm2d``; one layer's forward + backward against local BatchNorm,
-the worst over the large layers (at least :data:`LARGE` values per rank) and
-over the small ones (each shape's detail adds syncbn's own work against it,
-``alone``: the same engine over a loopback group, no peer to wait for); and,
-where ``torch.nn.SyncBatchNorm`` runs (CUDA with NCCL), the narrow net's step
-against it. A quantity the run did not measure
-says why (which flag or device it needs). The machine's load average at the
-start and at the end of the run comes with the table: the ratios are only as
-good as the machine was quiet.
+The targets and what each needs: docs/internals/cli.md.
 """
 
 from __future__ import annotations
@@ -68,10 +58,10 @@ MANY_FAULTS = 64
 
 
 def allocator_note(records: list[dict[str, Any]]) -> str | None:
-    """A note when layer calls page-faulted memory in again (glibc returning freed blocks), else ``None``.
+    """A note naming the worst shape when layer calls page-faulted memory in again, else ``None``.
 
-    A synchronised layer pays for such faults twice: its own, and the wait for a peer hit by
-    theirs (``benchmarks/speed/skew.py``). The note names the worst shape's faults per call.
+    A synchronised layer pays for such faults twice: its own, and the wait for a peer's
+    (``benchmarks/speed/skew.py``).
     """
     worst: tuple[float, str] | None = None
     for record in records:
@@ -95,16 +85,11 @@ def targets(
     e2e: dict[str, float] | None,
     compiled: dict[str, dict[str, float]] | None,
 ) -> list[dict[str, Any]]:
-    """One row per target from the run's figures (slowest-rank medians, ms).
+    """One row per target from ``bench_layers``' records and the steps' slowest-rank medians (ms).
 
-    Args:
-        records: :func:`~syncbn.cli._bench_runner.bench_layers`'s records.
-        e2e: the narrow net's eager step per variant (``syncbn``, ``plain``, maybe ``torch``).
-        compiled: per net (``deep``, ``wide``), the compiled step per variant.
-
-    Returns:
-        Rows of ``key``, ``quantity``, ``measured`` (``None``: not measured), ``target``,
-        ``met`` (``None``: not measured), ``detail`` and ``needs``.
+    ``e2e``: the narrow net's eager step per variant; ``compiled``: per net (``deep``, ``wide``),
+    the compiled step per variant. Rows have ``key``, ``quantity``, ``measured``, ``target``,
+    ``met`` (both ``None`` when not measured), ``detail`` and ``needs``.
     """
     compiled = compiled or {}
     measured: dict[str, tuple[float | None, str]] = {

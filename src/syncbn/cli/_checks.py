@@ -1,16 +1,7 @@
 """Equivalence checks: syncbn on W ranks vs ``nn.BatchNorm`` on the global batch in float64.
 
-Shared by ``python -m syncbn verify`` and the test suite (``tests/_helpers/equivalence.py``
-re-exports these names). Every rank builds the same global batch and upstream
-gradient from one seed, takes its shard, and compares with a float64
-``nn.BatchNorm`` run on the whole batch on the CPU of the same process. The
-results are error magnitudes (relative to the reference's scale for outputs and
-gradients, absolute for running statistics); :func:`tolerance` says what is
-acceptable for a case.
-
-Every rank of the group must run the same cases in the same order: each case
-runs collectives (the layer's own, and one ``all_reduce`` of the weight/bias
-gradients, which stay per rank in syncbn and are summed here as DDP would).
+Shared by ``python -m syncbn verify`` and the test suite; every rank of the group must run
+the same cases in the same order (each runs collectives). See docs/internals/cli.md.
 """
 
 from __future__ import annotations
@@ -37,20 +28,11 @@ EXACT_KEYS = ("nan", "num_batches_tracked")
 class Case:
     """One equivalence scenario.
 
-    Attributes:
-        name: short identifier, unique within a matrix.
-        sizes: per-rank batch sizes, one per rank of the group (0 for an empty rank).
-        inner: ``(C, *spatial)``.
-        dtype: input dtype.
-        layer_dtype: the layer's dtype; float32 for low-precision input unless given.
-        kwargs: extra constructor arguments of the layer (``momentum``, ``affine``, ...).
-        scale: standard deviation of the input.
-        shift: mean of the input (large ``shift / scale`` tests numerical stability).
-        memory_format: ``torch.channels_last`` or ``torch.channels_last_3d`` input.
-        steps: training steps (forward and backward) compared.
-        generic: use :class:`syncbn.SyncBatchNorm` instead of the 1d/2d/3d class.
-        subgroup: informational: the group size when run on ``new_subgroups(k)``.
-        seed: seed of the data, the upstream gradients and the initial state.
+    ``sizes``: per-rank batch sizes, one per rank of the group (0: an empty rank); ``inner``:
+    ``(C, *spatial)``; ``layer_dtype``: float32 for low-precision input unless given;
+    ``scale``, ``shift``: the input's standard deviation and mean; ``steps``: training steps
+    compared; ``generic``: :class:`syncbn.SyncBatchNorm` instead of the 1d/2d/3d class;
+    ``subgroup``: informational, the group size on ``new_subgroups(k)``.
     """
 
     name: str
@@ -86,24 +68,14 @@ def run_case(
     group_rank: int | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """Run ``case`` on this rank and return the largest errors against the reference.
+    """Run ``case`` on this rank; return the largest error per key against the reference.
 
-    Args:
-        case: the scenario.
-        rank: this process's rank (its shard is ``case.sizes[group_rank]``).
-        group: the process group the layer syncs over (``None``: the default group).
-        group_rank: this rank's index within ``group``; defaults to ``rank``.
-        device: where syncbn runs (the reference always runs in float64 on the CPU).
-
-    Returns:
-        ``{key: error}`` for ``output``, ``grad_input``, ``grad_weight``, ``grad_bias``,
-        ``running_mean``, ``running_var`` (those that apply to the case), plus
-        ``nan`` (1.0 when any output or gradient was not finite) and
-        ``num_batches_tracked`` (the counter's difference).
-
-    Raises:
-        AssertionError: the output has the wrong dtype, shape or memory format,
-            or no input gradient.
+    The shard is ``case.sizes[group_rank]`` (``group_rank`` defaults to ``rank``); syncbn runs
+    on ``device`` over ``group``, the reference in float64 on the CPU. Keys: ``output``,
+    ``grad_input``, ``grad_weight``, ``grad_bias``, ``running_mean``, ``running_var`` (those
+    that apply), ``nan`` (1.0 when an output or gradient was not finite) and
+    ``num_batches_tracked`` (the counter's difference). Raises ``AssertionError`` when the
+    output has the wrong dtype, shape or memory format, or there is no input gradient.
     """
     device = torch.device(device)
     group_rank = rank if group_rank is None else group_rank
@@ -137,6 +109,10 @@ def run_case(
     def note(key: str, value: float) -> None:
         errors[key] = max(errors.get(key, 0.0), value)
 
+    def shard(batch: torch.Tensor) -> torch.Tensor:
+        t = batch[start:stop].to(device=device, dtype=case.dtype)
+        return t if case.memory_format is None else t.contiguous(memory_format=case.memory_format)
+
     for _ in range(case.steps):
         full = torch.randn(total, *case.inner, generator=gen, dtype=torch.float64) * case.scale + case.shift
         full = full.to(case.dtype).double()  # the reference sees exactly the values we feed
@@ -149,15 +125,9 @@ def run_case(
         y_ref.backward(grad)
         assert x_ref.grad is not None
 
-        x = full[start:stop].to(device=device, dtype=case.dtype)
-        if case.memory_format is not None:
-            x = x.contiguous(memory_format=case.memory_format)
-        x.requires_grad_()
+        x = shard(full).requires_grad_()
         y = ours(x)
-        g = grad[start:stop].to(device=device, dtype=case.dtype)
-        if case.memory_format is not None:
-            g = g.contiguous(memory_format=case.memory_format)
-        y.backward(g)
+        y.backward(shard(grad))
 
         _expect(y.dtype == case.dtype, f"output dtype {y.dtype}, expected {case.dtype}")
         _expect(y.shape == x.shape, f"output shape {tuple(y.shape)}, expected {tuple(x.shape)}")

@@ -1,12 +1,6 @@
-"""Start W local ranks, or join the ones a launcher (torchrun) started.
+"""Start W local ranks that meet through a file (no ports), or join the ones torchrun started.
 
-Commands call :func:`run_ranks` with a module-level function. Without a
-launcher it starts ``world_size`` processes that meet through a ``FileStore``
-in a temporary directory: no ports. On Linux with a CPU backend they are forked
-(no second import of torch: seconds saved per rank); with NCCL, once CUDA is
-initialised, or elsewhere, they are spawned.
-Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
-set) this process is one rank and joins the launcher's group instead.
+See docs/internals/cli.md.
 """
 
 from __future__ import annotations
@@ -120,23 +114,10 @@ def run_ranks(
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
 
-    Under torchrun, this process is one rank: join the launcher's group, call
-    ``fn`` once and return what it returned here (``world_size`` is then the
-    launcher's). Otherwise spawn ``world_size`` local processes that meet
-    through a ``FileStore`` in a temporary directory (forked on Linux for CPU
-    backends, spawned otherwise), and return what ``fn`` returned on rank 0
-    (it must pickle). Each spawned rank runs with one thread
-    and ``LOCAL_RANK`` set to its rank.
-
-    Args:
-        fn: a module-level function (spawned processes import it).
-        world_size: ranks to spawn (ignored under a launcher).
-        backend: ``torch.distributed`` backend (``gloo``, ``nccl``, ...).
-        *args: extra arguments for ``fn`` (they must pickle when spawned).
-        timeout_s: collective timeout: a rank waiting longer for its peers fails.
-
-    Raises:
-        torch.multiprocessing.ProcessRaisedException: a spawned rank raised.
+    Under torchrun this process is one rank and returns its own result (``world_size`` is
+    then the launcher's). Otherwise ``fn`` must be module-level, and ``args`` and rank 0's
+    result must pickle. ``timeout_s`` bounds each collective's wait for peers. Raises
+    ``torch.multiprocessing.ProcessRaisedException`` when a spawned rank raised.
     """
     if launched_by_torchrun():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

@@ -16,12 +16,9 @@ def format_error(value: float) -> str:
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] = ()) -> str:
-    """Rows of strings as an aligned text table with a rule under the header.
+    """Rows of strings (as many cells as ``headers``) as an aligned table with a rule under the header.
 
-    Args:
-        headers: column titles.
-        rows: cells, one sequence per row, as many as ``headers``.
-        right: per column, whether to right-align (numbers); left by default.
+    ``right``: per column, whether to right-align it (numbers); left by default.
     """
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     align = list(right) + [False] * (len(headers) - len(right))
@@ -35,18 +32,11 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
 
 
 class ProgressBar:
-    """A one-line progress bar on ``stream`` (stderr by default).
+    """A one-line progress bar of ``total`` steps after ``label`` on ``stream`` (stderr by default).
 
-    On a terminal the line is redrawn in place at most ten times a second; on
-    anything else (a pipe, a log file) a line is printed at every quarter, so
-    logs stay short.
-
-    Args:
-        total: number of steps.
-        label: text before the bar.
-        stream: where to draw.
-        width: characters of the bar itself.
-        enabled: ``False`` draws nothing (non-zero ranks).
+    On a terminal the line is redrawn in place at most ten times a second; elsewhere (a pipe,
+    a log) a line is printed at every quarter. ``width``: the bar's characters; ``enabled=False``
+    draws nothing (non-zero ranks).
     """
 
     def __init__(

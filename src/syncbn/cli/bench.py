@@ -1,61 +1,7 @@
-"""``python -m syncbn bench``: per-layer forward+backward timing on W ranks.
+"""``python -m syncbn bench``: syncbn's per-layer and end-to-end cost on W ranks.
 
-Every rank times, interleaved in one loop so that machine noise hits all of
-them alike, one training forward + backward (random upstream gradient) of:
-
-* ``local``: ``nn.BatchNorm`` with no synchronisation (the floor's compute part);
-* ``2xAR``: two small ``torch.distributed.all_reduce`` calls of ``2C + 1`` and
-  ``2C`` float64 values (the floor's communication part: what syncbn must send
-  anyway), through the process group's transport (gloo on CPU);
-* ``2xAR-shm``: the same two sums through syncbn's own collective path, which
-  on CPU with every rank on one machine is the shared-memory all_reduce;
-* ``local+AR``: ``nn.BatchNorm`` with those two ``all_reduce`` calls made where
-  syncbn makes them, one after its forward and one inside its backward. This
-  is the floor as a real step meets it: each collective also waits for the
-  slower rank's compute, which back-to-back ``2xAR`` never does;
-* ``syncbn``: :class:`syncbn.SyncBatchNorm` (shared memory where available);
-* ``alone``: syncbn's engine over a loopback group (its sum returns its input):
-  syncbn's own work, with no collective and no peer to wait for (``a/local``);
-* ``syncbn-pg``: :class:`syncbn.SyncBatchNorm` with shared memory off, so its
-  collectives take the same transport as ``2xAR`` (CPU only);
-* ``naive``: the common naive algorithm (per-channel mean and mean of squares,
-  all-reduced with autograd, normalisation by broadcasting arithmetic);
-* ``torch``: ``torch.nn.SyncBatchNorm`` where it runs (CUDA input only).
-
-Each rank's median is taken over the timed iterations, and the table shows the
-slowest rank's median for each method, with the ratios
-``syncbn / (local + 2xAR)`` (the floor), ``syncbn / (local + 2xAR-shm)`` (the
-floor on syncbn's own transport), ``syncbn-pg / (local+AR)`` (the algorithm
-against the floor on the same transport, collectives in place),
-``syncbn / naive`` and ``syncbn / torch``; first of all ``s/local``, syncbn against
-unsynchronised ``nn.BatchNorm``: what switching synchronisation on costs per layer,
-and ``a/local``, ``alone`` against it: the part of that which is syncbn's own work
-(the rest is the collectives and the wait for the slower rank). Where layer calls
-fault in much memory again (glibc giving freed blocks back to the kernel, counted per
-call on Linux), a note after the targets says so and how to keep it.
-
-After the layer tables (``--e2e-steps``, 0 to skip), one DDP training step of
-a many-small-layers network, the narrow net (24 conv3x3(32)-BN-ReLU blocks on
-16 images of 8x8 per rank, :mod:`syncbn.cli._bench_e2e`) with syncbn and with
-``nn.BatchNorm2d`` (and ``torch.nn.SyncBatchNorm`` on CUDA with NCCL),
-interleaved, and its ratio (W > 1 only). ``--compiled`` adds the same step
-under ``torch.compile(DDP(net))`` for the narrow net and a wide 4-block net
-(16-64 channels, 16 images of 32x32), syncbn against compiled
-``nn.BatchNorm2d``: each variant compiles first (minutes on a small CPU), then
-they alternate step by step (``--e2e-steps`` timed steps, at least 3, after 3
-warm-up steps). ``--breakdown`` adds the narrow net's step broken
-down per collective (:mod:`syncbn.cli._bench_breakdown`: own eager work,
-waiting for the peer, frame, exchange, wake-up; with and without DDP; CPU).
-Last comes the targets table (:mod:`syncbn.cli._bench_targets`): each
-performance target's measured ratio, met or not, and the load average at the
-start and the end of the run. ``--json PATH`` writes every number. The
-``benchmarks/`` scripts call the same code (:func:`bench_layers`,
-:func:`time_interleaved`).
-
-Files: the methods in :mod:`syncbn.cli._bench_methods`, the timing loop in
-:mod:`syncbn.cli._bench_runner`, ratios and tables in
-:mod:`syncbn.cli._bench_report`, the targets in :mod:`syncbn.cli._bench_targets`;
-this module is the command.
+What it times and how: docs/internals/cli.md. The ``benchmarks/`` scripts call the
+same code (:func:`bench_layers`, :func:`time_interleaved`).
 """
 
 from __future__ import annotations

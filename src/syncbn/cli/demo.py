@@ -1,38 +1,15 @@
 """``python -m syncbn demo``: why synchronised batch norm matters, on real data.
 
-Trains one small conv net on scikit-learn's digits (1,797 real 8x8 images,
-shipped with scikit-learn, no download) three ways, from the same
-initialisation and on the same sequence of global batches:
-
-1. ``local``: ``nn.BatchNorm2d`` under DDP on W ranks. Each rank normalises
-   its own few images: what DDP gives without synchronisation.
-2. ``syncbn``: :class:`syncbn.SyncBatchNorm2d` under DDP on the same W ranks:
-   every layer normalises over the whole global batch.
-3. ``global``: one process holding the whole global batch with plain
-   ``nn.BatchNorm2d``: the ground truth that (2) must reproduce.
-
-It prints a table of the final training loss, the test accuracy and the largest
-parameter difference of runs 1 and 2 from run 3, and writes a PNG of the loss
-curves and a JSON file with every number to ``--out`` (``./syncbn-demo`` by
-default; ``--no-out`` writes nothing). The comparison runs in float64 by
-default, so that syncbn's difference from the ground truth stays at float64
-rounding (about 1e-14 after 400 steps). With ``--dtype float32`` the runs agree
-to rounding for the first few dozen steps and then drift apart: once a rounding
-difference flips the sign of one ReLU input, that unit's gradient differs by a
-whole step, and training amplifies it (about 0.3 after 400 steps). In float64
-such a flip is about 1e9 times less likely, and does not happen here.
-
-Evaluation uses rank 0's model. With plain BatchNorm the ranks' running
-statistics differ (each tracks its own shards; DDP runs here with
-``broadcast_buffers=False``, and DDP's default of broadcasting rank 0's buffers
-before every forward would leave rank 0's statistics the same); the weights are
-the same on every rank, as DDP averages gradients.
+Trains one small conv net on scikit-learn's digits three ways from the same initialisation
+and global batches: ``local`` (``nn.BatchNorm2d`` per rank under DDP), ``syncbn``
+(:class:`syncbn.SyncBatchNorm2d` under DDP) and ``global`` (one process, the whole batch:
+the ground truth). What it prints and writes: docs/getting-started.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -81,12 +58,8 @@ def missing_extras(plot: bool = True) -> list[str]:
     missing = []
     for module in modules:
         try:
-            found = importlib.util.find_spec(module) is not None
-            if found:
-                importlib.import_module(module)
+            importlib.import_module(module)
         except ImportError:
-            found = False
-        if not found:
             missing.append(_EXTRAS[module])
     return missing
 
@@ -109,20 +82,10 @@ def load_digits(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
 
 def make_net(norm: Any = SyncBatchNorm2d) -> nn.Module:
     """The demo's conv net (three conv + norm + ReLU blocks, then a linear layer)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        norm(16),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1, stride=2),
-        norm(32),
-        nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1, stride=2),
-        norm(32),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(32, 10),
-    )
+    layers: list[nn.Module] = []
+    for cin, cout, stride in ((1, 16, 1), (16, 32, 2), (32, 32, 2)):
+        layers += [nn.Conv2d(cin, cout, 3, padding=1, stride=stride), norm(cout), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
 
 
 def schedule(num_train: int, steps: int, global_batch: int, seed: int) -> torch.Tensor:
@@ -189,8 +152,14 @@ def _evaluate(net: nn.Module, data: tuple[torch.Tensor, ...]) -> dict[str, float
     }
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=0.0)
+def _state(net: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``net``'s parameters and buffers, detached, on the CPU."""
+    params = {k: v.detach().cpu() for k, v in net.named_parameters()}
+    return params, {k: v.detach().cpu() for k, v in net.named_buffers()}
+
+
+def _diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: (a[k].double() - b[k].double()).abs().max().item() for k in a}
 
 
 def _demo_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -209,17 +178,15 @@ def _demo_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, 
     nets["global"] = net
     results["global"] = {"losses": losses, "seconds": seconds, **_evaluate(net, data)}
 
-    truth_params = {k: v.detach().cpu() for k, v in nets["global"].named_parameters()}
-    truth_buffers = {k: v.detach().cpu() for k, v in nets["global"].named_buffers()}
+    truth_params, truth_buffers = _state(nets["global"])
     tail = max(1, config["steps"] // 10)
     for name, result in results.items():
-        params = {k: v.detach().cpu() for k, v in nets[name].named_parameters()}
-        buffers = {k: v.detach().cpu() for k, v in nets[name].named_buffers()}
+        params, buffers = _state(nets[name])
         result["label"] = RUNS[name]
         result["final_train_loss"] = sum(result["losses"][-tail:]) / tail
-        by_name = {k: (params[k].double() - truth_params[k].double()).abs().max().item() for k in params}
+        by_name = _diffs(params, truth_params)
         result["max_param_diff"] = max(by_name.values(), default=0.0)
-        result["max_buffer_diff"] = _max_diff(buffers, truth_buffers)
+        result["max_buffer_diff"] = max(_diffs(buffers, truth_buffers).values(), default=0.0)
         result["param_diff_by_name"] = by_name
     results["global"]["max_param_scale"] = max(v.abs().max().item() for v in truth_params.values())
     return {"runs": results, "world_size": world_size, "loss_tail_steps": tail}
@@ -236,21 +203,13 @@ def _plot(path: str, report: dict[str, Any]) -> None:
     for name, run in report["runs"].items():
         losses = run["losses"]
         window = max(1, len(losses) // 25)
-        smooth = [
-            sum(losses[max(0, i - window + 1) : i + 1]) / len(losses[max(0, i - window + 1) : i + 1])
-            for i in range(len(losses))
-        ]
+        windows = [losses[max(0, i - window + 1) : i + 1] for i in range(len(losses))]
+        smooth = [sum(w) / len(w) for w in windows]
         color, style = styles[name]
         steps = range(1, len(losses) + 1)
+        label = f"{run['label']}: test acc {run['test_accuracy']:.1%}"
         ax.plot(steps, losses, color=color, alpha=0.15, linewidth=0.8)
-        ax.plot(
-            steps,
-            smooth,
-            color=color,
-            linestyle=style,
-            linewidth=1.8,
-            label=f"{run['label']}: test acc {run['test_accuracy']:.1%}",
-        )
+        ax.plot(steps, smooth, color=color, linestyle=style, linewidth=1.8, label=label)
     cfg = report["config"]
     ax.set_title(
         f"digits, {report['world_size']} ranks x {cfg['batch']} images per step ({cfg['dtype']}); "
@@ -270,16 +229,8 @@ def _print_report(report: dict[str, Any]) -> None:
     rows = []
     for name, run in runs.items():
         diff = "(reference)" if name == "global" else format_error(run["max_param_diff"])
-        rows.append(
-            [
-                name,
-                run["label"],
-                f"{run['final_train_loss']:.4f}",
-                f"{run['test_accuracy']:.2%}",
-                diff,
-                f"{run['seconds']:.1f}s",
-            ]
-        )
+        loss, accuracy = f"{run['final_train_loss']:.4f}", f"{run['test_accuracy']:.2%}"
+        rows.append([name, run["label"], loss, accuracy, diff, f"{run['seconds']:.1f}s"])
     tail = report["loss_tail_steps"]
     headers = ["run", "", f"train loss (last {tail} steps)", "test accuracy", "max |param - global|", "time"]
     print(format_table(headers, rows, right=[False, False, True, True, True, True]))
@@ -292,28 +243,29 @@ def _print_report(report: dict[str, Any]) -> None:
     )
 
 
+def _fail(main: bool, message: str, code: int = 2) -> int:
+    """Print ``message`` on stderr from the main process only; return the exit code."""
+    if main:
+        print(message, file=sys.stderr)
+    return code
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; the main process prints the table and writes the files."""
     main = is_main_process()
     write = not args.no_out
     missing = missing_extras(plot=write)
     if missing:
-        if main:
-            print(
-                f"syncbn demo needs {' and '.join(missing)}: pip install 'syncbn[demo]' "
-                f"(or pip install {' '.join(missing)})",
-                file=sys.stderr,
-            )
-        return 2
+        return _fail(
+            main,
+            f"syncbn demo needs {' and '.join(missing)}: pip install 'syncbn[demo]' "
+            f"(or pip install {' '.join(missing)})",
+        )
     if min(args.world_size, args.steps, args.batch) < 1:
-        if main:
-            print("syncbn demo: --world-size, --steps and --batch must be at least 1", file=sys.stderr)
-        return 2
+        return _fail(main, "syncbn demo: --world-size, --steps and --batch must be at least 1")
     plan = launch_plan("demo", args)
     if isinstance(plan, str):
-        if main:
-            print(plan, file=sys.stderr)
-        return 2
+        return _fail(main, plan)
     world_size, backend = plan
     config = {
         "steps": args.steps,
@@ -335,9 +287,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_ranks(_demo_rank, world_size, backend, config)
     except Exception as exc:  # noqa: BLE001 - a rank failed: say so briefly
-        if main:
-            print(f"syncbn demo: a rank failed: {exc}", file=sys.stderr)
-        return 1
+        return _fail(main, f"syncbn demo: a rank failed: {exc}", 1)
     if not main or result is None:
         return 0
     report = {

@@ -1,16 +1,9 @@
 """``python -m syncbn verify``: run the equivalence checks on this machine and backend.
 
-Each rank runs the test suite's equivalence matrix (:mod:`syncbn.cli._checks`):
-1d to 6d inputs, uneven and empty per-rank batches, momentum/affine/running-stat
-options, float64/float32/float16/bfloat16, large means, ``channels_last``. Every
-case compares syncbn's output, input gradient, summed weight/bias gradients and
-running statistics with ``nn.BatchNorm`` on the whole global batch in float64.
-The command prints a pass/fail table with the worst measured error of each case
-over all ranks, and exits 0 only when every case passes (1 otherwise, 2 for a
-usage error). Under ``torchrun`` it checks the launcher's ranks, across nodes
-too; rank 0 prints. ``--group-size k`` (or ``node``) runs the matrix on the
-groups of :func:`syncbn.groups.subgroup` instead: every group against
-``nn.BatchNorm`` on that group's batch.
+Each rank runs the test suite's matrix (:mod:`syncbn.cli._checks`) against ``nn.BatchNorm``
+on the global batch in float64; exit code 0 when every case passes, 1 otherwise, 2 for a
+usage error. ``--group-size`` checks each group of :func:`syncbn.groups.subgroup` against its
+own batch. See docs/getting-started.md.
 """
 
 from __future__ import annotations
@@ -180,18 +173,10 @@ def run(args: argparse.Namespace) -> int:
         for s in summaries:
             layout = s["dtype"] + (f" ({s['layer_dtype']} layer)" if s["layer_dtype"] else "")
             layout += f" {s['memory_format']}" if s["memory_format"] else ""
-            rows.append(
-                [
-                    s["case"],
-                    "x".join(map(str, s["shape"])),
-                    ",".join(map(str, s["sizes"])),
-                    layout,
-                    format_error(s["worst_error"]),
-                    s["worst_key"] or "-",
-                    format_error(s["tolerance"]),
-                    "PASS" if s["passed"] else "FAIL",
-                ]
-            )
+            shape, split = "x".join(map(str, s["shape"])), ",".join(map(str, s["sizes"]))
+            worst, tol = format_error(s["worst_error"]), format_error(s["tolerance"])
+            result = "PASS" if s["passed"] else "FAIL"
+            rows.append([s["case"], shape, split, layout, worst, s["worst_key"] or "-", tol, result])
         headers = ["case", "global shape", "per rank", "dtype", "max error", "where", "tolerance", "result"]
         print(format_table(headers, rows, right=[False, False, False, False, True, False, True, False]))
         for s in summaries:
