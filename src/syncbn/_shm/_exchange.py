@@ -1,7 +1,6 @@
 """The per-call exchange of :mod:`syncbn._shm`: the segment's layout and :class:`SharedMemorySum`.
 
-The layout, the rounds, the checks and the wait are described in the docstring of
-:mod:`syncbn._shm`; the set-up that maps the segment lives there too.
+See docs/internals/transports.md for the layout, the rounds and their checks.
 """
 
 from __future__ import annotations
@@ -25,14 +24,9 @@ _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (
 class SharedMemoryError(RuntimeError):
     """The shared-memory all_reduce failed: a timeout, a peer that died, or mismatched calls.
 
-    Attributes:
-        timed_out: the bound was reached (else a peer process no longer exists,
-            or the ranks made different collectives).
-        waited: seconds this rank waited.
-        mismatch: the ranks sent different headers (every rank raises; the
-            segment stays usable).
-        ranks: with ``mismatch``, each rank's seven header fields (``None``
-            for a shadowing rank).
+    ``timed_out``: the bound was reached; ``waited``: seconds waited; ``mismatch``: the ranks sent
+    different headers (the segment stays usable), and ``ranks`` holds each rank's seven header
+    fields (``None`` for a shadowing rank).
     """
 
     def __init__(self, message: str, *, timed_out: bool, waited: float, mismatch: bool = False) -> None:
@@ -91,19 +85,13 @@ class _Plan(NamedTuple):
 
 
 _MAX_PLANS = 1024
-_CODE_DTYPES = {1: torch.float64, 2: torch.float32, 3: torch.float16, 4: torch.bfloat16}
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class SharedMemorySum:
     """Sum small CPU tensors across the ranks of one machine through a mapped segment.
 
-    Made by :func:`connect`, on every rank of a group at once.
-
-    Args:
-        segment: the mapping, the same file on every rank.
-        rank: this rank's index in the group.
-        world_size: number of ranks.
-        pids: every rank's process id, for the liveness check.
+    Made by :func:`syncbn._shm.connect` on every rank at once; ``pids`` serve the liveness check.
     """
 
     def __init__(self, segment: mmap.mmap, rank: int, world_size: int, pids: list[int]) -> None:
@@ -115,10 +103,8 @@ class SharedMemorySum:
         self._flags = self._raw.cast("q")  # int64 words; rank r's flag at word (r + 1) * 8
         self._flag_index = [(r + 1) * (_LINE // 8) for r in range(world_size)]
         self._data_offset = _header_size(world_size)
-        self._views: dict[tuple[int, torch.dtype], Tensor] = {}
         self._scratch_buffer = bytearray(world_size * _CAPACITY)
         self._scratch_bytes = memoryview(self._scratch_buffer)
-        self._scratch_views: dict[torch.dtype, Tensor] = {}
         self._seq = 0
         self.spin = SpinPolicy(world_size)
         # The wait: in the kernel (futex) where it works, chosen once; else spin and sleep in steps.
@@ -133,7 +119,7 @@ class SharedMemorySum:
         self.broken = False
         self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
-        self._metas = [[self._meta_index(b, r) for r in range(world_size)] for b in (0, 1)]
+        self._metas = [[(self._buffer_offset(b) + r * _SLOT) // 8 for r in range(world_size)] for b in (0, 1)]
         self._starts = [
             [self._buffer_offset(b) + r * _SLOT + _LINE for r in range(world_size)] for b in (0, 1)
         ]
@@ -142,40 +128,20 @@ class SharedMemorySum:
         self._plans: dict[tuple[int, torch.dtype, int], _Plan] = {}
         self._plan_views: list[memoryview] = []  # the plans' views of the segment, released at close
 
-    def _slots(self, buffer: int, dtype: torch.dtype) -> Tensor:
-        key = (buffer, dtype)
-        view = self._views.get(key)
-        if view is None:
-            item = torch.empty((), dtype=dtype).element_size()
-            offset = self._buffer_offset(buffer)
-            flat = torch.frombuffer(
-                self._segment, dtype=dtype, offset=offset, count=self._size * _SLOT // item
-            )
-            view = flat.as_strided((self._size, _CAPACITY // item), (_SLOT // item, 1), _LINE // item)
-            self._views[key] = view
-        return view
-
-    def _scratch(self, dtype: torch.dtype) -> Tensor:
-        """The private copy of the slots, ``(world_size, capacity)`` in ``dtype``."""
-        view = self._scratch_views.get(dtype)
-        if view is None:
-            item = torch.empty((), dtype=dtype).element_size()
-            view = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)
-            self._scratch_views[dtype] = view
-        return view
-
     def _plan(self, buffer: int, dtype: torch.dtype, m: int) -> _Plan:
         """Views for a round of ``m`` values of ``dtype`` in ``buffer``, made once and kept."""
         if len(self._plans) >= _MAX_PLANS:
             self._release_plans()
-        nbytes = m * torch.empty((), dtype=dtype).element_size()
+        item = torch.empty((), dtype=dtype).element_size()
+        nbytes = m * item
         starts, raw, scratch = self._starts[buffer], self._raw, self._scratch_bytes
         slots = [raw[a : a + nbytes] for a in starts]
         copies = [scratch[r * _CAPACITY : r * _CAPACITY + nbytes] for r in range(self._size)]
         self._plan_views += slots + copies
-        copy = self._scratch(dtype)[:, :m]
+        own = torch.frombuffer(self._segment, dtype=dtype, offset=starts[self._rank], count=_CAPACITY // item)
+        copy = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)[:, :m]
         plan = _Plan(
-            self._slots(buffer, dtype)[self._rank, :m],
+            own[:m],
             slots[self._rank],
             list(zip(copies, slots)),
             copy,
@@ -193,26 +159,11 @@ class SharedMemorySum:
     def _buffer_offset(self, buffer: int) -> int:
         return self._data_offset + buffer * self._size * _SLOT
 
-    def _meta_index(self, buffer: int, rank: int) -> int:
-        """Word index of the metadata line of ``rank``'s slot in ``buffer``."""
-        return (self._buffer_offset(buffer) + rank * _SLOT) // 8
-
     def all_reduce_sum(self, tensor: Tensor, timeout: float, fields: list[int]) -> Tensor:
-        """Sum ``tensor`` in place over the group, framed by ``fields``.
+        """Sum ``tensor`` (any size) in place over the group, framed by the seven header ``fields``.
 
-        Args:
-            tensor: a CPU tensor of any size (longer than a slot: several rounds).
-            timeout: seconds to wait for the slowest rank.
-            fields: the seven header fields of :mod:`syncbn.groups` (frame index 0).
-
-        Returns:
-            ``tensor``, now holding the sum (identical bits on every rank).
-
-        Raises:
-            SharedMemoryError: the wait exceeded ``timeout``, a peer died or
-                withdrew, or a slot's checksum failed (the segment is unusable
-                afterwards: ``broken``); or the ranks sent different headers
-                (``mismatch``, on every rank; still usable).
+        Raises :class:`SharedMemoryError` on a timeout, a dead or withdrawn peer or a bad checksum
+        (the segment is ``broken`` afterwards), or on mismatched headers (``mismatch``; still usable).
         """
         if self.broken:
             self._usable()
@@ -232,11 +183,9 @@ class SharedMemorySum:
         return tensor
 
     def shadow(self, timeout: float) -> tuple[list[int], int, Tensor] | None:
-        """Take part in the participants' next call without contributing (flag 0).
+        """Take part in the next call without contributing: ``(fields, participants, float64 sum)``.
 
-        Returns:
-            ``(fields, participants, sum as float64)``, or ``None`` when no rank
-            participated.
+        ``None`` when no rank participated.
         """
         self._usable()
         empty = torch.empty(0, dtype=torch.float64)
@@ -264,8 +213,7 @@ class SharedMemorySum:
     def _round(
         self, chunk: Tensor, fields: list[int], present: bool, timeout: float, dtype: torch.dtype
     ) -> tuple[list[int], int, Tensor] | None:
-        # The hot path of every CPU collective: offsets and views are precomputed or cached, and
-        # the only tensor operations are the copy into the slot and the sum of the private copy.
+        # The hot path: views are cached; the only tensor operations are the copy in and the sum.
         seq = self._seq = self._seq + 1
         buffer = seq & 1
         words = self._flags
@@ -333,9 +281,8 @@ class SharedMemorySum:
                 timed_out=False,
                 reason=3,
             )
-        flags, index = self._flags, self._flag_index
-        for r in range(self._size):
-            if flags[index[r]] == _WITHDRAWN:
+        for r, i in enumerate(self._flag_index):
+            if words[i] == _WITHDRAWN:
                 raise self._withdrawn(r, 0.0)
         copy = plan.copy
         k = len(taking)
@@ -368,9 +315,8 @@ class SharedMemorySum:
     ) -> SharedMemoryError:
         """Withdraw this rank (late peers then fail too) and build the error."""
         self.broken = True
-        index = self._flag_index[self._rank]
-        self._flags[index + 1] = reason
-        self._flags[index] = _WITHDRAWN
+        self._flags[self._own_flag + 1] = reason
+        self._flags[self._own_flag] = _WITHDRAWN
         self._waiter.withdrew()
         return SharedMemoryError(message, timed_out=timed_out, waited=waited)
 
@@ -401,8 +347,6 @@ class SharedMemorySum:
 
     def close(self) -> None:
         """Release the mapping (views made from it must no longer be used)."""
-        self._views.clear()
-        self._scratch_views.clear()
         self._release_plans()
         self._scratch_bytes.release()
         self._flags.release()
