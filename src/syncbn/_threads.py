@@ -148,24 +148,20 @@ class ThreadSumGroup:
         if not 0 <= rank < rendezvous.size:
             raise ValueError(f"expected a rank in [0, {rendezvous.size}) (got {rank})")
         self.rendezvous = rendezvous
-        self._rank = rank
+        self.rank = rank
 
     @property
     def size(self) -> int:
         return self.rendezvous.size
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` (same shape and dtype on every member) in member order, in place."""
-        total = self.rendezvous.exchange(self._rank, tensor, what="all_reduce_sum", combine=ordered_sum)
+        total = self.rendezvous.exchange(self.rank, tensor, what="all_reduce_sum", combine=ordered_sum)
         with torch.no_grad():
             return tensor.copy_(total)
 
     def __repr__(self) -> str:
-        return f"ThreadSumGroup(rank={self._rank}, size={self.size})"
+        return f"ThreadSumGroup(rank={self.rank}, size={self.size})"
 
 
 class LocalSum:

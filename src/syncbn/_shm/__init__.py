@@ -122,18 +122,12 @@ def connect(
             ok = segment is not None
         ok = ok and all(_alive(pid) for pid in pids)
         agreed = exchange(torch.tensor([0.0 if ok else 1.0], dtype=torch.float64))
-        if server is not None:
-            server.close()
-            server = None
-        if fd >= 0:
-            os.close(fd)
-            fd = -1
         if agreed.item() != 0 or segment is None:
             return None
         shared = SharedMemorySum(segment, rank, world_size, pids)
         segment = None
         return shared
-    finally:
+    finally:  # rank 0's descriptor and socket go once every rank has mapped the segment (or failed)
         if server is not None:
             server.close()
         if segment is not None:

@@ -6,6 +6,7 @@ See docs/internals/transports.md for the layout, the rounds and their checks.
 from __future__ import annotations
 
 import mmap
+import operator
 import zlib
 from typing import NamedTuple
 
@@ -57,21 +58,14 @@ _REASONS = {
     4: "it failed",
 }
 _META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(7)
+_AGREED = operator.itemgetter(_META_LAYER, _META_ID, _META_SIZE, _META_COUNT)  # the participants' header
 
 
 def _unpack(line: tuple[int, ...]) -> list[int]:
-    """The seven header fields from a metadata line."""
-    layer, a, b = line[_META_LAYER], line[_META_ID], line[_META_SIZE]
-    count = (b >> 16) & 0xFFFFFFFF
-    return [
-        layer >> 16,
-        layer & 0xFFFF,
-        (a >> 16) & 0xFFFF,
-        a & 0xFFFF,
-        count >> 16,
-        count & 0xFFFF,
-        b & 0xFFFF,
-    ]
+    """The seven 16-bit header fields from a metadata line (packed two, two and three to a word)."""
+    layer, ident, size = line[_META_LAYER], line[_META_ID], line[_META_SIZE]
+    halves = [ident >> 16, ident, size >> 32, size >> 16, size]
+    return [layer >> 16, layer & 0xFFFF, *(h & 0xFFFF for h in halves)]
 
 
 class _Plan(NamedTuple):
@@ -250,23 +244,15 @@ class SharedMemorySum:
         if not taking:
             return None
         ref = lines[rank] if present else lines[taking[0]]
-        layer, ident, size, count = ref[_META_LAYER], ref[_META_ID], ref[_META_SIZE], ref[_META_COUNT]
+        agreed = _AGREED(ref)
         for line in lines:
-            if line[_META_ROUND] != seq or (
-                line[_META_PRESENT]
-                and (
-                    line[_META_LAYER] != layer
-                    or line[_META_ID] != ident
-                    or line[_META_SIZE] != size
-                    or line[_META_COUNT] != count
-                )
-            ):
+            if line[_META_ROUND] != seq or (line[_META_PRESENT] and _AGREED(line) != agreed):
                 raise self._mismatch([tuple(x) for x in lines])
         # A participant's reference line is its own: the agreed fields are the ones it sent.
         got_fields = fields if present else _unpack(tuple(ref))
         if plan is None:
             dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
-            m = int(count)
+            m = int(ref[_META_COUNT])
             plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
         # A private copy of every slot: what is checked is what is summed.
         bad = []
