@@ -5,9 +5,11 @@ See docs/internals/transports.md for the layout, the rounds and their checks.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import operator
 import zlib
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -61,7 +63,7 @@ _META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_
 _AGREED = operator.itemgetter(_META_LAYER, _META_ID, _META_SIZE, _META_COUNT)  # the participants' header
 
 
-def _unpack(line: tuple[int, ...]) -> list[int]:
+def _unpack(line: Sequence[int]) -> list[int]:
     """The seven 16-bit header fields from a metadata line (packed two, two and three to a word)."""
     layer, ident, size = line[_META_LAYER], line[_META_ID], line[_META_SIZE]
     halves = [ident >> 16, ident, size >> 32, size >> 16, size]
@@ -194,7 +196,7 @@ class SharedMemorySum:
         for _ in range(1, max(1, -(-count // per))):
             got = self._round(empty, [0] * 7, False, timeout, torch.float64)
             if got is None:
-                raise self._fail("the participants stopped in the middle of a call", timed_out=False)
+                raise self._fail("the participants stopped in the middle of a call")
             parts.append(got[2])
         return fields, k, torch.cat(parts)
 
@@ -219,9 +221,7 @@ class SharedMemorySum:
         plan = None
         if present:
             m = chunk.numel()
-            plan = self._plans.get((buffer, dtype, m))
-            if plan is None:
-                plan = self._plan(buffer, dtype, m)
+            plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
             plan.own.copy_(chunk)
             crc = zlib.crc32(plan.mine)
         words[meta + _META_PRESENT] = 1 if present else 0
@@ -247,9 +247,9 @@ class SharedMemorySum:
         agreed = _AGREED(ref)
         for line in lines:
             if line[_META_ROUND] != seq or (line[_META_PRESENT] and _AGREED(line) != agreed):
-                raise self._mismatch([tuple(x) for x in lines])
+                raise self._mismatch(lines)
         # A participant's reference line is its own: the agreed fields are the ones it sent.
-        got_fields = fields if present else _unpack(tuple(ref))
+        got_fields = fields if present else _unpack(ref)
         if plan is None:
             dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
             m = int(ref[_META_COUNT])
@@ -264,7 +264,6 @@ class SharedMemorySum:
             raise self._fail(
                 f"the data in the shared-memory slot of rank(s) {bad} does not match its checksum (a torn "
                 "or foreign write into the segment)",
-                timed_out=False,
                 reason=3,
             )
         for r, i in enumerate(self._flag_index):
@@ -286,7 +285,7 @@ class SharedMemorySum:
             return got_fields, k, chunk
         return got_fields, k, copy.sum(0, dtype=torch.float64)
 
-    def _mismatch(self, lines: list[tuple[int, ...]]) -> SharedMemoryError:
+    def _mismatch(self, lines: list[list[int]]) -> SharedMemoryError:
         error = SharedMemoryError(
             "the ranks made different collectives at the same point",
             timed_out=False,
@@ -297,7 +296,7 @@ class SharedMemorySum:
         return error
 
     def _fail(
-        self, message: str, *, timed_out: bool, waited: float = 0.0, reason: int = 4
+        self, message: str, *, timed_out: bool = False, waited: float = 0.0, reason: int = 4
     ) -> SharedMemoryError:
         """Withdraw this rank (late peers then fail too) and build the error."""
         self.broken = True
@@ -311,7 +310,6 @@ class SharedMemorySum:
         return self._fail(
             f"rank {rank} of the group gave up on this collective ({why}); this rank does not complete "
             "it with the data left behind",
-            timed_out=False,
             waited=waited,
         )
 
@@ -325,10 +323,7 @@ class SharedMemorySum:
             )
         pids = [self._pids[r] for r in ranks]
         return self._fail(
-            f"the process of rank(s) {ranks} of the group died (pid {pids})",
-            timed_out=False,
-            waited=waited,
-            reason=2,
+            f"the process of rank(s) {ranks} of the group died (pid {pids})", waited=waited, reason=2
         )
 
     def close(self) -> None:
@@ -337,7 +332,5 @@ class SharedMemorySum:
         self._scratch_bytes.release()
         self._flags.release()
         self._raw.release()
-        try:
+        with contextlib.suppress(BufferError):  # a tensor view is alive: the mapping goes with the process
             self._segment.close()
-        except BufferError:  # a tensor view is still alive: the mapping goes with the process
-            pass
