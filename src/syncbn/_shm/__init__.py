@@ -43,16 +43,11 @@ def _host_key() -> float:
 
     Containers sharing a host name but not a process table count as two machines.
     """
-    boot = ""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        pass
-    try:
+    boot = pid_ns = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    with contextlib.suppress(OSError):
         pid_ns = str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        pid_ns = ""
     text = f"{socket.gethostname()}|{boot}|{pid_ns}".encode()
     return float((zlib.crc32(text) << 16) | (zlib.adler32(text) & 0xFFFF))
 
@@ -108,10 +103,8 @@ def connect(
             if made is not None:
                 fd, segment = made
                 offer[0], offer[1], offer[2] = 1.0, float(token), float(fd)
-                try:  # the fallback to /proc: the descriptor over an abstract socket
+                with contextlib.suppress(OSError):  # the fallback to /proc: the descriptor over a socket
                     server = _handoff.Server(_socket_name(pids[0], token), fd)
-                except OSError:
-                    server = None
         offer = exchange(offer)
         if offer[0].item() != 1:
             return None
