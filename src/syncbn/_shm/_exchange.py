@@ -98,28 +98,21 @@ class SharedMemorySum:
         self._raw = memoryview(segment)
         self._flags = self._raw.cast("q")  # int64 words; rank r's flag at word (r + 1) * 8
         self._flag_index = [(r + 1) * (_LINE // 8) for r in range(world_size)]
-        self._data_offset = _header_size(world_size)
+        self._own_flag = self._flag_index[rank]
         self._scratch_buffer = bytearray(world_size * _CAPACITY)
         self._scratch_bytes = memoryview(self._scratch_buffer)
         self._seq = 0
         self.spin = SpinPolicy(world_size)
         # The wait: in the kernel (futex) where it works, chosen once; else spin and sleep in steps.
-        self._waiter = Waiter(
-            self._flags,
-            self._flag_index,
-            rank,
-            pids,
-            self.spin,
-            _futex.attach(segment, self._flag_index[rank] * 8),
-        )
+        futex = _futex.attach(segment, self._own_flag * 8)
+        self._waiter = Waiter(self._flags, self._flag_index, rank, pids, self.spin, futex)
         self.broken = False
         self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
-        self._metas = [[(self._buffer_offset(b) + r * _SLOT) // 8 for r in range(world_size)] for b in (0, 1)]
-        self._starts = [
-            [self._buffer_offset(b) + r * _SLOT + _LINE for r in range(world_size)] for b in (0, 1)
-        ]
-        self._own_flag = self._flag_index[rank]
+        header = _header_size(world_size)
+        slots = [[header + (b * world_size + r) * _SLOT for r in range(world_size)] for b in (0, 1)]
+        self._metas = [[offset // 8 for offset in row] for row in slots]
+        self._starts = [[offset + _LINE for offset in row] for row in slots]
         # (buffer, dtype, values) -> everything a round of that size touches, built once (_plan).
         self._plans: dict[tuple[int, torch.dtype, int], _Plan] = {}
         self._plan_views: list[memoryview] = []  # the plans' views of the segment, released at close
@@ -151,9 +144,6 @@ class SharedMemorySum:
         for view in self._plan_views:
             view.release()
         self._plan_views.clear()
-
-    def _buffer_offset(self, buffer: int) -> int:
-        return self._data_offset + buffer * self._size * _SLOT
 
     def all_reduce_sum(self, tensor: Tensor, timeout: float, fields: list[int]) -> Tensor:
         """Sum ``tensor`` (any size) in place over the group, framed by the seven header ``fields``.
