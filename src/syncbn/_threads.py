@@ -19,9 +19,9 @@ __all__ = ["LOCAL", "LocalSum", "ReplicaSyncError", "Rendezvous", "ThreadSumGrou
 class ReplicaSyncError(RuntimeError):
     """Raised when the replicas of a synchronized layer fail to meet.
 
-    Typically one replica never reached the layer (a data-dependent branch, or
-    an exception in that replica's thread) and the others gave up after the
-    timeout; or the replicas called the layer in different ways.
+    Typically one replica never reached the layer (a data-dependent branch, or an exception in
+    that replica's thread) and the others gave up after the timeout; or the replicas called the
+    layer in different ways.
     """
 
 
@@ -71,12 +71,7 @@ class Rendezvous:
         return self._label() if callable(self._label) else self._label
 
     def exchange(
-        self,
-        rank: int,
-        item: Any,
-        *,
-        what: str,
-        combine: Callable[[list[Any]], Any] | None = None,
+        self, rank: int, item: Any, *, what: str, combine: Callable[[list[Any]], Any] | None = None
     ) -> Any:
         """Contribute ``item`` to this member's next round; return ``combine(items)``, the same for all.
 
