@@ -84,13 +84,10 @@ def replicate(network: M, copies: int, *, share_buffers: bool = True) -> list[M]
                     replica._parameters[key] = None
                 else:
                     setattr(replica, key, param_copies[j][param_index[param]])
-            for key, buf in module._buffers.items():
-                if buf is None:
-                    replica._buffers[key] = None
-                elif j == 0 and share_buffers:
-                    replica._buffers[key] = buf
-                else:
-                    replica._buffers[key] = buf.detach().clone()
+            for key, buf in module._buffers.items():  # replica 0 may share the originals
+                replica._buffers[key] = (
+                    buf if buf is None or (j == 0 and share_buffers) else buf.detach().clone()
+                )
     return [module_copies[j][0] for j in range(copies)]  # type: ignore[misc]
 
 
