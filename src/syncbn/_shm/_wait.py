@@ -94,8 +94,7 @@ class Waiter:
             return
         flags, me = self._flags, self._me
         for i in self._peer_hints:
-            hint = flags[i]
-            if hint and hint & 0xFFFF == me:
+            if flags[i] & 0xFFFF == me:
                 self._woke = True
                 self.futex.wake(self._own_offset)
                 return

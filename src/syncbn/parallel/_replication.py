@@ -118,11 +118,10 @@ class _Replication:
             for key in ("running_mean", "running_var", "num_batches_tracked"):
                 mine = replica._buffers.get(key)
                 theirs = self.master._buffers.get(key)
-                if mine is None or theirs is None or mine is theirs:
+                if mine is None or theirs is None:
                     continue
-                if mine.device == theirs.device and mine.data_ptr() == theirs.data_ptr():
-                    continue
-                theirs.copy_(mine)
+                if mine.device != theirs.device or mine.data_ptr() != theirs.data_ptr():  # not shared
+                    theirs.copy_(mine)
 
 
 class _ReplicaSlot:
