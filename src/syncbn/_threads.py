@@ -1,24 +1,7 @@
-"""A :class:`~syncbn.groups.SumGroup` whose members are threads of one process.
+"""In-process groups: threads of ``nn.DataParallel`` replicas meeting in a :class:`Rendezvous`, and ``LOCAL``.
 
-``nn.DataParallel`` runs one replica of the model per device, each in its own
-thread. The replicas of one synchronized layer meet in a :class:`Rendezvous`:
-
-* every member's ``i``-th call is matched with every other member's ``i``-th
-  call (a *round*), so a layer used twice per forward pairs up correctly;
-* a round completes when all members have arrived; the last one to arrive
-  runs the round's ``combine`` function once, on the items in **member order**
-  (never arrival order), and every member receives its result: the outcome is
-  the same bits whatever the threads' timing;
-* waits are bounded: a member that waits longer than ``timeout`` seconds raises
-  :class:`ReplicaSyncError` naming the layer, the round and the members that
-  never arrived, and marks the rendezvous broken so that its other waiting
-  members fail at once instead of each waiting out its own timeout.
-
-:class:`ThreadSumGroup` is one member's view of a rendezvous, with the
-``all_reduce_sum`` of the :class:`~syncbn.groups.SumGroup` protocol: the sum is
-taken in float64-or-input dtype on member 0's device, in member order, and
-copied back into each member's tensor in place (as ``torch.distributed``'s
-``all_reduce`` does).
+Rounds pair every member's ``i``-th call and combine the items in member order (the same bits
+whatever the timing); waits are bounded. See docs/internals/transports.md.
 """
 
 from __future__ import annotations
@@ -36,21 +19,14 @@ __all__ = ["LOCAL", "LocalSum", "ReplicaSyncError", "Rendezvous", "ThreadSumGrou
 class ReplicaSyncError(RuntimeError):
     """Raised when the replicas of a synchronized layer fail to meet.
 
-    Typically one replica never reached the layer (a data-dependent branch, or
-    an exception in that replica's thread) and the others gave up after the
-    timeout; or the replicas called the layer in different ways.
+    Typically one replica never reached the layer (a data-dependent branch, or an exception in
+    that replica's thread) and the others gave up after the timeout; or the replicas called the
+    layer in different ways.
     """
 
 
 def ordered_sum(tensors: list[Tensor]) -> Tensor:
-    """Elementwise sum of ``tensors`` in list order, on the first tensor's device.
-
-    Args:
-        tensors: at least one tensor, all of the same shape and dtype.
-
-    Returns:
-        A new tensor; the same inputs always give the same bits.
-    """
+    """Elementwise sum of ``tensors`` (at least one) in list order, as a new tensor on the first's device."""
     total = tensors[0].clone()
     for t in tensors[1:]:
         total += t.to(total.device, non_blocking=False)
@@ -71,18 +47,9 @@ class _Round:
 
 
 class Rendezvous:
-    """Rounds of exchange among ``size`` threads, with a bounded wait.
+    """Rounds of exchange among ``size`` threads, each member waiting at most ``timeout`` seconds.
 
-    Args:
-        size: number of members (threads).
-        timeout: seconds a member waits for the others in one round.
-        label: what the members synchronise, for error messages (a layer's
-            name); a callable is evaluated only when an error is raised.
-
-    Example::
-
-        >>> rv = Rendezvous(2, timeout=5.0, label="demo")
-        >>> # in thread k: rv.exchange(k, item, what="step") -> [item_0, item_1]
+    ``label`` names what they synchronise in errors; a callable is evaluated only then.
     """
 
     def __init__(self, size: int, timeout: float, label: str | Callable[[], str] = "") -> None:
@@ -104,30 +71,13 @@ class Rendezvous:
         return self._label() if callable(self._label) else self._label
 
     def exchange(
-        self,
-        rank: int,
-        item: Any,
-        *,
-        what: str,
-        combine: Callable[[list[Any]], Any] | None = None,
+        self, rank: int, item: Any, *, what: str, combine: Callable[[list[Any]], Any] | None = None
     ) -> Any:
-        """Contribute ``item`` to this member's next round and wait for the others.
+        """Contribute ``item`` to this member's next round; return ``combine(items)``, the same for all.
 
-        Args:
-            rank: this member's index in ``[0, size)``.
-            item: what this member contributes.
-            what: the kind of round (e.g. ``"forward statistics"``); every
-                member's ``i``-th round must be of the same kind.
-            combine: run once, by the last member to arrive, on the items in
-                member order; ``None`` returns the list of items.
-
-        Returns:
-            ``combine(items)`` (the same object for every member).
-
-        Raises:
-            ReplicaSyncError: a member did not arrive within the timeout, the
-                members' rounds are of different kinds, or the rendezvous was
-                already broken by such an error.
+        ``combine`` runs once, by the last member to arrive, on the items in member order (``None``:
+        the list). Every member's ``i``-th round must be of the same kind ``what``. Raises
+        :class:`ReplicaSyncError` on a timeout, different kinds, or an already broken rendezvous.
         """
         if not 0 <= rank < self.size:
             raise ValueError(f"expected a rank in [0, {self.size}) (got {rank})")
@@ -187,56 +137,30 @@ class Rendezvous:
 
 
 class ThreadSumGroup:
-    """:class:`~syncbn.groups.SumGroup` over the threads of a :class:`Rendezvous`.
-
-    Args:
-        rendezvous: the shared rendezvous of all members.
-        rank: this member's index in ``[0, rendezvous.size)``.
-
-    Example::
-
-        >>> rv = Rendezvous(2, timeout=5.0)
-        >>> groups = [ThreadSumGroup(rv, k) for k in range(2)]
-        >>> # thread k: groups[k].all_reduce_sum(t_k) -> t_0 + t_1 (in place)
-    """
+    """:class:`~syncbn.groups.SumGroup` of member ``rank`` over the threads of a :class:`Rendezvous`."""
 
     def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
         if not 0 <= rank < rendezvous.size:
             raise ValueError(f"expected a rank in [0, {rendezvous.size}) (got {rank})")
         self.rendezvous = rendezvous
-        self._rank = rank
+        self.rank = rank
 
     @property
     def size(self) -> int:
         return self.rendezvous.size
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        """Sum ``tensor`` over all members in member order; write the result into it.
-
-        Args:
-            tensor: this member's contribution; same shape and dtype on every member.
-
-        Returns:
-            ``tensor``, now holding the sum.
-        """
-        total = self.rendezvous.exchange(self._rank, tensor, what="all_reduce_sum", combine=ordered_sum)
+        """Sum ``tensor`` (same shape and dtype on every member) in member order, in place."""
+        total = self.rendezvous.exchange(self.rank, tensor, what="all_reduce_sum", combine=ordered_sum)
         with torch.no_grad():
             return tensor.copy_(total)
 
     def __repr__(self) -> str:
-        return f"ThreadSumGroup(rank={self._rank}, size={self.size})"
+        return f"ThreadSumGroup(rank={self.rank}, size={self.size})"
 
 
 class LocalSum:
-    """The "none" reducer: a group of one, whose sum is the tensor itself.
-
-    A family whose math differs from ``nn.BatchNorm`` (renorm) runs the engine
-    through it when there is no group to synchronise over.
-    """
+    """The "none" reducer: a group of one, for families (renorm) that run the engine with no group."""
 
     size = 1
     rank = 0

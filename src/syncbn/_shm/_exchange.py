@@ -1,13 +1,15 @@
 """The per-call exchange of :mod:`syncbn._shm`: the segment's layout and :class:`SharedMemorySum`.
 
-The layout, the rounds, the checks and the wait are described in the docstring of
-:mod:`syncbn._shm`; the set-up that maps the segment lives there too.
+See docs/internals/transports.md for the layout, the rounds and their checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import operator
 import zlib
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -25,14 +27,9 @@ _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (
 class SharedMemoryError(RuntimeError):
     """The shared-memory all_reduce failed: a timeout, a peer that died, or mismatched calls.
 
-    Attributes:
-        timed_out: the bound was reached (else a peer process no longer exists,
-            or the ranks made different collectives).
-        waited: seconds this rank waited.
-        mismatch: the ranks sent different headers (every rank raises; the
-            segment stays usable).
-        ranks: with ``mismatch``, each rank's seven header fields (``None``
-            for a shadowing rank).
+    ``timed_out``: the bound was reached; ``waited``: seconds waited; ``mismatch``: the ranks sent
+    different headers (the segment stays usable), and ``ranks`` holds each rank's seven header
+    fields (``None`` for a shadowing rank).
     """
 
     def __init__(self, message: str, *, timed_out: bool, waited: float, mismatch: bool = False) -> None:
@@ -63,21 +60,14 @@ _REASONS = {
     4: "it failed",
 }
 _META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(7)
+_AGREED = operator.itemgetter(_META_LAYER, _META_ID, _META_SIZE, _META_COUNT)  # the participants' header
 
 
-def _unpack(line: tuple[int, ...]) -> list[int]:
-    """The seven header fields from a metadata line."""
-    layer, a, b = line[_META_LAYER], line[_META_ID], line[_META_SIZE]
-    count = (b >> 16) & 0xFFFFFFFF
-    return [
-        layer >> 16,
-        layer & 0xFFFF,
-        (a >> 16) & 0xFFFF,
-        a & 0xFFFF,
-        count >> 16,
-        count & 0xFFFF,
-        b & 0xFFFF,
-    ]
+def _unpack(line: Sequence[int]) -> list[int]:
+    """The seven 16-bit header fields from a metadata line (packed two, two and three to a word)."""
+    layer, ident, size = line[_META_LAYER], line[_META_ID], line[_META_SIZE]
+    halves = [ident >> 16, ident, size >> 32, size >> 16, size]
+    return [layer >> 16, layer & 0xFFFF, *(h & 0xFFFF for h in halves)]
 
 
 class _Plan(NamedTuple):
@@ -91,19 +81,13 @@ class _Plan(NamedTuple):
 
 
 _MAX_PLANS = 1024
-_CODE_DTYPES = {1: torch.float64, 2: torch.float32, 3: torch.float16, 4: torch.bfloat16}
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class SharedMemorySum:
     """Sum small CPU tensors across the ranks of one machine through a mapped segment.
 
-    Made by :func:`connect`, on every rank of a group at once.
-
-    Args:
-        segment: the mapping, the same file on every rank.
-        rank: this rank's index in the group.
-        world_size: number of ranks.
-        pids: every rank's process id, for the liveness check.
+    Made by :func:`syncbn._shm.connect` on every rank at once; ``pids`` serve the liveness check.
     """
 
     def __init__(self, segment: mmap.mmap, rank: int, world_size: int, pids: list[int]) -> None:
@@ -114,68 +98,39 @@ class SharedMemorySum:
         self._raw = memoryview(segment)
         self._flags = self._raw.cast("q")  # int64 words; rank r's flag at word (r + 1) * 8
         self._flag_index = [(r + 1) * (_LINE // 8) for r in range(world_size)]
-        self._data_offset = _header_size(world_size)
-        self._views: dict[tuple[int, torch.dtype], Tensor] = {}
+        self._own_flag = self._flag_index[rank]
         self._scratch_buffer = bytearray(world_size * _CAPACITY)
         self._scratch_bytes = memoryview(self._scratch_buffer)
-        self._scratch_views: dict[torch.dtype, Tensor] = {}
         self._seq = 0
         self.spin = SpinPolicy(world_size)
         # The wait: in the kernel (futex) where it works, chosen once; else spin and sleep in steps.
-        self._waiter = Waiter(
-            self._flags,
-            self._flag_index,
-            rank,
-            pids,
-            self.spin,
-            _futex.attach(segment, self._flag_index[rank] * 8),
-        )
+        futex = _futex.attach(segment, self._own_flag * 8)
+        self._waiter = Waiter(self._flags, self._flag_index, rank, pids, self.spin, futex)
         self.broken = False
         self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
-        self._metas = [[self._meta_index(b, r) for r in range(world_size)] for b in (0, 1)]
-        self._starts = [
-            [self._buffer_offset(b) + r * _SLOT + _LINE for r in range(world_size)] for b in (0, 1)
-        ]
-        self._own_flag = self._flag_index[rank]
+        header = _header_size(world_size)
+        slots = [[header + (b * world_size + r) * _SLOT for r in range(world_size)] for b in (0, 1)]
+        self._metas = [[offset // 8 for offset in row] for row in slots]
+        self._starts = [[offset + _LINE for offset in row] for row in slots]
         # (buffer, dtype, values) -> everything a round of that size touches, built once (_plan).
         self._plans: dict[tuple[int, torch.dtype, int], _Plan] = {}
         self._plan_views: list[memoryview] = []  # the plans' views of the segment, released at close
-
-    def _slots(self, buffer: int, dtype: torch.dtype) -> Tensor:
-        key = (buffer, dtype)
-        view = self._views.get(key)
-        if view is None:
-            item = torch.empty((), dtype=dtype).element_size()
-            offset = self._buffer_offset(buffer)
-            flat = torch.frombuffer(
-                self._segment, dtype=dtype, offset=offset, count=self._size * _SLOT // item
-            )
-            view = flat.as_strided((self._size, _CAPACITY // item), (_SLOT // item, 1), _LINE // item)
-            self._views[key] = view
-        return view
-
-    def _scratch(self, dtype: torch.dtype) -> Tensor:
-        """The private copy of the slots, ``(world_size, capacity)`` in ``dtype``."""
-        view = self._scratch_views.get(dtype)
-        if view is None:
-            item = torch.empty((), dtype=dtype).element_size()
-            view = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)
-            self._scratch_views[dtype] = view
-        return view
 
     def _plan(self, buffer: int, dtype: torch.dtype, m: int) -> _Plan:
         """Views for a round of ``m`` values of ``dtype`` in ``buffer``, made once and kept."""
         if len(self._plans) >= _MAX_PLANS:
             self._release_plans()
-        nbytes = m * torch.empty((), dtype=dtype).element_size()
+        item = torch.empty((), dtype=dtype).element_size()
+        nbytes = m * item
         starts, raw, scratch = self._starts[buffer], self._raw, self._scratch_bytes
         slots = [raw[a : a + nbytes] for a in starts]
         copies = [scratch[r * _CAPACITY : r * _CAPACITY + nbytes] for r in range(self._size)]
         self._plan_views += slots + copies
-        copy = self._scratch(dtype)[:, :m]
+        own = torch.frombuffer(self._segment, dtype=dtype, offset=starts[self._rank], count=_CAPACITY // item)
+        copy = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)[:, :m]
         plan = _Plan(
-            self._slots(buffer, dtype)[self._rank, :m],
+            own[:m],
             slots[self._rank],
             list(zip(copies, slots)),
             copy,
@@ -190,29 +145,11 @@ class SharedMemorySum:
             view.release()
         self._plan_views.clear()
 
-    def _buffer_offset(self, buffer: int) -> int:
-        return self._data_offset + buffer * self._size * _SLOT
-
-    def _meta_index(self, buffer: int, rank: int) -> int:
-        """Word index of the metadata line of ``rank``'s slot in ``buffer``."""
-        return (self._buffer_offset(buffer) + rank * _SLOT) // 8
-
     def all_reduce_sum(self, tensor: Tensor, timeout: float, fields: list[int]) -> Tensor:
-        """Sum ``tensor`` in place over the group, framed by ``fields``.
+        """Sum ``tensor`` (any size) in place over the group, framed by the seven header ``fields``.
 
-        Args:
-            tensor: a CPU tensor of any size (longer than a slot: several rounds).
-            timeout: seconds to wait for the slowest rank.
-            fields: the seven header fields of :mod:`syncbn.groups` (frame index 0).
-
-        Returns:
-            ``tensor``, now holding the sum (identical bits on every rank).
-
-        Raises:
-            SharedMemoryError: the wait exceeded ``timeout``, a peer died or
-                withdrew, or a slot's checksum failed (the segment is unusable
-                afterwards: ``broken``); or the ranks sent different headers
-                (``mismatch``, on every rank; still usable).
+        Raises :class:`SharedMemoryError` on a timeout, a dead or withdrawn peer or a bad checksum
+        (the segment is ``broken`` afterwards), or on mismatched headers (``mismatch``; still usable).
         """
         if self.broken:
             self._usable()
@@ -232,11 +169,9 @@ class SharedMemorySum:
         return tensor
 
     def shadow(self, timeout: float) -> tuple[list[int], int, Tensor] | None:
-        """Take part in the participants' next call without contributing (flag 0).
+        """Take part in the next call without contributing: ``(fields, participants, float64 sum)``.
 
-        Returns:
-            ``(fields, participants, sum as float64)``, or ``None`` when no rank
-            participated.
+        ``None`` when no rank participated.
         """
         self._usable()
         empty = torch.empty(0, dtype=torch.float64)
@@ -251,7 +186,7 @@ class SharedMemorySum:
         for _ in range(1, max(1, -(-count // per))):
             got = self._round(empty, [0] * 7, False, timeout, torch.float64)
             if got is None:
-                raise self._fail("the participants stopped in the middle of a call", timed_out=False)
+                raise self._fail("the participants stopped in the middle of a call")
             parts.append(got[2])
         return fields, k, torch.cat(parts)
 
@@ -264,8 +199,7 @@ class SharedMemorySum:
     def _round(
         self, chunk: Tensor, fields: list[int], present: bool, timeout: float, dtype: torch.dtype
     ) -> tuple[list[int], int, Tensor] | None:
-        # The hot path of every CPU collective: offsets and views are precomputed or cached, and
-        # the only tensor operations are the copy into the slot and the sum of the private copy.
+        # The hot path: views are cached; the only tensor operations are the copy in and the sum.
         seq = self._seq = self._seq + 1
         buffer = seq & 1
         words = self._flags
@@ -277,9 +211,7 @@ class SharedMemorySum:
         plan = None
         if present:
             m = chunk.numel()
-            plan = self._plans.get((buffer, dtype, m))
-            if plan is None:
-                plan = self._plan(buffer, dtype, m)
+            plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
             plan.own.copy_(chunk)
             crc = zlib.crc32(plan.mine)
         words[meta + _META_PRESENT] = 1 if present else 0
@@ -302,23 +234,15 @@ class SharedMemorySum:
         if not taking:
             return None
         ref = lines[rank] if present else lines[taking[0]]
-        layer, ident, size, count = ref[_META_LAYER], ref[_META_ID], ref[_META_SIZE], ref[_META_COUNT]
+        agreed = _AGREED(ref)
         for line in lines:
-            if line[_META_ROUND] != seq or (
-                line[_META_PRESENT]
-                and (
-                    line[_META_LAYER] != layer
-                    or line[_META_ID] != ident
-                    or line[_META_SIZE] != size
-                    or line[_META_COUNT] != count
-                )
-            ):
-                raise self._mismatch([tuple(x) for x in lines])
+            if line[_META_ROUND] != seq or (line[_META_PRESENT] and _AGREED(line) != agreed):
+                raise self._mismatch(lines)
         # A participant's reference line is its own: the agreed fields are the ones it sent.
-        got_fields = fields if present else _unpack(tuple(ref))
+        got_fields = fields if present else _unpack(ref)
         if plan is None:
             dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
-            m = int(count)
+            m = int(ref[_META_COUNT])
             plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
         # A private copy of every slot: what is checked is what is summed.
         bad = []
@@ -330,12 +254,10 @@ class SharedMemorySum:
             raise self._fail(
                 f"the data in the shared-memory slot of rank(s) {bad} does not match its checksum (a torn "
                 "or foreign write into the segment)",
-                timed_out=False,
                 reason=3,
             )
-        flags, index = self._flags, self._flag_index
-        for r in range(self._size):
-            if flags[index[r]] == _WITHDRAWN:
+        for r, i in enumerate(self._flag_index):
+            if words[i] == _WITHDRAWN:
                 raise self._withdrawn(r, 0.0)
         copy = plan.copy
         k = len(taking)
@@ -353,7 +275,7 @@ class SharedMemorySum:
             return got_fields, k, chunk
         return got_fields, k, copy.sum(0, dtype=torch.float64)
 
-    def _mismatch(self, lines: list[tuple[int, ...]]) -> SharedMemoryError:
+    def _mismatch(self, lines: list[list[int]]) -> SharedMemoryError:
         error = SharedMemoryError(
             "the ranks made different collectives at the same point",
             timed_out=False,
@@ -364,13 +286,12 @@ class SharedMemorySum:
         return error
 
     def _fail(
-        self, message: str, *, timed_out: bool, waited: float = 0.0, reason: int = 4
+        self, message: str, *, timed_out: bool = False, waited: float = 0.0, reason: int = 4
     ) -> SharedMemoryError:
         """Withdraw this rank (late peers then fail too) and build the error."""
         self.broken = True
-        index = self._flag_index[self._rank]
-        self._flags[index + 1] = reason
-        self._flags[index] = _WITHDRAWN
+        self._flags[self._own_flag + 1] = reason
+        self._flags[self._own_flag] = _WITHDRAWN
         self._waiter.withdrew()
         return SharedMemoryError(message, timed_out=timed_out, waited=waited)
 
@@ -379,7 +300,6 @@ class SharedMemorySum:
         return self._fail(
             f"rank {rank} of the group gave up on this collective ({why}); this rank does not complete "
             "it with the data left behind",
-            timed_out=False,
             waited=waited,
         )
 
@@ -393,21 +313,14 @@ class SharedMemorySum:
             )
         pids = [self._pids[r] for r in ranks]
         return self._fail(
-            f"the process of rank(s) {ranks} of the group died (pid {pids})",
-            timed_out=False,
-            waited=waited,
-            reason=2,
+            f"the process of rank(s) {ranks} of the group died (pid {pids})", waited=waited, reason=2
         )
 
     def close(self) -> None:
         """Release the mapping (views made from it must no longer be used)."""
-        self._views.clear()
-        self._scratch_views.clear()
         self._release_plans()
         self._scratch_bytes.release()
         self._flags.release()
         self._raw.release()
-        try:
+        with contextlib.suppress(BufferError):  # a tensor view is alive: the mapping goes with the process
             self._segment.close()
-        except BufferError:  # a tensor view is still alive: the mapping goes with the process
-            pass

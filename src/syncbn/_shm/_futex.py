@@ -1,12 +1,7 @@
-"""A wait that blocks in the kernel on a word of the shared segment (:mod:`syncbn._shm`): Linux futexes.
+"""Shared Linux futexes on words of the segment (:mod:`syncbn._shm`), through ``ctypes``.
 
-:class:`SegmentFutex` sleeps on a 32-bit word of the mapping until another process that maps
-the same memfd wakes that word (``FUTEX_WAIT`` / ``FUTEX_WAKE``, *shared*: the kernel keys
-them by the file and offset, so the ranks' different addresses meet), or until a timeout. The
-system call goes through ``ctypes`` (``syscall(SYS_futex, ...)``), looked up once per process;
-where that is impossible (not Linux, an unknown architecture, no ``ctypes`` or ``libc``, or a
-first probe that the kernel refuses) :func:`attach` returns ``None`` and the wait keeps
-spinning and sleeping in steps (:mod:`syncbn._shm._wait`).
+The kernel keys a shared futex by file and offset, so the ranks' different addresses meet.
+Where the call is impossible :func:`attach` returns ``None`` (the wait then sleeps in steps).
 """
 
 from __future__ import annotations
@@ -67,12 +62,9 @@ def available() -> bool:
 
 
 class SegmentFutex:
-    """Futex wait and wake on the words of one shared mapping.
+    """Futex wait and wake on the words of one shared mapping, which must outlive its use.
 
-    Args:
-        segment: the mapping (shared, writable); it must outlive this object's use.
-        number: ``SYS_futex`` on this architecture.
-        call: libc's ``syscall`` through ``ctypes``.
+    ``number`` is ``SYS_futex`` on this architecture, ``call`` libc's ``syscall``.
     """
 
     def __init__(self, segment: mmap.mmap, number: int, call: Any) -> None:
@@ -87,12 +79,8 @@ class SegmentFutex:
     def wait(self, offset: int, expected: int, seconds: float) -> bool:
         """Sleep while the 32-bit word at byte ``offset`` holds ``expected``, at most ``seconds``.
 
-        Returns at a wake, a timeout, a signal, or at once when the word already differs (the
-        kernel compares after its own barrier, so a change published before this call is never
-        slept through). The caller re-reads what it waits for in every case.
-
-        Returns:
-            ``False`` where the kernel refused the call itself (the caller should stop using it).
+        Returns at a wake, timeout or signal, or at once if the word differs; the caller re-reads.
+        ``False`` where the kernel refused the call itself (stop using it).
         """
         seconds = max(seconds, 1e-6)
         whole = int(seconds)
@@ -111,11 +99,7 @@ class SegmentFutex:
 
 
 def attach(segment: mmap.mmap, probe_offset: int) -> SegmentFutex | None:
-    """A :class:`SegmentFutex` on ``segment``, or ``None`` where futexes cannot be used.
-
-    Probes once with a wake of the word at ``probe_offset`` (no one sleeps there yet): a
-    kernel or sandbox that refuses the call (``ENOSYS``, ``EPERM``) means ``None``.
-    """
+    """A :class:`SegmentFutex` on ``segment``, or ``None`` where a probe wake at ``probe_offset`` fails."""
     loaded = _syscall()
     if loaded is None:
         return None

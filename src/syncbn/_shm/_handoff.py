@@ -1,11 +1,7 @@
-"""Handing the shared-memory segment's descriptor to peers over a unix socket (:mod:`syncbn._shm`).
+"""Handing the segment's descriptor to peers over an abstract unix socket (:mod:`syncbn._shm`).
 
-The peers of the set-up open rank 0's segment through ``/proc/<pid>/fd/<n>``. Where that is
-refused (a process made non-dumpable; a kernel that restricts ``/proc``), rank 0 also offers the
-descriptor itself over an *abstract* unix socket named after its pid and the segment's token
-(``SCM_RIGHTS``): an abstract socket has no path either, so nothing is left behind at any instant,
-and it is reachable only from the same network namespace. Only a peer of the same user (or root)
-receives it (``SO_PEERCRED``), and only while the set-up lasts.
+The fallback where ``/proc/<pid>/fd/<n>`` is refused: ``SCM_RIGHTS`` to same-user (or root)
+peers only, while the set-up lasts; the socket has no path. See docs/internals/transports.md.
 """
 
 from __future__ import annotations
@@ -21,14 +17,9 @@ _CREDENTIALS = struct.Struct("3i")  # pid, uid, gid
 
 
 class Server:
-    """Hands ``fd`` to each same-user peer that connects to the abstract socket ``name``.
+    """Hands ``fd`` to each same-user peer that connects to the abstract socket ``name`` (no NUL).
 
-    Args:
-        name: the socket's abstract name (without the leading NUL).
-        fd: the descriptor to hand out.
-
-    Raises:
-        OSError: the socket could not be made (the caller then offers ``/proc`` only).
+    Raises ``OSError`` when the socket cannot be made.
     """
 
     def __init__(self, name: str, fd: int) -> None:

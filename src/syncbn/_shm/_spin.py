@@ -1,17 +1,9 @@
-"""The spin policy of the shared-memory wait (:mod:`syncbn._shm`): how long to spin before sleeping.
-
-The wait of :class:`~syncbn._shm.SharedMemorySum` (:mod:`syncbn._shm._wait`) spins (yielding the
-core) for the budget :class:`SpinPolicy` gives, then sleeps: in the kernel until the arriving rank
-wakes it (a futex), or, where that is unavailable, in doubling steps up to a millisecond. The same
-budget serves both: a shorter spin before the kernel sleep was measured slower (issue 29: two
-ranks sharing a core hand it over best by yielding, not by a sleep and a wake).
-"""
+"""How long the shared-memory wait spins before it sleeps. See docs/internals/transports.md."""
 
 from __future__ import annotations
 
 import os
 
-# The wait: spin (yielding the core) for a budget, then sleep in doubling steps. See SpinPolicy.
 _SPIN_S = 0.005  # the most a wait spins, when every rank of the machine has a core of its own
 _SPIN_BUSY_S = 0.002  # the most it spins when this machine's ranks outnumber its cores
 _SPIN_MIN_S = 0.001  # what it spins at least, and all it spins once waits outlast the cap
@@ -29,22 +21,10 @@ def _cores() -> int:
 class SpinPolicy:
     """How long a wait spins before it sleeps, from the cores and from recent waits.
 
-    Spinning (with ``sched_yield``, so a runnable peer on the same core gets it) answers fastest;
-    but a spinning rank keeps its core busy, so the scheduler cannot move a waiting peer rank
-    onto it, and where this machine's ranks outnumber its cores that peer is one the wait waits
-    for. The wait spins four typical waits (a moving average of the last ones), at least
-    :data:`_SPIN_MIN_S` and at most a cap: :data:`_SPIN_S` when every rank has a core of its
-    own, :data:`_SPIN_BUSY_S` when the ranks outnumber the cores this process may use
-    (``os.sched_getaffinity``); once waits typically outlast the cap (a peer far behind, still
-    computing) it spins only :data:`_SPIN_MIN_S` and then sleeps, freeing the core. The floor
-    keeps the common short wait answered by the spin (a sleep's wake-up costs tens of
-    microseconds more than a yield); the load of other processes is left to ``sched_yield``.
-    ``fixed=True`` is the earlier policy (always :data:`_SPIN_S`), kept for the benchmark's
-    comparison (``benchmarks/speed/hierarchical.py``).
-
-    Args:
-        ranks: ranks of the group on this machine.
-        fixed: always spin :data:`_SPIN_S`.
+    Four typical waits (a moving average), between :data:`_SPIN_MIN_S` and a cap that is lower
+    when the machine's ``ranks`` outnumber its cores (a spinning rank holds a core a peer may
+    need); only the floor once waits outlast the cap. ``fixed=True``: always :data:`_SPIN_S`
+    (the earlier policy, kept for ``benchmarks/speed/hierarchical.py``).
     """
 
     def __init__(self, ranks: int, fixed: bool = False) -> None:

@@ -1,29 +1,9 @@
 """The wait of the shared-memory exchange (:mod:`syncbn._shm`): spin, then block in the kernel.
 
-A rank that has raised its flag to round ``seq`` waits until every rank's flag has reached it.
-:class:`Waiter` first spins (reading the flags, yielding the core between reads) for the budget
-of :class:`~syncbn._shm._spin.SpinPolicy`, then sleeps:
-
-* where futexes work (:mod:`._futex`), in the kernel on the flag word of the first rank that
-  has not arrived, woken by that rank as it arrives: the sleeping rank leaves its core to
-  others at once and wakes tens of microseconds after the arrival (20-30 us on a 2-vCPU VM,
-  where the wake costs the arriving rank about 10 us: the spin first keeps short waits off
-  that path, ``benchmarks/speed/shm_wait.py``). Before it sleeps it publishes a
-  *sleep hint* (its header line's third word: the round and the rank it sleeps on); an
-  arriving rank wakes its own flag word only when a hint names it, so a call where nobody
-  sleeps makes no system call. The kernel compares the flag after its own barrier, so an
-  arrival published before the sleep is never slept through; the arriving rank, whose hint
-  check may read before its flag store is visible (x86-64 keeps a store and a later load of
-  another word in either order), looks again after its own wait (:meth:`Waiter.recheck`),
-  and every sleep is also bounded (the next liveness check, the timeout), so a wake missed
-  even so costs at most that slice, never a result or the bound;
-* elsewhere (no futex: not Linux, no ``ctypes``, a kernel that refuses it; chosen once per
-  segment), in steps doubling from 20 us to 1 ms, as before.
-
-Either way the wait is bounded by the timeout, and every 100 ms it checks that the processes of
-the ranks it still waits for exist (a dead peer is an error within about 100 ms); a withdrawn
-peer (flag -1, :mod:`._exchange`) is seen at once: a withdrawing rank wakes every flag word, and a
-waiter past its spin looks at every rank's flag each time it wakes.
+Spin for the :class:`~syncbn._shm._spin.SpinPolicy` budget, then sleep on the futex of the first
+rank not arrived (its *sleep hint* published so that rank wakes it), or in steps of 20 us to 1 ms
+without futexes. Bounded by the timeout; dead peers are checked every 0.1 s, withdrawals at once.
+See docs/internals/transports.md.
 """
 
 from __future__ import annotations
@@ -64,10 +44,7 @@ def alive(pid: int) -> bool:
 class WaitFailure(Exception):
     """Why a wait ended without every rank: ``kind`` is ``"withdrawn"``, ``"timeout"`` or ``"dead"``.
 
-    Attributes:
-        kind: what happened.
-        ranks: the rank that withdrew or did not arrive, or the ranks whose process died.
-        waited: seconds waited.
+    ``ranks``: the rank that withdrew or did not arrive, or those whose process died.
     """
 
     def __init__(self, kind: str, ranks: list[int], waited: float) -> None:
@@ -80,13 +57,8 @@ class WaitFailure(Exception):
 class Waiter:
     """The wait of one rank of a segment, and the wake it owes the ranks that sleep on it.
 
-    Args:
-        flags: the segment as int64 words.
-        flag_index: every rank's flag word index (the first word of its header line).
-        rank: this rank.
-        pids: every rank's process id, for the liveness check.
-        spin: the spin policy.
-        futex: the segment's futex, or ``None`` (spin, then sleep in steps).
+    ``flags`` is the segment as int64 words, ``flag_index`` every rank's flag word; ``futex``
+    ``None`` means sleeping in steps.
     """
 
     def __init__(
@@ -122,8 +94,7 @@ class Waiter:
             return
         flags, me = self._flags, self._me
         for i in self._peer_hints:
-            hint = flags[i]
-            if hint and hint & 0xFFFF == me:
+            if flags[i] & 0xFFFF == me:
                 self._woke = True
                 self.futex.wake(self._own_offset)
                 return
@@ -146,12 +117,7 @@ class Waiter:
                 self.futex.wake(i * 8)
 
     def wait(self, seq: int, timeout: float) -> None:
-        """Return once every rank's flag has reached ``seq``.
-
-        Raises:
-            WaitFailure: a rank withdrew, the wait reached ``timeout``, or the process of a
-                rank that has not arrived no longer exists.
-        """
+        """Return once every rank's flag has reached ``seq``; else raise :class:`WaitFailure`."""
         flags, index, size = self._flags, self._index, self._size
         pending = 0  # ranks below this one have arrived
         while pending < size and flags[index[pending]] >= seq:

@@ -1,8 +1,4 @@
-"""The CPU driver: replicate a model, run each replica in its own thread, gather.
-
-The code path ``nn.DataParallel`` takes, on threads of one device, so that it
-runs (and is tested) without GPUs.
-"""
+"""The CPU driver: the code path of ``nn.DataParallel`` on threads of one device, without GPUs."""
 
 from __future__ import annotations
 
@@ -39,12 +35,10 @@ class _Broadcast(torch.autograd.Function):
 def replicate(network: M, copies: int, *, share_buffers: bool = True) -> list[M]:
     """Replicas of ``network`` on its own device, made the way ``nn.DataParallel`` makes them.
 
-    Every module is copied with ``_replicate_for_data_parallel()``, so syncbn
-    layers in the replicas synchronise with each other. Replica parameters are
-    differentiable copies of the original parameters: the gradients of all
-    replicas are summed (in replica order) into the originals' ``.grad``.
-    Buffers are copied; with ``share_buffers`` replica 0 uses the original
-    buffers themselves, as ``nn.DataParallel`` does on its first device.
+    Every module is copied with ``_replicate_for_data_parallel()``, so syncbn layers in the
+    replicas synchronise with each other. Replica parameters are differentiable copies: the
+    replicas' gradients are summed, in replica order, into the originals' ``.grad``. Buffers are
+    copied, except that replica 0 may use the original buffers, as on ``nn.DataParallel``'s first device.
 
     Args:
         network: the model.
@@ -61,25 +55,24 @@ def replicate(network: M, copies: int, *, share_buffers: bool = True) -> list[M]
     """
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
         raise ValueError(f"expected a number of copies of at least 1 (got {copies!r})")
-    num_replicas = copies
     modules = list(network.modules())
     index = {module: i for i, module in enumerate(modules)}
     params = list(network.parameters())
     param_index = {p: i for i, p in enumerate(params)}
     if params and torch.is_grad_enabled():
-        flat = _Broadcast.apply(num_replicas, *params)
-        param_copies = [list(flat[j * len(params) : (j + 1) * len(params)]) for j in range(num_replicas)]
+        flat = _Broadcast.apply(copies, *params)
+        param_copies = [list(flat[j * len(params) : (j + 1) * len(params)]) for j in range(copies)]
     else:
-        param_copies = [[p.detach() for p in params] for _ in range(num_replicas)]
+        param_copies = [[p.detach() for p in params] for _ in range(copies)]
 
-    module_copies: list[list[nn.Module]] = [[] for _ in range(num_replicas)]
+    module_copies: list[list[nn.Module]] = [[] for _ in range(copies)]
     for module in modules:
-        for j in range(num_replicas):
-            with replicate_call(network, j, num_replicas):
+        for j in range(copies):
+            with replicate_call(network, j, copies):
                 module_copies[j].append(module._replicate_for_data_parallel())
 
     for i, module in enumerate(modules):
-        for j in range(num_replicas):
+        for j in range(copies):
             replica = module_copies[j][i]
             for key, child in module._modules.items():
                 if child is None:
@@ -91,23 +84,19 @@ def replicate(network: M, copies: int, *, share_buffers: bool = True) -> list[M]
                     replica._parameters[key] = None
                 else:
                     setattr(replica, key, param_copies[j][param_index[param]])
-            for key, buf in module._buffers.items():
-                if buf is None:
-                    replica._buffers[key] = None
-                elif j == 0 and share_buffers:
-                    replica._buffers[key] = buf
-                else:
-                    replica._buffers[key] = buf.detach().clone()
-    return [module_copies[j][0] for j in range(num_replicas)]  # type: ignore[misc]
+            for key, buf in module._buffers.items():  # replica 0 may share the originals
+                replica._buffers[key] = (
+                    buf if buf is None or (j == 0 and share_buffers) else buf.detach().clone()
+                )
+    return [module_copies[j][0] for j in range(copies)]  # type: ignore[misc]
 
 
 def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[Any]) -> list[Any]:
     """Run ``replicas[k](inputs[k])`` in thread ``k``, as ``nn.DataParallel`` does.
 
-    Each thread inherits the caller's grad mode. A tuple input is unpacked into
-    positional arguments. If replicas raise, every thread is still joined (waits
-    at synchronized layers are bounded) and the first exception in replica
-    order is re-raised.
+    Each thread inherits the caller's grad mode; a tuple input is unpacked into positional
+    arguments. If replicas raise, every thread is still joined (waits at synchronized layers are
+    bounded) and the first exception in replica order is re-raised.
 
     Args:
         replicas: the replicas, e.g. from :func:`replicate`.
@@ -165,17 +154,15 @@ def _gather(outputs: list[Any]) -> Any:
 def data_parallel(module: nn.Module, input: Tensor, chunks: int | Sequence[int] = 2) -> Any:
     """Run ``module`` on ``input`` the way ``nn.DataParallel`` would, with threads on one device.
 
-    The batch is split along dimension 0, each chunk runs through its own
-    replica in its own thread (syncbn layers synchronise across the replicas),
-    and the outputs are concatenated along dimension 0. Gradients flow back to
-    ``module``'s parameters; running statistics land on ``module``.
+    The batch is split along dimension 0, each chunk runs through its own replica in its own
+    thread (syncbn layers synchronise across the replicas), and the outputs are concatenated.
+    Gradients flow back to ``module``'s parameters; running statistics land on ``module``.
 
     Args:
         module: the model.
         input: the batch, split along dimension 0.
-        chunks: the number of replicas (the batch is split as evenly as
-            possible, as ``torch.tensor_split`` does) or the explicit chunk
-            sizes, which may be uneven and may include zeros. Default: 2.
+        chunks: the number of replicas (split as evenly as possible, as ``torch.tensor_split``
+            does) or the chunk sizes, which may be uneven and include zeros. Default: 2.
 
     Shape:
         - Input: :math:`(N, *)`

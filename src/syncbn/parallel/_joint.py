@@ -1,14 +1,7 @@
 """The synchronised forward of one replica, and the joint backward of all of them.
 
-:func:`replica_batch_norm` is a replica's training forward, for every family:
-the moments of its chunk, summed over the replicas in replica order by a
-:class:`~syncbn._threads.ThreadSumGroup`, then its own elementwise forward (the
-in-place family writes it over the replica's input, which must then be a tensor
-it may overwrite: the output of an earlier operation of the replica, not a
-chunk ``nn.DataParallel`` scattered). The replicas' outputs then become the
-outputs of ONE autograd node, :class:`_JointBatchNorm`, whose backward receives
-every replica's output gradient at once: backward never waits for another
-thread (see :mod:`syncbn.parallel`).
+The replicas' outputs become the outputs of ONE autograd node, :class:`_JointBatchNorm`, so
+backward never waits for another thread. See docs/internals/transports.md.
 """
 
 from __future__ import annotations
@@ -59,17 +52,8 @@ def replica_batch_norm(
 ) -> Tensor:
     """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings.
 
-    Args:
-        layer: the replica (a syncbn layer).
-        x: this replica's chunk of the batch (the in-place family: overwritten with the output).
-        momentum: the running-statistics factor for this call.
-        replication: the replicas' shared replication.
-        rank: this replica's index in it.
-        family: the layer's family object for this call (:mod:`syncbn.families`); ``None``: the
-            layer's own (``_family_call``), or batch norm.
-
-    Returns:
-        This replica's output, one of the outputs of the joint autograd node.
+    ``momentum`` is this call's running-statistics factor; ``family`` ``None`` means the layer's
+    own (``_family_call``) or batch norm. The in-place family overwrites ``x`` with the output.
     """
     rendezvous = replication.rendezvous()
     tracking = bool(layer.track_running_stats)

@@ -1,21 +1,8 @@
 """Which replicas of a layer belong together: one *replication* per ``replicate`` call.
 
-A replica is enrolled by :func:`attach_replica` when it is made. Its
-replication is decided then, from what the library can see without looking
-into torch's internals:
-
-* :func:`syncbn.parallel.replicate` states the call explicitly
-  (:func:`replicate_call`): network, replica index ``j`` and number of replicas.
-* Otherwise (``torch.nn.parallel.replicate``, which ``nn.DataParallel`` uses,
-  or hand-made replicas) the replicas of one layer are a run of back-to-back
-  enrolments: ``replicate`` makes every replica of a module, in replica order,
-  before it moves on to the next module. A replica joins the layer's open
-  replication only while that replication has not run a forward yet, the
-  previous enrolment made in this thread was into it, and all its replicas are
-  still alive (``nn.DataParallel`` drops its replicas when its forward returns,
-  so a replication whose layer was skipped or ran in eval never absorbs the
-  next forward's replicas). Its size is then the number of replicas enrolled
-  when the first of them reaches the layer.
+:func:`syncbn.parallel.replicate` declares the call (:func:`replicate_call`); otherwise the
+replicas of a layer are a run of back-to-back enrolments in one thread, open until a forward, a
+dead replica or another layer's enrolment. See docs/internals/transports.md.
 """
 
 from __future__ import annotations
@@ -55,9 +42,9 @@ def get_replica_timeout() -> float:
 def set_replica_timeout(seconds: float) -> float:
     """Set how long a replica waits for the others at a synchronized layer.
 
-    Applies to replications made from now on (each ``nn.DataParallel`` forward
-    makes a new one). When the wait runs out, the waiting replicas raise
-    :class:`~syncbn.parallel.ReplicaSyncError` naming the layer.
+    Applies to replications made from now on (each ``nn.DataParallel`` forward makes a new one).
+    When the wait runs out, the waiting replicas raise :class:`~syncbn.parallel.ReplicaSyncError`
+    naming the layer.
 
     Args:
         seconds: a positive number of seconds. Default: 120.
@@ -81,7 +68,7 @@ class _Replication:
 
     def __init__(self, master: nn.Module, declared: int | None, root: nn.Module | None) -> None:
         self.master = master
-        self._declared = declared  # number of replicas, when syncbn.parallel.replicate said so
+        self.declared = declared  # number of replicas, when syncbn.parallel.replicate said so
         self._members: list[weakref.ref[nn.Module]] = []
         self._root = None if root is None else weakref.ref(root)
         self._rendezvous: Rendezvous | None = None
@@ -90,11 +77,7 @@ class _Replication:
     @property
     def expected(self) -> int:
         """Number of replicas: as declared by :func:`syncbn.parallel.replicate`, else enrolled so far."""
-        return self._declared if self._declared is not None else len(self._members)
-
-    @property
-    def declared(self) -> int | None:
-        return self._declared
+        return self.declared if self.declared is not None else len(self._members)
 
     @property
     def count(self) -> int:
@@ -135,11 +118,10 @@ class _Replication:
             for key in ("running_mean", "running_var", "num_batches_tracked"):
                 mine = replica._buffers.get(key)
                 theirs = self.master._buffers.get(key)
-                if mine is None or theirs is None or mine is theirs:
+                if mine is None or theirs is None:
                     continue
-                if mine.device == theirs.device and mine.data_ptr() == theirs.data_ptr():
-                    continue
-                theirs.copy_(mine)
+                if mine.device != theirs.device or mine.data_ptr() != theirs.data_ptr():  # not shared
+                    theirs.copy_(mine)
 
 
 class _ReplicaSlot:
@@ -162,11 +144,7 @@ _local = threading.local()  # .call: the explicit replicate call; .last: the las
 
 @contextlib.contextmanager
 def replicate_call(network: nn.Module, j: int, num_replicas: int) -> Iterator[None]:
-    """Within this block, replicas made in this thread are replica ``j`` of ``num_replicas`` of ``network``.
-
-    Used by :func:`syncbn.parallel.replicate` around each module's
-    ``_replicate_for_data_parallel()`` call.
-    """
+    """In this block, replicas made in this thread are replica ``j`` of ``num_replicas`` of ``network``."""
     _local.call = (network, j, num_replicas)
     try:
         yield
@@ -177,9 +155,9 @@ def replicate_call(network: nn.Module, j: int, num_replicas: int) -> Iterator[No
 def attach_replica(master: nn.Module, replica: nn.Module) -> None:
     """Enrol ``replica`` (a fresh replica of ``master``) in its replication.
 
-    Called by :meth:`syncbn.SyncBatchNorm._replicate_for_data_parallel`; users
-    do not call it. The replicas of ``master`` made by one ``replicate`` call
-    share one rendezvous, replica ``j`` being member ``j``.
+    Called by :meth:`syncbn.SyncBatchNorm._replicate_for_data_parallel`; users do not call it.
+    The replicas of ``master`` made by one ``replicate`` call share one rendezvous, replica ``j``
+    being member ``j``.
 
     Args:
         master: the layer being replicated (the one the user holds).
