@@ -1,8 +1,7 @@
 """The errors of :mod:`syncbn.groups`: :class:`CollectiveError` and the words that name the group.
 
-:class:`Reporting` is the part of :class:`~syncbn.groups.ProcessGroupSum` that describes its group
-and builds the errors (a timeout, a failed transport, a mismatch of the frame headers); the wait
-bound they quote comes from here too.
+:class:`Reporting`, a base of :class:`~syncbn.groups.ProcessGroupSum`, describes its group, holds
+the wait bound and builds the errors (a timeout, a failed transport, a header mismatch).
 """
 
 from __future__ import annotations
@@ -144,6 +143,10 @@ class Reporting:
         which = "the default group" if self.process_group is None else "process group"
         via = ", through shared memory" if self._shared is not None else ""
         return f"{which} of {self._size} ranks (global ranks {ranks}; this is group rank {self._rank}{via})"
+
+    def _refused(self, message: str) -> CollectiveError:
+        """An error for a call refused before anything was sent (not a timeout)."""
+        return CollectiveError(message, timed_out=False, waited=0.0, group_size=self._size)
 
     def _shm_error(self, exc: _shm.SharedMemoryError) -> CollectiveError:
         if exc.mismatch:

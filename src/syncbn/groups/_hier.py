@@ -1,33 +1,8 @@
 """The hierarchical path of :mod:`syncbn.groups`, for CPU groups that span several machines.
 
-Chosen by ``ProcessGroupSum(..., hierarchical=...)``, else ``SYNCBN_HIERARCHICAL``, else
-:data:`DEFAULT`; the ranks compare their choices at set-up, and ranks that chose differently
-all raise an error that names the setting. At the group's first CPU collective, when the ranks
-are not all on one machine but some machine holds two or more of them, every rank learns every
-rank's machine (the host key of :mod:`syncbn._shm`) and the group splits, collectively and for
-good, into:
-
-* one *machine group* per machine with two or more ranks: a ``ProcessGroupSum`` over a
-  subgroup of that machine's ranks, whose CPU collectives take its shared memory;
-* a *leaders' group*: a ``ProcessGroupSum`` over the lowest rank of every machine, on the
-  process group's own transport (shared memory off: the leaders are on different machines).
-
-A call then takes three steps, each framed and header-checked among its members:
-
-1. the ranks of each machine sum through their shared memory (machine sum);
-2. each leader sums the machine sums with the other leaders over the network, with one value
-   more: 1 from a leader whose machine sum failed, else 0;
-3. each leader hands the total back through a second shared-memory round, in which it
-   contributes the total and its verdict (good, timed out, failed, mismatch) and every other
-   rank zeros: ``x + 0 == x``, so every rank of every machine receives the leaders' bits (the
-   leaders' all_reduce gives every leader the same bits) and the verdict.
-
-The network carries one vector per machine instead of one per rank. Every step carries the
-caller's own header, so a failure (a dead rank, a lost link, a timeout) reaches every rank as
-a failure, never as a disagreement of the calls (``mismatch``): a leader whose machine sum
-failed reports it in step 2, and the leaders report a failed step 2 in step 3; only ranks that
-really made different calls see ``mismatch``. ``shadow_sum`` (DDP ``Join``) is not available
-on a hierarchical group.
+Each machine's ranks sum through shared memory, the machines' leaders sum over the network with a
+status value, and each leader hands the total and its verdict back through shared memory, so a
+failure reaches every rank as a failure, never as a mismatch. See docs/internals/groups.md.
 """
 
 from __future__ import annotations
@@ -108,10 +83,8 @@ class Hierarchy:
     def all_reduce_sum(self, tensor: Tensor, tag: Tag, host_wait: bool) -> Tensor:
         """Sum ``tensor`` in place over the whole group: machine sum, leaders' sum, hand-back.
 
-        The leaders' sum and the hand-back carry one value more, a status: in the leaders' sum,
-        how many leaders' machine sums failed; in the hand-back, the leader's verdict (good,
-        timed out, failed, mismatch). The headers stay those of the caller's call, so a failure
-        is never taken for a disagreement of the calls.
+        The last two carry one value more: the number of failed machine sums, then the leader's
+        verdict (``_OK``, ...). Every step keeps the caller's header.
         """
         local, cross = self.local, self.cross
         n = tensor.numel()
@@ -146,9 +119,7 @@ class Hierarchy:
                 failed = int(buf[n].item())
                 if failure is None and failed:
                     status, failure = _FAILED, self._other_machines(failed)
-            if local is not None and not local_failed:
-                # (a leader whose own machine sum failed has no hand-back to make: its machine's
-                # ranks raised in that same round)
+            if local is not None and not local_failed:  # else its machine's ranks raised already
                 buf[n] = status
                 try:
                     local._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
@@ -204,11 +175,9 @@ def connect(
 ) -> Hierarchy | None:
     """Agree on the hierarchical path and split the group by machine, collectively.
 
-    Every rank of the group must call this at the same point (once the flat
-    shared-memory path proved unusable). One ``exchange`` (a summing all_reduce
-    over the whole group) tells every rank every rank's choice, whether it can
-    use shared memory, and its machine; the subgroups are then made by their own
-    members only (syncbn's own gloo wires, :func:`syncbn.groups._own.make_sets`).
+    Every rank calls this at the same point (once the flat shared-memory path proved unusable).
+    One ``exchange`` tells every rank every rank's choice, ability and machine; each subgroup is
+    then made by its own members only (:func:`syncbn.groups._own.make_sets`).
 
     Args:
         rank: this rank's index in the group.
@@ -255,14 +224,10 @@ def connect(
     ranks = group_ranks(process_group)
     mine = machines[keys[rank]]
     leaders = [members[0] for members in machines.values()]
-    # The subgroups' own timeout is syncbn's bound: a collective abandoned at the bound (a lost
-    # link) is then given up by gloo itself too, so destroying the groups and exiting never wait
-    # for a longer timeout.
+    # The subgroups' timeout is syncbn's bound, so gloo gives up an abandoned collective at it too.
     bound = _config.get_timeout()
     extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     sets = [members for members in machines.values() if len(members) > 1] + [leaders]
-    # syncbn's own wires over the job's store (only each set's members meet: overlapping user
-    # groups never need a rank outside theirs); torch's subgroups where that is not available.
     wires = _own.make_sets(process_group, sets, bound if bound is not None else _pg_timeout(process_group))
     subgroups: dict[tuple[int, ...], Any]
     if wires is None:
@@ -279,16 +244,11 @@ def connect(
 
 
 def _subgroups(ranks: list[int], sets: list[list[int]], extra: dict[str, Any]) -> dict[tuple[int, ...], Any]:
-    """The process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks), collectively.
+    """torch's process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks).
 
-    The fallback where syncbn's own wires cannot be made (no store or group name to meet under).
-
-    Where the group holds every rank of the job, every rank makes every subgroup, in the same
-    order: torch names them by its group count, so a second hierarchy over the same ranks (e.g.
-    ``JoinableSyncBatchNorm``'s) gets subgroups of its own. Otherwise only a subgroup's members
-    make it (``use_local_synchronization``), and torch names it after its ranks alone: there, a
-    second hierarchical group over the same ranks would meet the first one's rendezvous (one
-    hierarchical group per set of ranks of a smaller group).
+    The fallback where syncbn's own wires cannot be made. Over the whole job every rank makes
+    every subgroup in order; otherwise only each set's members make it (``use_local_synchronization``,
+    named after its ranks alone: one hierarchical group per set of ranks of a smaller group).
     """
     made: dict[tuple[int, ...], Any] = {}
     if len(ranks) == dist.get_world_size():

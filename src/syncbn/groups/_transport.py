@@ -187,8 +187,7 @@ class FramedTransport(Reporting):
         fields = [int(v) for v in agreement.values if v is not None]
         count = (fields[4] << 16) | fields[5]
         total = torch.empty(count, dtype=torch.float64, device=dev)
-        frames = max(1, -(-count // PAYLOAD))
-        for i in range(frames):
+        for i in range(frame_count(count)):
             if i:
                 frame.zero_()
                 self._all_reduce_process_group(frame, host_wait=True)
@@ -198,17 +197,24 @@ class FramedTransport(Reporting):
         return self._shadow_result(fields, agreement.participants, total)
 
     def _framed_process_group(self, tensor: Tensor, tag: Tag) -> Tensor:
+        return self._frames(tensor, tag, present=True, host_wait=True, deferred=False)
+
+    def _frames(self, tensor: Tensor, tag: Tag, *, present: bool, host_wait: bool, deferred: bool) -> Tensor:
+        """Sum ``tensor`` in place over the process group, frame by frame, each header checked or deferred."""
         flat = tensor.reshape(-1)
         n = flat.numel()
         code = dtype_code(tensor.dtype)
-        for i in range(max(1, -(-n // PAYLOAD))):
+        for i in range(frame_count(n)):
             lo, hi = i * PAYLOAD, min(n, (i + 1) * PAYLOAD)
             mine = header_fields(tag, code, self._calls, n, i)
-            frame = self._frame(tensor.device, encode_header(mine, True), flat[lo:hi])
-            self._all_reduce_process_group(frame, host_wait=True)
-            self._verify(frame[:HEADER].tolist(), mine, tag, deferred=False)
+            frame = self._frame(tensor.device, encode_header(mine, present), flat[lo:hi])
+            self._all_reduce_process_group(frame, host_wait=host_wait)
+            if deferred:
+                self._defer(frame[:HEADER], mine, tag)
+            else:
+                self._verify(frame[:HEADER].tolist(), mine, tag, deferred=False)
             flat[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
-        if flat.data_ptr() != tensor.data_ptr():
+        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
@@ -263,7 +269,7 @@ class FramedTransport(Reporting):
         wire = None if ref is None else ref()
         _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
         if wire is not None:
-            self._release = weakref.finalize(self, _own.release, _own.key_of(wire), bound + 1.0)
+            self._release = weakref.finalize(self, _own.release, _own.adopt(wire), bound + 1.0)
         self._wire_ref = ref
         self._wire_ready = True
 
@@ -313,6 +319,11 @@ def _stuck_timeout(kept: float, wanted: float, group: str) -> str:
         + ". Call syncbn.set_timeout (or set SYNCBN_TIMEOUT) before the first training step, or "
         "upgrade torch."
     )
+
+
+def frame_count(n: int) -> int:
+    """Frames that carry ``n`` values (at least one)."""
+    return max(1, -(-n // PAYLOAD))
 
 
 def start_all_reduce(tensor: Tensor, group: Any) -> Any:
