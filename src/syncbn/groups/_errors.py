@@ -33,24 +33,18 @@ _AFTER_FAILURE = (
 class CollectiveError(RuntimeError):
     """A SyncBatchNorm collective timed out, failed, or the ranks made different calls.
 
+    Every argument but ``message`` is kept as the attribute of the same name.
+
     Args:
         message: the full explanation (layer, group, time waited, likely causes).
-        timed_out: see below.
-        waited: see below.
-        group_size: see below.
-        detail: the transport's own error text, if any.
-        layer: see below.
-        mismatch: see below.
-
-    Attributes:
         timed_out: whether the bound on the wait was reached.
         waited: seconds this rank waited.
         group_size: number of ranks in the group.
+        detail: the transport's own error text, if any.
         layer: the layer's name, or ``None`` before the layer is known.
-        mismatch: the ranks made different collectives at the same point (the
-            frame headers disagree); every rank raises it at once, no state
-            changed, and the group stays usable. Else (a timeout, a dead peer)
-            the group is unusable.
+        mismatch: the ranks made different collectives at the same point (the frame headers
+            disagree): every rank raises it at once, no state changed, and the group stays
+            usable. Else (a timeout, a dead peer) the group is unusable.
 
     Example::
 
@@ -110,13 +104,21 @@ def _pg_timeout(process_group: Any) -> float:
 class Reporting:
     """The group in words and the errors that name it (a base of ``ProcessGroupSum``)."""
 
-    _default: bool
-    _live: weakref.ref[Any]
-    _size: int
-    _rank: int
-    _shared: _shm.SharedMemorySum | None
-    _pg_timeout_s: float | None
-    names: dict[int, str]
+    def __init__(self, process_group: Any) -> None:
+        # Held weakly: a destroyed process group must not survive in syncbn.
+        self._default = process_group is None
+        self._live: weakref.ref[Any] = weakref.ref(
+            dist.group.WORLD if process_group is None else process_group
+        )
+        if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (_hier)
+            self._size, self._rank = process_group.size(), process_group.rank()
+        else:
+            self._size = dist.get_world_size(process_group)
+            self._rank = dist.get_rank(process_group)
+        self._shared: _shm.SharedMemorySum | None = None  # set at the first CPU collective
+        self._pg_timeout_s: float | None = None
+        #: identity -> name of the layers seen by this process, for error messages.
+        self.names: dict[int, str] = {}
 
     @property
     def process_group(self) -> Any:

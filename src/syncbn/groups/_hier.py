@@ -54,12 +54,8 @@ def _status(exc: CollectiveError) -> int:
 class Hierarchy:
     """This rank's part of a hierarchical group: its machine group and, on a leader, the leaders'.
 
-    Args:
-        local: the machine group (``None`` when this rank is alone on its machine).
-        cross: the leaders' group (``None`` unless this rank leads its machine).
-        machines: number of machines.
-        leader: this machine's leader, as a rank of the whole group.
-        size: number of ranks of the whole group (for the errors).
+    ``local`` is ``None`` for a rank alone on its machine, ``cross`` unless this rank leads its
+    machine; ``leader`` is a rank of the whole group, ``size`` its number of ranks (for the errors).
     """
 
     def __init__(self, local: Any, cross: Any, machines: int, leader: int, size: int = 0) -> None:
@@ -175,27 +171,12 @@ def connect(
 ) -> Hierarchy | None:
     """Agree on the hierarchical path and split the group by machine, collectively.
 
-    Every rank calls this at the same point (once the flat shared-memory path proved unusable).
-    One ``exchange`` tells every rank every rank's choice, ability and machine; each subgroup is
-    then made by its own members only (:func:`syncbn.groups._own.make_sets`).
-
-    Args:
-        rank: this rank's index in the group.
-        size: number of ranks.
-        process_group: the group's process group (``None``: the default group).
-        wanted: this rank's choice (:func:`choice`).
-        able: whether this rank may and can use shared memory.
-        host_key: this rank's machine (:func:`syncbn._shm._host_key`).
-        exchange: sums a float64 tensor over the whole group, in place.
-        make_group: builds a ``ProcessGroupSum`` (passed in: no import cycle).
-
-    Returns:
-        This rank's :class:`Hierarchy`, or ``None`` on every rank (not wanted,
-        one machine, or one rank per machine).
-
-    Raises:
-        CollectiveError: on every rank alike, when the ranks chose differently
-            (``mismatch``: nothing was set up; the next collective asks again).
+    Every rank calls this at the same point (once the flat shared-memory path proved unusable):
+    one ``exchange`` (a summing all_reduce over the group) tells every rank every rank's choice
+    (``wanted``), ability (``able``) and machine (``host_key``). ``make_group`` builds a
+    ``ProcessGroupSum`` (passed in: no import cycle). Returns ``None`` on every rank when not
+    wanted, on one machine, or one rank per machine; raises a ``mismatch`` :class:`CollectiveError`
+    on every rank when the ranks chose differently (nothing set up).
     """
     table = torch.zeros(size, 3, dtype=torch.float64)
     table[rank] = torch.tensor([1.0 if wanted else 0.0, 1.0 if able else 0.0, host_key], dtype=torch.float64)
@@ -251,14 +232,11 @@ def _subgroups(ranks: list[int], sets: list[list[int]], extra: dict[str, Any]) -
     named after its ranks alone: one hierarchical group per set of ranks of a smaller group).
     """
     made: dict[tuple[int, ...], Any] = {}
-    if len(ranks) == dist.get_world_size():
-        for members in sets:
-            made[tuple(members)] = dist.new_group([ranks[r] for r in members], **extra)
-        return made
-    me = dist.get_rank()
+    whole_job = len(ranks) == dist.get_world_size()
     for members in sets:
-        if me in [ranks[r] for r in members]:
-            made[tuple(members)] = dist.new_group(
-                [ranks[r] for r in members], use_local_synchronization=True, **extra
-            )
+        members_global = [ranks[r] for r in members]
+        if whole_job:
+            made[tuple(members)] = dist.new_group(members_global, **extra)
+        elif dist.get_rank() in members_global:
+            made[tuple(members)] = dist.new_group(members_global, use_local_synchronization=True, **extra)
     return made

@@ -11,7 +11,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config, _shm
@@ -27,7 +26,7 @@ from ._frame import (
     dtype_code,
     header_fields,
 )
-from ._transport import FramedTransport, _Pending
+from ._transport import FramedTransport
 
 # Set in a child process by os.register_at_fork: groups made before the fork are the parent's.
 _pid = os.getpid()
@@ -80,45 +79,18 @@ class ProcessGroupSum(FramedTransport):
         hierarchical: bool | None = None,
         own_group: bool = False,
     ) -> None:
-        # Held weakly: a destroyed process group must not survive in syncbn.
-        self._default = process_group is None
-        self._live: weakref.ref[Any] = weakref.ref(
-            dist.group.WORLD if process_group is None else process_group
-        )
-        self._shared_memory_choice = shared_memory
-        if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (_hier)
-            self._size, self._rank = process_group.size(), process_group.rank()
-        else:
-            self._size = dist.get_world_size(process_group)
-            self._rank = dist.get_rank(process_group)
+        super().__init__(process_group, own_group)
         self._owner = _pid
-        # The CPU transports, chosen (collectively) at the first CPU collective.
-        self._shared: _shm.SharedMemorySum | None = None
+        # The CPU transports (shared memory, the hierarchy), chosen collectively at the first CPU collective.
+        self._shared_memory_choice = shared_memory
         self._shared_ready = False
         self._hierarchical_choice = hierarchical
         self._hier: _hier.Hierarchy | None = None
-        self._calls = 0  # framed calls made (the header's sequence field)
         self._fields: dict[tuple[Tag, torch.dtype, int], list[int]] = {}  # see _framed
-        self._frame_cpu: Tensor | None = None
-        self._frame_bytes = bytearray()
-        self._frame_words: Any = None  # a float64 memoryview of _frame_bytes
-        self._payload_views: dict[Any, Tensor] = {}
-        self._dirty = 0  # payload values of _frame_cpu that may be non-zero
-        self._pending: list[_Pending] = []
-        self._pg_timeout_s: float | None = None
-        self._own_group = own_group
-        self._wire_ref: weakref.ref[Any] | None = None  # the group carrying the CPU frames (_cpu_wire)
-        self._release: Any = None  # releases it (syncbn.groups._own.release) when this group goes
-        self._wire_ready = False
-        self._wire_timeout: float | None = None
-        self._wire_stuck: float | None = None  # a bound this torch could not carry to the wire (warned)
-        #: identity -> name of the layers seen by this process, for error messages.
-        self.names: dict[int, str] = {}
         #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).
         self.layer_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         #: ordinals handed out so far (never reused, so the numbering follows the order of first calls).
         self.layer_ordinals = 0
-        self.last_participants = self._size
         self.closed = False
 
     @property
@@ -211,9 +183,7 @@ class ProcessGroupSum(FramedTransport):
             if got is None:
                 self.last_participants = 0
                 return None
-            fields, k, total = got
-            self.last_participants = k
-            return self._shadow_result(fields, k, total)
+            return self._shadow_result(*got)
         return self._shadow_process_group(dev)
 
     @property

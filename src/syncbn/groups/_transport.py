@@ -47,20 +47,22 @@ class _Pending(NamedTuple):
 class FramedTransport(Reporting):
     """Framed ``all_reduce`` over the process group (a base of ``ProcessGroupSum``)."""
 
-    _calls: int
-    _frame_cpu: Tensor | None
-    _frame_bytes: bytearray
-    _frame_words: Any
-    _payload_views: dict[Any, Tensor]
-    _dirty: int
-    _pending: list[_Pending]
-    _own_group: bool
-    _wire_ref: weakref.ref[Any] | None
-    _release: Any
-    _wire_ready: bool
-    _wire_timeout: float | None
-    _wire_stuck: float | None
-    last_participants: int
+    def __init__(self, process_group: Any, own_group: bool) -> None:
+        super().__init__(process_group)
+        self._calls = 0  # framed calls made (the header's sequence field)
+        self._frame_cpu: Tensor | None = None
+        self._frame_bytes = bytearray()
+        self._frame_words: Any = None  # a float64 memoryview of _frame_bytes
+        self._payload_views: dict[Any, Tensor] = {}
+        self._dirty = 0  # payload values of _frame_cpu that may be non-zero
+        self._pending: list[_Pending] = []
+        self._own_group = own_group
+        self._wire_ref: weakref.ref[Any] | None = None  # the group carrying the CPU frames (_cpu_wire)
+        self._release: Any = None  # releases it (syncbn.groups._own.release) when this group goes
+        self._wire_ready = False
+        self._wire_timeout: float | None = None
+        self._wire_stuck: float | None = None  # a bound this torch could not carry to the wire (warned)
+        self.last_participants = self._size
 
     def check_pending(self) -> None:
         """Check every deferred header now (waits for their copies to land).
@@ -163,6 +165,7 @@ class FramedTransport(Reporting):
         raise self._mismatch(text)
 
     def _shadow_result(self, fields: list[int], k: int, total: Tensor) -> ShadowResult:
+        self.last_participants = k
         tag = Tag((fields[0] << 16) | fields[1], fields[2] // 16)
         return ShadowResult(tag, fields[2] % 16, (fields[4] << 16) | fields[5], k, total)
 
@@ -193,7 +196,6 @@ class FramedTransport(Reporting):
                 self._all_reduce_process_group(frame, host_wait=True)
             lo, hi = i * PAYLOAD, min(count, (i + 1) * PAYLOAD)
             total[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
-        self.last_participants = agreement.participants
         return self._shadow_result(fields, agreement.participants, total)
 
     def _framed_process_group(self, tensor: Tensor, tag: Tag) -> Tensor:
@@ -280,23 +282,19 @@ class FramedTransport(Reporting):
             if wire is not None:
                 group = wire
         delta = _config.timeout_delta()
-        if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
-            start = time.monotonic()
-            try:
-                work = start_all_reduce(tensor, group)
-                work.wait()
-            except Exception as exc:  # noqa: BLE001 - re-raised with context
-                raise self._error(exc, time.monotonic() - start, None) from exc
-            return tensor
+        # On an accelerator the wait is left to the device stream unless the host must bound it.
+        bounded = delta is not None and (host_wait or tensor.device.type == "cpu" or _config.debug_enabled())
         start = time.monotonic()
         work = None
         try:
             work = start_all_reduce(tensor, group)
-            finished = work.wait(timeout=delta)
+            finished = work.wait(timeout=delta) if bounded else work.wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
+            if not bounded:
+                raise self._error(exc, time.monotonic() - start, None) from exc
             _own.abandon(work, tensor)
             raise self._error(exc, time.monotonic() - start, _config.get_timeout()) from exc
-        if finished is False:  # some backends report a timeout by returning False
+        if bounded and finished is False:  # some backends report a timeout by returning False
             _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
         return tensor
