@@ -165,28 +165,25 @@ class Reporting:
         self, exc: BaseException | None, waited: float, timeout: float | None, failed: str = ""
     ) -> CollectiveError:
         text = "" if exc is None else f"{type(exc).__name__}: {exc}".strip()
-        timed_out = exc is None or "timed out" in text.lower() or "timeout" in text.lower()
-        if timeout is not None and waited >= 0.95 * timeout:
-            timed_out = True
-        if failed:
-            timed_out = False
+        timed_out = not failed and (
+            exc is None
+            or "timed out" in text.lower()
+            or "timeout" in text.lower()
+            or (timeout is not None and waited >= 0.95 * timeout)
+        )
         if timed_out:
             bound = "" if timeout is None else f" (bound: {timeout:g} s{self._bound_source()})"
             head = (
                 f"waited {waited:.1f} s{bound} for the all_reduce over {self.describe()}, "
-                "and not every rank arrived. "
+                f"and not every rank arrived. {_LIKELY_CAUSES}"
             )
-            causes = _LIKELY_CAUSES
-        elif failed:
-            head = f"the all_reduce over {self.describe()} failed after {waited:.1f} s: {failed}. "
-            causes = "Check the other ranks' logs for the first error."
         else:
+            reason = failed or "a peer process most likely died or closed its connection"
             head = (
-                f"the all_reduce over {self.describe()} failed after {waited:.1f} s: "
-                "a peer process most likely died or closed its connection. "
+                f"the all_reduce over {self.describe()} failed after {waited:.1f} s: {reason}. "
+                "Check the other ranks' logs for the first error."
             )
-            causes = "Check the other ranks' logs for the first error."
-        message = f"{head}{causes}{_AFTER_FAILURE}"
+        message = head + _AFTER_FAILURE
         if text and not failed:
             message += f" [{text.splitlines()[0][:300]}]"
         return CollectiveError(

@@ -35,6 +35,9 @@ _WHAT = {
 }
 
 
+_CHECK_LOGS = "Check the other ranks' logs for the first error." + _AFTER_FAILURE
+
+
 def choice(explicit: bool | None) -> bool:
     """This rank's choice: ``explicit``, else ``SYNCBN_HIERARCHICAL``, else :data:`DEFAULT`."""
     if explicit is not None:
@@ -129,28 +132,26 @@ class Hierarchy:
         return tensor
 
     def _other_machines(self, failed: int) -> CollectiveError:
-        return CollectiveError(
-            f"the sum across the machines of a hierarchical group of {self.size} ranks failed: "
+        return self._failed(
             f"{failed} other machine(s) reported a failed sum among their own ranks (a rank there "
-            "died or timed out). Check the other ranks' logs for the first error." + _AFTER_FAILURE,
-            timed_out=False,
-            waited=0.0,
-            group_size=self.size,
+            f"died or timed out). {_CHECK_LOGS}"
         )
 
     def _reported(self, status: int) -> CollectiveError:
-        after = (
-            "No state was changed and the group is still usable."
-            if status == _MISMATCH
-            else "Check the other ranks' logs for the first error." + _AFTER_FAILURE
-        )
-        return CollectiveError(
-            f"the sum across the machines of a hierarchical group of {self.size} ranks failed: this "
-            f"machine's leader (group rank {self.leader}) {_WHAT[status]}. {after}",
+        after = "No state was changed and the group is still usable." if status == _MISMATCH else _CHECK_LOGS
+        return self._failed(
+            f"this machine's leader (group rank {self.leader}) {_WHAT[status]}. {after}",
             timed_out=status == _TIMED_OUT,
+            mismatch=status == _MISMATCH,
+        )
+
+    def _failed(self, what: str, *, timed_out: bool = False, mismatch: bool = False) -> CollectiveError:
+        return CollectiveError(
+            f"the sum across the machines of a hierarchical group of {self.size} ranks failed: {what}",
+            timed_out=timed_out,
             waited=0.0,
             group_size=self.size,
-            mismatch=status == _MISMATCH,
+            mismatch=mismatch,
         )
 
     def close(self) -> None:

@@ -46,22 +46,19 @@ class ProcessGroupSum(FramedTransport):
 
     Args:
         process_group: the group, or ``None`` for the default (world) group.
-        shared_memory: ``False`` keeps CPU collectives on the process group's
-            transport even where every rank is on one machine; ``None`` follows
-            :func:`syncbn.set_shared_memory` / ``SYNCBN_SHM`` (on by default).
-            Either way the ranks agree collectively at the first CPU collective.
-        hierarchical: for a group spanning several machines, sum within each
-            machine through shared memory and across machines over a leaders'
-            subgroup (:mod:`syncbn.groups._hier`); ``None`` follows
-            ``SYNCBN_HIERARCHICAL`` (on by default: measured faster than the flat path
-            across machines). Every rank must choose alike (else every rank raises).
-        own_group: ``process_group`` is one syncbn made for this group alone (the
-            ``Join`` group, the hierarchy's subgroups): its frames go over it directly
-            (no group of its own is made), and it is destroyed when this group closes.
+        shared_memory: ``False`` keeps CPU collectives on the process group's transport even
+            where every rank is on one machine; ``None`` follows :func:`syncbn.set_shared_memory`
+            / ``SYNCBN_SHM`` (on by default). The ranks agree at the first CPU collective.
+        hierarchical: for a group spanning several machines, sum within each machine through
+            shared memory and across machines over a leaders' subgroup; ``None`` follows
+            ``SYNCBN_HIERARCHICAL`` (on by default). Every rank must choose alike (else every
+            rank raises).
+        own_group: ``process_group`` is one syncbn made for this group alone (the ``Join``
+            group, the hierarchy's subgroups): its frames go over it directly, and it is
+            destroyed when this group closes.
 
-    CPU frames travel over a gloo group of this group's own whose timeout is the wait bound
-    (:mod:`syncbn.groups._own`): a process can recover or exit within seconds of a
-    :class:`CollectiveError`, and syncbn's collectives never meet DDP's.
+    CPU frames travel over a gloo group of this group's own whose timeout is the wait bound, so
+    a process can recover or exit within seconds of a :class:`CollectiveError`.
 
     Example::
 
@@ -173,18 +170,19 @@ class ProcessGroupSum(FramedTransport):
                 f"shadow_sum (DDP Join) is not available on a hierarchical group ({self.describe()})"
             )
         self._calls += 1
-        if dev.type == "cpu" and self._shared_path() is not None:
-            shared = self._shared
-            assert shared is not None
-            try:
-                got = shared.shadow(self._bound_s())
-            except _shm.SharedMemoryError as exc:
-                raise self._shm_error(exc) from exc
-            if got is None:
-                self.last_participants = 0
-                return None
-            return self._shadow_result(*got)
-        return self._shadow_process_group(dev)
+        shared = None
+        if dev.type == "cpu":
+            shared = self._shared if self._shared_ready else self._connect_shared()
+        if shared is None:
+            return self._shadow_process_group(dev)
+        try:
+            got = shared.shadow(self._bound_s())
+        except _shm.SharedMemoryError as exc:
+            raise self._shm_error(exc) from exc
+        if got is None:
+            self.last_participants = 0
+            return None
+        return self._shadow_result(*got)
 
     @property
     def hierarchical(self) -> bool:
@@ -231,9 +229,6 @@ class ProcessGroupSum(FramedTransport):
             self._check_ready()
         if _ddp._wrappers and not self._own_group:
             _ddp.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
-
-    def _shared_path(self) -> _shm.SharedMemorySum | None:
-        return self._shared if self._shared_ready else self._connect_shared()
 
     def _connect_shared(self) -> _shm.SharedMemorySum | None:
         """Set up the shared-memory path (collective: every rank's first CPU collective on this group)."""

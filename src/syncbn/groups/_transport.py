@@ -223,11 +223,9 @@ class FramedTransport(Reporting):
     def _cpu_wire(self) -> Any:
         """The group that carries this group's CPU frames, or ``None``: the process group itself.
 
-        syncbn's own wire (:mod:`syncbn.groups._own`: a gloo group over the same members with the
-        bound as its timeout, holding the frame it is handed) once :meth:`_make_wire` made it
-        after set-up; until then (the set-up exchanges) the process group itself, whose
-        connections already exist, so that a peer that died before its first call is found at
-        once. A group syncbn made for itself (``own_group``) is its own wire.
+        syncbn's own wire once :meth:`_make_wire` made it after set-up (the set-up exchanges use
+        the process group, whose connections exist); an ``own_group`` is its own wire. Carries a
+        changed bound over to the wire, or warns where torch cannot.
         """
         if not self._wire_ready:
             if not self._own_group:
@@ -276,11 +274,8 @@ class FramedTransport(Reporting):
         self._wire_ready = True
 
     def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
-        group = self.process_group
-        if tensor.device.type == "cpu":
-            wire = self._cpu_wire()
-            if wire is not None:
-                group = wire
+        wire = self._cpu_wire() if tensor.device.type == "cpu" else None
+        group = self.process_group if wire is None else wire
         delta = _config.timeout_delta()
         # On an accelerator the wait is left to the device stream unless the host must bound it.
         bounded = delta is not None and (host_wait or tensor.device.type == "cpu" or _config.debug_enabled())
