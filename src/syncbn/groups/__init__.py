@@ -32,27 +32,16 @@ from ._frame import (  # noqa: F401
     PHASE_NAMES,
     PHASE_OTHER,
     PHASE_SETUP,
-    Agreement,
     ShadowResult,
     SumGroup,
     Tag,
     decode_header,
-    describe_fields,
-    differing,
     dtype_code,
     encode_header,
     header_fields,
-    mismatch_message,
 )
 from ._refs import ProcessGroupRef, group_ranks
-from ._resolve import (  # noqa: F401
-    _resolved,
-    _sum_group_types,
-    forget_destroyed,
-    is_initialized,
-    resolve,
-    to_picklable,
-)
+from ._resolve import _resolved, forget_destroyed, is_initialized, resolve, to_picklable  # noqa: F401
 from ._subgroup import NODE, group_for, subgroup  # noqa: F401 - group_for: syncbn.convert
 from ._sum import ProcessGroupSum
 

@@ -76,12 +76,8 @@ def _store_for(parent: Any) -> tuple[Any, str] | None:
 def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
     """A gloo wire over ``parent``'s members, ``timeout_s`` its timeout (a weak reference), or ``None``.
 
-    Collective over the parent's members, at the same point on each. ``None`` where the parent
-    has no gloo CPU backend (MPI, NCCL only) or torch's internals differ: the parent then carries
-    the CPU collectives.
-
-    Raises:
-        RuntimeError: the members did not all meet within ``timeout_s`` (gloo's error).
+    Collective over the parent's members. ``None`` where the parent has no gloo CPU backend (MPI,
+    NCCL only) or torch's internals differ; a ``RuntimeError`` when the members did not all meet.
     """
     if _gloo_backend(parent) is None:
         return None
@@ -95,11 +91,8 @@ def make_sets(
 ) -> dict[tuple[int, ...], weakref.ref[Any]] | None:
     """Wires over several sets of ``parent``'s members (group ranks), those this rank belongs to.
 
-    As :func:`make`, with the same ``sets`` on every member, but each set's members meet only
-    each other. ``None`` where there is no store or group name to meet under.
-
-    Returns:
-        set (a tuple of group ranks) -> a weak reference to its wire, for the sets holding this rank.
+    As :func:`make`, with the same ``sets`` on every member; each set's members meet only each
+    other. Returns set (a tuple of group ranks) -> a weak reference to its wire, or ``None``.
     """
     found = _store_for(parent)
     if found is None:
@@ -241,12 +234,7 @@ def _registered(group: Any) -> bool:
 
 
 def release(key: int, limit_s: float) -> None:
-    """Destroy syncbn's group ``key`` in order: works, group, then its frames.
-
-    Args:
-        key: the group's key (:func:`adopt`).
-        limit_s: the longest wait for its abandoned works (each ends at the group's timeout).
-    """
+    """Destroy group ``key`` (:func:`adopt`) in order: its works (``limit_s`` at most), group, frames."""
     entry = _kept.pop(key, None)
     _ranks.pop(key, None)
     if entry is None:
