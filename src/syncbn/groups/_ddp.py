@@ -95,7 +95,6 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
         _wrappers.append(weakref.ref(parent))
         if "join_hook" not in parent.__dict__:
             parent.__dict__["join_hook"] = _JoinHookOf(parent)  # hands Join a _Watched hook
-    return None
 
 
 @functools.cache  # once per process

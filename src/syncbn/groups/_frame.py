@@ -62,7 +62,7 @@ class ShadowResult(NamedTuple):
         dtype_code: the participants' payload dtype (:data:`DTYPE_CODES`).
         numel: number of values the participants summed.
         participants: how many ranks contributed (``p = 1``).
-        total: the participants' sum, float64, ``count`` values.
+        total: the participants' sum, float64, ``numel`` values.
     """
 
     tag: Tag

@@ -231,13 +231,11 @@ class FramedTransport(Reporting):
             if not self._own_group:
                 return None  # set-up: over the process group
             group = self.process_group
-            _own.adopt(group)
             # Its timeout is now the bound, or (a torch that cannot change it) what it was made with.
             self._wire_timeout = (
                 self._bound_s() if _own.set_timeout(group, self._bound_s()) else _pg_timeout(group)
             )
             self._attach_wire(weakref.ref(group), self._bound_s())
-            del group
         wire = None if self._wire_ref is None else self._wire_ref()
         if wire is not None and self._wire_timeout is not None:
             now = self._bound_s()  # syncbn's bound, else the process group's timeout
@@ -267,9 +265,9 @@ class FramedTransport(Reporting):
 
     def _attach_wire(self, ref: weakref.ref[Any] | None, bound: float) -> None:
         wire = None if ref is None else ref()
-        _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
         if wire is not None:
             self._release = weakref.finalize(self, _own.release, _own.adopt(wire), bound + 1.0)
+        _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
         self._wire_ref = ref
         self._wire_ready = True
 
