@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import _config
+from .. import _config, _shm
 from . import _own
 from ._errors import _AFTER_FAILURE, CollectiveError, _pg_timeout
 from ._frame import Tag
@@ -160,27 +160,20 @@ class Hierarchy:
                 group.close()
 
 
-def connect(
-    rank: int,
-    size: int,
-    process_group: Any,
-    wanted: bool,
-    able: bool,
-    host_key: float,
-    exchange: Callable[[Tensor], Tensor],
-    make_group: Callable[..., Any],
-) -> Hierarchy | None:
-    """Agree on the hierarchical path and split the group by machine, collectively.
+def connect(group: Any, wanted: bool, able: bool, exchange: Callable[[Tensor], Tensor]) -> Hierarchy | None:
+    """Agree on the hierarchical path and split ``group`` (a ``ProcessGroupSum``) by machine, collectively.
 
     Every rank calls this at the same point (once the flat shared-memory path proved unusable):
     one ``exchange`` (a summing all_reduce over the group) tells every rank every rank's choice
-    (``wanted``), ability (``able``) and machine (``host_key``). ``make_group`` builds a
-    ``ProcessGroupSum`` (passed in: no import cycle). Returns ``None`` on every rank when not
-    wanted, on one machine, or one rank per machine; raises a ``mismatch`` :class:`CollectiveError`
-    on every rank when the ranks chose differently (nothing set up).
+    (``wanted``), ability (``able``) and machine. The parts are made as ``type(group)`` over
+    subgroups of syncbn's own. Returns ``None`` on every rank when not wanted, on one machine, or
+    one rank per machine; raises a ``mismatch`` :class:`CollectiveError` on every rank when the
+    ranks chose differently (nothing set up).
     """
+    rank, size, process_group = group.rank, group.size, group.process_group
     table = torch.zeros(size, 3, dtype=torch.float64)
-    table[rank] = torch.tensor([1.0 if wanted else 0.0, 1.0 if able else 0.0, host_key], dtype=torch.float64)
+    row = [1.0 if wanted else 0.0, 1.0 if able else 0.0, _shm._host_key()]
+    table[rank] = torch.tensor(row, dtype=torch.float64)
     rows = exchange(table).tolist()
     wants = [bool(row[0]) for row in rows]
     if any(wants) and not all(wants):
@@ -203,35 +196,34 @@ def connect(
         machines.setdefault(key, []).append(r)
     if len(machines) < 2 or all(len(members) == 1 for members in machines.values()):
         return None
-    ranks = group_ranks(process_group)
     mine = machines[keys[rank]]
     leaders = [members[0] for members in machines.values()]
     # The subgroups' timeout is syncbn's bound, so gloo gives up an abandoned collective at it too.
     bound = _config.get_timeout()
-    extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     sets = [members for members in machines.values() if len(members) > 1] + [leaders]
     wires = _own.make_sets(process_group, sets, bound if bound is not None else _pg_timeout(process_group))
-    subgroups: dict[tuple[int, ...], Any]
     if wires is None:
-        subgroups = _subgroups(ranks, sets, extra)
+        subgroups = _subgroups(group_ranks(process_group), sets, bound)
     else:
         subgroups = {members: ref() for members, ref in wires.items()}
+    make = type(group)
     local = None
     if len(mine) > 1:
-        local = make_group(subgroups[tuple(mine)], shared_memory=True, hierarchical=False)
+        local = make(subgroups[tuple(mine)], own_group=True, shared_memory=True, hierarchical=False)
     cross = None
     if rank == mine[0]:
-        cross = make_group(subgroups[tuple(leaders)], shared_memory=False, hierarchical=False)
+        cross = make(subgroups[tuple(leaders)], own_group=True, shared_memory=False, hierarchical=False)
     return Hierarchy(local, cross, len(machines), mine[0], size)
 
 
-def _subgroups(ranks: list[int], sets: list[list[int]], extra: dict[str, Any]) -> dict[tuple[int, ...], Any]:
+def _subgroups(ranks: list[int], sets: list[list[int]], bound: float | None) -> dict[tuple[int, ...], Any]:
     """torch's process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks).
 
     The fallback where syncbn's own wires cannot be made. Over the whole job every rank makes
     every subgroup in order; otherwise only each set's members make it (``use_local_synchronization``,
     named after its ranks alone: one hierarchical group per set of ranks of a smaller group).
     """
+    extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     made: dict[tuple[int, ...], Any] = {}
     whole_job = len(ranks) == dist.get_world_size()
     for members in sets:

@@ -242,18 +242,8 @@ class ProcessGroupSum(FramedTransport):
         allowed = _config.shared_memory_enabled() if choice is None else choice
         self._shared = _shm.connect(self._rank, self._size, allowed, exchange)
         if self._shared is None and self._size > 2:  # every rank: they agree on the choice too
-            wanted = _hier.choice(self._hierarchical_choice)
             able = allowed and _shm.supported()
-            self._hier = _hier.connect(
-                self._rank,
-                self._size,
-                self.process_group,
-                wanted,
-                able,
-                _shm._host_key(),
-                exchange,
-                _own_sum_group,
-            )
+            self._hier = _hier.connect(self, _hier.choice(self._hierarchical_choice), able, exchange)
         if self._shared is None and self._hier is None:
             self._make_wire()  # collective: every member is here, just shown alive
         self._calls = calls
@@ -303,8 +293,3 @@ class ProcessGroupSum(FramedTransport):
 
     def __repr__(self) -> str:
         return f"ProcessGroupSum(rank={self._rank}, size={self._size})"
-
-
-def _own_sum_group(process_group: Any, **kwargs: Any) -> ProcessGroupSum:
-    """A ``ProcessGroupSum`` over a subgroup syncbn made for it (the hierarchy's): destroyed with it."""
-    return ProcessGroupSum(process_group, own_group=True, **kwargs)
