@@ -100,11 +100,7 @@ def encode_header(fields: list[int], present: bool) -> list[float]:
     """``[p, p*f0, p*f0^2, ...]`` for one frame (zeros for a shadowing rank)."""
     if not present:
         return [0.0] * HEADER
-    out = [1.0]
-    for f in fields:
-        out.append(float(f))
-        out.append(float(f * f))
-    return out
+    return [1.0] + [float(v) for f in fields for v in (f, f * f)]
 
 
 class Agreement(NamedTuple):
