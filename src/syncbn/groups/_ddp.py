@@ -1,44 +1,11 @@
 """What syncbn watches in the DDP wrappers of a process: a plain ``Join([ddp])``, DDP's own bound.
 
-**A ``Join([ddp])`` without** :class:`syncbn.JoinableSyncBatchNorm` **is refused on every rank
-at once.**
-
-Under ``torch.distributed.algorithms.join.Join``, DDP's join hook shadows DDP's own collectives
-for a rank that ran out of inputs; nothing shadows SyncBatchNorm's, so the ranks still training
-would wait for it in their next SyncBatchNorm collective (before syncbn had groups of its own,
-DDP's shadow all_reduce even met a syncbn frame and gloo aborted the process). A joined rank
-cannot learn of syncbn's collectives from DDP's hook, so the plain ``Join([ddp])`` cannot be
-made exact; it is refused instead, deterministically: ``Join(...)`` sets an enabled
-``_join_config`` on every joinable of its list, on every rank, before the first forward inside
-it. Every framed call of a :class:`~syncbn.groups.ProcessGroupSum` first looks at the
-``DistributedDataParallel`` wrappers of this process that hold syncbn layers (recorded as they
-are built, through torch's module registration hook); one in join mode whose configuration no
-:class:`~syncbn.JoinableSyncBatchNorm` has covered raises :class:`PlainJoinError` there, on
-every rank alike, before anything is sent and before any state changed.
-
-Two forms of ``Join`` are not refused:
-
-* ``Join([ddp], throw_on_early_termination=True)`` (``ddp.join(throw_on_early_termination=True)``,
-  torch's documented pattern for SyncBatchNorm on uneven inputs): no rank ever shadows. The first
-  rank to run out raises DDP's ``Rank k exhausted all inputs`` when it leaves the context, and
-  every other rank raises DDP's ``Detected at least one rank that exhausted inputs`` in DDP's
-  forward, before any SyncBatchNorm collective: exactly as with ``nn.BatchNorm``.
-* a ``Join`` that has ended. ``Join`` leaves its configuration on the DDP model after the
-  context, so the configuration alone cannot tell; syncbn watches the Join's life instead: each
-  recorded DDP wrapper's ``join_hook`` hands ``Join`` a hook of syncbn's that forwards to DDP's,
-  and the ``Join`` has ended once that hook's ``post_hook`` has run or the hook is gone (the
-  ``Join`` object holds it, and is freed when its ``with`` statement ends, normally or through
-  an exception). A later training loop on the same model is therefore never refused.
-
-**DDP's buffer broadcast is bounded by the process group's timeout, not syncbn's.** With
-``broadcast_buffers=True`` (DDP's default) the first collective of every step is DDP's broadcast
-of the module buffers, so a rank frozen *between* steps is found only at the process group's
-timeout (30 minutes by default), whatever ``SYNCBN_TIMEOUT`` says. The first time syncbn meets
-a DDP model with syncbn layers that broadcasts its buffers over a group whose timeout is more
-than twice syncbn's bound, it warns once per process (:class:`UnboundedStepWarning`), naming
-both remedies: a ``timeout=`` in ``init_process_group``, or ``broadcast_buffers=False``
-(``forward_sync_buffers=False`` from torch 2.13) where only batch-norm buffers need it (syncbn
-keeps those equal on every rank).
+A ``Join([ddp])`` without :class:`syncbn.JoinableSyncBatchNorm` is refused on every rank at once
+(:class:`PlainJoinError`, at the first framed call inside it, nothing sent); not refused are
+``throw_on_early_termination=True`` (no rank shadows) and a ``Join`` that has ended (watched
+through its join hook). DDP's buffer broadcast, bounded only by the process group's timeout, is
+warned about once (:class:`UnboundedStepWarning`). See docs/internals/groups.md and
+docs/robustness.md.
 """
 
 from __future__ import annotations
@@ -95,8 +62,7 @@ class _Watched(JoinHook):
 class _JoinHookOf:
     """``join_hook`` of one DDP model (an instance attribute): DDP's hook, handed over watched.
 
-    Holds the model weakly (no reference cycle); a pickled or deep-copied model gets one of its
-    own (``__reduce__``), never one that builds hooks for the original.
+    Holds the model weakly; a pickled or deep-copied model gets one of its own (``__reduce__``).
     """
 
     def __init__(self, ddp: nn.Module) -> None:
@@ -111,11 +77,6 @@ class _JoinHookOf:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_JoinHookOf, (self._ddp(),))
-
-
-def _watch(ddp: nn.Module) -> None:
-    """Make ``ddp.join_hook`` hand ``Join`` a :class:`_Watched` hook."""
-    ddp.__dict__["join_hook"] = _JoinHookOf(ddp)
 
 
 def _join_live(ddp: nn.Module) -> bool:
@@ -133,8 +94,7 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
         _wrappers[:] = [r for r in _wrappers if r() is not None and r() is not parent]
         _wrappers.append(weakref.ref(parent))
         if "join_hook" not in parent.__dict__:
-            _watch(parent)
-    return None
+            parent.__dict__["join_hook"] = _JoinHookOf(parent)  # hands Join a _Watched hook
 
 
 @functools.cache  # once per process

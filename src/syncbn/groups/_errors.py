@@ -1,8 +1,7 @@
 """The errors of :mod:`syncbn.groups`: :class:`CollectiveError` and the words that name the group.
 
-:class:`Reporting` is the part of :class:`~syncbn.groups.ProcessGroupSum` that describes its group
-and builds the errors (a timeout, a failed transport, a mismatch of the frame headers); the wait
-bound they quote comes from here too.
+:class:`Reporting`, a base of :class:`~syncbn.groups.ProcessGroupSum`, describes its group, holds
+the wait bound and builds the errors (a timeout, a failed transport, a header mismatch).
 """
 
 from __future__ import annotations
@@ -34,24 +33,18 @@ _AFTER_FAILURE = (
 class CollectiveError(RuntimeError):
     """A SyncBatchNorm collective timed out, failed, or the ranks made different calls.
 
+    Every argument but ``message`` is kept as the attribute of the same name.
+
     Args:
         message: the full explanation (layer, group, time waited, likely causes).
-        timed_out: see below.
-        waited: see below.
-        group_size: see below.
-        detail: the transport's own error text, if any.
-        layer: see below.
-        mismatch: see below.
-
-    Attributes:
         timed_out: whether the bound on the wait was reached.
         waited: seconds this rank waited.
         group_size: number of ranks in the group.
+        detail: the transport's own error text, if any.
         layer: the layer's name, or ``None`` before the layer is known.
-        mismatch: the ranks made different collectives at the same point (the
-            frame headers disagree); every rank raises it at once, no state
-            changed, and the group stays usable. Else (a timeout, a dead peer)
-            the group is unusable.
+        mismatch: the ranks made different collectives at the same point (the frame headers
+            disagree): every rank raises it at once, no state changed, and the group stays
+            usable. Else (a timeout, a dead peer) the group is unusable.
 
     Example::
 
@@ -111,13 +104,21 @@ def _pg_timeout(process_group: Any) -> float:
 class Reporting:
     """The group in words and the errors that name it (a base of ``ProcessGroupSum``)."""
 
-    _default: bool
-    _live: weakref.ref[Any]
-    _size: int
-    _rank: int
-    _shared: _shm.SharedMemorySum | None
-    _pg_timeout_s: float | None
-    names: dict[int, str]
+    def __init__(self, process_group: Any) -> None:
+        # Held weakly: a destroyed process group must not survive in syncbn.
+        self._default = process_group is None
+        self._live: weakref.ref[Any] = weakref.ref(
+            dist.group.WORLD if process_group is None else process_group
+        )
+        if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (_hier)
+            self._size, self._rank = process_group.size(), process_group.rank()
+        else:
+            self._size = dist.get_world_size(process_group)
+            self._rank = dist.get_rank(process_group)
+        self._shared: _shm.SharedMemorySum | None = None  # set at the first CPU collective
+        self._pg_timeout_s: float | None = None
+        #: identity -> name of the layers seen by this process, for error messages.
+        self.names: dict[int, str] = {}
 
     @property
     def process_group(self) -> Any:
@@ -145,6 +146,10 @@ class Reporting:
         via = ", through shared memory" if self._shared is not None else ""
         return f"{which} of {self._size} ranks (global ranks {ranks}; this is group rank {self._rank}{via})"
 
+    def _refused(self, message: str) -> CollectiveError:
+        """An error for a call refused before anything was sent (not a timeout)."""
+        return CollectiveError(message, timed_out=False, waited=0.0, group_size=self._size)
+
     def _shm_error(self, exc: _shm.SharedMemoryError) -> CollectiveError:
         if exc.mismatch:
             sent = "; ".join(
@@ -160,28 +165,25 @@ class Reporting:
         self, exc: BaseException | None, waited: float, timeout: float | None, failed: str = ""
     ) -> CollectiveError:
         text = "" if exc is None else f"{type(exc).__name__}: {exc}".strip()
-        timed_out = exc is None or "timed out" in text.lower() or "timeout" in text.lower()
-        if timeout is not None and waited >= 0.95 * timeout:
-            timed_out = True
-        if failed:
-            timed_out = False
+        timed_out = not failed and (
+            exc is None
+            or "timed out" in text.lower()
+            or "timeout" in text.lower()
+            or (timeout is not None and waited >= 0.95 * timeout)
+        )
         if timed_out:
             bound = "" if timeout is None else f" (bound: {timeout:g} s{self._bound_source()})"
             head = (
                 f"waited {waited:.1f} s{bound} for the all_reduce over {self.describe()}, "
-                "and not every rank arrived. "
+                f"and not every rank arrived. {_LIKELY_CAUSES}"
             )
-            causes = _LIKELY_CAUSES
-        elif failed:
-            head = f"the all_reduce over {self.describe()} failed after {waited:.1f} s: {failed}. "
-            causes = "Check the other ranks' logs for the first error."
         else:
+            reason = failed or "a peer process most likely died or closed its connection"
             head = (
-                f"the all_reduce over {self.describe()} failed after {waited:.1f} s: "
-                "a peer process most likely died or closed its connection. "
+                f"the all_reduce over {self.describe()} failed after {waited:.1f} s: {reason}. "
+                "Check the other ranks' logs for the first error."
             )
-            causes = "Check the other ranks' logs for the first error."
-        message = f"{head}{causes}{_AFTER_FAILURE}"
+        message = head + _AFTER_FAILURE
         if text and not failed:
             message += f" [{text.splitlines()[0][:300]}]"
         return CollectiveError(

@@ -1,8 +1,6 @@
-"""The frame format of :mod:`syncbn.groups`: the header fields, their encoding and the check.
+"""The frame format of :mod:`syncbn.groups`: constants, :class:`Tag`, the header's encoding and check.
 
-The protocol is walked through in the docstring of :mod:`syncbn.groups`; this module holds its
-constants, the caller's :class:`Tag`, the encoding of the seven header fields into a frame, and the
-verdict on a summed header (:func:`decode_header`), with the words for a disagreement.
+The protocol is described in docs/internals/groups.md.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ class ShadowResult(NamedTuple):
         dtype_code: the participants' payload dtype (:data:`DTYPE_CODES`).
         numel: number of values the participants summed.
         participants: how many ranks contributed (``p = 1``).
-        total: the participants' sum, float64, ``count`` values.
+        total: the participants' sum, float64, ``numel`` values.
     """
 
     tag: Tag
@@ -80,10 +78,8 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def _dtype_name(code: int) -> str:
-    for dtype, c in DTYPE_CODES.items():
-        if c == code:
-            return str(dtype).replace("torch.", "")
-    return "another dtype"
+    names = (str(dtype).replace("torch.", "") for dtype, c in DTYPE_CODES.items() if c == code)
+    return next(names, "another dtype")
 
 
 def header_fields(tag: Tag, code: int, sequence: int, count: int, frame: int) -> list[int]:
@@ -104,11 +100,7 @@ def encode_header(fields: list[int], present: bool) -> list[float]:
     """``[p, p*f0, p*f0^2, ...]`` for one frame (zeros for a shadowing rank)."""
     if not present:
         return [0.0] * HEADER
-    out = [1.0]
-    for f in fields:
-        out.append(float(f))
-        out.append(float(f * f))
-    return out
+    return [1.0] + [float(v) for f in fields for v in (f, f * f)]
 
 
 class Agreement(NamedTuple):

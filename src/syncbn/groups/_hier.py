@@ -1,33 +1,8 @@
 """The hierarchical path of :mod:`syncbn.groups`, for CPU groups that span several machines.
 
-Chosen by ``ProcessGroupSum(..., hierarchical=...)``, else ``SYNCBN_HIERARCHICAL``, else
-:data:`DEFAULT`; the ranks compare their choices at set-up, and ranks that chose differently
-all raise an error that names the setting. At the group's first CPU collective, when the ranks
-are not all on one machine but some machine holds two or more of them, every rank learns every
-rank's machine (the host key of :mod:`syncbn._shm`) and the group splits, collectively and for
-good, into:
-
-* one *machine group* per machine with two or more ranks: a ``ProcessGroupSum`` over a
-  subgroup of that machine's ranks, whose CPU collectives take its shared memory;
-* a *leaders' group*: a ``ProcessGroupSum`` over the lowest rank of every machine, on the
-  process group's own transport (shared memory off: the leaders are on different machines).
-
-A call then takes three steps, each framed and header-checked among its members:
-
-1. the ranks of each machine sum through their shared memory (machine sum);
-2. each leader sums the machine sums with the other leaders over the network, with one value
-   more: 1 from a leader whose machine sum failed, else 0;
-3. each leader hands the total back through a second shared-memory round, in which it
-   contributes the total and its verdict (good, timed out, failed, mismatch) and every other
-   rank zeros: ``x + 0 == x``, so every rank of every machine receives the leaders' bits (the
-   leaders' all_reduce gives every leader the same bits) and the verdict.
-
-The network carries one vector per machine instead of one per rank. Every step carries the
-caller's own header, so a failure (a dead rank, a lost link, a timeout) reaches every rank as
-a failure, never as a disagreement of the calls (``mismatch``): a leader whose machine sum
-failed reports it in step 2, and the leaders report a failed step 2 in step 3; only ranks that
-really made different calls see ``mismatch``. ``shadow_sum`` (DDP ``Join``) is not available
-on a hierarchical group.
+Each machine's ranks sum through shared memory, the machines' leaders sum over the network with a
+status value, and each leader hands the total and its verdict back through shared memory, so a
+failure reaches every rank as a failure, never as a mismatch. See docs/internals/groups.md.
 """
 
 from __future__ import annotations
@@ -40,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import _config
+from .. import _config, _shm
 from . import _own
 from ._errors import _AFTER_FAILURE, CollectiveError, _pg_timeout
 from ._frame import Tag
@@ -58,6 +33,9 @@ _WHAT = {
     _FAILED: "failed: a rank on another machine died, or that machine is unreachable",
     _MISMATCH: "found that the machines made different collectives",
 }
+
+
+_CHECK_LOGS = "Check the other ranks' logs for the first error." + _AFTER_FAILURE
 
 
 def choice(explicit: bool | None) -> bool:
@@ -79,12 +57,8 @@ def _status(exc: CollectiveError) -> int:
 class Hierarchy:
     """This rank's part of a hierarchical group: its machine group and, on a leader, the leaders'.
 
-    Args:
-        local: the machine group (``None`` when this rank is alone on its machine).
-        cross: the leaders' group (``None`` unless this rank leads its machine).
-        machines: number of machines.
-        leader: this machine's leader, as a rank of the whole group.
-        size: number of ranks of the whole group (for the errors).
+    ``local`` is ``None`` for a rank alone on its machine, ``cross`` unless this rank leads its
+    machine; ``leader`` is a rank of the whole group, ``size`` its number of ranks (for the errors).
     """
 
     def __init__(self, local: Any, cross: Any, machines: int, leader: int, size: int = 0) -> None:
@@ -108,10 +82,8 @@ class Hierarchy:
     def all_reduce_sum(self, tensor: Tensor, tag: Tag, host_wait: bool) -> Tensor:
         """Sum ``tensor`` in place over the whole group: machine sum, leaders' sum, hand-back.
 
-        The leaders' sum and the hand-back carry one value more, a status: in the leaders' sum,
-        how many leaders' machine sums failed; in the hand-back, the leader's verdict (good,
-        timed out, failed, mismatch). The headers stay those of the caller's call, so a failure
-        is never taken for a disagreement of the calls.
+        The last two carry one value more: the number of failed machine sums, then the leader's
+        verdict (``_OK``, ...). Every step keeps the caller's header.
         """
         local, cross = self.local, self.cross
         n = tensor.numel()
@@ -146,9 +118,7 @@ class Hierarchy:
                 failed = int(buf[n].item())
                 if failure is None and failed:
                     status, failure = _FAILED, self._other_machines(failed)
-            if local is not None and not local_failed:
-                # (a leader whose own machine sum failed has no hand-back to make: its machine's
-                # ranks raised in that same round)
+            if local is not None and not local_failed:  # else its machine's ranks raised already
                 buf[n] = status
                 try:
                     local._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
@@ -162,28 +132,26 @@ class Hierarchy:
         return tensor
 
     def _other_machines(self, failed: int) -> CollectiveError:
-        return CollectiveError(
-            f"the sum across the machines of a hierarchical group of {self.size} ranks failed: "
+        return self._failed(
             f"{failed} other machine(s) reported a failed sum among their own ranks (a rank there "
-            "died or timed out). Check the other ranks' logs for the first error." + _AFTER_FAILURE,
-            timed_out=False,
-            waited=0.0,
-            group_size=self.size,
+            f"died or timed out). {_CHECK_LOGS}"
         )
 
     def _reported(self, status: int) -> CollectiveError:
-        after = (
-            "No state was changed and the group is still usable."
-            if status == _MISMATCH
-            else "Check the other ranks' logs for the first error." + _AFTER_FAILURE
-        )
-        return CollectiveError(
-            f"the sum across the machines of a hierarchical group of {self.size} ranks failed: this "
-            f"machine's leader (group rank {self.leader}) {_WHAT[status]}. {after}",
+        after = "No state was changed and the group is still usable." if status == _MISMATCH else _CHECK_LOGS
+        return self._failed(
+            f"this machine's leader (group rank {self.leader}) {_WHAT[status]}. {after}",
             timed_out=status == _TIMED_OUT,
+            mismatch=status == _MISMATCH,
+        )
+
+    def _failed(self, what: str, *, timed_out: bool = False, mismatch: bool = False) -> CollectiveError:
+        return CollectiveError(
+            f"the sum across the machines of a hierarchical group of {self.size} ranks failed: {what}",
+            timed_out=timed_out,
             waited=0.0,
             group_size=self.size,
-            mismatch=status == _MISMATCH,
+            mismatch=mismatch,
         )
 
     def close(self) -> None:
@@ -192,44 +160,20 @@ class Hierarchy:
                 group.close()
 
 
-def connect(
-    rank: int,
-    size: int,
-    process_group: Any,
-    wanted: bool,
-    able: bool,
-    host_key: float,
-    exchange: Callable[[Tensor], Tensor],
-    make_group: Callable[..., Any],
-) -> Hierarchy | None:
-    """Agree on the hierarchical path and split the group by machine, collectively.
+def connect(group: Any, wanted: bool, able: bool, exchange: Callable[[Tensor], Tensor]) -> Hierarchy | None:
+    """Agree on the hierarchical path and split ``group`` (a ``ProcessGroupSum``) by machine, collectively.
 
-    Every rank of the group must call this at the same point (once the flat
-    shared-memory path proved unusable). One ``exchange`` (a summing all_reduce
-    over the whole group) tells every rank every rank's choice, whether it can
-    use shared memory, and its machine; the subgroups are then made by their own
-    members only (syncbn's own gloo wires, :func:`syncbn.groups._own.make_sets`).
-
-    Args:
-        rank: this rank's index in the group.
-        size: number of ranks.
-        process_group: the group's process group (``None``: the default group).
-        wanted: this rank's choice (:func:`choice`).
-        able: whether this rank may and can use shared memory.
-        host_key: this rank's machine (:func:`syncbn._shm._host_key`).
-        exchange: sums a float64 tensor over the whole group, in place.
-        make_group: builds a ``ProcessGroupSum`` (passed in: no import cycle).
-
-    Returns:
-        This rank's :class:`Hierarchy`, or ``None`` on every rank (not wanted,
-        one machine, or one rank per machine).
-
-    Raises:
-        CollectiveError: on every rank alike, when the ranks chose differently
-            (``mismatch``: nothing was set up; the next collective asks again).
+    Every rank calls this at the same point (once the flat shared-memory path proved unusable):
+    one ``exchange`` (a summing all_reduce over the group) tells every rank every rank's choice
+    (``wanted``), ability (``able``) and machine. The parts are made as ``type(group)`` over
+    subgroups of syncbn's own. Returns ``None`` on every rank when not wanted, on one machine, or
+    one rank per machine; raises a ``mismatch`` :class:`CollectiveError` on every rank when the
+    ranks chose differently (nothing set up).
     """
+    rank, size, process_group = group.rank, group.size, group.process_group
     table = torch.zeros(size, 3, dtype=torch.float64)
-    table[rank] = torch.tensor([1.0 if wanted else 0.0, 1.0 if able else 0.0, host_key], dtype=torch.float64)
+    row = [1.0 if wanted else 0.0, 1.0 if able else 0.0, _shm._host_key()]
+    table[rank] = torch.tensor(row, dtype=torch.float64)
     rows = exchange(table).tolist()
     wants = [bool(row[0]) for row in rows]
     if any(wants) and not all(wants):
@@ -252,53 +196,40 @@ def connect(
         machines.setdefault(key, []).append(r)
     if len(machines) < 2 or all(len(members) == 1 for members in machines.values()):
         return None
-    ranks = group_ranks(process_group)
     mine = machines[keys[rank]]
     leaders = [members[0] for members in machines.values()]
-    # The subgroups' own timeout is syncbn's bound: a collective abandoned at the bound (a lost
-    # link) is then given up by gloo itself too, so destroying the groups and exiting never wait
-    # for a longer timeout.
+    # The subgroups' timeout is syncbn's bound, so gloo gives up an abandoned collective at it too.
     bound = _config.get_timeout()
-    extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     sets = [members for members in machines.values() if len(members) > 1] + [leaders]
-    # syncbn's own wires over the job's store (only each set's members meet: overlapping user
-    # groups never need a rank outside theirs); torch's subgroups where that is not available.
     wires = _own.make_sets(process_group, sets, bound if bound is not None else _pg_timeout(process_group))
-    subgroups: dict[tuple[int, ...], Any]
     if wires is None:
-        subgroups = _subgroups(ranks, sets, extra)
+        subgroups = _subgroups(group_ranks(process_group), sets, bound)
     else:
         subgroups = {members: ref() for members, ref in wires.items()}
+    make = type(group)
     local = None
     if len(mine) > 1:
-        local = make_group(subgroups[tuple(mine)], shared_memory=True, hierarchical=False)
+        local = make(subgroups[tuple(mine)], own_group=True, shared_memory=True, hierarchical=False)
     cross = None
     if rank == mine[0]:
-        cross = make_group(subgroups[tuple(leaders)], shared_memory=False, hierarchical=False)
+        cross = make(subgroups[tuple(leaders)], own_group=True, shared_memory=False, hierarchical=False)
     return Hierarchy(local, cross, len(machines), mine[0], size)
 
 
-def _subgroups(ranks: list[int], sets: list[list[int]], extra: dict[str, Any]) -> dict[tuple[int, ...], Any]:
-    """The process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks), collectively.
+def _subgroups(ranks: list[int], sets: list[list[int]], bound: float | None) -> dict[tuple[int, ...], Any]:
+    """torch's process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks).
 
-    The fallback where syncbn's own wires cannot be made (no store or group name to meet under).
-
-    Where the group holds every rank of the job, every rank makes every subgroup, in the same
-    order: torch names them by its group count, so a second hierarchy over the same ranks (e.g.
-    ``JoinableSyncBatchNorm``'s) gets subgroups of its own. Otherwise only a subgroup's members
-    make it (``use_local_synchronization``), and torch names it after its ranks alone: there, a
-    second hierarchical group over the same ranks would meet the first one's rendezvous (one
-    hierarchical group per set of ranks of a smaller group).
+    The fallback where syncbn's own wires cannot be made. Over the whole job every rank makes
+    every subgroup in order; otherwise only each set's members make it (``use_local_synchronization``,
+    named after its ranks alone: one hierarchical group per set of ranks of a smaller group).
     """
+    extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     made: dict[tuple[int, ...], Any] = {}
-    if len(ranks) == dist.get_world_size():
-        for members in sets:
-            made[tuple(members)] = dist.new_group([ranks[r] for r in members], **extra)
-        return made
-    me = dist.get_rank()
+    whole_job = len(ranks) == dist.get_world_size()
     for members in sets:
-        if me in [ranks[r] for r in members]:
-            made[tuple(members)] = dist.new_group(
-                [ranks[r] for r in members], use_local_synchronization=True, **extra
-            )
+        members_global = [ranks[r] for r in members]
+        if whole_job:
+            made[tuple(members)] = dist.new_group(members_global, **extra)
+        elif dist.get_rank() in members_global:
+            made[tuple(members)] = dist.new_group(members_global, use_local_synchronization=True, **extra)
     return made

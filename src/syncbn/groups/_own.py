@@ -1,41 +1,10 @@
-"""Process groups of syncbn's own: made with syncbn's bound, destroyed with their parent and at exit.
+"""Process groups of syncbn's own ("wires"): made with syncbn's bound, destroyed in order.
 
-Why a group of its own. Gloo gives up on a collective at its *group's* timeout: a bounded
-``work.wait(timeout=...)`` returns to Python at syncbn's bound, but the ``all_reduce`` stays on
-gloo's worker thread until the group's timeout (torch's default: 30 minutes), and
-``destroy_process_group()``, ``~ProcessGroupGloo`` and so interpreter exit wait for it (measured on
-torch 2.2.2 and 2.13: exit 30 s after a 2 s bound with a 30 s group timeout). So each
-:class:`~syncbn.groups.ProcessGroupSum` without shared memory runs its CPU collectives over a
-*wire* of its own (:func:`make`), made right after its set-up (a collective point every member
-reaches in the same order, just shown alive) with syncbn's bound as its timeout: gloo itself then
-gives up at the bound, and recovery or exit take seconds. Where gloo takes a changed timeout
-(torch 2.13 and later, :data:`CARRIES_TIMEOUT`), a later :func:`syncbn.set_timeout` is carried
-over to the wire. The wire also keeps syncbn's frames apart from DDP's and the user's collectives.
-
-A wire is a bare ``dist.ProcessGroupGloo`` whose members meet in the job's store under
-``syncbn/wire/<the parent group's name>/<generation>/<members>/``: the parent's name is the same
-on every member, and the generation counts the wires this process made over that parent, which
-every member makes at the same collective points. Nothing else takes part: unlike
-``dist.new_group`` (a collective of the whole job, or, with local synchronisation, a name derived
-from each rank's own count of groups, which differs between ranks of overlapping groups), a wire
-never needs a rank outside its group. Wires are not registered with ``torch.distributed``.
-Meeting takes two bounded steps (:func:`_connect`): a presence check in the store with the bound,
-then gloo's connection with a fifth of it (gloo waits five times a group's timeout for a pair's
-first connection), the timeout raised to the bound once connected.
-
-Teardown (found with gdb on torch 2.2.2: the exit hang of issue 23). When Python drops a tensor
-that a gloo work still holds, the tensor keeps its Python object alive, and gloo's worker thread,
-when it releases the finished work, must take the GIL to free it. If at that moment the main
-thread destroys the group (``~ProcessGroupGloo`` joins the worker threads, holding the GIL: a
-``destroy_process_group()``, an ``atexit`` handler, interpreter finalisation), neither moves again.
-So syncbn hands gloo only tensors that outlive the group: each group's frames are kept here
-(:func:`keep`) with the group, and :func:`release` destroys a group in order: it waits (the GIL
-released) for the works syncbn gave up on, destroys the group, drops the last reference to it
-(its worker threads are joined then, with nothing left for them to free), and only then drops
-its frames. syncbn holds these groups only here (a :class:`~syncbn.groups.ProcessGroupSum` holds
-a weak reference and releases its group when it closes or is collected), and releases every one
-still alive at exit (``atexit``, before finalisation). syncbn puts no Python callback on any
-work or future.
+Gloo gives up on a collective only at its group's timeout, and destroying the group (so exiting)
+waits for it; a wire is a bare ``dist.ProcessGroupGloo`` over a group's members, not registered
+with ``torch.distributed``, whose timeout is syncbn's bound. Groups are held only here, with the
+tensors handed to them, and :func:`release` destroys them in order (works, group, then tensors):
+the exit deadlock this avoids, and how the members meet, are in docs/internals/groups.md.
 """
 
 from __future__ import annotations
@@ -57,7 +26,6 @@ __all__ = [
     "make_sets",
     "wire_ranks",
     "adopt",
-    "key_of",
     "keep",
     "owned",
     "set_timeout",
@@ -66,16 +34,14 @@ __all__ = [
     "release_all",
 ]
 
-# key -> [a group syncbn made or adopted, the tensors handed to it, the pid that made it]; keys
-# are serial numbers, never reused (an id() can recur once its object is gone).
+# key (a serial number: an id() can recur) -> [a group syncbn made or adopted, its tensors, its pid].
 _kept: dict[int, list[Any]] = {}
 _keys: dict[int, int] = {}  # id(group) -> its key, while the group is held
 _serial = itertools.count(1)
 _ranks: dict[int, list[int]] = {}  # key -> the global ranks of a wire made here (make_sets)
-# Tensors handed to a group that is not syncbn's (a process group without gloo), and in a forked
-# child the parent's groups: kept for good (never freed by a thread that must wait for another).
+# Tensors handed to a group that is not syncbn's, and in a forked child the parent's groups: kept for good.
 _forever: list[Any] = []
-# Works given up on, with the tensor each holds, until they finish (see the module docstring).
+# Works given up on, with the tensor each holds, until they finish.
 _abandoned: list[tuple[Any, Tensor]] = []
 
 
@@ -91,8 +57,7 @@ def _gloo_backend(process_group: Any) -> Any:
     return backend if isinstance(backend, dist.ProcessGroupGloo) else None
 
 
-# Parent group's name -> how many wires this process made over it: the members of a group make
-# its wires at the same collective points, in the same order, so they agree on this count.
+# Parent group's name -> wires this process made over it (every member makes them at the same points).
 _generations: dict[str, int] = {}
 
 
@@ -111,15 +76,8 @@ def _store_for(parent: Any) -> tuple[Any, str] | None:
 def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
     """A gloo wire over ``parent``'s members, ``timeout_s`` its timeout (a weak reference), or ``None``.
 
-    A bare ``dist.ProcessGroupGloo`` meeting in the job's store (see the module docstring),
-    invisible to the user's group lookups, destroyed by :func:`release`. Collective over the
-    parent's members: each must call it at the same point (right after the
-    group's first collective, which showed every member present). ``None`` where the parent has
-    no gloo CPU backend (MPI, NCCL only) or torch's internals differ: the parent then carries
-    the CPU collectives.
-
-    Raises:
-        RuntimeError: the members did not all meet within ``timeout_s`` (gloo's error).
+    Collective over the parent's members. ``None`` where the parent has no gloo CPU backend (MPI,
+    NCCL only) or torch's internals differ; a ``RuntimeError`` when the members did not all meet.
     """
     if _gloo_backend(parent) is None:
         return None
@@ -133,12 +91,8 @@ def make_sets(
 ) -> dict[tuple[int, ...], weakref.ref[Any]] | None:
     """Wires over several sets of ``parent``'s members (group ranks), those this rank belongs to.
 
-    As :func:`make` (every member of ``parent`` calls it at the same point, with the same
-    ``sets``), but each set's members meet only each other. ``None`` where torch's internals
-    differ (no store or group name to meet under).
-
-    Returns:
-        set (a tuple of group ranks) -> a weak reference to its wire, for the sets holding this rank.
+    As :func:`make`, with the same ``sets`` on every member; each set's members meet only each
+    other. Returns set (a tuple of group ranks) -> a weak reference to its wire, or ``None``.
     """
     found = _store_for(parent)
     if found is None:
@@ -161,23 +115,16 @@ def make_sets(
 
 
 # Gloo waits up to five times a group's timeout for a pair's first connection (``waitUntil`` in
-# gloo/transport/tcp/pair.h, since 2020): a member lost between publishing its address and
-# connecting would hold the others in the constructor for 5x syncbn's bound (seen: 38 s and more
-# with a 10 s bound).
+# gloo/transport/tcp/pair.h): a member lost before connecting would hold the others for 5x the bound.
 _CONNECT_WAITS = 5
 
 
 def _connect(store: Any, rank: int, size: int, timeout_s: float) -> Any:
-    """A gloo group over ``store`` whose members all meet within ``timeout_s`` each way, or an error.
+    """A gloo group over ``store`` whose members all meet within ``timeout_s``, or an error.
 
-    Two bounded steps. First every member marks itself present and waits for the others
-    (``store.wait`` with the bound: the store's own timeout, 30 minutes by default, never
-    applies). Then gloo connects the pairs with a timeout of ``timeout_s / 5``, so that its
-    initial-connect wait (five times the timeout) also ends at the bound; the group's timeout is
-    then raised to ``timeout_s`` for its collectives. Where torch cannot change a gloo group's
-    timeout (before 2.13, :data:`CARRIES_TIMEOUT`) the group is made with ``timeout_s``: a member
-    lost in the milliseconds between the presence check and its connection is then found at up
-    to five times the bound.
+    A presence check in the store with the bound, then gloo's connection with ``timeout_s / 5``
+    (its initial-connect wait is five times that), the timeout raised to ``timeout_s`` after.
+    Where torch cannot change it (:data:`CARRIES_TIMEOUT`) the group is made with ``timeout_s``.
     """
     here = [f"here/{r}" for r in range(size)]
     store.set(here[rank], "1")
@@ -228,9 +175,7 @@ def owned(group: Any) -> bool:
 
 
 # Whether a changed timeout reaches gloo's waits: checked on torch 2.13 and 2.15. On 2.8 the setter
-# (``ProcessGroupGloo._set_default_timeout``) exists but gloo keeps the timeout the group was made
-# with (measured: a recv still timed out at the old 1.5 s after the bound went to 6 s); 2.2 has no
-# setter. Releases between 2.8 and 2.13 were not checked: treated as not carrying (stated, warned).
+# exists but gloo keeps the old timeout (measured); 2.2 has none; releases in between: treated as 2.8.
 CARRIES_TIMEOUT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
@@ -288,18 +233,8 @@ def _registered(group: Any) -> bool:
         return False
 
 
-def key_of(group: Any) -> int:
-    """The key :func:`release` takes for one of syncbn's groups (``adopt`` records it)."""
-    return adopt(group)
-
-
 def release(key: int, limit_s: float) -> None:
-    """Destroy syncbn's group ``key`` in order: works, group, then its frames.
-
-    Args:
-        key: the group's key (:func:`key_of`).
-        limit_s: the longest wait for its abandoned works (each ends at the group's timeout).
-    """
+    """Destroy group ``key`` (:func:`adopt`) in order: its works (``limit_s`` at most), group, frames."""
     entry = _kept.pop(key, None)
     _ranks.pop(key, None)
     if entry is None:

@@ -47,14 +47,10 @@ def resolve(process_group: Any) -> SumGroup | None:
 
 
 def forget_destroyed() -> int:
-    """Drop (and close) the cached groups of process groups that no longer exist.
+    """Drop (and close) the cached groups of destroyed process groups; how many were dropped.
 
-    Runs by itself whenever :func:`resolve` meets a group it has not seen, or
-    ``torch.distributed`` is no longer initialised: after
-    ``destroy_process_group()`` nothing of the old group survives in syncbn.
-
-    Returns:
-        How many cached groups were dropped.
+    :func:`resolve` runs it on meeting a new group, or once ``torch.distributed`` is no longer
+    initialised: after ``destroy_process_group()`` nothing of the old group survives in syncbn.
     """
     live: set[int] = set()
     if dist.is_available() and dist.is_initialized():

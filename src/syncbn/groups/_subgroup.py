@@ -1,17 +1,7 @@
 """Groups of ``k`` consecutive ranks, or of one machine's ranks: :func:`subgroup`.
 
-``torch.distributed.new_group`` is collective over the whole job: every rank must
-create every subgroup, in the same order, or the job hangs (pytorch#48804). This
-module does that once per setting and default group: each rank creates all
-``W / k`` groups (or one group per machine) in rank order, keeps its own, and
-caches it, so a second call (another layer, ``convert_sync_batchnorm`` again) is
-free and never collective. The cache belongs to the default group it was made
-under: after ``destroy_process_group()`` (which destroys the subgroups too) the
-next call creates fresh groups in the new job.
-
-Machines are told apart by the same key as :mod:`syncbn._shm` uses for its
-shared-memory segments (host name, boot id and PID namespace): ranks in two
-containers of one host are two machines, as they cannot share memory.
+Made safely (every rank creates every group, in the same order) and cached per setting for the
+life of the default group. See docs/internals/groups.md.
 """
 
 from __future__ import annotations
@@ -43,11 +33,9 @@ def _check_size(size: Any, world: int) -> None:
 
 
 def _exchange(size: Any, world: int) -> list[list[int]]:
-    """Every rank's request and machine, exchanged over the default group (one ``all_gather_object``).
+    """The member sets to create, in rank order, from every rank's request and machine (collective).
 
-    Returns the member sets to create, in rank order: ``W / k`` runs of ``k`` ranks, or the
-    ranks of each machine. Raises on every rank alike when the ranks asked for different
-    sizes, or for a size that does not divide the world size.
+    Raises on every rank alike when the ranks asked for different sizes, or for an invalid one.
     """
     mine = (repr(size), _shm._host_key())
     everyone: list[Any] = [None] * world
@@ -70,36 +58,29 @@ def _exchange(size: Any, world: int) -> list[list[int]]:
 def subgroup(size: int | str) -> Any:
     """This rank's process group of ``size`` consecutive ranks, or of this machine's ranks.
 
-    Every rank of the job must call it (it is collective the first time, as
-    ``torch.distributed.new_group``); the ranks first compare their ``size``
-    (one ``all_gather_object``, which also tells them each other's machine), then
-    each rank creates every group in the same order, so no rank hangs waiting for
-    a group another rank never makes. The
-    result is cached per ``size`` for the life of the default group: later calls
-    return the same group without communicating. The groups are destroyed with
-    the default group (``destroy_process_group()``).
+    Every rank of the job must call it: the first time it is collective (the ranks compare their
+    ``size`` in one ``all_gather_object``, then each creates every group in the same order, so
+    none hangs on a group another never makes). The result is cached per ``size`` for the life of
+    the default group (later calls do not communicate) and destroyed with it.
 
-    Use the result as ``process_group=`` of any syncbn layer (or of
-    ``torch.distributed`` calls); :func:`syncbn.convert_sync_batchnorm` takes
-    ``group_size=`` as the one-line form. A group whose ranks share one machine
-    synchronises through shared memory like the default group.
+    Use the result as ``process_group=`` of any syncbn layer (or of ``torch.distributed`` calls);
+    :func:`syncbn.convert_sync_batchnorm` takes ``group_size=`` as the one-line form. A group whose
+    ranks share one machine synchronises through shared memory like the default group.
 
     Args:
-        size: ``k``, a group size that divides the world size (ranks
-            ``[i*k, (i+1)*k)`` form group ``i``; ``k`` = world size is the default
-            group, ``k = 1`` makes each rank its own group: plain BatchNorm), or
-            ``"node"``: the ranks on this machine, as syncbn's shared memory sees
-            machines (host name, boot id and PID namespace).
+        size: ``k``, a group size that divides the world size (ranks ``[i*k, (i+1)*k)`` form
+            group ``i``; ``k`` = world size is the default group, ``k = 1`` makes each rank its
+            own group: plain BatchNorm), or ``"node"``: the ranks on this machine, as syncbn's
+            shared memory sees machines (host name, boot id and PID namespace).
 
     Returns:
-        This rank's ``torch.distributed.ProcessGroup``; the default group when
-        the group holds every rank.
+        This rank's ``torch.distributed.ProcessGroup``; the default group when it holds every rank.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError: ``size`` does not divide the world size (the message names
-            both), or the ranks asked for different sizes (named per rank); raised
-            on every rank alike, before any group is made.
+        ValueError: ``size`` does not divide the world size (the message names both), or the
+            ranks asked for different sizes (named per rank); on every rank alike, before any
+            group is made.
         TypeError: ``size`` is neither an int nor ``"node"`` (on every rank alike).
 
     Example::

@@ -1,8 +1,7 @@
 """``ProcessGroupSum``: the :class:`~syncbn.groups.SumGroup` over a ``torch.distributed`` process group.
 
-It chooses the transport per call (the shared memory of :mod:`syncbn._shm` for CPU tensors of
-same-machine ranks, else the process group's frames, :mod:`._transport`), counts the calls (the
-header's sequence field) and guards its lifecycle (forked children, destroyed groups).
+It chooses the transport per call (shared memory, the hierarchy, or the process group's frames),
+counts the calls (the header's sequence field) and guards its lifecycle (forks, destroyed groups).
 """
 
 from __future__ import annotations
@@ -12,26 +11,22 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import _config, _shm
 from . import _ddp, _hier
-from ._errors import CollectiveError
 from ._frame import (
     ANONYMOUS,
     FAST_DTYPES,
-    HEADER,
     PAYLOAD,
     PHASE_CHECK,
     PHASE_SETUP,
     ShadowResult,
     Tag,
     dtype_code,
-    encode_header,
     header_fields,
 )
-from ._transport import FramedTransport, _Pending
+from ._transport import FramedTransport
 
 # Set in a child process by os.register_at_fork: groups made before the fork are the parent's.
 _pid = os.getpid()
@@ -51,23 +46,19 @@ class ProcessGroupSum(FramedTransport):
 
     Args:
         process_group: the group, or ``None`` for the default (world) group.
-        shared_memory: ``False`` keeps CPU collectives on the process group's
-            transport even where every rank is on one machine; ``None`` follows
-            :func:`syncbn.set_shared_memory` / ``SYNCBN_SHM`` (on by default).
-            Either way the ranks agree collectively at the first CPU collective.
-        hierarchical: for a group spanning several machines, sum within each
-            machine through shared memory and across machines over a leaders'
-            subgroup (:mod:`syncbn.groups._hier`); ``None`` follows
-            ``SYNCBN_HIERARCHICAL`` (on by default: measured faster than the flat path
-            across machines). Every rank must choose alike (else every rank raises).
-        own_group: ``process_group`` is one syncbn made for this group alone (the
-            ``Join`` group, the hierarchy's subgroups): its frames go over it directly
-            (no group of its own is made), and it is destroyed when this group closes.
+        shared_memory: ``False`` keeps CPU collectives on the process group's transport even
+            where every rank is on one machine; ``None`` follows :func:`syncbn.set_shared_memory`
+            / ``SYNCBN_SHM`` (on by default). The ranks agree at the first CPU collective.
+        hierarchical: for a group spanning several machines, sum within each machine through
+            shared memory and across machines over a leaders' subgroup; ``None`` follows
+            ``SYNCBN_HIERARCHICAL`` (on by default). Every rank must choose alike (else every
+            rank raises).
+        own_group: ``process_group`` is one syncbn made for this group alone (the ``Join``
+            group, the hierarchy's subgroups): its frames go over it directly, and it is
+            destroyed when this group closes.
 
-    CPU frames travel over a gloo group of this group's own, made at its first CPU
-    collective with the wait bound as its timeout (:mod:`syncbn.groups._own`): gloo itself
-    then gives up at the bound, so a process can recover or exit within seconds of a
-    :class:`CollectiveError`, and syncbn's collectives never meet DDP's.
+    CPU frames travel over a gloo group of this group's own whose timeout is the wait bound, so
+    a process can recover or exit within seconds of a :class:`CollectiveError`.
 
     Example::
 
@@ -85,47 +76,18 @@ class ProcessGroupSum(FramedTransport):
         hierarchical: bool | None = None,
         own_group: bool = False,
     ) -> None:
-        # Held weakly: a destroyed process group must not survive in syncbn (its sockets, its fds).
-        self._default = process_group is None
-        self._live: weakref.ref[Any] = weakref.ref(
-            dist.group.WORLD if process_group is None else process_group
-        )
-        self._shared_memory_choice = shared_memory
-        if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (_hier)
-            self._size, self._rank = process_group.size(), process_group.rank()
-        else:
-            self._size = dist.get_world_size(process_group)
-            self._rank = dist.get_rank(process_group)
+        super().__init__(process_group, own_group)
         self._owner = _pid
-        # Same-machine shared-memory path for CPU tensors: connected on the first CPU collective.
-        self._shared: _shm.SharedMemorySum | None = None
+        # The CPU transports (shared memory, the hierarchy), chosen collectively at the first CPU collective.
+        self._shared_memory_choice = shared_memory
         self._shared_ready = False
-        # Several machines (the default): machine groups through shared memory, leaders over the network.
         self._hierarchical_choice = hierarchical
         self._hier: _hier.Hierarchy | None = None
-        self._calls = 0  # framed calls made (the header's sequence field)
         self._fields: dict[tuple[Tag, torch.dtype, int], list[int]] = {}  # see _framed
-        self._frame_cpu: Tensor | None = None
-        self._frame_bytes = bytearray()
-        self._frame_words: Any = None  # a float64 memoryview of _frame_bytes
-        self._payload_views: dict[Any, Tensor] = {}
-        self._dirty = 0  # payload values of _frame_cpu that may be non-zero
-        self._pending: list[_Pending] = []
-        self._pg_timeout_s: float | None = None
-        self._own_group = own_group
-        self._wire_ref: weakref.ref[Any] | None = None  # the group carrying the CPU frames (_cpu_wire)
-        self._release: Any = None  # releases it (syncbn.groups._own.release) when this group goes
-        self._wire_ready = False
-        self._wire_timeout: float | None = None
-        self._wire_stuck: float | None = None  # a bound this torch could not carry to the wire (warned)
-        #: identity -> name of the layers seen by this process, for error messages.
-        self.names: dict[int, str] = {}
         #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).
         self.layer_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        #: ordinals handed out so far (never reused: a collected layer's number is not given again,
-        #: so the numbering follows the order of first calls, whenever other layers are collected).
+        #: ordinals handed out so far (never reused, so the numbering follows the order of first calls).
         self.layer_ordinals = 0
-        self.last_participants = self._size
         self.closed = False
 
     @property
@@ -138,11 +100,8 @@ class ProcessGroupSum(FramedTransport):
 
     @property
     def key(self) -> Any:
-        """The live process group object, for "already verified" bookkeeping (a re-initialised
-        default group is a new object); ``None`` once it was destroyed."""
+        """The live process group object (``None`` once destroyed), for "already verified" bookkeeping."""
         return self._live()
-
-    # ------------------------------------------------------------------ public API
 
     def all_reduce_sum(
         self, tensor: Tensor, tag: Tag | None = None, *, deferred: bool | None = None
@@ -150,21 +109,20 @@ class ProcessGroupSum(FramedTransport):
         """Sum ``tensor`` in place over the group, framed and checked, waiting at most the bound.
 
         Args:
-            tensor: the values to sum (any shape; float64, float32, float16 or
-                bfloat16); overwritten with the sum.
+            tensor: the values to sum (any shape; float64, float32, float16 or bfloat16);
+                overwritten with the sum.
             tag: the call's identity (:class:`Tag`); ``None``: anonymous.
-            deferred: check the summed header at the next call instead of now
-                (no device-to-host synchronisation); ``None``: deferred for
-                accelerator tensors outside debug mode.
+            deferred: check the summed header at the next call instead of now (no
+                device-to-host synchronisation); ``None``: deferred for accelerator tensors
+                outside debug mode.
 
         Returns:
             ``tensor``, now holding the sum.
 
         Raises:
-            CollectiveError: the ranks made different calls (``mismatch``; every
-                rank, the group stays usable), the wait exceeded the bound, or
-                the transport failed (a peer died); the group is unusable after
-                the latter two.
+            CollectiveError: the ranks made different calls (``mismatch``; every rank, the group
+                stays usable), the wait exceeded the bound, or the transport failed (a peer
+                died); the group is unusable after the latter two.
 
         Shape:
             any; the result has the shape of ``tensor``.
@@ -172,10 +130,9 @@ class ProcessGroupSum(FramedTransport):
         return self._framed(tensor, tag or ANONYMOUS, present=True, host_wait=False, deferred=deferred)
 
     def all_reduce_sum_bounded(self, tensor: Tensor, *, host_wait: bool, tag: Tag | None = None) -> Tensor:
-        """:meth:`all_reduce_sum`, optionally bounding the wait on the host for any device.
+        """:meth:`all_reduce_sum`, optionally bounding the wait (and checking the header) on the host.
 
-        The consistency checks use this with ``host_wait=True`` (and check the
-        header at once): they read the result on the host anyway.
+        The consistency checks use ``host_wait=True``: they read the result on the host anyway.
 
         Args:
             tensor: the values to sum; overwritten with the sum.
@@ -193,48 +150,39 @@ class ProcessGroupSum(FramedTransport):
     def shadow_sum(self, device: torch.device | str = "cpu") -> ShadowResult | None:
         """Take part in the other ranks' next framed call without contributing (DDP ``Join``).
 
-        Sends absent frames (flag 0, zero payload): the participants' check
-        counts only them, and their sum is unchanged. The first summed frame
-        tells this rank the call's tag, dtype and size, and so how many frames
-        follow; this rank sends that many. A host read, whatever the device
-        (a shadowing rank has nothing else to do).
+        Sends absent frames (flag 0, zero payload), so the participants' check and sum are
+        unchanged; the first summed frame tells this rank the call's tag, dtype and size, and so
+        how many frames follow. Always read on the host.
 
         Args:
-            device: where the frames live (the device the participants use:
-                ``cpu`` for gloo, the rank's GPU for NCCL).
+            device: the device the participants use (``cpu`` for gloo, the rank's GPU for NCCL).
 
         Returns:
-            What was shadowed, or ``None`` when no rank participated (every
-            rank is shadowing: the joined ranks are done).
+            What was shadowed, or ``None`` when no rank participated (the joined ranks are done).
 
         Raises:
-            CollectiveError: as :meth:`all_reduce_sum`, and when the
-                participants themselves disagree.
+            CollectiveError: as :meth:`all_reduce_sum`, and when the participants disagree.
         """
         dev = torch.device(device)
         self._enter()
         if self._hier is not None:
-            raise CollectiveError(
-                f"shadow_sum (DDP Join) is not available on a hierarchical group ({self.describe()})",
-                timed_out=False,
-                waited=0.0,
-                group_size=self._size,
+            raise self._refused(
+                f"shadow_sum (DDP Join) is not available on a hierarchical group ({self.describe()})"
             )
         self._calls += 1
-        if dev.type == "cpu" and self._shared_path() is not None:
-            shared = self._shared
-            assert shared is not None
-            try:
-                got = shared.shadow(self._bound_s())
-            except _shm.SharedMemoryError as exc:
-                raise self._shm_error(exc) from exc
-            if got is None:
-                self.last_participants = 0
-                return None
-            fields, k, total = got
-            self.last_participants = k
-            return self._shadow_result(fields, k, total)
-        return self._shadow_process_group(dev)
+        shared = None
+        if dev.type == "cpu":
+            shared = self._shared if self._shared_ready else self._connect_shared()
+        if shared is None:
+            return self._shadow_process_group(dev)
+        try:
+            got = shared.shadow(self._bound_s())
+        except _shm.SharedMemoryError as exc:
+            raise self._shm_error(exc) from exc
+        if got is None:
+            self.last_participants = 0
+            return None
+        return self._shadow_result(*got)
 
     @property
     def hierarchical(self) -> bool:
@@ -265,34 +213,22 @@ class ProcessGroupSum(FramedTransport):
         if self._release is not None:
             self._release()  # destroys the group carrying the frames, in order (see _own)
 
-    # ------------------------------------------------------------------ per call
-
     def _enter(self) -> None:
         if self._owner != _pid:
-            raise CollectiveError(
+            raise self._refused(
                 f"this process (pid {_pid}) was forked from pid {self._owner} after the SyncBatchNorm "
                 f"group over {self.describe()} was set up; a forked child cannot take part in its "
                 "parent's collectives (it would silently join them). Initialise a process group of "
-                "the child's own (or use the 'spawn' start method).",
-                timed_out=False,
-                waited=0.0,
-                group_size=self._size,
+                "the child's own (or use the 'spawn' start method)."
             )
         if self.closed or self._live() is None:
-            raise CollectiveError(
-                f"the SyncBatchNorm group over {self.describe()} was closed (its process group was "
-                "destroyed)",
-                timed_out=False,
-                waited=0.0,
-                group_size=self._size,
+            raise self._refused(
+                f"the SyncBatchNorm group over {self.describe()} was closed (its process group was destroyed)"
             )
         if self._pending:
             self._check_ready()
         if _ddp._wrappers and not self._own_group:
             _ddp.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
-
-    def _shared_path(self) -> _shm.SharedMemorySum | None:
-        return self._shared if self._shared_ready else self._connect_shared()
 
     def _connect_shared(self) -> _shm.SharedMemorySum | None:
         """Set up the shared-memory path (collective: every rank's first CPU collective on this group)."""
@@ -306,20 +242,10 @@ class ProcessGroupSum(FramedTransport):
         allowed = _config.shared_memory_enabled() if choice is None else choice
         self._shared = _shm.connect(self._rank, self._size, allowed, exchange)
         if self._shared is None and self._size > 2:  # every rank: they agree on the choice too
-            wanted = _hier.choice(self._hierarchical_choice)
             able = allowed and _shm.supported()
-            self._hier = _hier.connect(
-                self._rank,
-                self._size,
-                self.process_group,
-                wanted,
-                able,
-                _shm._host_key(),
-                exchange,
-                _own_sum_group,
-            )
+            self._hier = _hier.connect(self, _hier.choice(self._hierarchical_choice), able, exchange)
         if self._shared is None and self._hier is None:
-            self._make_wire()  # the CPU frames' own gloo group: every member is here, just shown alive
+            self._make_wire()  # collective: every member is here, just shown alive
         self._calls = calls
         self._shared_ready = True
         return self._shared
@@ -341,8 +267,7 @@ class ProcessGroupSum(FramedTransport):
                         self._fields.clear()
                     fields = self._fields[key] = header_fields(tag, dtype_code(tensor.dtype), 0, n, 0)
                 fields[3] = self._calls & 0xFFFF
-                # A contiguous tensor goes as a flat view: the exchange's one-round path (a (2, C)
-                # backward sum otherwise takes its general one, ~2 us dearer).
+                # A contiguous tensor goes flat: the exchange's one-round path (~2 us cheaper).
                 flat = tensor if tensor.dim() == 1 or not tensor.is_contiguous() else tensor.view(-1)
                 try:
                     shared.all_reduce_sum(flat, self._bound_s(), fields)
@@ -352,7 +277,6 @@ class ProcessGroupSum(FramedTransport):
                 return tensor
             if self._hier is not None:
                 return self._hier.all_reduce_sum(tensor, tag, host_wait)
-        code = dtype_code(tensor.dtype)
         if deferred is None:
             deferred = tensor.device.type != "cpu" and not host_wait and not _config.debug_enabled()
         if (
@@ -364,28 +288,8 @@ class ProcessGroupSum(FramedTransport):
             and not tensor.requires_grad
             and tensor.is_contiguous()
         ):
-            return self._one_cpu_frame(tensor, tag, code, n, host_wait)
-        flat = tensor.reshape(-1)
-        frames = max(1, -(-n // PAYLOAD))
-        for i in range(frames):
-            lo, hi = i * PAYLOAD, min(n, (i + 1) * PAYLOAD)
-            mine = header_fields(tag, code, self._calls, n, i)
-            frame = self._frame(tensor.device, encode_header(mine, present), flat[lo:hi])
-            self._all_reduce_process_group(frame, host_wait=host_wait)
-            summed = frame[:HEADER]
-            if deferred:
-                self._defer(summed, mine, tag)
-            else:
-                self._verify(summed.tolist(), mine, tag, deferred=False)
-            flat[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
-        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-            tensor.copy_(flat.view_as(tensor))
-        return tensor
+            return self._one_cpu_frame(tensor, tag, dtype_code(tensor.dtype), n, host_wait)
+        return self._frames(tensor, tag, present=present, host_wait=host_wait, deferred=deferred)
 
     def __repr__(self) -> str:
         return f"ProcessGroupSum(rank={self._rank}, size={self._size})"
-
-
-def _own_sum_group(process_group: Any, **kwargs: Any) -> ProcessGroupSum:
-    """A ``ProcessGroupSum`` over a subgroup syncbn made for it (the hierarchy's): destroyed with it."""
-    return ProcessGroupSum(process_group, own_group=True, **kwargs)

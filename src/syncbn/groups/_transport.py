@@ -47,20 +47,22 @@ class _Pending(NamedTuple):
 class FramedTransport(Reporting):
     """Framed ``all_reduce`` over the process group (a base of ``ProcessGroupSum``)."""
 
-    _calls: int
-    _frame_cpu: Tensor | None
-    _frame_bytes: bytearray
-    _frame_words: Any
-    _payload_views: dict[Any, Tensor]
-    _dirty: int
-    _pending: list[_Pending]
-    _own_group: bool
-    _wire_ref: weakref.ref[Any] | None
-    _release: Any
-    _wire_ready: bool
-    _wire_timeout: float | None
-    _wire_stuck: float | None
-    last_participants: int
+    def __init__(self, process_group: Any, own_group: bool) -> None:
+        super().__init__(process_group)
+        self._calls = 0  # framed calls made (the header's sequence field)
+        self._frame_cpu: Tensor | None = None
+        self._frame_bytes = bytearray()
+        self._frame_words: Any = None  # a float64 memoryview of _frame_bytes
+        self._payload_views: dict[Any, Tensor] = {}
+        self._dirty = 0  # payload values of _frame_cpu that may be non-zero
+        self._pending: list[_Pending] = []
+        self._own_group = own_group
+        self._wire_ref: weakref.ref[Any] | None = None  # the group carrying the CPU frames (_cpu_wire)
+        self._release: Any = None  # releases it (syncbn.groups._own.release) when this group goes
+        self._wire_ready = False
+        self._wire_timeout: float | None = None
+        self._wire_stuck: float | None = None  # a bound this torch could not carry to the wire (warned)
+        self.last_participants = self._size
 
     def check_pending(self) -> None:
         """Check every deferred header now (waits for their copies to land).
@@ -163,6 +165,7 @@ class FramedTransport(Reporting):
         raise self._mismatch(text)
 
     def _shadow_result(self, fields: list[int], k: int, total: Tensor) -> ShadowResult:
+        self.last_participants = k
         tag = Tag((fields[0] << 16) | fields[1], fields[2] // 16)
         return ShadowResult(tag, fields[2] % 16, (fields[4] << 16) | fields[5], k, total)
 
@@ -187,51 +190,52 @@ class FramedTransport(Reporting):
         fields = [int(v) for v in agreement.values if v is not None]
         count = (fields[4] << 16) | fields[5]
         total = torch.empty(count, dtype=torch.float64, device=dev)
-        frames = max(1, -(-count // PAYLOAD))
-        for i in range(frames):
+        for i in range(frame_count(count)):
             if i:
                 frame.zero_()
                 self._all_reduce_process_group(frame, host_wait=True)
             lo, hi = i * PAYLOAD, min(count, (i + 1) * PAYLOAD)
             total[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
-        self.last_participants = agreement.participants
         return self._shadow_result(fields, agreement.participants, total)
 
     def _framed_process_group(self, tensor: Tensor, tag: Tag) -> Tensor:
+        return self._frames(tensor, tag, present=True, host_wait=True, deferred=False)
+
+    def _frames(self, tensor: Tensor, tag: Tag, *, present: bool, host_wait: bool, deferred: bool) -> Tensor:
+        """Sum ``tensor`` in place over the process group, frame by frame, each header checked or deferred."""
         flat = tensor.reshape(-1)
         n = flat.numel()
         code = dtype_code(tensor.dtype)
-        for i in range(max(1, -(-n // PAYLOAD))):
+        for i in range(frame_count(n)):
             lo, hi = i * PAYLOAD, min(n, (i + 1) * PAYLOAD)
             mine = header_fields(tag, code, self._calls, n, i)
-            frame = self._frame(tensor.device, encode_header(mine, True), flat[lo:hi])
-            self._all_reduce_process_group(frame, host_wait=True)
-            self._verify(frame[:HEADER].tolist(), mine, tag, deferred=False)
+            frame = self._frame(tensor.device, encode_header(mine, present), flat[lo:hi])
+            self._all_reduce_process_group(frame, host_wait=host_wait)
+            if deferred:
+                self._defer(frame[:HEADER], mine, tag)
+            else:
+                self._verify(frame[:HEADER].tolist(), mine, tag, deferred=False)
             flat[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
-        if flat.data_ptr() != tensor.data_ptr():
+        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
     def _cpu_wire(self) -> Any:
         """The group that carries this group's CPU frames, or ``None``: the process group itself.
 
-        syncbn's own wire (:mod:`syncbn.groups._own`: a gloo group over the same members with the
-        bound as its timeout, holding the frame it is handed) once :meth:`_make_wire` made it
-        after set-up; until then (the set-up exchanges) the process group itself, whose
-        connections already exist, so that a peer that died before its first call is found at
-        once. A group syncbn made for itself (``own_group``) is its own wire.
+        syncbn's own wire once :meth:`_make_wire` made it after set-up (the set-up exchanges use
+        the process group, whose connections exist); an ``own_group`` is its own wire. Carries a
+        changed bound over to the wire, or warns where torch cannot.
         """
         if not self._wire_ready:
             if not self._own_group:
                 return None  # set-up: over the process group
             group = self.process_group
-            _own.adopt(group)
             # Its timeout is now the bound, or (a torch that cannot change it) what it was made with.
             self._wire_timeout = (
                 self._bound_s() if _own.set_timeout(group, self._bound_s()) else _pg_timeout(group)
             )
             self._attach_wire(weakref.ref(group), self._bound_s())
-            del group
         wire = None if self._wire_ref is None else self._wire_ref()
         if wire is not None and self._wire_timeout is not None:
             now = self._bound_s()  # syncbn's bound, else the process group's timeout
@@ -261,36 +265,29 @@ class FramedTransport(Reporting):
 
     def _attach_wire(self, ref: weakref.ref[Any] | None, bound: float) -> None:
         wire = None if ref is None else ref()
-        _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
         if wire is not None:
-            self._release = weakref.finalize(self, _own.release, _own.key_of(wire), bound + 1.0)
+            self._release = weakref.finalize(self, _own.release, _own.adopt(wire), bound + 1.0)
+        _own.keep(wire, self._cpu_frame()[0])  # the frame outlives the group (teardown)
         self._wire_ref = ref
         self._wire_ready = True
 
     def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
-        group = self.process_group
-        if tensor.device.type == "cpu":
-            wire = self._cpu_wire()
-            if wire is not None:
-                group = wire
+        wire = self._cpu_wire() if tensor.device.type == "cpu" else None
+        group = self.process_group if wire is None else wire
         delta = _config.timeout_delta()
-        if delta is None or not (host_wait or tensor.device.type == "cpu" or _config.debug_enabled()):
-            start = time.monotonic()
-            try:
-                work = start_all_reduce(tensor, group)
-                work.wait()
-            except Exception as exc:  # noqa: BLE001 - re-raised with context
-                raise self._error(exc, time.monotonic() - start, None) from exc
-            return tensor
+        # On an accelerator the wait is left to the device stream unless the host must bound it.
+        bounded = delta is not None and (host_wait or tensor.device.type == "cpu" or _config.debug_enabled())
         start = time.monotonic()
         work = None
         try:
             work = start_all_reduce(tensor, group)
-            finished = work.wait(timeout=delta)
+            finished = work.wait(timeout=delta) if bounded else work.wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
+            if not bounded:
+                raise self._error(exc, time.monotonic() - start, None) from exc
             _own.abandon(work, tensor)
             raise self._error(exc, time.monotonic() - start, _config.get_timeout()) from exc
-        if finished is False:  # some backends report a timeout by returning False
+        if bounded and finished is False:  # some backends report a timeout by returning False
             _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
         return tensor
@@ -313,6 +310,11 @@ def _stuck_timeout(kept: float, wanted: float, group: str) -> str:
         + ". Call syncbn.set_timeout (or set SYNCBN_TIMEOUT) before the first training step, or "
         "upgrade torch."
     )
+
+
+def frame_count(n: int) -> int:
+    """Frames that carry ``n`` values (at least one)."""
+    return max(1, -(-n // PAYLOAD))
 
 
 def start_all_reduce(tensor: Tensor, group: Any) -> Any:
