@@ -178,10 +178,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
 def sync_batch_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """Training-mode synchronised batch norm of any family, traced, with the running update.
-
-    ``params.group`` is a handle (0: no collective); ``params.family`` ``None`` is batch norm.
-    """
+    """Training-mode synchronised batch norm of any family, traced, with the running update."""
     if params.family is not None:  # (r, d) from the statistics before the update below
         params = params._replace(family=params.family.snapshot(_ops.snapshot))
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
@@ -193,10 +190,7 @@ def sync_batch_norm(
 def traced_inplace_abn(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten.
-
-    ``params.group`` is a :func:`syncbn.engine._ops.group_handle` (0: local, always in eval).
-    """
+    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten."""
     if not params.family.training:
         out: Tensor = _TracedSyncBatchNorm.apply(x, weight, bias, params)
         return out

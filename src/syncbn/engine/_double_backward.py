@@ -44,10 +44,7 @@ def differentiable_input_grads(
     stat = mean.dtype
     dims = [0, *range(2, x.dim())]
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    if isinstance(total, Tensor):
-        n: float | Tensor = total.to(torch.float64)
-    else:
-        n = float(total)
+    n: float | Tensor = total.to(torch.float64) if isinstance(total, Tensor) else float(total)
     x64 = x.to(torch.float64)
     sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
     s, q = _DifferentiableSum.apply(sums, reduce, "forward (recomputed for double backward)").unbind(0)

@@ -113,10 +113,7 @@ _joining: Any = None
 
 
 def through_join(group: Any) -> bool:
-    """Whether ``group``'s collectives go through the active Join's joinable (:mod:`syncbn.join`).
-
-    Then the per-call checks (handshake, debug mode), which a joined rank never answers, are skipped.
-    """
+    """Whether ``group``'s collectives go through the active Join's joinable (then the checks are skipped)."""
     return _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None
 
 
@@ -134,10 +131,7 @@ def checks_before_backward(group: Any, layer: Any, grad_output: Tensor, call: in
 
 
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
-    """Sum ``tensor`` over ``group``, framed with the layer's identity and ``phase`` (:mod:`syncbn.groups`).
-
-    Every collective of a layer goes through here; the frame check is deferred on accelerators.
-    """
+    """Sum ``tensor`` over ``group``, framed with the layer's identity and ``phase``: every collective."""
     try:
         if through_join(group):
             result: Tensor = _joining.all_reduce(tensor)
@@ -152,10 +146,7 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
 
 
 def _host_side(x: Tensor) -> bool:
-    """Whether ``x`` is in host memory: the one switch between the CPU and accelerator flows.
-
-    Tests flip it to run the latter on CPU.
-    """
+    """Whether ``x`` is in host memory: the one switch between CPU and accelerator flows (tests flip it)."""
     return x.is_cpu  # (``device.type`` makes a device object: ~0.2 us a call)
 
 
@@ -301,10 +292,7 @@ def _in_place_backward(
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """A training call of any family whose statistics span every member of ``group`` (eager form).
-
-    ``forward`` takes ``ctx``: ``setup_context`` costs an ``inspect.signature`` bind per call.
-    """
+    """A training call of any family over ``group``; eager form (``setup_context`` costs a bind per call)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:  # type: ignore[override]
@@ -318,10 +306,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
 
 class TransformableSyncBatchNormFunction(torch.autograd.Function):
-    """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs (``vmap`` raises).
-
-    ``box``: a fresh :class:`_Pending` per call.
-    """
+    """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs (``vmap`` raises)."""
 
     @staticmethod
     def forward(

@@ -135,10 +135,7 @@ def normalize(
     eps: float,
     out: Tensor | None = None,
 ) -> Tensor:
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` in one native inference-mode pass.
-
-    Into ``out`` (CPU, shaped like ``x``, its memory format kept) when given, else a new tensor.
-    """
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` in one native pass, into ``out`` (CPU) if given."""
     if out is None:
         return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
     empty = _EMPTY.get(mean.dtype) if mean.is_cpu else None
@@ -150,10 +147,7 @@ def normalize(
 
 
 def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype, scratch: Tensor | None = None) -> Tensor:
-    """``sum((x - mean)**2)`` per channel of a contiguous ``x``, a cache-sized block of samples at a time.
-
-    The block is centred into the start of ``scratch`` (contiguous, ``acc`` dtype) or a new buffer.
-    """
+    """``sum((x - mean)**2)`` per channel of a contiguous ``x``, a block at a time into ``scratch``."""
     batch, channels = x.shape[0], x.shape[1]
     x3 = x.view(batch, channels, -1)
     rows = max(1, _BLOCK_NUMEL // max(1, x3[0].numel()))

@@ -116,16 +116,9 @@ def _live_group(handle: int) -> Any:
 
 
 def layer_token(layer: Any) -> Tensor | None:
-    """The token a compiled graph carries for ``layer`` (``None``: none, or no syncbn state).
-
-    Safe in traced code: an attribute read, guarded on its dtype and shape only.
-    """
-    if layer is None:
-        return None
-    state = layer.__dict__.get("_syncbn_state")
-    if state is None:
-        return None
-    token: Tensor = state.token
+    """The token a compiled graph carries for ``layer`` (or ``None``): an attribute read, safe traced."""
+    state = None if layer is None else layer.__dict__.get("_syncbn_state")
+    token: Tensor | None = None if state is None else state.token
     return token
 
 
@@ -273,10 +266,7 @@ _register_effectful_op("syncbn::all_reduce_sum", EffectType.ORDERED)
 
 
 def _snapshot_impl(tensor: Tensor) -> Tensor:
-    """A copy of ``tensor`` that a compiled backward keeps rather than recomputes.
-
-    Recomputing from a running statistic the forward updated in place would read the new value.
-    """
+    """A copy a compiled backward keeps rather than recomputes from a buffer updated in place since."""
     return tensor.clone()
 
 

@@ -159,10 +159,7 @@ def _centre(z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tenso
 
 
 def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Local per-channel ``(sum(dz), sum(dz * xhat))``, ``xhat = (z - b) / s``, in one native pass.
-
-    Batch norm's backward kernel with mean ``b``, variance ``s^2`` and eps 0.
-    """
+    """Local ``(sum(dz), sum(dz * xhat))``: batch norm's backward kernel with mean ``b``, variance ``s^2``."""
     mean, var = _centre(z, scale, bias)
     _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
         dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
@@ -181,10 +178,7 @@ class ABNStats(NamedTuple):
 
 
 class InPlaceABN(NamedTuple):
-    """One call of the in-place family: its activation and parameter, train or eval.
-
-    The engine calls its phases (no communication); ``weight`` is used as the scale ``|w| + eps``.
-    """
+    """One call of the in-place family: its activation and parameter, train or eval; scale ``|w| + eps``."""
 
     activation: str
     param: float
@@ -240,9 +234,7 @@ class InPlaceABN(NamedTuple):
         """Without a group: ``nn.BatchNorm``'s own training kernel over ``x``, then the activation."""
         scale = abs_scale(weight, eps)
         b = None if bias is None else bias.detach()
-        if (
-            x.device.type == "cpu"
-        ):  # the CPU kernel reads the statistics first, then writes element by element
+        if x.device.type == "cpu":  # the CPU kernel reads the statistics before writing over x
             invstd = torch.empty(x.shape[1], dtype=stat)
             torch.ops.aten.native_batch_norm.out(
                 x, scale, b, running_mean, running_var, True, momentum, eps,
@@ -260,10 +252,7 @@ class InPlaceABN(NamedTuple):
     def grad_sums(
         self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, stats: ABNStats
     ) -> tuple[Any, Tensor, Tensor]:
-        """The backward's local reduction ``(carry, sum(dz), sum(dz * xhat))`` from the output ``y``.
-
-        ``carry`` (``None`` for an empty local batch) is what :meth:`input_grad` needs.
-        """
+        """``(carry, sum(dz), sum(dz * xhat))`` from ``y``; ``carry`` (``None``: empty) feeds input_grad."""
         if stats.local_count == 0:
             zeros = torch.zeros(y.shape[1], dtype=_math.accumulation_dtype(y.dtype), device=y.device)
             return None, zeros, zeros.clone()
@@ -348,10 +337,7 @@ class InPlaceABN(NamedTuple):
         shape = _math.broadcast_shape(x)
         with torch.no_grad():
             x.copy_(x * a.view(shape) + c.view(shape))
-            if self.activation == "leaky_relu":
-                F.leaky_relu(x, self.param, inplace=True)
-            elif self.activation == "elu":
-                F.elu(x, self.param, inplace=True)
+            activate_(x, None, None, self.activation, self.param)
 
     def traced_grad_terms(
         self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, invstd: Tensor, eps: float
