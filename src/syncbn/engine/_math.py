@@ -114,8 +114,7 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
 
 
 def _squared_deviations(x: Tensor, centre: Tensor, out: Tensor) -> Tensor:
-    """``(x - centre) ** 2`` into ``out``: unreduced ``mse_loss`` is ``sub`` then ``square_``, bit for bit,
-    in one kernel."""
+    """``(x - centre) ** 2`` into ``out``, one kernel (unreduced ``mse_loss``: sub, square_, bit for bit)."""
     if x.dtype == out.dtype:
         return torch._C._nn.mse_loss(x, centre, 0, out=out)  # type: ignore[call-arg,arg-type]
     return torch.sub(x, centre, out=out).square_()
