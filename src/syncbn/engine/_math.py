@@ -195,7 +195,7 @@ def backward_sums(
     if grad_output.dtype in _LOW_PRECISION:
         layout = _memory_format(x)
         if layout is not None and not grad_output.is_contiguous(memory_format=layout):
-            # The CPU kernel sums 16-bit ``g`` in 16 bits when the formats differ (torch 2.4-2.13).
+            # The CPU kernel sums 16-bit ``g`` in 16 bits when the formats differ (bfloat16 on torch 2.13).
             grad_output = grad_output.contiguous(memory_format=layout)
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         grad_output, x, weight, mean, var, None, None, False, eps, [False, True, True]
