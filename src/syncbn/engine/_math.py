@@ -74,16 +74,10 @@ def uses_native_statistics(x: Tensor) -> bool:
 
 
 def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and biased variance of a non-empty batch.
+    """Per-channel ``(mean, biased var)`` of a non-empty ``(N, C, *)`` batch, in :func:`accumulation_dtype`.
 
-    Args:
-        x: input of shape ``(N, C, *)`` with at least one value per channel.
-        scratch: optional tensor like ``x`` whose contents may be overwritten (the
-            caller's output buffer); the two-pass routes centre ``x`` into it instead of allocating.
-
-    Returns:
-        ``(mean, var)``, each ``(C,)`` in :func:`accumulation_dtype`. The routes (native
-        kernel, two-pass, blocked) are described in docs/internals/engine.md.
+    ``scratch``: an optional tensor like ``x`` that may be overwritten (the caller's output buffer),
+    into which the two-pass routes centre ``x``. The routes are in docs/internals/engine.md.
     """
     dtype = x.dtype
     numel = x.numel()
