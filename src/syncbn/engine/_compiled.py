@@ -1,46 +1,10 @@
 """The training layer as traced operations around the collective, for ``torch.compile``.
 
-While dynamo traces a :class:`~syncbn.SyncBatchNorm` in training, the layer
-runs :func:`sync_batch_norm` here instead of the eager autograd function: an
-``autograd.Function`` whose forward and backward are ordinary tensor
-operations (dynamo traces both; AOTAutograd hands the backward graph to
-inductor), with only the two collectives opaque (``syncbn::all_reduce_sum``,
-:mod:`syncbn.engine._ops`). Inductor then fuses the statistics into the producer's
-epilogue, the normalisation with the activation that follows, and the
-backward's sums and input gradient, as it does for ``nn.BatchNorm``.
-
-Forward (per channel, ``n`` this rank's count)::
-
-    var_l, mean_l = var_mean(x, correction=0)            # accumulation dtype (float32 at least)
-    packed = n * [1, mean_l, var_l + mean_l^2]           # float64, (2C + 1,)
-    [N, S, Q] = all_reduce_sum(packed)                   # one collective
-    mean = S / N;  var = Q / N - mean^2;  unbiased = var * N / (N - 1)
-    y = (x - mean) * (weight * rsqrt(var + eps)) + bias
-
-Backward::
-
-    xhat = (x - mean) * invstd
-    [sum_g, sum_gx] = all_reduce_sum([sum(g), sum(g * xhat)])   # one collective
-    dx = weight * invstd * (g - sum_g / N - xhat * sum_gx / N)
-
-The count is a (symbolic) shape: an empty local batch (``n == 0``, which torch
-specialises) packs zeros, and divisions use ``max(N, 1)``, so no NaN appears
-and no value is read on the host; the running statistics are updated with
-``momentum * (N > 0)``. Only a rank holding fewer than two values per channel
-asks the collective to read the global count (the one-value error), as eager.
-
-The backward is explicit rather than autograd's derivative of the forward
-through the collective's adjoint: that derivative is the exact gradient of the
-sum of every rank's loss, which weights each rank's terms by its own ``weight``
-and so differs from eager syncbn (and ``torch.nn.SyncBatchNorm``, local weight
-times the global sums) wherever the ranks' weights differ (a model outside
-DDP). Eager mode does not run this form: the eager autograd function on native
-kernels costs 1.7-5.2x less per layer (``benchmarks/compile_step.py --eager-forms``).
-
-Every family runs the one traced Function: renorm through its effective affine
-map, the in-place family (:func:`traced_inplace_abn`) through its traced twins,
-written over the input, its backward batch norm's with ``(dz, xhat, a)``
-recovered from the output (:mod:`syncbn.families.inplace_abn`).
+While dynamo traces a training layer, it runs :func:`sync_batch_norm` (or
+:func:`traced_inplace_abn`) here: one ``autograd.Function`` for every family, whose forward and
+explicit backward are ordinary tensor operations that inductor fuses, with only the collectives
+opaque (``syncbn::all_reduce_sum``, :mod:`syncbn.engine._ops`). The algorithm is
+docs/how-it-works.md's; why the backward is explicit is in docs/internals/engine.md.
 """
 
 from __future__ import annotations
@@ -69,13 +33,10 @@ def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
 def traced_moments(
     x: Tensor, group: int, token: Tensor | None, stat: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, biased var, unbiased var)`` over the group, in traced operations: the traced engine.
+    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), traced.
 
-    Local moments (accumulation dtype), packed in float64 ``n * [1, m, v + m^2]``,
-    ONE ``syncbn::all_reduce_sum`` (``group`` 0: none, this member alone), the
-    global statistics in ``stat``. The count is a shape: only a member holding
-    fewer than two values asks the operator for the one-value check (as eager);
-    alone, a count of one is the same error, raised while tracing.
+    Only a member holding fewer than two values asks the operator for the one-value check; alone,
+    a count of one raises while tracing.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -115,15 +76,11 @@ def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tens
 
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
-    """Training batch norm over a group, in traceable operations (see the module docstring).
+    """Training batch norm of any family over a group, in traceable operations.
 
-    Returns ``(out, mean, unbiased_var, count, var)``; only ``out`` is differentiable.
-    ``params`` (:class:`~syncbn.engine._function.Params`) in its traced form: ``group``
-    a group handle (0: no collective, the "none" reducer: a family's math without a
-    group), ``layer`` the layer's token (``None``: anonymous). The in-place family
-    (:mod:`syncbn.families.inplace_abn`) writes ``out`` over ``x`` (marked dirty) and
-    keeps only it; in eval (``family.training`` false) it uses the running statistics
-    and returns ``out`` alone. The running statistics are not updated here.
+    Returns ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; the in-place
+    family in eval returns ``out`` alone. ``params`` in traced form (``group`` a handle, 0: none;
+    ``layer`` a token). The running statistics are not updated here.
     """
 
     @staticmethod
@@ -135,7 +92,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         running = None
         if in_place and params.running_mean is not None and params.running_var is not None:
             running = (params.running_mean, params.running_var)
-        # (the running statistics' dtype counts for the in-place family only, as it always did here)
+        # (the running statistics' dtype counts for the in-place family only)
         stat = _rules.statistics_dtype(x, weight, None if running is None else running[0])
         training = not in_place or family.training
         if training:
@@ -162,11 +119,9 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
             out = y.to(x.dtype)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it).
         ctx.training, ctx.eps, ctx.family, ctx.group = training, eps, family, group
-        ctx.has_weight, ctx.has_bias, ctx.has_token = (
-            weight is not None,
-            in_place and bias is not None,
-            token is not None,
-        )
+        ctx.has_weight = weight is not None
+        ctx.has_bias = in_place and bias is not None
+        ctx.has_token = token is not None
         ctx.has_correction = correction is not None
         saved = (total,) if training else ()
         extra = [t for t in (weight, bias if in_place else None, token, *(correction or ())) if t is not None]
@@ -204,12 +159,9 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
             if total is None:  # eval: the statistics are constants
                 grad_input = (g * scale).to(x.dtype)
             else:
-                packed = torch.stack([sum_dy, sum_dy_xhat])
-                summed = (
-                    _ops._all_reduce_op(packed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
-                    if ctx.group
-                    else packed
-                )
+                summed = torch.stack([sum_dy, sum_dy_xhat])
+                if ctx.group:
+                    summed = _ops._all_reduce_op(summed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
                 n = total.clamp(min=1.0).to(g.dtype)
                 mean_dy = (summed[0] / n).view(shape)
                 mean_dy_xhat = (summed[1] / n).view(shape)
@@ -226,13 +178,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
 def sync_batch_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """Training-mode synchronised batch norm, traced (``params.group`` a handle; 0: no collective).
-
-    The running statistics are updated here with the batch's global mean and
-    unbiased variance, and only where the global count is positive (the update
-    weight is ``momentum * (N > 0)``, no host read). ``params.family``: the layer
-    family's per-call object (:mod:`syncbn.families`), ``None`` for batch norm.
-    """
+    """Training-mode synchronised batch norm of any family, traced, with the running update."""
     if params.family is not None:  # (r, d) from the statistics before the update below
         params = params._replace(family=params.family.snapshot(_ops.snapshot))
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
@@ -244,14 +190,7 @@ def sync_batch_norm(
 def traced_inplace_abn(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten.
-
-    ``params.family``: the call's :class:`~syncbn.families.inplace_abn.InPlaceABN`;
-    ``params.group``: a :func:`syncbn.engine._ops.group_handle` (0: local; always 0 in
-    eval); ``params.layer``: the layer's :func:`syncbn.engine._ops.layer_token`.
-    Locally, a count of one raises while tracing (as the eager layer); a global count
-    of zero leaves the running statistics unchanged.
-    """
+    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten."""
     if not params.family.training:
         out: Tensor = _TracedSyncBatchNorm.apply(x, weight, bias, params)
         return out

@@ -1,12 +1,6 @@
-"""The double-backward path of the engine: a backward that is itself differentiable.
+"""The engine's backward with ``create_graph=True``: itself differentiable (docs/internals/engine.md).
 
-With ``create_graph=True`` (gradient penalties, ``torch.func.grad``) the
-synchronised layer's backward must be differentiable: the global statistics are
-rebuilt from a differentiable sum of ``[sum x, sum x^2]`` (their values are the
-forward's, exactly; only their derivatives come from the rebuild), and the
-backward sums go through a differentiable sum too: two collectives, on every
-rank alike, where the first-order backward makes one. The collective is handed
-in (``reduce(tensor, phase)``): this module does no communication itself.
+The collective is handed in (``reduce(tensor, phase)``): this module does no communication itself.
 """
 
 from __future__ import annotations
@@ -22,11 +16,7 @@ Reduce = Callable[[Tensor, str], Tensor]
 
 
 class _DifferentiableSum(torch.autograd.Function):
-    """A sum over the group as a differentiable function: its adjoint is itself.
-
-    Each backward is again a sum through ``reduce(tensor, phase)`` (the engine's
-    framed collective), so gradients of any order flow across ranks.
-    """
+    """A sum over the group whose adjoint is itself, so gradients of any order flow across ranks."""
 
     @staticmethod
     def forward(tensor: Tensor, reduce: Reduce, phase: str) -> Tensor:  # type: ignore[override]
@@ -47,27 +37,19 @@ def differentiable_input_grads(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
 
-    The double-backward path. The global mean and variance are rebuilt from a
-    differentiable all_reduce of ``[sum x, sum x^2]`` (their values are the
-    forward's, exactly; only their derivatives come from the rebuild), and the
-    backward sums go through a differentiable all_reduce too: two collectives,
-    on every rank alike, where the first-order backward makes one. ``stats``: the
-    forward's :class:`syncbn.engine._math.Stats` (global mean, biased variance, eps, count).
+    The statistics are rebuilt from a differentiable sum of ``[sum x, sum x^2]``: the forward's
+    values (``stats``, a :class:`syncbn.engine._math.Stats`) with the rebuild's derivatives.
     """
     mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
     stat = mean.dtype
     dims = [0, *range(2, x.dim())]
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    if isinstance(total, Tensor):
-        n: float | Tensor = total.to(torch.float64)
-    else:
-        n = float(total)
+    n: float | Tensor = total.to(torch.float64) if isinstance(total, Tensor) else float(total)
     x64 = x.to(torch.float64)
     sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
     s, q = _DifferentiableSum.apply(sums, reduce, "forward (recomputed for double backward)").unbind(0)
     mean_d = s / n
     var_d = q / n - mean_d * mean_d
-    # The forward's exact values, with the rebuilt statistics' derivatives.
     mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
     var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
     invstd = (var_v + eps).rsqrt()
@@ -87,11 +69,7 @@ def differentiable_input_grads(
 def differentiable_backward(
     ctx: Any, grad_output: Tensor, x: Tensor, weight: Tensor | None, reduce: Reduce
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """The engine's backward (:mod:`syncbn.engine._function`) with ``create_graph=True``, from its ``ctx``.
-
-    :func:`differentiable_input_grads`, then the family's parameter gradients
-    (``ctx.family``, ``ctx.correction``), each gradient only where ``ctx`` needs it.
-    """
+    """The engine's backward with ``create_graph=True`` from its ``ctx``, each gradient where needed."""
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     gi, gw, gb = differentiable_input_grads(grad_output, x, weight, ctx.stats, reduce)
     if ctx.correction is not None:

@@ -1,23 +1,8 @@
 """The eager engine: what every family's synchronised training step shares.
 
-Forward: :func:`synchronized_moments` (local moments, packed; ONE framed sum;
-the count rules), the family's elementwise forward (:func:`synchronized_forward`:
-batch norm, renorm's effective affine map, or the in-place family writing over
-its input, :mod:`syncbn.families`) and the running-statistics update. Backward:
-the family's local sums, ONE framed sum, its input and parameter gradients.
-The framed sum (:func:`_all_reduce`) and the Join policy (:func:`through_join`,
-:func:`checks_before_forward`, :func:`checks_before_backward`) live here once,
-for every family and path. Device-to-host reads only on a rank holding fewer
-than two values per channel (then every rank whose global count is below two
-decides alike).
-
-Two autograd entry points, for every family, both ``apply(x, weight, bias,
-params)`` with one :class:`Params` for everything else: :class:`SyncBatchNormFunction`
-(eager) and :class:`TransformableSyncBatchNormFunction` (``setup_context``
-form, under ``torch.func``; with ``create_graph=True`` the backward is
-differentiable, :mod:`syncbn.engine._double_backward`). Compiled models run
-:mod:`syncbn.engine._compiled` (on the same :class:`Params`, in their traced form), whose only
-call here is the framed sum (:mod:`syncbn.engine._ops`).
+The moments and count rules, the framed sum and the Join policy, the family's forward and
+the running update, and the autograd Functions (eager and ``torch.func``) of every family. See
+docs/architecture.md for one step through them, docs/internals/engine.md for the details.
 """
 
 from __future__ import annotations
@@ -48,13 +33,10 @@ __all__ = ["LOCAL", "Params", "SyncBatchNormFunction", "inplace_abn_apply", "syn
 
 
 class Params(NamedTuple):
-    """A training call's arguments besides the tensors autograd tracks, as one object.
+    """A training call's arguments besides ``x``, ``weight`` and ``bias``, built once at the entry.
 
-    Built once at the entry (the layers' eager and compiled forwards,
-    :func:`syncbn.functional.sync_batch_norm`, a DataParallel replica,
-    :func:`inplace_abn_apply`) and carried through every layer of the engine,
-    eager and traced alike; ``x``, ``weight`` and ``bias`` stay direct arguments
-    of ``Function.apply``.
+    Carried through the engine eager and traced alike; the tensors autograd tracks stay direct
+    arguments of ``Function.apply``.
     """
 
     running_mean: Tensor | None  # updated in place (None: not tracked)
@@ -98,18 +80,13 @@ def synchronized_moments(
     one_value_error: Callable[[], Exception],
     scratch: Tensor | None = None,
 ) -> Moments:
-    """Local moments, packed; ONE ``reduce``; the global statistics; the count rules.
+    """Local moments, packed; ONE ``reduce`` (``None``: this member alone); the global statistics.
 
-    Local count, mean and M2 (stable two-pass, at least float32), packed in
-    float64 as ``[n, n*m, M2 + n*m^2]`` (on the host in this thread's reusable
-    buffer), summed by ``reduce`` (``None``: this member alone), unpacked into the
-    statistics dtype; a global count of one raises ``one_value_error()`` before
-    anything changes.
+    A global count of one raises ``one_value_error()`` before anything changes.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     host = _host_side(x)
-    # On the host, the packed vector and its views are this thread's, reused every call.
     buffer = _math.moment_buffer(channels, x.device) if host else None
     if count > 0:
         mean_l, var_l = _math.local_moments(x, scratch=scratch)
@@ -121,10 +98,8 @@ def synchronized_moments(
     total, (mean, var, unbiased) = _math.unpack_moments(
         packed, channels, read_count=host, dtype=stat_dtype, buffer=buffer
     )
-    # Nothing has changed yet: the one-value error still leaves every state as it was.
     global_count = 2.0  # a lower bound is all that is needed when count >= 2
-    if count < 2:
-        # A device read only here, where the count may be below two.
+    if count < 2:  # the only device read, where the count may be below two
         global_count = total if isinstance(total, float) else float(total.item())
         if global_count == 1:
             raise one_value_error()
@@ -138,22 +113,12 @@ _joining: Any = None
 
 
 def through_join(group: Any) -> bool:
-    """Whether ``group``'s collectives go through the active Join's joinable (:mod:`syncbn.join`).
-
-    The Join policy, once for every family and path: under Join the default
-    group's collectives become the joinable's header-then-payload exchange (its
-    header checks that the training ranks agree; a joined rank answers only
-    those), and the per-call checks (handshake, debug mode), which a joined rank
-    would never answer, are skipped.
-    """
+    """Whether ``group``'s collectives go through the active Join's joinable (then the checks are skipped)."""
     return _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None
 
 
 def checks_before_forward(group: Any, layer: Any, x: Tensor) -> int:
-    """The handshake or debug check before a forward collective, under the Join policy.
-
-    Returns the call number recorded for debug mode (0 when none, or under Join).
-    """
+    """The handshake or debug check before a forward collective; the debug call number (0: none)."""
     if through_join(group):
         return 0
     return _checks.before_forward(group, layer, x)
@@ -166,16 +131,9 @@ def checks_before_backward(group: Any, layer: Any, grad_output: Tensor, call: in
 
 
 def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
-    """Sum ``tensor`` over ``group``, framed with the call's identity (:mod:`syncbn.groups`).
-
-    Every collective of a layer goes through here: over a process group the frame
-    carries the layer's identity, the phase, dtype and size, checked on every rank
-    (on an accelerator at the group's next call, so that no device-to-host
-    synchronisation is added; at once in debug mode).
-    """
+    """Sum ``tensor`` over ``group``, framed with the layer's identity and ``phase``: every collective."""
     try:
         if through_join(group):
-            # Under Join: through the joinable's own group, a joined rank shadowing (syncbn.join).
             result: Tensor = _joining.all_reduce(tensor)
             return result
         if type(group) is ProcessGroupSum:
@@ -188,10 +146,7 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
 
 
 def _host_side(x: Tensor) -> bool:
-    """Whether ``x`` lives in host memory (reading a value back costs no device synchronisation).
-
-    The one switch between the CPU and accelerator flows; tests flip it to run the latter on CPU.
-    """
+    """Whether ``x`` is in host memory: the one switch between CPU and accelerator flows (tests flip it)."""
     return x.is_cpu  # (``device.type`` makes a device object: ~0.2 us a call)
 
 
@@ -212,20 +167,10 @@ def synchronized_forward(
     reduce: Callable[[Tensor], Tensor] | None,
     one_value_error: Callable[[], Exception],
 ) -> ForwardResult:
-    """The training forward of ``x`` with statistics summed by ``reduce``: output and what backward needs.
+    """The training forward with statistics summed by ``reduce``: the output and what backward needs.
 
-    The transport-independent forward shared by the process-group path
-    (:class:`SyncBatchNormFunction`) and the ``nn.DataParallel`` replicas
-    (:mod:`syncbn.parallel`): local moments, one ``reduce`` of the packed
-    moments (``None``: this member alone, the in-place family only), the
-    family's elementwise forward (batch norm, ``params.family`` ``None``:
-    normalisation into a freshly allocated output, which also served as the
-    moments' scratch buffer) and the update of ``params``' running statistics
-    (``running_var`` unbiased); ``one_value_error()`` is raised for a global
-    count of one. ``params.group`` is not read here: ``reduce`` is the
-    transport. Every per-channel step is a single tensor operation on all
-    channels at once: on small layers the number of operations, not the bytes,
-    sets the time.
+    Shared by the process-group path and the DataParallel replicas; ``reduce`` is the transport
+    (``params.group`` is not read). ``reduce`` ``None`` (this member alone): the in-place family only.
     """
     family, eps = params.family, params.eps
     stat_dtype = statistics_dtype(x, weight, params.running_mean)
@@ -243,9 +188,7 @@ def synchronized_forward(
             stats = family.forward_(x, weight, bias, moments, eps)
             moments.update_running(params)
         return ForwardResult(x, stats, weight, None)
-    # On CPU the output buffer doubles as the moments' scratch space of the two-pass
-    # statistics (see local_moments); the native kernel (CUDA, small or 16-bit input) needs none,
-    # and the normalisation then allocates its own output.
+    # On CPU the output buffer is the two-pass moments' scratch space (the native kernel needs none).
     out = torch.empty_like(x) if _host_side(x) and not _math.uses_native_statistics(x) else None
     moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, scratch=out)
     mean, var = moments.mean, moments.var
@@ -274,10 +217,7 @@ class _Pending:
 def run_forward(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params
 ) -> tuple[ForwardResult, int]:
-    """The synchronised training forward over ``params.group``, and the debug call number.
-
-    ``group`` ``None`` (the in-place family without a group, and eval): no collective, no check.
-    """
+    """The training forward over ``params.group`` (``None``: no collective, no check), and the call number."""
     group, layer = params.group, params.layer
     call, reduce = 0, None
     if group is not None:
@@ -313,8 +253,7 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
     else:
         x, weight = ctx.saved_tensors
         if torch.is_grad_enabled() and stats.total:
-            # create_graph=True (gradient penalties, torch.func.grad): a backward that is itself
-            # differentiable. Every rank takes this branch alike (same create_graph, same global count).
+            # create_graph=True: every rank takes this branch alike (same create_graph and count).
             checks_before_backward(group, layer, grad_output, ctx.call)
             return differentiable_backward(
                 ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, layer, phase)
@@ -353,13 +292,7 @@ def _in_place_backward(
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """A training call of any family whose statistics span every member of ``group``.
-
-    Batch norm's backward is differentiable with ``create_graph=True`` (through
-    differentiable all_reduces). The eager form (``forward`` takes ``ctx``:
-    ``setup_context`` costs an ``inspect.signature`` bind per call, ~0.15 ms);
-    under ``torch.func`` :class:`TransformableSyncBatchNormFunction` runs instead.
-    """
+    """A training call of any family over ``group``; eager form (``setup_context`` costs a bind per call)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:  # type: ignore[override]
@@ -373,11 +306,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
 
 class TransformableSyncBatchNormFunction(torch.autograd.Function):
-    """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs.
-
-    ``torch.func.grad``, ``vjp``, ``jacrev`` run through it; ``vmap`` raises. ``box``
-    is a fresh :class:`_Pending` per call: the forward's result for ``setup_context``.
-    """
+    """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs (``vmap`` raises)."""
 
     @staticmethod
     def forward(
@@ -419,10 +348,7 @@ def inplace_abn_apply(
     group: SumGroup | None,
     layer: Any = None,
 ) -> Tensor:
-    """In-place activated batch norm (:class:`~syncbn.families.inplace_abn.InPlaceABN`) on the engine.
-
-    Checks first; over ``group`` in training (``None``: alone); returns ``x``, overwritten.
-    """
+    """In-place activated batch norm on the engine, over ``group`` in training; returns ``x``, overwritten."""
     check_call(x, weight, running_mean, running_var, training)
     family = InPlaceABN(activation, param, training)
     params = Params(running_mean, running_var, eps, momentum, group if training else None, layer, family)

@@ -1,46 +1,7 @@
 """The arithmetic of synchronized batch normalization, with no communication.
 
-Everything here works on one process's tensors. The communication seam
-(:mod:`syncbn.groups`) sums the small packed tensors produced here across
-ranks; the autograd function (:mod:`syncbn.engine._function`) strings the two together.
-
-Forward
--------
-Each rank reduces its local batch to per-channel moments: the count :math:`n_r`,
-the mean :math:`m_r` and the sum of squared deviations :math:`M_{2,r}`, computed
-with a two-pass (or Welford) method so that a large mean does not cancel the
-variance. They are packed in float64 as
-
-.. math::
-    p_r = \\big[n_r,\\; n_r m_r,\\; M_{2,r} + n_r m_r^2\\big]
-
-which is additive: one ``all_reduce(SUM)`` gives :math:`[N, S, Q]` and
-
-.. math::
-    \\mu = S / N, \\qquad M_2 = Q - S\\mu, \\qquad
-    \\sigma^2_{\\text{biased}} = M_2 / N, \\qquad
-    \\sigma^2_{\\text{unbiased}} = M_2 / (N - 1).
-
-In float64 the cancellation in :math:`Q - S\\mu` costs about
-:math:`10^{-16}(\\mu^2 + \\sigma^2)/\\sigma^2` relative error in :math:`M_2`:
-negligible while :math:`|\\mu|/\\sigma \\lesssim 10^4`.
-
-Backward
---------
-With :math:`\\hat x = (x - \\mu)\\,\\text{invstd}` and upstream gradient :math:`g`,
-each rank sums :math:`\\sum g` and :math:`\\sum g\\hat x` locally (one fused
-native kernel), one ``all_reduce`` makes them global, and
-
-.. math::
-    \\frac{\\partial L}{\\partial x} = w\\,\\text{invstd}\\Big(g
-        - \\frac{\\sum g}{N} - \\hat x\\,\\frac{\\sum g \\hat x}{N}\\Big),
-
-evaluated as ``batch_norm_inference(x)`` with per-channel weight and bias
-(the two correction terms) plus ``g * (w * invstd)``: two passes over memory.
-float16/bfloat16 input takes a float32 route instead (the two terms nearly
-cancel, so neither may be rounded to the input dtype first): a block of
-samples at a time through one cache-sized float32 buffer, rounded once into
-the result, as ``nn.BatchNorm``'s own backward does.
+Works on one process's tensors; :mod:`syncbn.groups` sums the packed tensors made here. The
+math is in docs/how-it-works.md, the routes and their reasons in docs/internals/engine.md.
 """
 
 from __future__ import annotations
@@ -98,52 +59,25 @@ def _is_channels_last(x: Tensor) -> bool:
     return False
 
 
-# Contiguous inputs at least this large are centred block by block (see
-# :func:`_blocked_m2`); smaller ones in one pass over the whole scratch buffer,
-# which costs fewer calls and, below this size, no more memory traffic.
+# Routes of local_moments (docs/internals/engine.md): blocked centring from this many values,
+# blocks of this many (2 MiB of float32, stays in cache), the native kernel below the last.
 _BLOCKED_MIN_NUMEL = 1 << 20
-# Values per block (2 MiB of float32), so a block's centred copy stays in cache.
 _BLOCK_NUMEL = 1 << 19
-# Below this many values the native statistics kernel (one call) beats the
-# two-pass sum (five calls) on contiguous CPU input: per-call overhead dominates.
 _NATIVE_STATS_MAX_NUMEL = 1 << 15
 
 
 def uses_native_statistics(x: Tensor) -> bool:
     """Whether :func:`local_moments` takes the one-call native kernel for ``x`` (then it needs no scratch)."""
-    if x.dtype in _LOW_PRECISION:
-        # On CPU, with float32 running buffers, the native kernel accumulates in float32 and
-        # returns float32 statistics (nn.BatchNorm's own): 3-7x faster than widening x first.
+    if x.dtype in _LOW_PRECISION:  # on CPU it accumulates in float32, as nn.BatchNorm's
         return x.device.type == "cpu"
     return x.is_cuda or x.dim() == 2 or x.numel() < _NATIVE_STATS_MAX_NUMEL or _is_channels_last(x)
 
 
 def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and biased variance of a non-empty batch.
+    """Per-channel ``(mean, biased var)`` of a non-empty ``(N, C, *)`` batch, in :func:`accumulation_dtype`.
 
-    Args:
-        x: input of shape ``(N, C, *)`` with at least one value per channel.
-        scratch: optional tensor like ``x`` (same shape, dtype and layout) whose
-            contents may be overwritten; the two-pass path centres ``x`` into it
-            instead of allocating (the caller's output buffer, about to be
-            written anyway). Allocating and releasing activation-sized
-            temporaries costs page faults on every call.
-
-    Returns:
-        ``(mean, var)``, each of shape ``(C,)`` in :func:`accumulation_dtype`, with
-        ``var = mean((x - mean) ** 2)`` over every dimension but 1.
-
-    The reduction runs on PyTorch's native kernels: the native statistics kernel
-    (``batch_norm_update_stats``) on CUDA, on channels-last and 2D input and on
-    small inputs, and for float16/bfloat16 input on CPU (handed float32 running
-    buffers, with a momentum of 0, it accumulates in float32 and returns float32,
-    as for ``nn.BatchNorm`` with float32 parameters); elsewhere a two-pass sum (one
-    ``sum``, then the centred squares), which on large contiguous CPU input is
-    2-3x faster than the native kernel. Large contiguous inputs are centred a
-    block of samples at a time into one small buffer (the start of ``scratch``,
-    or a new one), which stays in cache while it is squared and summed, and no
-    temporary the size of the activation is made. float16/bfloat16 input is
-    reduced in float32.
+    ``scratch``: an optional tensor like ``x`` that may be overwritten (the caller's output buffer),
+    into which the two-pass routes centre ``x``. The routes are in docs/internals/engine.md.
     """
     dtype = x.dtype
     numel = x.numel()
@@ -174,12 +108,7 @@ def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Ten
 
 
 def _squared_deviations(x: Tensor, centre: Tensor, out: Tensor) -> Tensor:
-    """``(x - centre) ** 2`` into ``out`` (``x``'s dtype): one elementwise kernel instead of two.
-
-    ``mse_loss`` without reduction computes ``d = x - centre; d * d`` elementwise:
-    the result of ``torch.sub(x, centre, out=out).square_()``, bit for bit, in one
-    pass over memory and one call.
-    """
+    """``(x - centre) ** 2`` into ``out``, one kernel (unreduced ``mse_loss``: sub, square_, bit for bit)."""
     if x.dtype == out.dtype:
         return torch._C._nn.mse_loss(x, centre, 0, out=out)  # type: ignore[call-arg,arg-type]
     return torch.sub(x, centre, out=out).square_()
@@ -199,20 +128,7 @@ def normalize(
     eps: float,
     out: Tensor | None = None,
 ) -> Tensor:
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` in one native inference-mode pass.
-
-    Args:
-        x: the input.
-        weight: per-channel scale or ``None``.
-        bias: per-channel shift or ``None``.
-        mean: per-channel mean (statistics dtype).
-        var: per-channel biased variance (statistics dtype).
-        eps: added to the variance.
-        out: optional destination shaped like ``x`` (CPU); its memory format is kept.
-
-    Returns:
-        ``out`` when given, else a new tensor in ``x``'s dtype and memory format.
-    """
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` in one native pass, into ``out`` (CPU) if given."""
     if out is None:
         return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
     empty = _EMPTY.get(mean.dtype) if mean.is_cpu else None
@@ -224,13 +140,7 @@ def normalize(
 
 
 def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype, scratch: Tensor | None = None) -> Tensor:
-    """``sum((x - mean)**2)`` per channel of a contiguous ``x``, a block of samples at a time.
-
-    The centred block lives in a buffer of about ``_BLOCK_NUMEL`` values (the
-    start of ``scratch`` when given: contiguous, ``acc`` dtype), so it is still in
-    cache when it is squared and summed: ``x`` crosses the memory bus once
-    instead of the three times of a full-size centred copy.
-    """
+    """``sum((x - mean)**2)`` per channel of a contiguous ``x``, a block at a time into ``scratch``."""
     batch, channels = x.shape[0], x.shape[1]
     x3 = x.view(batch, channels, -1)
     rows = max(1, _BLOCK_NUMEL // max(1, x3[0].numel()))
@@ -246,8 +156,7 @@ def _blocked_m2(x: Tensor, mean: Tensor, acc: torch.dtype, scratch: Tensor | Non
     return m2
 
 
-# Read-only empty tensors for the statistics an inference-mode native_batch_norm.out leaves
-# empty (each saves a call per layer).
+# Read-only constants, each saving a call per layer.
 _EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (*_LOW_PRECISION, torch.float32, torch.float64)}
 _ZERO = {dtype: torch.zeros((), dtype=dtype) for dtype in (torch.float32, torch.float64)}
 
@@ -276,25 +185,11 @@ def update_running(
 def backward_sums(
     grad_output: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
-    """Local per-channel ``sum(g)`` and ``sum(g * xhat)`` in one native pass.
-
-    Args:
-        grad_output: upstream gradient, shaped like ``x``.
-        x: the forward input.
-        weight: the affine weight or ``None``.
-        mean: global mean (statistics dtype).
-        var: global biased variance (statistics dtype).
-        eps: the layer's epsilon; ``xhat = (x - mean) / sqrt(var + eps)``.
-
-    Returns:
-        ``(sum_dy, sum_dy_xhat)``, each of shape ``(C,)`` in the statistics dtype.
-    """
+    """Local per-channel ``(sum(g), sum(g * xhat))`` in one native pass, in the statistics dtype."""
     if grad_output.dtype in _LOW_PRECISION:
         layout = _memory_format(x)
         if layout is not None and not grad_output.is_contiguous(memory_format=layout):
-            # The CPU kernel's path for 16-bit operands in different memory formats sums ``g``
-            # in the 16-bit dtype (bfloat16: errors of 1e-1 on a few hundred values, torch 2.13;
-            # float16 too on torch 2.4): give it ``g`` in ``x``'s format, whose path sums in float32.
+            # The CPU kernel sums 16-bit ``g`` in 16 bits when the formats differ (bfloat16 on torch 2.13).
             grad_output = grad_output.contiguous(memory_format=layout)
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         grad_output, x, weight, mean, var, None, None, False, eps, [False, True, True]
@@ -310,7 +205,7 @@ def _memory_format(x: Tensor) -> torch.memory_format | None:
 
 
 class Stats(NamedTuple):
-    """A training forward's global statistics, as its backward reads them: one object, built once."""
+    """A training forward's global statistics, as its backward reads them."""
 
     mean: Tensor  # global mean (statistics dtype)
     var: Tensor  # global biased variance (statistics dtype)
@@ -320,24 +215,10 @@ class Stats(NamedTuple):
 
 
 def input_grad(grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Stats, sums: Tensor) -> Tensor:
-    """Input gradient of batch normalization given the global sums.
+    """Batch norm's input gradient from the global ``sums`` ``[[sum(g)], [sum(g * xhat)]]`` (``(2, C)``).
 
-    ``dx = w*invstd*(g - sum_dy/N - xhat*sum_dy_xhat/N)``, evaluated as one
-    inference-mode batch norm of ``x`` (the two correction terms as weight and
-    bias) followed by an in-place ``addcmul`` of ``g * (w * invstd)`` (a block
-    of samples at a time measured no faster on CPU). float16/bfloat16 ``x`` is
-    computed in float32 and rounded once instead (see
-    :func:`_low_precision_input_grad`): ``nn.BatchNorm``'s own error.
-
-    Args:
-        grad_output: upstream gradient ``g``.
-        x: the forward input.
-        weight: the affine weight or ``None`` (treated as ones).
-        stats: the global statistics; ``stats.total`` (``N``) positive.
-        sums: global ``[[sum(g)], [sum(g * xhat)]]``, shape ``(2, C)``, see :func:`pack_grad_sums`.
-
-    Returns:
-        The input gradient, shaped and typed like ``x``.
+    One inference-mode batch norm of ``x`` (the correction terms as weight and bias), then
+    ``+= g * w * invstd``; 16-bit ``x`` in float32, rounded once. ``stats.total`` must be positive.
     """
     if x.dtype in _LOW_PRECISION:
         return _low_precision_input_grad(grad_output, x, weight, stats, sums)
@@ -370,29 +251,10 @@ def _low_precision_input_grad(
     sums: Tensor,
     blocked: bool | None = None,
 ) -> Tensor:
-    """:func:`input_grad` for float16/bfloat16 ``x``: every step in float32 (at least), one rounding.
+    """:func:`input_grad` for 16-bit ``x``: every step in float32, rounded once (the two terms nearly cancel).
 
-    The two terms of ``dx`` nearly cancel: rounding each of them to the input
-    dtype before they meet (as a batch norm kernel with a low-precision output
-    does) doubles ``nn.BatchNorm``'s error, which rounds once. With
-    ``shift = -w*invstd*sum(g)/N`` and ``slope = -w*invstd*sum(g*xhat)/N``:
-
-    * ``blocked`` (the default on CPU): a block of samples at a time (about
-      ``_BLOCK_NUMEL`` values, so the two float32 buffers stay in cache) goes
-      through ``x`` widened into buffer 1, the native inference batch norm of
-      buffer 1 into buffer 2 (``shift + slope * xhat`` in float32), ``g``
-      widened into buffer 1, ``buffer 2 += g * (w * invstd)``, and buffer 2
-      rounded once into the result. Every kernel runs on same-dtype float32
-      operands (CPU mixed-dtype elementwise kernels are several times slower)
-      and main memory sees ``x`` and ``g`` read once and ``dx`` written once.
-    * otherwise (the default on accelerators, where mixed-dtype kernels cost
-      nothing extra and launches count): three kernels over the whole batch and
-      one float32 buffer: ``x - mean`` into it, ``shift + slope * invstd *
-      buffer`` in place, then ``buffer + g * (w * invstd)`` written straight
-      into the low-precision result.
-
-    No kernel in the input dtype is needed, so torch releases without float16
-    CPU batch norm run it too.
+    ``blocked`` (default: on CPU) runs cache-sized blocks through two float32 buffers, else three
+    kernels over the whole batch; see docs/internals/engine.md.
     """
     eps = stats.eps
     acc = torch.promote_types(stats.mean.dtype, torch.float32)
@@ -438,10 +300,7 @@ def local_grad_sums(
 def finish_input_grad(
     grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Stats, reduced: Tensor
 ) -> Tensor:
-    """Input gradient from the group-summed ``[[sum(dy)], [sum(dy * xhat)]]`` (``reduced``, ``(2, C)``).
-
-    An empty local batch (``stats.local_count == 0``) gets an empty (all-zero) gradient.
-    """
+    """Input gradient from the group-summed ``reduced`` (``(2, C)``); zeros for an empty local batch."""
     if stats.local_count == 0:
         return torch.zeros_like(x)
     if reduced.device != x.device:  # nn.DataParallel: summed on the first replica's device

@@ -1,45 +1,11 @@
 """The collective as one ordered, effectful ``torch.library`` operator, for ``torch.compile``.
 
-Under ``torch.compile`` only the communication is opaque: ``syncbn::all_reduce_sum``
-sums a tensor over a syncbn group through the same framed path as eager
-(:func:`syncbn.engine._function._all_reduce`: shared memory, the frame check on every
-rank, the deferred check on accelerators, ``Join``), while the batch-norm
-arithmetic around it is ordinary traced code (:mod:`syncbn.engine._compiled`) that the
-compiler fuses. The operator is registered as having *ordered side effects*
-(``torch.library._register_effectful_op(..., EffectType.ORDERED)``): AOTAutograd
-threads an effect token through every call, so the calls of a graph are never
-dropped (an empty local batch still takes part), reordered or merged, in the
-forward and in the backward graph alike.
-
-Schema::
-
-    syncbn::all_reduce_sum(Tensor tensor, int group, Tensor? layer, int phase,
-                           Tensor? source, int flags) -> Tensor
-
-* ``group``: an integer handle (:func:`group_handle`) standing for a resolved
-  group; taken while dynamo traces, it is the same for every layer of a group,
-  so it never makes a per-layer guard. A compiled graph keeps the group it was
-  traced with: recompile (``torch._dynamo.reset()``) after replacing it.
-* ``layer``: the layer's token (:attr:`syncbn._checks.LayerState.token`), a
-  0-dim int64 CPU tensor the graph carries as an input: which layer is calling
-  is a value, not a guard, so one compiled frame serves every layer. Read on
-  the host when the operator runs (no device synchronisation). ``None``: an
-  anonymous call.
-* ``phase``: :data:`syncbn.groups.PHASE_FORWARD`, ``PHASE_BACKWARD`` or
-  ``PHASE_OTHER`` (framed into the header).
-* ``source``: the layer's input (forward) or upstream gradient (backward), for
-  the first-use handshake and debug mode's checks; ``None`` skips them.
-* ``flags``: bit 0 (:data:`CHECK_ONE_VALUE`): the summed tensor's first value
-  is the global count; raise the "more than 1 value per channel" ``ValueError``
-  on every rank when it is one (a host read, requested only by a rank holding
-  fewer than two values per channel, as eager).
-
-The result is always a new tensor; the input is never written. The operator's
-autograd formula is its own adjoint (the gradient of a sum over ranks is the
-sum over ranks of the gradient), so it may also be differentiated through.
-
-:func:`all_reduce_sum` is the Python entry point for other layers' traced code
-(eager: the framed sum directly; compiling: this operator).
+``syncbn::all_reduce_sum(Tensor tensor, int group, Tensor? layer, int phase, Tensor? source,
+int flags) -> Tensor`` runs the eager framed sum (:func:`syncbn.engine._function._all_reduce`);
+the arithmetic around it is traced code (:mod:`syncbn.engine._compiled`). Registered with
+ordered side effects, its calls are never dropped, reordered or merged. The schema's arguments
+and the registration choices are in docs/internals/engine.md. :func:`all_reduce_sum` is the
+entry point for other layers' traced code.
 """
 
 from __future__ import annotations
@@ -83,18 +49,14 @@ __all__ = [
 
 CHECK_ONE_VALUE = 1  # flags bit: raise the one-value error when the summed count (element 0) is 1
 
-# handle -> a weak reference to its SumGroup (0: no group, run locally; handles are never reused).
-# Weak: a group lives as long as syncbn.groups' cache (or the layer) holds it, and is released
-# with its process group; a compiled graph still holding the handle of a released group is told so.
+# handle -> a weak reference to its SumGroup (0: no group; handles are never reused), so a
+# group is released with its process group; a graph using a released one's handle is told so.
 _groups: dict[int, Callable[[], Any]] = {}
 _group_ids: dict[int, int] = {}  # id(SumGroup) -> handle, while the group lives
 _handles = itertools.count(1)
-# How many times the operator ran (diagnostics, tests): forward-phase calls (one per layer per
-# compiled training forward) and the others (backward, adjoints).
+# How many times the operator ran (diagnostics, tests): forward-phase calls and the others.
 calls = 0
 backward_calls = 0
-
-_PHASES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
 
 _is_compiling = _rules.is_compiling
 
@@ -154,16 +116,9 @@ def _live_group(handle: int) -> Any:
 
 
 def layer_token(layer: Any) -> Tensor | None:
-    """The token a compiled graph carries for ``layer`` (``None``: no layer, or one without syncbn state).
-
-    Safe in traced code: an attribute read, guarded on its dtype and shape only.
-    """
-    if layer is None:
-        return None
-    state = layer.__dict__.get("_syncbn_state")
-    if state is None:
-        return None
-    token: Tensor = state.token
+    """The token a compiled graph carries for ``layer`` (or ``None``): an attribute read, safe traced."""
+    state = None if layer is None else layer.__dict__.get("_syncbn_state")
+    token: Tensor | None = None if state is None else state.token
     return token
 
 
@@ -171,8 +126,7 @@ def layer_token(layer: Any) -> Tensor | None:
 def tracing_a_checkpointed_region() -> bool:
     """Whether dynamo is tracing the body of ``torch.utils.checkpoint`` now (run while tracing only).
 
-    torch 2.13's AOTAutograd cannot recompute an ordered effectful operator (the collective) in a
-    checkpointed region; a layer then breaks the graph so that dynamo runs the region eagerly.
+    torch 2.13's AOTAutograd cannot recompute the collective there: the layer then breaks the graph.
     """
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -188,14 +142,8 @@ def tracing_a_checkpointed_region() -> bool:
     return False
 
 
-# Registered directly (``torch.library.Library``), not through ``torch.library.custom_op``: a
-# compiled graph calls ``torch.ops.syncbn.all_reduce_sum.default`` twice per layer per step, and
-# custom_op's layers (its autograd wrapper, a redispatch, a dynamo-disabling wrapper and an
-# aliasing check, all in Python) cost several times the framing they wrap
-# (benchmarks/compile/op_call.py). Here: the implementation at CompositeExplicitAutograd (every
-# device), the fake kernel for tracing (fake tensors, meta), and at Autograd one small kernel
-# (_all_reduce_autograd) that records the adjoint where a gradient flows and otherwise goes
-# straight to the implementation.
+# Registered directly, not through custom_op, whose Python layers cost several times the framing
+# they wrap (docs/internals/engine.md).
 _lib = torch.library.Library("syncbn", "FRAGMENT")
 _lib.define(
     "all_reduce_sum(Tensor tensor, int group, Tensor? layer, int phase, Tensor? source, int flags) -> Tensor",
@@ -208,7 +156,7 @@ _redispatch = _all_reduce_op.redispatch  # off the hot path: fake tensors, modes
 def _all_reduce_impl(
     tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Tensor | None, flags: int
 ) -> Tensor:
-    """The framed sum of ``tensor`` over group handle ``group`` (see the module docstring)."""
+    """The framed sum of ``tensor`` over group handle ``group``; never an alias of the input."""
     global calls, backward_calls
     if phase == PHASE_FORWARD:
         calls += 1
@@ -218,7 +166,7 @@ def _all_reduce_impl(
     if owner is None and layer is not None:
         _warn_unbound()
     summed = _framed_sum(_live_group(group), tensor, owner, phase, source, flags)
-    if summed.data_ptr() == tensor.data_ptr():  # never an alias of the input
+    if summed.data_ptr() == tensor.data_ptr():
         summed = summed.clone()
     return summed
 
@@ -263,11 +211,7 @@ def _all_reduce_fake(
 
 
 class _Adjoint(torch.autograd.Function):
-    """The operator's autograd formula: it is its own adjoint.
-
-    d(sum over ranks of t_r)/d t_r is the identity: each rank's gradient is the sum of every
-    rank's upstream gradient, one more collective (on every rank alike).
-    """
+    """The operator's autograd formula: its own adjoint (one more collective, on every rank alike)."""
 
     @staticmethod
     def forward(ctx: Any, keyset: Any, *args: Any) -> Tensor:  # type: ignore[override]
@@ -283,8 +227,7 @@ class _Adjoint(torch.autograd.Function):
         return None, summed, None, None, None, None, None
 
 
-# The device dispatch keys whose kernel is _all_reduce_impl (CompositeExplicitAutograd), and per
-# dispatch keyset (its raw value) whether the Autograd kernel may call it directly.
+# The device keys whose kernel is _all_reduce_impl, and per raw keyset whether to call it directly.
 _DEVICE_KEYS = frozenset(
     getattr(torch._C.DispatchKey, name)
     for name in ("CPU", "CUDA", "XPU", "MPS", "HPU", "MTIA", "PrivateUse1")
@@ -296,12 +239,10 @@ _direct: dict[int, bool] = {}
 def _all_reduce_autograd(
     keyset: Any, tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Any, flags: int
 ) -> Tensor:
-    """The Autograd kernel: record the adjoint where a gradient flows, else straight to the sum.
+    """The Autograd kernel: record the adjoint where a gradient flows, else the sum.
 
-    On a plain device tensor (no fake tensor, dispatch mode or functionalization: the keyset
-    below autograd leads to a device's kernel, which is :func:`_all_reduce_impl`) it calls the
-    implementation itself, saving a redispatch through the dispatcher (~2 us); otherwise it
-    redispatches.
+    A plain device tensor (the keyset below autograd leads to a device kernel) calls
+    :func:`_all_reduce_impl` directly, saving a redispatch; anything else (fake, modes) redispatches.
     """
     if _grad_enabled() and (tensor.requires_grad or (source is not None and source.requires_grad)):
         out: Tensor = _Adjoint.apply(keyset, tensor, group, layer, phase, source, flags)
@@ -320,20 +261,12 @@ _lib.impl("all_reduce_sum", _all_reduce_impl, "CompositeExplicitAutograd")
 _lib.impl("all_reduce_sum", _all_reduce_autograd, "Autograd", with_keyset=True)
 _register_fake("syncbn::all_reduce_sum", _all_reduce_fake, lib=_lib)
 
-# The collective is a side effect: keep every call, in program order, even where the output
-# is empty (an empty local batch still takes part) or unused.
+# Keep every call, in program order, even where the output is empty or unused.
 _register_effectful_op("syncbn::all_reduce_sum", EffectType.ORDERED)
 
 
 def _snapshot_impl(tensor: Tensor) -> Tensor:
-    """A copy of ``tensor`` that a compiled backward keeps rather than recomputes.
-
-    AOTAutograd's partitioner may recompute cheap values in the backward graph
-    from a forward input; where that input is a buffer the forward updates in
-    place (a running statistic), the recomputation would read the updated value.
-    An opaque operator is never recomputed, so its copy is saved instead. Registered
-    directly, as the collective (no autograd formula: it copies buffers only).
-    """
+    """A copy a compiled backward keeps rather than recomputes from a buffer updated in place since."""
     return tensor.clone()
 
 
@@ -358,44 +291,27 @@ def all_reduce_sum(
 ) -> Tensor:
     """Sum ``tensor`` over a syncbn group, framed with ``layer`` and ``phase``; eager and compiled.
 
-    The seam for layers built on syncbn's collective (in-place activated batch
-    norm, say): in eager mode the framed sum of
-    :func:`syncbn.engine._function._all_reduce`; while ``torch.compile`` traces, the
-    ordered effectful operator ``syncbn::all_reduce_sum`` (no graph break, no
-    guard on ``layer``, never reordered or dropped). Without a group of more than
-    one member the sum is ``tensor`` itself (copied).
+    Eager: the framed sum of :func:`syncbn.engine._function._all_reduce`; while compiling, the
+    operator ``syncbn::all_reduce_sum`` (no graph break, no guard on ``layer``). Without a group
+    of more than one member the result is a copy of ``tensor``.
 
     Args:
-        tensor: the values to sum (float64, float32, float16 or bfloat16; any
-            shape); left unchanged.
-        group: a ``torch.distributed`` process group, ``None`` (the default
-            group), a :class:`~syncbn.groups.ProcessGroupRef` or a resolved
-            :class:`~syncbn.groups.SumGroup`: anything :func:`syncbn.groups.resolve`
-            accepts. Compiled graphs resolve it once, while tracing.
-        layer: the calling module (its name goes into the frame and into
-            errors), or ``None``; a module needs a ``_syncbn_state``
-            (:class:`syncbn._checks.LayerState`) made at construction.
-        phase: ``"forward"``, ``"backward"`` or anything else (framed as
-            another phase).
-        source: the layer's input (forward) or upstream gradient (backward):
-            runs the first-use handshake (ranks agree on channels and dtype) and
-            debug mode's checks before the sum, as syncbn's own layer does.
-        one_value_check: ``tensor``'s first value is this rank's count per
-            channel: raise the "more than 1 value per channel" ``ValueError`` on
-            every rank when the summed count is one (reads it on the host).
+        tensor: the values to sum (any shape, a float dtype); left unchanged.
+        group: anything :func:`syncbn.groups.resolve` accepts (compiled graphs resolve it once).
+        layer: the calling module (with a ``_syncbn_state``, named in the frame and errors) or ``None``.
+        phase: ``"forward"``, ``"backward"`` or anything else (framed as another phase).
+        source: the layer's input or upstream gradient: runs the handshake and debug checks first.
+        one_value_check: ``tensor``'s first value is the count: raise the one-value ``ValueError``
+            on every rank when the summed count is one.
 
     Returns:
-        A new tensor holding the sum over every member of the group.
-
-    Shape:
-        any; the result has ``tensor``'s shape (contiguous).
+        A new contiguous tensor of ``tensor``'s shape: the sum over the group.
 
     Example::
 
-        >>> packed = torch.stack([local_sum, local_sum_sq])         # (2, C)
-        >>> total = syncbn.engine._ops.all_reduce_sum(packed, None, self, "forward")
+        >>> total = syncbn.engine._ops.all_reduce_sum(torch.stack([s, q]), None, self, "forward")
     """
-    code = _PHASES.get(phase, PHASE_OTHER)
+    code = _function._PHASE_CODES.get(phase, PHASE_OTHER)
     flags = CHECK_ONE_VALUE if one_value_check else 0
     if _is_compiling():
         handle = group_handle(group)

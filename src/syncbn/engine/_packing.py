@@ -1,11 +1,5 @@
-"""The packed moments: the additive float64 vector one collective sums, and its unpacking.
-
-Each rank packs its count, mean and biased variance as ``[n, n*mean, n*(var + mean^2)]``
-(:func:`pack_moments`, into this thread's reusable :class:`MomentBuffer` on the host); the
-sum over ranks is ``[N, S, Q]``, from which :func:`unpack_moments` gives the global mean and
-the biased and unbiased variances (see :mod:`syncbn.engine._math` for the error analysis). The
-backward's ``[[sum dy], [sum dy*xhat]]`` is :func:`pack_grad_sums`; its input gradient's
-per-channel temporaries live in this thread's reusable :class:`GradBuffer` on the host.
+"""The packed moments ``[n, n*mean, n*(var + mean^2)]`` one collective sums, their unpacking, and
+this thread's reusable buffers. See docs/internals/engine.md.
 """
 
 from __future__ import annotations
@@ -32,21 +26,11 @@ _ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.fl
 
 
 class MomentBuffer:
-    """One thread's reusable buffers for a channel count on a device, views made once.
+    """One thread's reusable forward buffers for a channel count on a device, views made once.
 
-    ``packed`` is the ``(2C + 1,)`` float64 vector of :func:`pack_moments`, with
-    ``head`` (the count), ``sums`` (``[S, Q]`` as ``(2, C)``) and its rows
-    ``means`` and ``squares`` as views; on the host ``words`` is a float64
-    memoryview of the same memory, so the count is written and read without a
-    tensor call. ``stats`` (``(2, C)`` float64, rows ``stat_means`` and
-    ``stat_vars``) holds :func:`unpack_moments`' float64 statistics of a layer
-    whose statistics dtype is narrower, before they are rounded into new
-    tensors. ``scratch_mean``/``scratch_var`` are float32 running buffers the
-    low-precision native statistics kernel is handed (with a momentum of 0; their
-    contents are never read). Every synchronised forward of that channel count
-    on the thread reuses them: nothing of them outlives the call (the statistics
-    are copied out), and making a view costs an ATen call each, every call,
-    otherwise.
+    ``packed`` (``(2C + 1,)`` float64) with views ``head``, ``sums`` (``(2, C)``), ``means``,
+    ``squares``; on the host ``words``, a float64 memoryview of it. ``stats``: float64 statistics
+    before rounding. ``scratch_mean``/``scratch_var``: the 16-bit native kernel's running buffers.
     """
 
     __slots__ = (
@@ -102,20 +86,15 @@ def _per_thread(slot: str, make: Callable[..., _Buffer], *key: Any) -> _Buffer:
 
 
 def moment_buffer(channels: int, device: torch.device) -> MomentBuffer:
-    """This thread's :class:`MomentBuffer` for ``channels`` on ``device`` (made on first use).
-
-    Per thread, so ``nn.DataParallel``'s replica threads never share one.
-    """
+    """This thread's :class:`MomentBuffer` (per thread: DataParallel's replicas never share one)."""
     return _per_thread("moments", MomentBuffer, channels, device)
 
 
 class GradBuffer:
-    """One thread's reusable per-channel buffers of the input gradient (host, one dtype and rank).
+    """One thread's reusable per-channel buffers of the host input gradient (one dtype and rank).
 
-    ``scale`` (``w * invstd``, ``(C,)``) with ``scale_view`` (``(1, C, 1, ...)``, against the
-    input), and ``corrections`` (``(2, C)``) with its rows ``shift`` and ``slope``: what
-    :func:`~syncbn.engine._math.input_grad` computes per call and reads only inside that call.
-    Writing them here saves a view, an unbind and two allocations per backward.
+    ``scale`` (``w * invstd``) with ``scale_view`` against the input; ``corrections`` (``(2, C)``)
+    with rows ``shift`` and ``slope``.
     """
 
     __slots__ = ("scale", "scale_view", "corrections", "shift", "slope")
@@ -142,22 +121,10 @@ def pack_moments(
     device: torch.device,
     buffer: MomentBuffer | None = None,
 ) -> Tensor:
-    """Pack local moments into the additive float64 vector ``[n, n*mean, n*(var + mean^2)]``.
+    """Local moments as the additive float64 ``(2C + 1,)`` vector ``[n, n*mean, n*(var + mean^2)]``.
 
-    The last part is :math:`M_2 + n m^2` with :math:`M_2 = n\\,\\text{var}`.
-
-    Args:
-        count: number of values per channel on this rank (may be 0).
-        mean: local per-channel mean, or ``None`` when ``count == 0``.
-        var: local per-channel biased variance, or ``None`` when ``count == 0``.
-        channels: number of channels ``C``.
-        device: where the packed vector lives (the input's device).
-        buffer: write into this :class:`MomentBuffer`'s ``packed`` (four ATen
-            calls, no allocation) instead of a new tensor.
-
-    Returns:
-        A float64 tensor of shape ``(2 * C + 1,)``; summing these over ranks gives
-        the global ``[N, S, Q]``.
+    ``mean`` and ``var`` are ``None`` when ``count`` is 0 (zeros). Written into ``buffer.packed``
+    when given, else a new tensor on ``device``.
     """
     if count == 0:
         if buffer is not None:
@@ -194,24 +161,11 @@ def unpack_moments(
     dtype: torch.dtype = torch.float64,
     buffer: MomentBuffer | None = None,
 ) -> tuple[float | Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """Global statistics from the summed packed vector.
+    """``(count, (mean, var, unbiased))`` from the summed packed vector; statistics in ``dtype``.
 
-    Args:
-        packed: the sum over ranks of :func:`pack_moments` outputs.
-        channels: number of channels ``C``.
-        read_count: read the count on the host (default: only for a CPU tensor,
-            where it costs no device synchronisation).
-        dtype: the dtype of the returned statistics (computed in float64, rounded once).
-        buffer: the :class:`MomentBuffer` ``packed`` is the ``packed`` of, if any
-            (its views are then used, not made).
-
-    Returns:
-        ``(count, (mean, var, unbiased))``: the global count (a Python float
-        when read on the host; else a 0-dim float64 tensor on the device), and
-        the per-channel mean, biased and unbiased variance, each ``(C,)`` in
-        ``dtype`` and none a view of ``packed``. A zero count gives zeros (never
-        NaN), a count of one an unbiased variance of zero; the caller decides
-        what those mean.
+    ``count`` is a float when read on the host (``read_count``, default: a CPU ``packed``), else a
+    0-dim float64 tensor. A zero count gives zeros, a count of one an unbiased variance of zero.
+    ``buffer``: the :class:`MomentBuffer` whose ``packed`` this is, if any (its views are used).
     """
     mine = buffer if buffer is not None and packed is buffer.packed else None
     sums = mine.sums if mine is not None else packed[1:].view(2, channels)  # [S, Q]
@@ -221,7 +175,6 @@ def unpack_moments(
         count = words[0] if words is not None else float(mine.head if mine is not None else packed[0])
         unbias: float | Tensor = count / max(count - 1.0, 1.0)
         if mine is not None and dtype != torch.float64:
-            # Statistics rounded to ``dtype`` at the end: the float64 ones in the buffer's rows.
             torch.mul(sums, 1.0 / max(count, 1.0), out=mine.stats)  # [mean, Q/N]
             mean, var = mine.stat_means, mine.stat_vars
             var.addcmul_(mean, mean, value=-1.0).clamp_(min=0.0)
@@ -241,11 +194,6 @@ def unpack_moments(
 
 
 def pack_grad_sums(sum_dy: Tensor, sum_dy_xhat: Tensor) -> Tensor:
-    """The backward's all_reduce buffer ``[[sum_dy], [sum_dy_xhat]]``, ``(2, C)``, at least float32.
-
-    float32 and float64 layers sum in their own dtype (the local sums already
-    carry that dtype's rounding); float16/bfloat16 layers in float32, which does
-    not overflow.
-    """
+    """The backward's all_reduce buffer ``[[sum_dy], [sum_dy_xhat]]``, ``(2, C)``, at least float32."""
     packed = torch.stack([sum_dy, sum_dy_xhat])
     return packed.float() if packed.dtype in _LOW_PRECISION else packed

@@ -1,9 +1,4 @@
-"""The engine's rules shared by every family and path: dtypes, the "one value per channel" error, tracing.
-
-The tracing helpers tell the layers whether dynamo is tracing (:data:`is_compiling`),
-whether a forward is a recomputation inside a backward (:func:`in_backward`:
-``torch.utils.checkpoint``), and warn once per traced graph (:func:`warn_while_tracing`).
-"""
+"""The engine's rules shared by every family and path: dtypes, the "one value per channel" error, tracing."""
 
 from __future__ import annotations
 
@@ -38,21 +33,12 @@ def warn_while_tracing(message: str) -> bool:
 
 
 def in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread right now.
-
-    A training forward inside a backward is a recomputation: ``torch.utils.checkpoint``
-    (reentrant and non-reentrant) re-runs the checkpointed forward there.
-    """
+    """Whether autograd runs a backward on this thread (a forward there is a checkpoint's recomputation)."""
     return bool(_current_graph_task_id() != -1)
 
 
 def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
-    """The dtype normalisation statistics are handed to the native kernels in.
-
-    The layer's parameter dtype when it has parameters or buffers (so a float32
-    layer fed float16 input keeps float32 statistics), else float32 or float64
-    after the input.
-    """
+    """The statistics dtype: the parameters' or buffers' when there are any, else after the input."""
     if weight is not None:
         return weight.dtype
     if running_mean is not None:
@@ -72,12 +58,7 @@ def one_value_error(
 ) -> ValueError:
     """The error of a training call whose global count is one, in every family's and path's words.
 
-    Args:
-        x: this member's input.
-        size: the number of members of the group.
-        members: what they are ("ranks of the group", "replicas of ...").
-        layer: the calling layer (named in the message), or ``None``.
-        who: whose input ``x`` is.
+    ``size`` ``members`` (e.g. "ranks of the group"), the ``layer`` named, and ``who``'s input ``x``.
     """
     where = "" if layer is None else f"layer {_checks.layer_name(layer)}; "
     return ValueError(

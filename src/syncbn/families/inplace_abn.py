@@ -1,46 +1,8 @@
-"""In-place activated batch norm (InPlace-ABN) as a family: its math only, eager and traced.
+"""In-place activated batch norm (InPlace-ABN, Rota Bulò et al., CVPR 2018) as a family: its math only.
 
-In-place activated batch norm (InPlace-ABN, Rota Bulò et al., CVPR 2018) writes
-
-.. math::
-    y = \\phi\\big(\\hat x\\, s + b\\big), \\qquad
-    \\hat x = (x - \\mu)\\,\\text{invstd}, \\qquad s = |w| + \\epsilon
-
-over its input and keeps only :math:`y` (and per-channel vectors) for
-backward. Backward recovers what it needs from :math:`y` alone, because the
-activation :math:`\\phi` is invertible and :math:`s > 0`:
-
-.. math::
-    z = \\phi^{-1}(y), \\qquad \\hat x = (z - b) / s, \\qquad
-    \\frac{\\partial L}{\\partial z} = g\\,\\phi'(z),
-
-where :math:`\\phi'` is itself a function of :math:`y`: the slope :math:`a`
-where :math:`y < 0` for ``leaky_relu`` (:math:`\\phi^{-1}(y) = y / a` there),
-:math:`y + \\alpha` where :math:`y \\le 0` for ``elu``
-(:math:`\\phi^{-1}(y) = \\log(1 + y/\\alpha)` there). Then the input gradient is
-batch norm's, with :math:`s\\,\\text{invstd}` as the scale (see
-:func:`syncbn.engine._math.input_grad`).
-
-Conditioning: an error :math:`\\delta` in :math:`y` (its rounding to the input
-dtype) becomes :math:`\\delta / s` in :math:`\\hat x` (divided by the slope too
-where ``leaky_relu`` is negative): small :math:`|w|` amplifies it. ``elu``
-saturates: where :math:`y \\to -\\alpha` the logarithm diverges and the
-recovered :math:`\\hat x` is only known to be very negative; its weight in the
-gradient, :math:`y + \\alpha`, goes to zero there, so only the
-:math:`\\hat x \\sum g\\hat x / N` term of the input gradient feels it. The
-argument of the logarithm is clamped at the dtype's resolution (no infinity,
-no NaN).
-
-Low-precision (float16/bfloat16) outputs are recovered in float32.
-
-The engine (:mod:`syncbn.engine._function`, :mod:`syncbn.engine._compiled`,
-:mod:`syncbn.parallel`) calls :class:`InPlaceABN`'s phases: the elementwise
-forward written over the input (:meth:`~InPlaceABN.forward_`, or
-``nn.BatchNorm``'s own kernel without a group, :meth:`~InPlaceABN.native_forward_`),
-the backward's local reduction recovering ``xhat`` from the output
-(:meth:`~InPlaceABN.grad_sums`), the backward's elementwise input gradient
-(:meth:`~InPlaceABN.input_grad`) and the parameter gradients (the sign of
-``w``: :meth:`~InPlaceABN.parameter_grads`), and their traced twins.
+``y = act(xhat * (|w| + eps) + b)`` is written over the input; backward recovers ``z = act^-1(y)``
+and ``xhat`` from ``y`` alone. docs/memory.md gives the math and its conditioning,
+docs/internals/engine.md how the gradients are evaluated. 16-bit outputs are recovered in float32.
 """
 
 from __future__ import annotations
@@ -78,12 +40,7 @@ ACTIVATIONS = ("leaky_relu", "elu", "identity")
 def check_activation(activation: str, param: float, *, in_place: bool = True) -> None:
     """Raise ``ValueError`` for an activation the (in-place) layer cannot use.
 
-    Args:
-        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (and ``"relu"``
-            when ``in_place`` is false).
-        param: the slope of ``leaky_relu`` or the ``alpha`` of ``elu``; must be
-            positive for those two (a slope of 0 is ReLU, not invertible).
-        in_place: whether the activation must be invertible.
+    ``"relu"`` only when not ``in_place``; in place, ``param`` (slope or alpha) must be positive and finite.
     """
     allowed = ACTIVATIONS if in_place else ("relu", *ACTIVATIONS)
     if activation == "relu" and in_place:
@@ -152,14 +109,10 @@ def affine_coefficients(
 
 
 def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, param: float) -> Tensor:
-    """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``; ``None``: none); returns ``x``.
-
-    ``a`` and ``c`` are in the statistics dtype (at least float32): the affine
-    map runs there and is rounded once into ``x``'s dtype, as ``nn.BatchNorm``.
-    """
+    """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``; ``None``: none); returns ``x``."""
     if a is not None and c is not None:
         shape = _math.broadcast_shape(x)
-        # Two in-place passes: an addcmul whose first operand is broadcast is several times slower on CPU.
+        # Two passes: an addcmul with a broadcast first operand is several times slower on CPU.
         x.mul_(a.view(shape)).add_(c.view(shape))
     if activation == "leaky_relu":
         F.leaky_relu(x, float(param), inplace=True)
@@ -171,12 +124,9 @@ def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, pa
 
 
 def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Tensor, Tensor, bool]:
-    """``(z, dz, scratch)``: the activation's input ``z`` and its gradient ``dz``, recovered from ``y``.
+    """``(z, dz, scratch)``: the activation's input and its gradient, recovered from ``y`` (never written).
 
-    Both in :func:`syncbn.engine._math.accumulation_dtype` of ``y`` (float32 for 16-bit
-    outputs). ``y`` is never written (the next layer keeps it too); ``scratch``
-    says whether ``z`` is a new tensor the caller may overwrite (the input
-    gradient is written into it). One pass each for ``leaky_relu``.
+    In the accumulation dtype; ``scratch``: whether ``z`` is a new tensor the caller may overwrite.
     """
     acc = _math.accumulation_dtype(y.dtype)
     p = float(param)
@@ -190,7 +140,7 @@ def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Ten
         return F.leaky_relu(yw, 1.0 / p), dz, True
     if activation == "elu":
         dz = torch.ops.aten.elu_backward(gw, p, 1.0, 1.0, True, yw)
-        # log1p(y / alpha) where y < 0, its argument kept above -1 (a saturated output, y == -alpha).
+        # log1p(y / alpha) where y < 0, kept finite where saturated (y == -alpha).
         inner = torch.div(yw, p).clamp_(min=-1.0 + torch.finfo(acc).eps).log1p_()
         return torch.where(yw < 0, inner, yw, out=inner), dz, True
     return yw, gw, widen
@@ -209,11 +159,7 @@ def _centre(z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tenso
 
 
 def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Local per-channel ``(sum(dz), sum(dz * xhat))``, ``xhat = (z - b) / s``, in one native pass.
-
-    Batch norm's backward kernel with mean ``b``, variance ``s^2`` and eps 0
-    (so its ``invstd`` is ``1/s``): ``xhat`` is never materialised.
-    """
+    """Local ``(sum(dz), sum(dz * xhat))``: batch norm's backward kernel with mean ``b``, variance ``s^2``."""
     mean, var = _centre(z, scale, bias)
     _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
         dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
@@ -232,11 +178,7 @@ class ABNStats(NamedTuple):
 
 
 class InPlaceABN(NamedTuple):
-    """One call of the in-place family: its activation, the activation's parameter, train or eval.
-
-    The engine calls its phases (all per-channel vectors and elementwise work, no
-    communication); ``weight`` is used as the scale ``|w| + eps``.
-    """
+    """One call of the in-place family: its activation and parameter, train or eval; scale ``|w| + eps``."""
 
     activation: str
     param: float
@@ -256,8 +198,7 @@ class InPlaceABN(NamedTuple):
     def forward_(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, moments: Any, eps: float
     ) -> ABNStats:
-        """The elementwise forward with the global ``moments``, written over ``x``: ``act(x * a + c)``,
-        ``a = (|w| + eps) * invstd``, ``c = b - mean * a``."""
+        """``x <- act(x * a + c)`` with the global ``moments`` (see :func:`affine_coefficients`)."""
         if moments.local_count > 0:
             self._write_(x, weight, bias, moments.mean, moments.var, eps)
         return ABNStats((moments.var + eps).rsqrt(), eps, moments.total, moments.local_count, True)
@@ -290,13 +231,10 @@ class InPlaceABN(NamedTuple):
         eps: float,
         stat: torch.dtype,
     ) -> ABNStats:
-        """Without a group: ``nn.BatchNorm``'s own training kernel over ``x`` (statistics,
-        normalisation, running update in one call), then the activation in place."""
+        """Without a group: ``nn.BatchNorm``'s own training kernel over ``x``, then the activation."""
         scale = abs_scale(weight, eps)
         b = None if bias is None else bias.detach()
-        if (
-            x.device.type == "cpu"
-        ):  # the CPU kernel reads the statistics first, then writes element by element
+        if x.device.type == "cpu":  # the CPU kernel reads the statistics before writing over x
             invstd = torch.empty(x.shape[1], dtype=stat)
             torch.ops.aten.native_batch_norm.out(
                 x, scale, b, running_mean, running_var, True, momentum, eps,
@@ -314,11 +252,7 @@ class InPlaceABN(NamedTuple):
     def grad_sums(
         self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, stats: ABNStats
     ) -> tuple[Any, Tensor, Tensor]:
-        """The backward's local reduction: ``(carry, sum(dz), sum(dz * xhat))``.
-
-        ``z`` and ``dz`` are recovered from the output ``y``; ``carry`` (``None``
-        for an empty local batch) is what :meth:`input_grad` needs.
-        """
+        """``(carry, sum(dz), sum(dz * xhat))`` from ``y``; ``carry`` (``None``: empty) feeds input_grad."""
         if stats.local_count == 0:
             zeros = torch.zeros(y.shape[1], dtype=_math.accumulation_dtype(y.dtype), device=y.device)
             return None, zeros, zeros.clone()
@@ -335,14 +269,9 @@ class InPlaceABN(NamedTuple):
         carry: Any,
         reduced: Tensor | None,
     ) -> Tensor:
-        """The backward's elementwise input gradient, in ``y``'s dtype, from :meth:`grad_sums`' ``carry``.
+        """The input gradient in ``y``'s dtype from :meth:`grad_sums`' ``carry`` and the global ``reduced``.
 
-        With ``s = |w| + eps``, ``a = s * invstd``, ``xhat = (z - b) / s`` and the
-        global ``[[sum dz], [sum dz*xhat]]`` (``reduced``) over ``N`` values, batch
-        norm's ``a * (dz - sum_dz/N - xhat * sum_dz_xhat/N)`` is evaluated as
-        ``z * B + C + dz * A`` (per-channel ``A = a``, ``B = -a/s * sum_dz_xhat/N``,
-        ``C = -a * sum_dz/N - B * b``): three in-place passes, written into ``z``
-        when it is scratch. Eval (``reduced`` is ``None``): ``a * dz``.
+        Evaluated as ``z * B + C + dz * A`` (docs/internals/engine.md); eval (no ``reduced``): ``a * dz``.
         """
         if carry is None:  # an empty local batch
             return torch.zeros_like(y)
@@ -375,9 +304,7 @@ class InPlaceABN(NamedTuple):
     ) -> tuple[Tensor | None, Tensor, Tensor]:
         """Without a group: ``(grad_input, sum(dz), sum(dz * xhat))`` in ONE native batch-norm backward call.
 
-        Batch norm's training backward of ``z`` with saved mean ``b``, saved invstd
-        ``1/s`` (so its ``xhat`` is ``(z - b) / s``) and weight ``s^2 * invstd`` (so
-        its scale is ``s * invstd``) is exactly the in-place layer's.
+        Saved mean ``b``, saved invstd ``1/s`` and weight ``s^2 * invstd`` make it the in-place layer's.
         """
         z, dz, _ = recover(y, grad, self.activation, self.param)
         acc, eps = z.dtype, stats.eps
@@ -399,8 +326,7 @@ class InPlaceABN(NamedTuple):
             return sum_dz_xhat, sum_dz
         return torch.where(weight.detach() < 0, -sum_dz_xhat, sum_dz_xhat), sum_dz
 
-    # The traced twins (syncbn.engine._compiled): plain tensor operations only, no host reads,
-    # no reused buffers.
+    # The traced twins (syncbn.engine._compiled): plain tensor operations, no host reads or reused buffers.
 
     def traced_forward_(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
@@ -411,18 +337,12 @@ class InPlaceABN(NamedTuple):
         shape = _math.broadcast_shape(x)
         with torch.no_grad():
             x.copy_(x * a.view(shape) + c.view(shape))
-            if self.activation == "leaky_relu":
-                F.leaky_relu(x, self.param, inplace=True)
-            elif self.activation == "elu":
-                F.elu(x, self.param, inplace=True)
+            activate_(x, None, None, self.activation, self.param)
 
     def traced_grad_terms(
         self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, invstd: Tensor, eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dz, xhat, a)`` in traced operations, recovered from the output ``y``.
-
-        The traced engine's backward is batch norm's with them in place of ``(dy, xhat, w * invstd)``.
-        """
+        """``(dz, xhat, a)`` recovered from ``y``, traced: batch norm's ``(dy, xhat, w * invstd)``."""
         acc = _math.accumulation_dtype(y.dtype)
         shape, p = _math.broadcast_shape(y), self.param
         yw, g = y.to(acc), grad.to(acc)

@@ -1,21 +1,8 @@
 """Batch Renormalization (Ioffe, 2017) as a family: its math only.
 
-Training, over the group's global batch (biased variance ``var_B``)::
-
-    s_B = sqrt(var_B + eps)              s = sqrt(running_var + eps)
-    r = clamp(s_B / s, 1 / r_max, r_max) d = clamp((mean_B - running_mean) / s, -d_max, d_max)
-    y = weight * ((x - mean_B) / s_B * r + d) + bias
-
-``r`` and ``d`` come from the running statistics *before* the step's update and
-are constants in backward. So the layer is batch norm with the effective affine
-map ``weight' = weight * r`` and ``bias' = bias + weight * d``: the engine's
-batchnorm forward, input gradient and reductions apply unchanged, and only the
-parameter gradients differ::
-
-    dweight = r * sum(dy * xhat) + d * sum(dy)      dbias = sum(dy)
-
-With ``r_max = 1`` and ``d_max = 0`` (or without running statistics) ``r = 1``,
-``d = 0``: exactly batch norm.
+``y = weight * ((x - mean_B) / s_B * r + d) + bias``, with ``r`` and ``d`` constants of the step
+from the running statistics before its update: batch norm with the effective affine map
+``(weight * r, bias + weight * d)``. Derivation in docs/internals/engine.md.
 """
 
 from __future__ import annotations
