@@ -5,6 +5,7 @@ See docs/internals/layers.md.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
@@ -17,14 +18,7 @@ from torch import Tensor, nn
 from . import _config, _names
 from .groups import CollectiveError, ProcessGroupSum
 
-__all__ = [
-    "LayerState",
-    "name_layers",
-    "layer_name",
-    "layer_for_token",
-    "before_forward",
-    "before_backward",
-]
+__all__ = ["LayerState", "name_layers", "layer_name", "layer_for_token", "before_forward", "before_backward"]
 
 FIELDS = ("identity", "call", "phase", "channels", "dtype", "config", "nonfinite", "index")
 _PHASES = {1.0: "forward", 2.0: "backward"}
@@ -33,7 +27,6 @@ _counter = itertools.count()
 _known_names: dict[float, str] = {}  # identity hash -> name, from name_layers (names other ranks')
 _token_counter = itertools.count(1)
 _tokens: weakref.WeakValueDictionary[int, LayerState] = weakref.WeakValueDictionary()
-_binding_hook_installed = False
 
 
 def _identity_hash(text: str) -> float:
@@ -138,11 +131,8 @@ def _bind_child(parent: nn.Module, name: str, child: nn.Module | None) -> None:
             state.bind(child)
 
 
+@functools.cache  # once per process
 def _install_binding_hook() -> None:
-    global _binding_hook_installed
-    if _binding_hook_installed:
-        return
-    _binding_hook_installed = True
     nn.modules.module.register_module_module_registration_hook(_bind_child)
 
 
@@ -218,9 +208,7 @@ def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
     """
     if layer is None:
         return 0
-    state = layer.__dict__.get("_syncbn_state")
-    if state is None:
-        state = state_of(layer)
+    state = layer.__dict__.get("_syncbn_state") or state_of(layer)
     name = state.name
     if name is not None:
         cached = state.name_id
@@ -258,8 +246,7 @@ def _config_code(layer: nn.Module | None, ndim: int) -> float:
 def _describe_config(code: float) -> str:
     if not math.isfinite(code):
         return f"an unreadable configuration ({code})"
-    c = int(code)
-    ndim, bits = divmod(c, 8)
+    ndim, bits = divmod(int(code), 8)
     return (
         f"{ndim}D input, affine={bool(bits & 1)}, track_running_stats={bool(bits & 2)}, "
         f"momentum={'None' if bits & 4 else 'set'}"
@@ -299,10 +286,8 @@ def _compare(
         "channels": lambda v: f"{_whole(v)} channels",
         "dtype": _dtype_from_code,
         "config": _describe_config,
-        "nonfinite": lambda v: "non-finite values (NaN or Inf)" if v else "finite",
     }
     what = {
-        "identity": "which layer they are calling (the layer order differs between ranks)",
         "call": "how many times this layer has been called (a rank skipped or repeated a call)",
         "phase": "the phase (one rank is in forward, another in backward)",
         "channels": "the channel count",
@@ -346,9 +331,7 @@ def _check(
     identity_text = state.identity if state is not None else "(functional call)"
     identity = _identity_hash(identity_text)
     index = float(state.index) if state is not None else -1.0
-    nonfinite = 0.0
-    if debug and x.numel() > 0:
-        nonfinite = float(not bool(torch.isfinite(x).all()))
+    nonfinite = float(debug and x.numel() > 0 and not bool(torch.isfinite(x).all()))
     row = [identity, float(call), phase, float(x.shape[1]), _dtype_code(x.dtype)]
     row += [_config_code(layer, x.dim()), nonfinite, index]
     try:
