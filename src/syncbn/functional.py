@@ -108,8 +108,7 @@ def apply_masked(norm: Callable[[Tensor], Tensor], input: Tensor, mask: Tensor) 
     check_input(input)
     check_mask(input, mask)
     channels = input.shape[1]
-    moved = input.movedim(1, -1)  # (N, *, C), a view
-    flat = moved[mask]  # (M, C): the valid positions, in order
+    flat = input.movedim(1, -1)[mask]  # (M, C): the valid positions, in order
     y = norm(flat.reshape(flat.shape[0], channels, *([1] * (input.dim() - 2))))
     out = torch.zeros_like(input)
     out.movedim(1, -1)[mask] = y.reshape(flat.shape[0], channels)

@@ -59,13 +59,11 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         y = \\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}} * \\gamma + \\beta
 
     One ``all_reduce`` of :math:`O(C)` float64 values each way, whatever the
-    world size, and no device-to-host synchronisation on GPU (see How it works).
-    The running variance is updated with the unbiased global variance; the
-    gradients of :math:`\\gamma` and :math:`\\beta` stay local (DDP sums them).
-
-    Eval mode never communicates: it uses the running statistics or, with
-    ``track_running_stats=False``, the local batch's statistics (as
-    ``torch.nn.SyncBatchNorm`` does).
+    world size, and no device-to-host synchronisation on GPU. The running
+    variance is updated with the unbiased global variance; the gradients of
+    :math:`\\gamma` and :math:`\\beta` stay local (DDP sums them). Eval never
+    communicates: it uses the running statistics or, with
+    ``track_running_stats=False``, the local batch's (as ``torch.nn.SyncBatchNorm``).
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.

@@ -324,13 +324,9 @@ def _set_population_stats(
     if group is not None:
         _all_reduce_checked(group, sums, _layout_code(layers), "recompute_running_stats")
     # Global means, then each rank's squared deviations about them (no cancellation).
-    offset, means, counts = 2, [], []
-    for _, layer in layers:
-        c = layer.running_mean.numel()  # type: ignore[union-attr]
-        n = sums[offset]
-        means.append(sums[offset + 1 : offset + 1 + c] / n.clamp_min(1.0))
-        counts.append(float(n.item()))
-        offset += 1 + c
+    chunks = sums[2:].split([1 + layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
+    means = [chunk[1:] / chunk[0].clamp_min(1.0) for chunk in chunks]
+    counts = [float(chunk[0].item()) for chunk in chunks]
     second: list[Tensor] = []
     for (_, layer), mean in zip(layers, means):
         m = moments[id(layer)]
@@ -341,12 +337,9 @@ def _set_population_stats(
     m2 = torch.cat(second) if second else torch.zeros(0, **f64)  # type: ignore[arg-type]
     if group is not None and m2.numel():
         group.all_reduce_sum(m2)
-    offset = 0
+    per_layer = m2.split([mean.numel() for mean in means])
     with torch.no_grad():
-        for (_, layer), mean, count in zip(layers, means, counts):
-            c = mean.numel()
-            layer_m2 = m2[offset : offset + c]
-            offset += c
+        for (_, layer), mean, count, layer_m2 in zip(layers, means, counts, per_layer):
             if count == 0:
                 continue  # no value reached this layer on any rank: keep its statistics
             layer.running_mean.copy_(mean)  # type: ignore[union-attr]
