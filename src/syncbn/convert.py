@@ -261,21 +261,17 @@ def convert_sync_batchnorm(
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` by a syncbn layer.
 
-    ``nn.BatchNorm1d/2d/3d`` become :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``
-    (same input checks); ``torch.nn.SyncBatchNorm`` and any other ``_BatchNorm``
-    subclass become the generic :class:`~syncbn.SyncBatchNorm`. The swap keeps
-    each layer's ``Parameter`` objects (optimizers built before keep working),
-    buffers, ``requires_grad``, mode, device, dtype, hooks and user-set
-    attributes. syncbn layers are left alone; a layer used at several places
-    stays one shared layer. Layers are named for error messages
-    (:func:`syncbn.name_layers`).
-
-    timm's ``BatchNormAct2d`` becomes :class:`syncbn.integrations.timm.SyncBatchNormAct2d`
-    (``drop`` and ``act`` kept); parametrizations move with their layer (the same
-    modules and original parameters). Each converted layer remembers its class
-    for :func:`revert_sync_batchnorm`. A BatchNorm subclass that defines its own
-    ``forward`` is left unconverted, with a :class:`ConversionWarning` (swapping
-    the class would drop that behaviour).
+    ``nn.BatchNorm1d/2d/3d`` become :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``;
+    ``torch.nn.SyncBatchNorm`` and other ``_BatchNorm`` subclasses the generic
+    :class:`~syncbn.SyncBatchNorm`; timm's ``BatchNormAct2d``
+    :class:`syncbn.integrations.timm.SyncBatchNormAct2d`. Each layer keeps its
+    ``Parameter`` objects (optimizers built before keep working), buffers,
+    ``requires_grad``, mode, device, dtype, hooks, parametrizations and
+    user-set attributes; a layer used at several places stays shared. Layers
+    are named for error messages (:func:`syncbn.name_layers`) and remember
+    their class for :func:`revert_sync_batchnorm`. A BatchNorm subclass with its
+    own ``forward`` is left alone, with a :class:`ConversionWarning`. The
+    Migration guide (docs/migration.md) lists every case.
 
     Args:
         module: the model (or a single BatchNorm layer, which is converted and
@@ -346,18 +342,16 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     For CPU inference, ``torch.jit.script``/``torch.export``/ONNX export and
     deployment without ``torch.distributed``. :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``
     (and subclasses that only add constructor conveniences, such as the
-    ``syncbn.compat`` classes) become ``nn.BatchNorm1d/2d/3d``; a layer made by
-    :func:`convert_sync_batchnorm` becomes the very class it was converted from
-    (a BatchNorm subclass, timm's ``BatchNormAct2d``), parametrizations included;
-    the generic :class:`~syncbn.SyncBatchNorm`, ``torch.nn.SyncBatchNorm`` and
-    other syncbn subclasses become :class:`syncbn.convert.BatchNorm` (any input of
-    at least 2 dimensions). State is kept as by :func:`convert_sync_batchnorm`;
-    ``process_group`` and ``freeze`` are dropped (a reverted layer in training
-    updates its running stats and trains its weight and bias even if the syncbn
-    layer was frozen; eval computes the same). An :class:`~syncbn.InPlaceSyncBatchNorm`
-    becomes ``nn.Sequential(BatchNorm, activation)`` computing the same function
-    (weight ``|w| + eps``; ``state_dict`` keys gain ``.0``). Converting then
-    reverting leaves ``state_dict`` and eval outputs bit-identical.
+    ``syncbn.compat.sync_batchnorm`` classes) become ``nn.BatchNorm1d/2d/3d``; a
+    converted layer becomes the class it was converted from; the generic
+    :class:`~syncbn.SyncBatchNorm`, ``torch.nn.SyncBatchNorm`` and other syncbn
+    subclasses become :class:`syncbn.convert.BatchNorm`; an
+    :class:`~syncbn.InPlaceSyncBatchNorm` becomes ``nn.Sequential(BatchNorm, activation)``
+    computing the same function (weight ``|w| + eps``; ``state_dict`` keys gain
+    ``.0``). State is kept as by :func:`convert_sync_batchnorm`; ``process_group``
+    and ``freeze`` are dropped (a reverted layer in training updates its running
+    statistics and trains weight and bias even if the syncbn layer was frozen).
+    Converting then reverting leaves ``state_dict`` and eval outputs bit-identical.
 
     Args:
         module: the model, or a single syncbn layer (which is reverted and returned).

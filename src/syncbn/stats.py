@@ -215,22 +215,18 @@ def recompute_running_stats(
 ) -> nn.Module:
     """Set every BatchNorm layer's running statistics to the exact statistics of the given data.
 
-    Runs ``model`` in training mode (without gradients) over ``batches`` on
-    every rank and records, per BatchNorm layer, the per-channel count, mean
-    and sum of squared deviations of everything reaching it, merged exactly in
-    float64 (batch by batch, then across ranks). ``running_mean`` becomes the
-    mean of all those values and ``running_var`` their unbiased variance: the
-    population statistics of the data, not an average of per-batch statistics
-    (which misses the spread between batch means), identical on every rank.
-    Over the whole training set this is precise BN.
+    Runs ``model`` in training mode, without gradients, over ``batches`` on
+    every rank, and sets each BatchNorm layer's ``running_mean`` and
+    ``running_var`` to the mean and unbiased variance of everything that
+    reached it over all batches of all ranks (merged exactly in float64): the
+    population statistics, not an average of per-batch ones. Masked calls
+    count their valid positions only.
 
-    Each layer normalises with its batch's statistics as in training (a syncbn
-    layer over all ranks' batches, so every rank must then pass the same number
-    of batches; plain layers need not). Modes and ``num_batches_tracked`` are restored afterwards (on
-    an error, the running statistics too). Layers no value reached keep their
-    statistics (one that a single value reached keeps its variance); frozen
-    syncbn layers (``freeze=True``) keep theirs. Masked calls
-    (``layer(x, mask=m)``) count their valid positions only.
+    syncbn layers normalise over all ranks' batches, so every rank must then
+    pass the same number of batches. Modes and ``num_batches_tracked`` are
+    restored afterwards (on an error, the running statistics too). Layers no
+    value reached, and frozen syncbn layers, keep their statistics (a layer a
+    single value reached keeps its variance). See docs/statistics.md.
 
     Args:
         model: the model; pass the module itself rather than a DDP wrapper.
