@@ -156,14 +156,6 @@ class ActivatedBatchNormBase(LayerMixin):
                 f"(got input of size {list(x.shape)})"
             )
 
-    def _factor(self, tracking: bool, recomputing: bool) -> float:
-        if recomputing:
-            return 0.0
-        if self.momentum is None:
-            seen = self.num_batches_tracked
-            return 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
-        return float(self.momentum)
-
     def _forward(self, x: Tensor) -> Tensor:
         """Training or eval forward of the in-place layers (traced under ``torch.compile``); returns ``x``."""
         if _is_compiling():

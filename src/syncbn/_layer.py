@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from . import _checks, groups
 
@@ -16,6 +16,8 @@ class LayerMixin(nn.Module):
     """The group attribute, the layer state (name, handshake, compile token), copy and pickle."""
 
     _group_attr: str | None = "process_group"  # the attribute holding the group (None: never synchronises)
+    momentum: float | None
+    num_batches_tracked: Tensor | None
 
     def _init_state(self) -> None:
         self._syncbn_state = _checks.LayerState()
@@ -30,6 +32,18 @@ class LayerMixin(nn.Module):
             group = group.lookup()
             setattr(self, self._group_attr, group)
         return group
+
+    def _factor(self, tracking: bool, recomputing: bool) -> float:
+        """This training call's running-statistics factor: 0 when recomputing (checkpointing).
+
+        ``momentum=None`` is nn.BatchNorm's cumulative average: 1 / (batches seen, this one included).
+        """
+        if recomputing:
+            return 0.0
+        if self.momentum is None:
+            seen = self.num_batches_tracked
+            return 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
+        return float(self.momentum)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

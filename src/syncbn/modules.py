@@ -175,16 +175,10 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         compiling = _is_compiling()
         recomputing = not compiling and _in_backward()
         tracking = self.track_running_stats and not recomputing
-        if recomputing:
-            factor = 0.0
-        elif self.momentum is None and compiling and _ops is not None:
+        if self.momentum is None and compiling and _ops is not None:
             factor = -1.0  # cumulative: computed as a tensor in _compiled_training_forward
-        elif self.momentum is None:
-            # Cumulative moving average, as nn.BatchNorm: 1 / (batches seen, this one included).
-            seen = self.num_batches_tracked
-            factor = 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
         else:
-            factor = self.momentum
+            factor = self._factor(tracking, recomputing)
 
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:  # an nn.DataParallel replica (syncbn.parallel)
