@@ -1,10 +1,7 @@
-"""The layer machinery of the in-place activated layers: :class:`ActivatedBatchNormBase`.
+"""The layer machinery of the in-place activated layers, shared with :mod:`syncbn.compat.inplace_abn`.
 
-Shared by :mod:`syncbn.activated` and :mod:`syncbn.compat.inplace_abn`:
-parameters and buffers with ``nn.BatchNorm``'s names, torch's momentum
-convention (``None``: cumulative average), training and eval, ``nn.DataParallel``
-replicas (:mod:`syncbn.parallel._joint`), ``torch.compile`` (:mod:`syncbn.engine._compiled`),
-activation checkpointing, checkpoint loading, pickling with a process group.
+``nn.BatchNorm``'s parameter and buffer names and momentum convention; training, eval,
+``nn.DataParallel`` replicas, ``torch.compile``, activation checkpointing, checkpoint loading.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ _is_compiling = _rules.is_compiling
 _warn_while_tracing = _rules.warn_while_tracing
 
 # Tensors an in-place layer wrote over outside a recomputation: id -> (weak reference, version after
-# the write). A checkpointed region whose recomputation hands a layer one of these (unchanged since)
-# would recompute from overwritten values: that is refused (see ActivatedBatchNormBase._forward).
+# the write). A recomputation handed one of these, unchanged since, would read overwritten values.
 _written: dict[int, tuple[weakref.ref[Tensor], int]] = {}
 
 
@@ -68,9 +64,8 @@ OVERWRITTEN_CHECKPOINT_INPUT = (
 class ActivatedBatchNormBase(LayerMixin):
     """State and forward machinery of the activated batch norm layers (not used directly).
 
-    Subclasses set ``_in_place`` and ``_group_attr`` (the attribute naming the group
-    to synchronise over; ``None``: none). ``weight`` is used as the scale ``|weight| + eps`` by the in-place
-    layers (invertible whatever the weight's sign).
+    Subclasses set ``_in_place`` and ``_group_attr`` (the attribute naming the group; ``None``: none).
+    The in-place layers scale by ``|weight| + eps`` (invertible whatever the weight's sign).
     """
 
     _version = 2
@@ -161,20 +156,8 @@ class ActivatedBatchNormBase(LayerMixin):
                 f"(got input of size {list(x.shape)})"
             )
 
-    def _factor(self, tracking: bool, recomputing: bool) -> float:
-        if recomputing:
-            return 0.0
-        if self.momentum is None:
-            seen = self.num_batches_tracked
-            return 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
-        return float(self.momentum)
-
     def _forward(self, x: Tensor) -> Tensor:
-        """Training or eval forward of the in-place layers; returns ``x``, overwritten.
-
-        Under ``torch.compile`` the traced form (:mod:`syncbn.engine._compiled`): no
-        graph break, the collectives the one opaque operator of :mod:`syncbn.engine._ops`.
-        """
+        """Training or eval forward of the in-place layers (traced under ``torch.compile``); returns ``x``."""
         if _is_compiling():
             if _ops is None or (
                 not self._local
@@ -182,9 +165,8 @@ class ActivatedBatchNormBase(LayerMixin):
                 and _ops.group_handle(self._group())
                 and _ops.tracing_a_checkpointed_region()
             ):
-                # torch without the collective operator, or inside torch.utils.checkpoint (whose
-                # recomputation AOTAutograd cannot do with an effectful operator): break the graph,
-                # so that dynamo runs this layer (or the checkpointed region) eagerly.
+                # No collective operator, or inside torch.utils.checkpoint (AOTAutograd cannot
+                # recompute an effectful operator): dynamo runs this layer or region eagerly.
                 where = f"on torch {torch.__version__}" if _ops is None else "inside torch.utils.checkpoint"
                 _warn_while_tracing(
                     f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile {where}: "
@@ -196,8 +178,7 @@ class ActivatedBatchNormBase(LayerMixin):
         return self._eager_forward(x)
 
     def _compiled_forward(self, x: Tensor) -> Tensor:
-        # Traced, no graph break: only the collective is opaque (syncbn::all_reduce_sum, see
-        # syncbn.engine._compiled); nothing guards on which layer this is (the layer is its token).
+        # Only the collective is opaque; nothing guards on which layer this is (it is its token).
         # nn.DataParallel replicas run eagerly (one graph break per layer).
         if self.__dict__.get("_syncbn_replica") is not None:
             return _eager_forward(self, x)
@@ -233,24 +214,10 @@ class ActivatedBatchNormBase(LayerMixin):
             # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         act, param = self.activation, float(self.activation_param)
-        if not self.training and self.running_mean is not None:
-            out = inplace_abn_apply(
-                x,
-                self.weight,
-                self.bias,
-                self.running_mean,
-                self.running_var,
-                False,
-                0.0,
-                self.eps,
-                act,
-                param,
-                None,
-            )
-            return out
-        if not self.training:  # eval without running statistics: the local batch's, no communication
+        if not self.training:  # no communication: the running statistics, or without them the batch's
+            mean, var = self.running_mean, self.running_var
             return inplace_abn_apply(
-                x, self.weight, self.bias, None, None, True, 0.0, self.eps, act, param, None
+                x, self.weight, self.bias, mean, var, mean is None, 0.0, self.eps, act, param, None
             )
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:
@@ -258,21 +225,10 @@ class ActivatedBatchNormBase(LayerMixin):
             out = replica_batch_norm(self, x, factor, replica.replication, replica.index, family)
         else:
             group = None if self._local else groups.resolve(self._group())
-            running_mean = self.running_mean if self.track_running_stats else None
-            running_var = self.running_var if self.track_running_stats else None
+            mean = self.running_mean if self.track_running_stats else None
+            var = self.running_var if self.track_running_stats else None
             out = inplace_abn_apply(
-                x,
-                self.weight,
-                self.bias,
-                running_mean,
-                running_var,
-                True,
-                factor,
-                self.eps,
-                act,
-                param,
-                group,
-                self,
+                x, self.weight, self.bias, mean, var, True, factor, self.eps, act, param, group, self
             )
             if tracking and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)
@@ -299,8 +255,7 @@ class ActivatedBatchNormBase(LayerMixin):
         version = local_metadata.get("version", None)
         key = prefix + "num_batches_tracked"
         if (version is None or version < 2) and self.track_running_stats and key not in state_dict:
-            # Version-1 checkpoints (inplace-abn < 1.0, BatchNorm before torch 0.4.1) have no
-            # num_batches_tracked: it starts at 0, as the package and nn.BatchNorm do.
+            # Version-1 checkpoints (inplace-abn < 1.0, torch < 0.4.1) have no num_batches_tracked.
             state_dict[key] = torch.tensor(0, dtype=torch.long)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

@@ -1,27 +1,11 @@
-"""Cross-rank consistency checks and layer names for error messages.
+"""Cross-rank consistency checks (first-use handshake, debug mode) and layer names for error messages.
 
-Two kinds of check run as one small, fixed-size collective: every rank writes a
-row of :data:`FIELDS` into its slot of a ``(W, len(FIELDS))`` float64 zero tensor
-and the group sums it, so each rank sees every rank's row. The size depends on
-the group size only, never on the layer, so a disagreement is reported as a
-``ValueError`` on every rank instead of reaching the transport's size check
-(which aborts the process in gloo).
-
-* The first-use handshake, once per layer and process group: ranks must agree
-  on the channel count and the input dtype.
-* Debug mode (``SYNCBN_DEBUG=1``), before every training forward and backward
-  collective: ranks must also agree on the layer (an identity equal across
-  ranks when models are built the same way: the qualified name from
-  :func:`name_layers`, else the layer's construction index), how many times it
-  has been called, the phase (forward/backward), the layer's configuration,
-  and every rank's input must be finite.
-
-Checks run only over ``torch.distributed`` groups (:class:`~syncbn.groups.ProcessGroupSum`):
-the replicas of one process share one module and cannot disagree.
+See docs/internals/layers.md.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
@@ -34,14 +18,7 @@ from torch import Tensor, nn
 from . import _config, _names
 from .groups import CollectiveError, ProcessGroupSum
 
-__all__ = [
-    "LayerState",
-    "name_layers",
-    "layer_name",
-    "layer_for_token",
-    "before_forward",
-    "before_backward",
-]
+__all__ = ["LayerState", "name_layers", "layer_name", "layer_for_token", "before_forward", "before_backward"]
 
 FIELDS = ("identity", "call", "phase", "channels", "dtype", "config", "nonfinite", "index")
 _PHASES = {1.0: "forward", 2.0: "backward"}
@@ -49,9 +26,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _counter = itertools.count()
 _known_names: dict[float, str] = {}  # identity hash -> name, from name_layers (names other ranks')
 _token_counter = itertools.count(1)
-# token -> the LayerState holding it, weakly (a compiled graph carries the token, see LayerState.token).
 _tokens: weakref.WeakValueDictionary[int, LayerState] = weakref.WeakValueDictionary()
-_binding_hook_installed = False
 
 
 def _identity_hash(text: str) -> float:
@@ -71,7 +46,7 @@ class LayerState:
     """Per-layer bookkeeping: its name, construction index, call count, verified groups.
 
     Pickling and deep copies keep the name and index and drop the rest (a loaded
-    or copied layer handshakes again on first use).
+    or copied layer handshakes again on first use, with a token of its own).
     """
 
     def __init__(self) -> None:
@@ -79,19 +54,17 @@ class LayerState:
         _install_binding_hook()
         self.index = next(_counter)
         self.name: str | None = None
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """Reset what a copy does not keep, and take a new token."""
         self.calls = 0
         self.name_id: tuple[str, int] | None = None
         self.found_name: str | None = None  # found on an error path (layer_name); never an identity
-        # id -> process group, weakly: a destroyed group leaves nothing behind (ids stay unique while alive)
+        # id -> process group, weakly: a destroyed group leaves nothing behind
         self._verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        self._new_token()
-
-    def _new_token(self) -> None:
-        # The layer's identity as a value a compiled graph carries: a 0-dim int64 CPU tensor (a
-        # plain attribute, so model.to(device) leaves it on the host, where the collective
-        # operator reads it without a device synchronisation). Dynamo lifts it as a graph input
-        # and guards its dtype and shape only, never which layer it belongs to: one compiled
-        # frame serves every layer (syncbn.engine._ops).
+        # The identity a compiled graph carries: a 0-dim int64 CPU tensor (a plain attribute, so
+        # model.to(device) leaves it on the host); dynamo guards its dtype and shape only.
         value = next(_token_counter)
         self.token = torch.tensor(value, dtype=torch.int64)
         self.owner: weakref.ref[nn.Module] | None = None
@@ -119,11 +92,7 @@ class LayerState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.index = state.get("index", -1)
         self.name = state.get("name")
-        self.calls = 0
-        self.name_id = None
-        self.found_name = None
-        self._verified = weakref.WeakValueDictionary()
-        self._new_token()  # a copy is another layer: its own token
+        self._fresh()
 
 
 def is_layer(module: nn.Module) -> bool:
@@ -143,12 +112,9 @@ def state_of(layer: nn.Module) -> LayerState:
 
 
 def layer_for_token(token: int) -> nn.Module | None:
-    """The live layer whose :attr:`LayerState.token` holds ``token``, or ``None``.
+    """The live layer whose :attr:`LayerState.token` holds ``token``, or ``None`` (an anonymous call).
 
-    A layer's state is bound to it when the layer is built, copied, unpickled,
-    placed into a parent module or first used eagerly; a state taken over from
-    a template layer and never bound since finds ``None`` (the collective is
-    then framed as an anonymous call).
+    States are bound when a layer is built, copied, unpickled, placed into a parent or used eagerly.
     """
     state = _tokens.get(token)
     owner = None if state is None or state.owner is None else state.owner()
@@ -163,27 +129,21 @@ def _bind_child(parent: nn.Module, name: str, child: nn.Module | None) -> None:
         state = child.__dict__.get("_syncbn_state")
         if isinstance(state, LayerState):
             state.bind(child)
-    return None
 
 
+@functools.cache  # once per process
 def _install_binding_hook() -> None:
-    global _binding_hook_installed
-    if _binding_hook_installed:
-        return
-    _binding_hook_installed = True
     nn.modules.module.register_module_module_registration_hook(_bind_child)
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> int:
     """Record each SyncBatchNorm layer's qualified name in ``model`` for error messages.
 
-    syncbn finds names by itself when an error occurs (from the parents the
-    layer was placed into as the model was built), and names the layers of a
-    model when it is converted or wrapped in ``DistributedDataParallel`` or
-    ``DataParallel``; calling this once after building the model makes the
-    names certain and gives debug mode an identity for each layer that is
-    equal on every rank. Wrappers are looked through, so names read as in the
-    bare model.
+    syncbn finds names by itself on an error, and names a model's layers when it
+    is converted or wrapped in ``DistributedDataParallel``/``DataParallel``;
+    calling this once after building the model makes the names certain and
+    gives debug mode a per-layer identity equal on every rank. Wrappers are
+    looked through, so names read as in the bare model.
 
     Args:
         model: the model, or a wrapper around it.
@@ -210,9 +170,9 @@ def _assign_names(model: nn.Module, prefix: str, overwrite: bool) -> int:
     count = 0
     for name, module in model.named_modules():
         if is_layer(module) and (overwrite or state_of(module).name is None):
-            full = ".".join(p for p in (prefix, name) if p)
-            state_of(module).name = full or type(module).__name__
-            _known_names[_identity_hash(state_of(module).name or "")] = repr(state_of(module).name)
+            full = ".".join(p for p in (prefix, name) if p) or type(module).__name__
+            state_of(module).name = full
+            _known_names[_identity_hash(full)] = repr(full)
             count += 1
     return count
 
@@ -229,8 +189,7 @@ def layer_name(layer: nn.Module | None) -> str:
     state = state_of(layer)
     name = state.name
     if name is None:
-        # Kept apart from ``state.name``: a name found on one rank's error path must not change
-        # the layer's identity in the frames (syncbn.groups), which only name_layers sets.
+        # Not ``state.name``: a name found on one rank's error path must not change its frame identity.
         name = state.found_name
         if name is None:
             name = _names.qualified_name(layer)
@@ -244,19 +203,12 @@ def layer_name(layer: nn.Module | None) -> str:
 def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
     """The 32-bit identity a layer's frames carry over ``group`` (:mod:`syncbn.groups`).
 
-    A named layer (:func:`name_layers`) is identified by a hash of its name,
-    equal on every rank from the first call (swapped layers are then always
-    caught). An unnamed layer gets the order of its first framed call over this
-    group (``0x80000000 | ordinal``): equal on every rank when the first step
-    runs the layers in the same order, and any later change of order is caught.
-    ``None`` (a functional call without ``layer=``) is ``0``: phase, dtype and
-    size then identify the call.
+    A hash of the name of a named layer, ``0x80000000 | ordinal`` of its first framed
+    call over ``group`` for an unnamed one, ``0`` for ``None`` (see docs/internals/layers.md).
     """
     if layer is None:
         return 0
-    state = layer.__dict__.get("_syncbn_state")
-    if state is None:
-        state = state_of(layer)
+    state = layer.__dict__.get("_syncbn_state") or state_of(layer)
     name = state.name
     if name is not None:
         cached = state.name_id
@@ -269,8 +221,7 @@ def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
     known = ids.get(state)
     if known is not None:
         return known
-    # A counter, not len(ids): layers collected meanwhile (at times that differ between ranks,
-    # e.g. held by one rank's recompiled graphs) must not change the numbers (issue 27).
+    # A counter, not len(ids): layers collected at times that differ between ranks must not renumber.
     group.layer_ordinals += 1
     ident = 0x80000000 | group.layer_ordinals
     ids[state] = ident
@@ -295,8 +246,7 @@ def _config_code(layer: nn.Module | None, ndim: int) -> float:
 def _describe_config(code: float) -> str:
     if not math.isfinite(code):
         return f"an unreadable configuration ({code})"
-    c = int(code)
-    ndim, bits = divmod(c, 8)
+    ndim, bits = divmod(int(code), 8)
     return (
         f"{ndim}D input, affine={bool(bits & 1)}, track_running_stats={bool(bits & 2)}, "
         f"momentum={'None' if bits & 4 else 'set'}"
@@ -336,10 +286,8 @@ def _compare(
         "channels": lambda v: f"{_whole(v)} channels",
         "dtype": _dtype_from_code,
         "config": _describe_config,
-        "nonfinite": lambda v: "non-finite values (NaN or Inf)" if v else "finite",
     }
     what = {
-        "identity": "which layer they are calling (the layer order differs between ranks)",
         "call": "how many times this layer has been called (a rank skipped or repeated a call)",
         "phase": "the phase (one rank is in forward, another in backward)",
         "channels": "the channel count",
@@ -383,9 +331,7 @@ def _check(
     identity_text = state.identity if state is not None else "(functional call)"
     identity = _identity_hash(identity_text)
     index = float(state.index) if state is not None else -1.0
-    nonfinite = 0.0
-    if debug and x.numel() > 0:
-        nonfinite = float(not bool(torch.isfinite(x).all()))
+    nonfinite = float(debug and x.numel() > 0 and not bool(torch.isfinite(x).all()))
     row = [identity, float(call), phase, float(x.shape[1]), _dtype_code(x.dtype)]
     row += [_config_code(layer, x.dim()), nonfinite, index]
     try:
@@ -396,19 +342,10 @@ def _check(
 
 
 def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
-    """Run the handshake (first use) or the debug check before a forward collective.
+    """Run the first-use handshake or the debug check before a forward collective.
 
-    Args:
-        group: the group about to be used.
-        layer: the calling module, or ``None`` for a functional call.
-        x: this rank's input.
-
-    Returns:
-        The call number recorded for debug mode (0 outside it).
-
-    Raises:
-        ValueError: on every rank, when the ranks disagree.
-        CollectiveError: the check's collective timed out or failed.
+    Returns the call number recorded for debug mode (0 outside it). Raises ``ValueError`` on
+    every rank when the ranks disagree, ``CollectiveError`` when the check's collective fails.
     """
     if not isinstance(group, ProcessGroupSum):
         return 0

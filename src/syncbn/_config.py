@@ -1,21 +1,8 @@
 """Process-wide settings: the collective timeout, debug mode and shared memory.
 
-Each setting has an environment variable and a Python-level override; the
-override wins. The environment is read once, at the first training call (a
-process's environment is fixed at launch); ``set_timeout("default")`` and
-``set_debug(None)`` read it again. Training calls read two module globals.
-
-* ``SYNCBN_TIMEOUT`` / :func:`set_timeout`: seconds any SyncBatchNorm waits for
-  its peers in one collective. Default :data:`DEFAULT_TIMEOUT_S`. ``0``, ``none``
-  or ``inf`` disable syncbn's own bound: the process group's own timeout
-  (``init_process_group(timeout=...)``) then bounds every wait, on the
-  shared-memory path too.
-* ``SYNCBN_DEBUG`` / :func:`set_debug`: ``1`` turns on the per-call cross-rank
-  consistency checks (see ``docs/robustness.md``).
-* ``SYNCBN_SHM`` / :func:`set_shared_memory`: ``0`` keeps CPU collectives on the
-  process group even when every rank runs on one machine (by default they go
-  through shared memory there, see :mod:`syncbn._shm`). Read when a group is
-  first used.
+Each has an environment variable (``SYNCBN_TIMEOUT``, ``SYNCBN_DEBUG``, ``SYNCBN_SHM``) and a
+Python override, which wins; see docs/robustness.md#settings. The environment is read once, at
+the first training call; ``set_timeout("default")`` and ``set_debug(None)`` read it again.
 """
 
 from __future__ import annotations
@@ -34,15 +21,14 @@ __all__ = [
     "shared_memory_enabled",
 ]
 
-#: Default bound, in seconds, on one SyncBatchNorm collective. Long enough for a
-#: slow data loader, a checkpoint write or a first-step warm-up on one rank;
-#: short next to ``torch.distributed``'s 30-minute default.
+#: Default bound, in seconds, on one SyncBatchNorm collective: room for a slow data loader or a
+#: checkpoint write on one rank, short next to ``torch.distributed``'s 30 minutes.
 DEFAULT_TIMEOUT_S = 300.0
 
 _UNSET = object()
 _timeout_override: object = _UNSET
 _debug_override: bool | None = None
-# Resolved values, the fast path of training calls; _UNSET until first read.
+# Resolved values, read by training calls; _UNSET until first read.
 _timeout_resolved: object = _UNSET
 _timeout_delta: timedelta | None = None
 _debug_resolved: bool | None = None
@@ -74,15 +60,15 @@ def _parse_timeout(value: object, source: str) -> float | None:
 def set_timeout(seconds: float | None | str = "default") -> None:
     """Bound every wait of a SyncBatchNorm collective in this process.
 
-    Overrides the ``SYNCBN_TIMEOUT`` environment variable. When a peer does not
-    arrive within the bound, the waiting rank raises a ``RuntimeError`` naming
-    the layer, the group, the time waited and the likely causes.
+    Overrides ``SYNCBN_TIMEOUT``. When a peer does not arrive within the bound,
+    the waiting rank raises a ``RuntimeError`` naming the layer, the group, the
+    time waited and the likely causes.
 
     Args:
         seconds: the bound in seconds; ``None`` or ``0`` for no bound of syncbn's
             own (the process group's timeout then bounds every wait, shared
-            memory included); ``"default"`` to
-            drop the override and use ``SYNCBN_TIMEOUT`` or the default again.
+            memory included); ``"default"`` to drop the override and use
+            ``SYNCBN_TIMEOUT`` or the default again.
 
     Example::
 
@@ -139,8 +125,8 @@ def _resolve_timeout() -> None:
 def set_debug(enabled: bool | None) -> None:
     """Turn the per-call cross-rank consistency checks on or off in this process.
 
-    Overrides the ``SYNCBN_DEBUG`` environment variable. Every rank of a group
-    must use the same setting (the checks are collectives).
+    Overrides ``SYNCBN_DEBUG``. Every rank of a group must use the same setting
+    (the checks are collectives).
 
     Args:
         enabled: ``True`` or ``False``; ``None`` drops the override.
@@ -181,12 +167,11 @@ def set_shared_memory(enabled: bool | None) -> None:
     """Allow or forbid the same-machine shared-memory path for CPU collectives.
 
     By default, when every rank of a group runs on one machine (x86-64 Linux),
-    SyncBatchNorm's CPU collectives go through a shared-memory segment instead
-    of the process group's transport: about 40 us instead of 1-2 ms for gloo
-    on a small machine. Set it the same way on every rank before a group's
-    first training call; the ranks agree when the group is first used (any rank
-    saying no means the process group for all), and the choice then holds for
-    that group.
+    CPU collectives go through a shared-memory segment instead of the process
+    group's transport: about 40 us instead of 1-2 ms for gloo. Set it on every
+    rank before a group's first training call; the ranks agree when the group
+    is first used (any rank saying no means the process group for all), and
+    the choice then holds for that group.
 
     Args:
         enabled: ``True``/``False`` to override, ``None`` to follow

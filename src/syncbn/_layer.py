@@ -1,17 +1,11 @@
-"""What every syncbn layer class shares: its process group, its state, copying and pickling.
-
-:class:`LayerMixin` sits first in the bases of :class:`syncbn.SyncBatchNorm` and
-:class:`syncbn._abn_layer.ActivatedBatchNormBase` (so of every family and the
-``compat`` layers). :func:`dims_doc` writes the docstring of a 1d/2d/3d class,
-:func:`like` a layer with another's arguments, :func:`check_module` a tool's model check.
-"""
+"""What every syncbn layer class shares (:class:`LayerMixin`, first base of each), and small helpers."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from . import _checks, groups
 
@@ -21,11 +15,12 @@ __all__ = ["LayerMixin", "check_module", "dims_doc", "like"]
 class LayerMixin(nn.Module):
     """The group attribute, the layer state (name, handshake, compile token), copy and pickle."""
 
-    # The attribute holding the layer's process group (None: the layer never synchronises).
-    _group_attr: str | None = "process_group"
+    _group_attr: str | None = "process_group"  # the attribute holding the group (None: never synchronises)
+    momentum: float | None
+    num_batches_tracked: Tensor | None
 
     def _init_state(self) -> None:
-        self._syncbn_state = _checks.LayerState()  # name, index, handshake state, compile token
+        self._syncbn_state = _checks.LayerState()
         self._syncbn_state.bind(self)
 
     def _group(self) -> Any:
@@ -37,6 +32,18 @@ class LayerMixin(nn.Module):
             group = group.lookup()
             setattr(self, self._group_attr, group)
         return group
+
+    def _factor(self, tracking: bool, recomputing: bool) -> float:
+        """This training call's running-statistics factor: 0 when recomputing (checkpointing).
+
+        ``momentum=None`` is nn.BatchNorm's cumulative average: 1 / (batches seen, this one included).
+        """
+        if recomputing:
+            return 0.0
+        if self.momentum is None:
+            seen = self.num_batches_tracked
+            return 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
+        return float(self.momentum)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -60,7 +67,7 @@ class LayerMixin(nn.Module):
 
 
 def _bind(layer: nn.Module) -> None:
-    """Bind a copied or unpickled layer's state (a new token) to the layer (see ``_checks.LayerState``)."""
+    """Bind a copied or unpickled layer's state (with a new token) to the layer."""
     state = layer.__dict__.get("_syncbn_state")
     if isinstance(state, _checks.LayerState):
         state.bind(layer)
@@ -82,16 +89,10 @@ def like(cls: type[Any], layer: Any, **kwargs: Any) -> Any:
 def dims_doc(
     base: str, rank: str, shape: str, output: str, example: str, plain: str = "", args: str = ""
 ) -> str:
-    """The docstring of a layer class for one input rank.
+    """The docstring of the class of ``base`` for one input rank.
 
-    Args:
-        base: the generic class, e.g. ``SyncBatchNorm``.
-        rank: what it is for, e.g. ``for 4D input ``(N, C, H, W)````.
-        shape: the input shape, e.g. ``:math:`(N, C, H, W)```.
-        output: what the output is.
-        example: the two doctest lines, the constructor then the call, separated by a newline.
-        plain: the ``nn.BatchNorm*d`` it is an instance of (adds the sentence on finding it by type).
-        args: an ``Args:`` section, placed before ``Shape:``.
+    ``example``: the constructor and the call, on two lines; ``plain``: the ``nn.BatchNorm*d``
+    it is an instance of; ``args``: an ``Args:`` section, placed before ``Shape:``.
     """
     text = f":class:`{base}` {rank}"
     if plain:

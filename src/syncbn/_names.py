@@ -1,23 +1,7 @@
 """Where a module sits in its model, for error messages: parent links recorded at registration.
 
-An error names a layer by its qualified name (``'layer2.0.bn1'``). A layer does
-not know its parents, so syncbn records them as the model is built: torch calls
-a global module registration hook
-(``torch.nn.modules.module.register_module_module_registration_hook``) every
-time a module is assigned as another's child, and :func:`install` adds one that
-keeps a weak ``(parent, attribute)`` link per child. :func:`qualified_name`
-walks those links up to the outermost model, checking each against the
-parent's current children (a link whose parent is gone, or which no longer
-holds the child, is skipped), and stops at a ``DistributedDataParallel`` or
-``DataParallel`` wrapper so that names read as in the bare model.
-
-The hook is installed when the first syncbn layer is built, so every parent a
-layer is later placed into is seen. Replicas made by ``nn.DataParallel`` are
-not recorded (their parents are marked ``_is_replica``). When a model is put
-into a ``DistributedDataParallel``/``DataParallel`` wrapper, the ``on_wrap``
-callback given to :func:`install` runs with the model, which lets the caller
-name its layers there (a model loaded whole from disk, or built before the
-first syncbn layer existed, has no recorded links).
+A global module registration hook keeps weak ``(parent, attribute)`` links per child;
+:func:`qualified_name` walks them up. See docs/internals/layers.md.
 """
 
 from __future__ import annotations
@@ -43,16 +27,14 @@ _on_wrap: Callable[[nn.Module], None] | None = None
 
 def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     """The registration hook: remember that ``parent.<name>`` is ``child``."""
-    # ``parent.__dict__``, not getattr: wrappers such as torch.compile's OptimizedModule run this hook
-    # before their own attributes exist, and their __getattr__ would recurse. A compiled model's
-    # ``_orig_mod`` link is not a place in the model: names stay those of the uncompiled model.
+    # ``parent.__dict__``, not getattr: torch.compile's OptimizedModule runs this hook before its own
+    # attributes exist (its __getattr__ would recurse). Its ``_orig_mod`` link is not a place in the model.
     if child is None or name == "_orig_mod" or parent.__dict__.get("_is_replica", False):
         return None
     with _lock:
         links = _links.get(child)
         if links is None:
             links = _links[child] = []
-        # Drop links to parents that are gone, and an older copy of this very link.
         links[:] = [(r, k) for r, k in links if r() is not None and (r() is not parent or k != name)]
         links.append((weakref.ref(parent), name))
         del links[:-_MAX_LINKS]
@@ -62,11 +44,9 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
 
 
 def install(on_wrap: Callable[[nn.Module], None]) -> None:
-    """Start recording parent links (once per process; later calls do nothing).
+    """Start recording parent links (once per process).
 
-    Args:
-        on_wrap: called with a model when it is placed into a
-            ``DistributedDataParallel`` or ``DataParallel`` wrapper.
+    ``on_wrap(model)`` runs when a model is placed into a DDP or DataParallel wrapper.
     """
     global _installed, _on_wrap
     with _lock:
@@ -89,13 +69,9 @@ def _holder(child: nn.Module) -> tuple[nn.Module, str] | None:
 
 
 def qualified_name(module: nn.Module) -> str | None:
-    """``module``'s dotted path from the outermost recorded model (wrappers looked through), if any.
+    """``module``'s dotted path (``'layer2.0.bn1'``) from the outermost recorded model, or ``None``.
 
-    Args:
-        module: the layer.
-
-    Returns:
-        The name, e.g. ``'layer2.0.bn1'``, or ``None`` when no parent is recorded.
+    Stops at a DDP/DataParallel wrapper, so names read as in the bare model.
     """
     parts: list[str] = []
     current = module
@@ -105,9 +81,7 @@ def qualified_name(module: nn.Module) -> str | None:
         if found is None:
             break
         parent, key = found
-        if key == "module" and isinstance(parent, _WRAPPERS):
-            break
-        if id(parent) in seen:  # a module that contains itself: stop
+        if (key == "module" and isinstance(parent, _WRAPPERS)) or id(parent) in seen:  # seen: a cycle
             break
         seen.add(id(parent))
         parts.append(key)

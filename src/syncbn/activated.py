@@ -1,8 +1,6 @@
-"""In-place activated synchronised batch norm as layers: :class:`InPlaceSyncBatchNorm` and its 2d form.
+"""In-place activated synchronised batch norm: :class:`InPlaceSyncBatchNorm` and its 2d form.
 
-The layer machinery shared with :mod:`syncbn.compat.inplace_abn` lives in
-:class:`syncbn._abn_layer.ActivatedBatchNormBase`; here are the public layers
-and the helpers :mod:`syncbn.convert` and :mod:`syncbn.fuse` use.
+Also the activation helpers :mod:`syncbn.convert` and :mod:`syncbn.fuse` use.
 """
 
 from __future__ import annotations
@@ -29,17 +27,14 @@ class InPlaceSyncBatchNorm(ActivatedBatchNormBase):
     written over the input and returned; backward keeps only :math:`y` (and
     per-channel vectors) and recovers the normalised input by inverting
     :math:`\\phi` and the affine map: about half the activation memory of
-    ``SyncBatchNorm`` followed by an activation. Statistics span the
-    ``process_group`` exactly as :class:`syncbn.SyncBatchNorm`'s (one collective
-    each way, uneven and empty batches); a group of one or no process group is
-    the local layer; ``nn.DataParallel`` replicas synchronise with each other.
+    ``SyncBatchNorm`` plus an activation. Statistics span the ``process_group``
+    as :class:`syncbn.SyncBatchNorm`'s; ``nn.DataParallel`` replicas
+    synchronise with each other.
 
-    Weight convention: the scale is :math:`|\\gamma| + \\epsilon` (as InPlace-ABN),
-    so it never reaches 0 and the inversion always exists.
-    :func:`syncbn.fuse_batchnorm_activation` converts a trained
-    ``BatchNorm`` + ``LeakyReLU``/``ELU`` pair (setting :math:`\\gamma - \\epsilon`);
-    :func:`syncbn.revert_sync_batchnorm` turns the layer back into
-    ``nn.Sequential(BatchNorm(weight = |γ| + ε), activation)``.
+    The scale is :math:`|\\gamma| + \\epsilon` (as InPlace-ABN), so the inversion
+    always exists. :func:`syncbn.fuse_batchnorm_activation` converts a trained
+    ``BatchNorm`` + ``LeakyReLU``/``ELU`` pair; :func:`syncbn.revert_sync_batchnorm`
+    turns the layer back into ``nn.Sequential(BatchNorm(weight = |γ| + ε), activation)``.
 
     The input is overwritten: it must be the output of an earlier operation
     (not a leaf that requires grad), and nothing else may need its old value.
@@ -152,14 +147,8 @@ def activation_of(module: nn.Module) -> tuple[str, float] | None:
 def plain_equivalent(layer: ActivatedBatchNormBase, generic: type[nn.Module]) -> nn.Module:
     """``nn.Sequential(batch norm with weight |w| + eps, activation)``: the layer's function, unsynchronised.
 
-    Args:
-        layer: an in-place activated layer.
-        generic: the plain batch norm class for input of any rank (``syncbn.convert.BatchNorm``,
-            handed down by :mod:`syncbn.convert`), used unless the layer checks for 4D input.
-
-    Returns:
-        The pair, with the layer's statistics, mode, device and dtype; the weight is a new
-        ``Parameter`` holding ``|w| + eps`` (the bias is the layer's own).
+    ``generic`` (``syncbn.convert.BatchNorm``) is the class unless the layer checks for 4D input.
+    The weight is a new ``Parameter``; bias and statistics are the layer's own.
     """
     cls = nn.BatchNorm2d if layer._input_dims == (4,) else generic
     ref = layer.weight if layer.weight is not None else layer.running_mean

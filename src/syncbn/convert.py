@@ -1,28 +1,10 @@
 """Swap BatchNorm layers for syncbn layers in a model, and back.
 
-:func:`convert_sync_batchnorm` turns a model's ``nn.BatchNorm*d`` (and
-``torch.nn.SyncBatchNorm``) layers into :class:`syncbn.SyncBatchNorm` layers
-for training; :func:`revert_sync_batchnorm` turns syncbn layers into plain
-BatchNorm for inference, TorchScript and export.
-
-Both *move* the layer's state instead of copying it: the same ``Parameter``
-objects (an optimizer built before keeps working), buffers, ``requires_grad``,
-training/eval mode, device, dtype, hooks (their handles still remove them) and
-any attribute the user set. Only the class changes, and its training behaviour.
-
-Subclasses are remembered: a layer of a BatchNorm subclass (one that adds
-no ``forward`` of its own) reverts to that very subclass. timm's
-``BatchNormAct2d`` (batch norm, then dropout and activation) becomes
-:class:`syncbn.integrations.timm.SyncBatchNormAct2d`, which keeps its ``drop``
-and ``act`` and reverts to the same class; syncbn imports timm only when a
-model holds such a layer. A layer with parametrizations
-(``torch.nn.utils.parametrize``, on its weight or any other tensor) is
-converted with its parametrizations: the very same parametrization modules
-and original parameters move to the new layer.
-
-Any other BatchNorm subclass with a ``forward`` of its own cannot be swapped
-without losing that behaviour: it is left as it is and a
-:class:`ConversionWarning` names it.
+:func:`convert_sync_batchnorm` turns a model's BatchNorm layers into syncbn
+layers for training; :func:`revert_sync_batchnorm` turns them back into plain
+BatchNorm for inference and export. Both *move* each layer's state (the same
+``Parameter`` objects, buffers, mode, hooks, user attributes) instead of
+copying it: only the class changes.
 """
 
 from __future__ import annotations
@@ -52,11 +34,10 @@ class ConversionWarning(UserWarning):
 class BatchNorm(_BatchNorm):
     """Plain (unsynchronised) batch normalization for input of any rank of at least 2.
 
-    What :func:`revert_sync_batchnorm` turns the generic
-    :class:`syncbn.SyncBatchNorm` and ``torch.nn.SyncBatchNorm`` into: exactly
-    ``nn.BatchNorm1d/2d/3d`` (same kernels, parameters, buffers and
-    ``state_dict`` keys) without their check on the number of dimensions.
-    Scriptable with ``torch.jit.script``.
+    What :func:`revert_sync_batchnorm` turns the generic :class:`syncbn.SyncBatchNorm`
+    and ``torch.nn.SyncBatchNorm`` into: ``nn.BatchNorm1d/2d/3d`` (same kernels,
+    parameters, buffers, ``state_dict`` keys) without the check on the number of
+    dimensions. Scriptable with ``torch.jit.script``.
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
@@ -83,18 +64,9 @@ class BatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
 
-# Forwards that carry no behaviour beyond batch norm itself (a class whose own forward only
-# adapts batch norm to another API says so with ``_syncbn_plain_forward = True``).
-_PLAIN_FORWARDS = frozenset(
-    {
-        _BatchNorm.forward,
-        nn.SyncBatchNorm.forward,
-        SyncBatchNorm.forward,
-        SyncBatchNorm1d.forward,
-        SyncBatchNorm2d.forward,
-        SyncBatchNorm3d.forward,
-    }
-)
+# Forwards with no behaviour beyond batch norm (a class says so with ``_syncbn_plain_forward = True``).
+# SyncBatchNorm1d/2d/3d inherit SyncBatchNorm.forward.
+_PLAIN_FORWARDS = frozenset({_BatchNorm.forward, nn.SyncBatchNorm.forward, SyncBatchNorm.forward})
 
 _TO_SYNC: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
     (nn.BatchNorm1d, SyncBatchNorm1d),
@@ -106,7 +78,7 @@ _TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [(sync, plain) f
 
 @functools.cache
 def _syncbn_only_keys() -> frozenset[str]:
-    """Instance attributes a syncbn layer has and a plain BatchNorm has not (``process_group``, ...)."""
+    """Instance attributes a syncbn layer has and a plain BatchNorm has not."""
     sync, plain = SyncBatchNorm(1, device="meta").__dict__, BatchNorm(1, device="meta").__dict__
     return frozenset(set(sync) - set(plain))
 
@@ -116,7 +88,7 @@ def _path(prefix: str) -> str:
 
 
 def _timm_act_classes() -> tuple[type, ...]:
-    """timm's norm-plus-activation BatchNorm classes, if timm is loaded (no layer can be one otherwise)."""
+    """timm's norm-plus-activation BatchNorm classes, if timm is loaded (else no layer is one)."""
     norm_act = sys.modules.get("timm.layers.norm_act")
     if norm_act is None:
         return ()
@@ -152,9 +124,12 @@ def _unparametrized_class(layer: nn.Module) -> type:
 
 def _keeps_behaviour(layer: _BatchNorm, prefix: str) -> bool:
     """Whether swapping ``layer``'s class keeps its behaviour; warn when it does not."""
-    if type(layer).forward in _PLAIN_FORWARDS or _is_timm_act(layer) or _is_sync_act(layer):
-        return True
-    if getattr(layer, "_syncbn_plain_forward", False):  # a class whose forward adds nothing to the swap
+    if (
+        type(layer).forward in _PLAIN_FORWARDS
+        or _is_timm_act(layer)
+        or _is_sync_act(layer)
+        or getattr(layer, "_syncbn_plain_forward", False)
+    ):
         return True
     warnings.warn(
         f"syncbn: left {_path(prefix)} ({type(layer).__qualname__}) as it is because "
@@ -170,26 +145,20 @@ def _carry_parametrizations(old: nn.Module, new: nn.Module) -> None:
     """Give ``new`` (which received ``old``'s modules) the parametrized properties ``old`` had."""
     if not parametrize.is_parametrized(old):
         return
-    # The very same ParametrizationList modules (with their original parameters) moved with
-    # ``_modules``; what remains is the generated class with one property per tensor name.
+    # The ParametrizationList modules moved with ``_modules``; add the generated class and properties.
     parametrize._inject_new_class(new)
     for name in old.parametrizations:  # type: ignore[union-attr]
         parametrize._inject_property(new, name)
 
 
-def _transplant(old: _BatchNorm, new: _BatchNorm, keep_new: frozenset[str], drop: frozenset[str]) -> None:
-    """Move ``old``'s whole state into ``new``, which was built on the meta device.
+def _transplant(old: _BatchNorm, new: _BatchNorm, skip: frozenset[str]) -> None:
+    """Move every instance attribute of ``old`` but ``skip`` into ``new`` (built on the meta device).
 
-    Every instance attribute of ``old`` (parameters, buffers, hook dictionaries,
-    ``training``, the hyper-parameters, user-set attributes) replaces ``new``'s,
-    except the keys in ``keep_new``; keys in ``drop`` are not carried over.
-    The containers themselves are moved, not copied, so hook handles taken on
-    ``old`` still remove the hooks from ``new``.
+    The containers themselves move, so hook handles taken on ``old`` still remove hooks from ``new``.
     """
     for key, value in old.__dict__.items():
-        if key in keep_new or key in drop:
-            continue
-        new.__dict__[key] = value
+        if key not in skip:
+            new.__dict__[key] = value
 
 
 # The class a converted layer reverts to, when it is not the default for its syncbn class.
@@ -202,13 +171,12 @@ def _to_sync(
     process_group: Any,
     classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]],
 ) -> nn.Module:
-    if isinstance(layer, SyncBatchNorm):
-        return layer  # already synchronised
-    if not _keeps_behaviour(layer, prefix):
+    if isinstance(layer, SyncBatchNorm) or not _keeps_behaviour(layer, prefix):
         return layer
     original = _unparametrized_class(layer)
+    timm_act = _is_timm_act(layer)
     target: type[SyncBatchNorm] = SyncBatchNorm
-    if _is_timm_act(layer):
+    if timm_act:
         from .integrations.timm import SyncBatchNormAct2d
 
         target = SyncBatchNormAct2d
@@ -220,15 +188,14 @@ def _to_sync(
     group = process_group
     if group is None and isinstance(layer, nn.SyncBatchNorm):
         group = layer.process_group  # keep the group the layer was built with
-    if _is_timm_act(layer):
-        # Built without __init__ (timm's signature); the state is all the layer's, the syncbn
-        # attributes come from a template.
+    if timm_act:
+        # Built without __init__ (timm's signature); the syncbn attributes come from a template.
         new: SyncBatchNorm = target.__new__(target)
         template = SyncBatchNorm(1, process_group=group, device="meta")
         new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
     else:
         new = like(target, layer, process_group=group, device="meta")
-    _transplant(layer, new, keep_new=_syncbn_only_keys(), drop=frozenset({_REVERTS_TO}))
+    _transplant(layer, new, _syncbn_only_keys() | {_REVERTS_TO})
     # torch's and timm's synchronised classes revert to the plain default; others to themselves.
     if not isinstance(layer, nn.SyncBatchNorm) and original is not _plain_class_of(new):
         new.__dict__[_REVERTS_TO] = original
@@ -253,14 +220,11 @@ def _plain_class_of(layer: nn.Module) -> type[_BatchNorm]:
 def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
     if isinstance(layer, InPlaceSyncBatchNorm):  # -> Sequential(BatchNorm(|w| + eps), activation)
         return plain_equivalent(layer, BatchNorm)
-    if not isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)):
-        return layer
-    if not _keeps_behaviour(layer, prefix):
+    if not isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) or not _keeps_behaviour(layer, prefix):
         return layer
     remembered = layer.__dict__.get(_REVERTS_TO)
     if isinstance(remembered, type) and issubclass(remembered, _BatchNorm):
-        # The very class the layer was converted from (built without its __init__, whose
-        # signature syncbn does not know: the whole state comes from the layer anyway).
+        # The class the layer was converted from, built without its (unknown) __init__.
         new: _BatchNorm = remembered.__new__(remembered)
     else:
         target = _plain_class_of(layer)
@@ -269,8 +233,7 @@ def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
         else:
             new = like(target, layer, device="meta")
     family_keys = frozenset(getattr(type(layer), "_syncbn_family_keys", ()))  # e.g. renorm's r_max, d_max
-    drop = _syncbn_only_keys() | family_keys | {"process_group", _REVERTS_TO}
-    _transplant(layer, new, keep_new=frozenset(), drop=drop)
+    _transplant(layer, new, _syncbn_only_keys() | family_keys | {"process_group", _REVERTS_TO})
     _carry_parametrizations(layer, new)
     return new
 
@@ -298,25 +261,17 @@ def convert_sync_batchnorm(
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` by a syncbn layer.
 
-    ``nn.BatchNorm1d/2d/3d`` become :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``
-    (same input checks); ``torch.nn.SyncBatchNorm`` and any other BatchNorm
-    (a ``torch.nn.modules.batchnorm._BatchNorm`` subclass) become the generic
-    :class:`~syncbn.SyncBatchNorm`. The swap keeps each layer's ``Parameter``
-    objects (optimizers built before it keep working), buffers,
-    ``requires_grad``, training/eval mode, device, dtype, hooks and user-set
-    attributes. Layers that already are syncbn layers are left alone; a layer
-    used at several places in the model stays one shared layer. Each syncbn
-    layer records its qualified name in ``module`` (see :func:`syncbn.name_layers`)
-    for error messages.
-
-    timm's ``BatchNormAct2d`` becomes
-    :class:`syncbn.integrations.timm.SyncBatchNormAct2d` (its ``drop`` and
-    ``act`` kept); layers with parametrizations keep them (the same modules
-    and original parameters). Each converted layer remembers its class:
-    :func:`revert_sync_batchnorm` gives back that very class (a subclass of
-    ``nn.BatchNorm2d``, a ``BatchNormAct2d``, ...). Left unconverted, with a
-    :class:`ConversionWarning`: other BatchNorm subclasses that define their
-    own ``forward`` (swapping the class would drop that behaviour).
+    ``nn.BatchNorm1d/2d/3d`` become :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``;
+    ``torch.nn.SyncBatchNorm`` and other ``_BatchNorm`` subclasses the generic
+    :class:`~syncbn.SyncBatchNorm`; timm's ``BatchNormAct2d``
+    :class:`syncbn.integrations.timm.SyncBatchNormAct2d`. Each layer keeps its
+    ``Parameter`` objects (optimizers built before keep working), buffers,
+    ``requires_grad``, mode, device, dtype, hooks, parametrizations and
+    user-set attributes; a layer used at several places stays shared. Layers
+    are named for error messages (:func:`syncbn.name_layers`) and remember
+    their class for :func:`revert_sync_batchnorm`. A BatchNorm subclass with its
+    own ``forward`` is left alone, with a :class:`ConversionWarning`. The
+    Migration guide (docs/migration.md) lists every case.
 
     Args:
         module: the model (or a single BatchNorm layer, which is converted and
@@ -359,7 +314,7 @@ def _convert(
     module: nn.Module, process_group: Any, classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]]
 ) -> nn.Module:
     """:func:`convert_sync_batchnorm` with a chosen plain-to-sync class table."""
-    # Check everything first, so that an error leaves the model untouched.
+    # Check everything first: an error leaves the model untouched.
     for name, mod in module.named_modules():
         if isinstance(mod, _LazyNormBase) and mod.has_uninitialized_params():
             raise ValueError(
@@ -385,23 +340,18 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every syncbn layer (and ``torch.nn.SyncBatchNorm``) of ``module`` by plain BatchNorm.
 
     For CPU inference, ``torch.jit.script``/``torch.export``/ONNX export and
-    deployment without ``torch.distributed``.
-    :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d`` (and subclasses that only
-    add constructor conveniences, such as the ``syncbn.compat`` classes)
-    become ``nn.BatchNorm1d/2d/3d``; a layer made by :func:`convert_sync_batchnorm`
-    becomes the very class it was converted from (a BatchNorm subclass, timm's
-    ``BatchNormAct2d``), parametrizations included; the generic :class:`~syncbn.SyncBatchNorm`,
-    ``torch.nn.SyncBatchNorm`` and other syncbn subclasses become
-    :class:`syncbn.convert.BatchNorm`, which accepts any input of at least 2
-    dimensions. Parameters, buffers, mode, hooks and user-set attributes are
-    kept as by :func:`convert_sync_batchnorm`; ``process_group`` and ``freeze``
-    are dropped (a reverted layer in training mode updates its running stats
-    and trains its weight and bias even if the syncbn layer was frozen; in eval
-    it computes the same). An :class:`~syncbn.InPlaceSyncBatchNorm` becomes
-    ``nn.Sequential(BatchNorm, activation)`` computing the same function (its
-    weight ``|w| + eps``; ``state_dict`` keys gain ``.0``). ``convert_sync_batchnorm`` then
-    ``revert_sync_batchnorm`` leaves ``state_dict`` and eval outputs
-    bit-identical.
+    deployment without ``torch.distributed``. :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``
+    (and subclasses that only add constructor conveniences, such as the
+    ``syncbn.compat.sync_batchnorm`` classes) become ``nn.BatchNorm1d/2d/3d``; a
+    converted layer becomes the class it was converted from; the generic
+    :class:`~syncbn.SyncBatchNorm`, ``torch.nn.SyncBatchNorm`` and other syncbn
+    subclasses become :class:`syncbn.convert.BatchNorm`; an
+    :class:`~syncbn.InPlaceSyncBatchNorm` becomes ``nn.Sequential(BatchNorm, activation)``
+    computing the same function (weight ``|w| + eps``; ``state_dict`` keys gain
+    ``.0``). State is kept as by :func:`convert_sync_batchnorm`; ``process_group``
+    and ``freeze`` are dropped (a reverted layer in training updates its running
+    statistics and trains weight and bias even if the syncbn layer was frozen).
+    Converting then reverting leaves ``state_dict`` and eval outputs bit-identical.
 
     Args:
         module: the model, or a single syncbn layer (which is reverted and returned).

@@ -84,9 +84,8 @@ def apply_masked(norm: Callable[[Tensor], Tensor], input: Tensor, mask: Tensor) 
 
     The valid positions (``mask`` true) are gathered into a batch of shape
     ``(M, C, 1, ..., 1)`` (``input``'s number of dimensions, so input checks
-    still pass), ``norm`` normalises that batch (and synchronises it, if it is
-    synchronised), and its output is scattered back. Padded positions of the
-    output are 0, and no gradient flows to padded positions of ``input``.
+    still pass), ``norm`` normalises (and, if it does, synchronises) it, and the
+    output is scattered back: 0 at padded positions, which get no gradient.
 
     Args:
         norm: a function from a batch of positions to its normalisation, e.g. a
@@ -109,8 +108,7 @@ def apply_masked(norm: Callable[[Tensor], Tensor], input: Tensor, mask: Tensor) 
     check_input(input)
     check_mask(input, mask)
     channels = input.shape[1]
-    moved = input.movedim(1, -1)  # (N, *, C), a view
-    flat = moved[mask]  # (M, C): the valid positions, in order
+    flat = input.movedim(1, -1)[mask]  # (M, C): the valid positions, in order
     y = norm(flat.reshape(flat.shape[0], channels, *([1] * (input.dim() - 2))))
     out = torch.zeros_like(input)
     out.movedim(1, -1)[mask] = y.reshape(flat.shape[0], channels)
@@ -140,12 +138,11 @@ def sync_batch_norm(
     .. math::
         y = \\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}} \\cdot w + b
 
-    The running statistics are updated with the global mean and the global
-    unbiased variance: ``running = (1 - momentum) * running + momentum * batch``.
-    Outside training, or without an initialised process group of more than one
-    member, this is exactly ``torch.nn.functional.batch_norm``. Gradients of
-    ``weight`` and ``bias`` are this rank's share (sum them over ranks, as DDP
-    does, for the global gradient).
+    The running statistics are updated with the global mean and unbiased
+    variance: ``running = (1 - momentum) * running + momentum * batch``. Outside
+    training, or without a process group of more than one member, this is
+    exactly ``torch.nn.functional.batch_norm``. Gradients of ``weight`` and
+    ``bias`` are this rank's share (DDP sums them over ranks).
 
     Args:
         input: ``(N, C, *)`` floating-point tensor.
@@ -160,16 +157,14 @@ def sync_batch_norm(
             is the default group, looked up at call time.
         layer: the module this call belongs to (``SyncBatchNorm`` passes itself):
             errors name it, and it carries the once-per-layer handshake state.
-            Functional calls without one skip the handshake (debug mode still
-            checks them).
+            Calls without one skip the handshake (debug mode still checks them).
         mask: optional boolean tensor of valid positions, shape ``(N, *)``
             (``input``'s shape without dimension 1; ``(N, L)`` for padded
-            sequences ``(N, C, L)``). Statistics, in training and for the
-            running-stat update, are those of the valid positions of every
-            rank's batch together: the same as ``nn.BatchNorm`` applied to the
-            concatenation of all valid positions across ranks. Padded positions
-            of the output are 0, in training and eval, and get zero gradient.
-            A rank whose mask has no valid position takes part with an empty batch.
+            sequences ``(N, C, L)``). Statistics (and the running update) are
+            those of ``nn.BatchNorm`` on the valid positions of all ranks'
+            batches concatenated. Padded positions of the output are 0, in
+            training and eval, with zero gradient. A rank without a valid
+            position takes part with an empty batch.
 
     Shape:
         - Input: :math:`(N, C, *)`
@@ -182,9 +177,9 @@ def sync_batch_norm(
     Raises:
         TypeError: non-floating-point input, or a mask that is not boolean.
         ValueError: input of fewer than 2 dimensions, a channel count that does
-            not match the given statistics or parameters, or (in training) only
-            one value per channel over the whole group; the last is raised on
-            every rank alike; a mask of the wrong shape or device.
+            not match the given statistics or parameters, a mask of the wrong
+            shape or device, or (in training, on every rank alike) only one
+            value per channel over the whole group.
 
     Example::
 
@@ -197,29 +192,11 @@ def sync_batch_norm(
         >>> mask = torch.arange(7) < lengths[:, None]          # (N, L), True = valid
         >>> y = sync_batch_norm(seq, None, None, training=True, mask=mask)
     """
-    channels = None
-    for t in (running_mean, running_var, weight, bias):
-        if t is not None:
-            channels = t.numel()
-            break
+    channels = next((t.numel() for t in (running_mean, running_var, weight, bias) if t is not None), None)
     check_input(input, channels)
     if mask is not None:
-        return apply_masked(
-            lambda flat: sync_batch_norm(
-                flat,
-                running_mean,
-                running_var,
-                weight,
-                bias,
-                training,
-                momentum,
-                eps,
-                process_group,
-                layer=layer,
-            ),
-            input,
-            mask,
-        )
+        args = (running_mean, running_var, weight, bias, training, momentum, eps, process_group)
+        return apply_masked(lambda flat: sync_batch_norm(flat, *args, layer=layer), input, mask)
     if not training:
         return F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
     group = groups.resolve(process_group)
@@ -228,9 +205,8 @@ def sync_batch_norm(
     return synchronized(input, weight, bias, Params(running_mean, running_var, eps, momentum, group, layer))
 
 
-# SyncBatchNormFunction.apply's C entry, bound once (both exist on every supported torch; else
-# ``apply``). Outside torch.func transforms and tracing, Function.apply's Python wrapper only
-# unwraps dead functorch wrappers before calling it: done alike in _apply_eager, ~3 us less a call.
+# SyncBatchNormFunction.apply's C entry, bound once (else ``apply``). Outside torch.func and tracing,
+# Function.apply's Python wrapper only unwraps dead functorch wrappers: _apply_eager does that, ~3 us less.
 _unwrap_if_dead: Any = getattr(torch._C._functorch, "unwrap_if_dead", None)
 _apply_entry: Any = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
 _apply_c: Any = (
@@ -253,11 +229,8 @@ def _apply_eager(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: 
 def synchronized(input: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
     """The training call of :func:`sync_batch_norm` over a resolved group, input already checked.
 
-    ``SyncBatchNorm.forward`` calls this directly: its checks and group lookup are
-    its own, and a small layer's time is mostly such per-call work. ``params``:
-    the call's other arguments (:class:`syncbn.engine._function.Params`), made
-    once by the caller; ``params.group`` :data:`~syncbn._threads.LOCAL` runs the
-    engine locally (a family without a group).
+    ``SyncBatchNorm.forward`` calls this directly (a small layer's time is mostly per-call work);
+    ``params.group`` ``LOCAL`` runs the engine locally (a family without a group).
     """
     if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
         transformed: Tensor = TransformableSyncBatchNormFunction.apply(

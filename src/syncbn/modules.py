@@ -28,9 +28,8 @@ _BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).paramet
 
 __all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d"]
 
-# The conversion behind SyncBatchNorm.convert_sync_batchnorm. syncbn.convert builds on this
-# module and hands its function down here when it is imported (as ``import syncbn`` does), so
-# that imports flow one way: convert -> modules, never back.
+# The conversion behind SyncBatchNorm.convert_sync_batchnorm, handed down by syncbn.convert on import
+# (imports flow one way: convert -> modules).
 _converter: Callable[[torch.nn.Module, Any], torch.nn.Module] | None = None
 
 
@@ -59,19 +58,12 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
     .. math::
         y = \\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}} * \\gamma + \\beta
 
-    Each rank packs its count ``n``, ``n * mean`` and ``M2 + n * mean^2`` (``M2``
-    the sum of squared deviations, computed two-pass locally) in float64, and
-    one ``all_reduce`` gives the global :math:`N, S, Q`; then
-    :math:`\\mu = S/N` and :math:`M_2 = Q - S\\mu`. Backward all-reduces
-    :math:`\\sum g` and :math:`\\sum g\\hat x`. That is one collective of
-    :math:`O(C)` float64 values each way, whatever the world size, and no
-    device-to-host synchronisation on GPU. The running variance is updated with
-    the unbiased global variance; the gradients of :math:`\\gamma` and
-    :math:`\\beta` stay local (DDP sums them).
-
-    Eval mode never communicates: it uses the running statistics or, with
-    ``track_running_stats=False``, the local batch's statistics (as
-    ``torch.nn.SyncBatchNorm`` does).
+    One ``all_reduce`` of :math:`O(C)` float64 values each way, whatever the
+    world size, and no device-to-host synchronisation on GPU. The running
+    variance is updated with the unbiased global variance; the gradients of
+    :math:`\\gamma` and :math:`\\beta` stay local (DDP sums them). Eval never
+    communicates: it uses the running statistics or, with
+    ``track_running_stats=False``, the local batch's (as ``torch.nn.SyncBatchNorm``).
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
@@ -144,11 +136,9 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
 
         Args:
             input: :math:`(N, C, *)` tensor.
-            mask: optional boolean :math:`(N, *)` tensor (``input``'s shape without
-                the channel dimension), ``True`` at valid positions. Statistics are
-                those of the valid positions of every rank's batch together (as
-                ``nn.BatchNorm`` on their concatenation); padded positions' output
-                is 0 and their gradient is 0. See
+            mask: optional boolean :math:`(N, *)` tensor, ``True`` at valid positions:
+                statistics are those of every rank's valid positions together;
+                padded positions get output 0 and gradient 0. See
                 :func:`syncbn.functional.sync_batch_norm`.
 
         Returns:
@@ -164,56 +154,34 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                     "torch.compile: selecting the valid positions has a data-dependent shape, so "
                     "dynamo breaks the graph at this layer (the layer itself still runs exactly)"
                 )
-            # The valid positions as an (M, C, 1, ...) batch of input's rank: the same batch-norm
-            # logic (and input check) applies to it unchanged; a subclass's own forward (timm's
+            # The valid positions as an (M, C, 1, ...) batch; a subclass's own forward (timm's
             # activation, say) runs once, on the scattered result.
             return apply_masked(functools.partial(SyncBatchNorm.forward, self), input, mask)
-        if self.freeze:
+        if self.freeze or not self.training:
+            # Never communicates: the running statistics (frozen: weight and bias get no gradient),
+            # or in eval without them the local batch's.
+            weight: Tensor | None = self.weight
+            bias: Tensor | None = self.bias
+            if self.freeze:
+                weight = None if weight is None else weight.detach()
+                bias = None if bias is None else bias.detach()
+            batch_stats = not self.freeze and self.running_mean is None
             return F.batch_norm(
-                input,
-                self.running_mean,
-                self.running_var,
-                None if self.weight is None else self.weight.detach(),
-                None if self.bias is None else self.bias.detach(),
-                False,
-                0.0,
-                self.eps,
+                input, self.running_mean, self.running_var, weight, bias, batch_stats, 0.0, self.eps
             )
 
-        # Activation checkpointing recomputes this forward inside the backward pass: the
-        # statistics are synchronised again (the same values); the running ones are updated
-        # with a factor of 0 (unchanged, and the same tensors saved for backward as the first
-        # forward, which non-reentrant checkpointing checks), num_batches_tracked not at all.
+        # Activation checkpointing recomputes this forward in backward: statistics synchronised
+        # again, running ones updated with factor 0 (unchanged), num_batches_tracked not at all.
         compiling = _is_compiling()
-        recomputing = self.training and not compiling and _in_backward()
-        tracking = self.training and self.track_running_stats and not recomputing
-        if recomputing:
-            factor = 0.0
-        elif self.momentum is None and compiling and self.training and _ops is not None:
+        recomputing = not compiling and _in_backward()
+        tracking = self.track_running_stats and not recomputing
+        if self.momentum is None and compiling and _ops is not None:
             factor = -1.0  # cumulative: computed as a tensor in _compiled_training_forward
-        elif self.momentum is None:
-            # Cumulative moving average, as nn.BatchNorm: 1 / (batches seen, this one included).
-            seen = self.num_batches_tracked
-            factor = 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
         else:
-            factor = self.momentum
-
-        if not self.training:
-            # Eval never communicates: running statistics, or the local batch's.
-            return F.batch_norm(
-                input,
-                self.running_mean,
-                self.running_var,
-                self.weight,
-                self.bias,
-                self.running_mean is None,
-                0.0,
-                self.eps,
-            )
+            factor = self._factor(tracking, recomputing)
 
         replica = self.__dict__.get("_syncbn_replica")
-        if replica is not None:
-            # An nn.DataParallel replica: synchronise with the sibling replicas (syncbn.parallel).
+        if replica is not None:  # an nn.DataParallel replica (syncbn.parallel)
             out: Tensor = replica.forward(self, input, factor)
             return out
 
@@ -251,16 +219,13 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                 running_mean, running_var, eps, factor, LOCAL if group is None else group, self, family
             )
             out = synchronized(input, weight, bias, params)
-        if tracking:
-            batches = self.num_batches_tracked
-            if batches is not None:
-                batches.add_(1)
+        if tracking and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
         return out
 
     def _compiled_training_forward(self, input: Tensor, factor: float, tracking: bool) -> Tensor:
-        # Under torch.compile: traced arithmetic around the opaque collective (syncbn.engine._compiled).
-        # Nothing here guards on which layer this is: the layer travels as its token, a graph
-        # input, so a frame compiled for one layer serves them all.
+        # Traced arithmetic around the opaque collective (syncbn.engine._compiled). Nothing guards
+        # on which layer this is (it travels as its token), so one compiled frame serves them all.
         running_mean = self.running_mean if tracking else None
         running_var = self.running_var if tracking else None
         handle = _ops.group_handle(self.process_group)
@@ -294,8 +259,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         return None
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
-        # nn.DataParallel (and syncbn.parallel.replicate) replication: enrol the replica so
-        # that the replicas of this layer synchronise with each other.
+        # Enrol the replica, so that the replicas of this layer synchronise with each other.
         replica: SyncBatchNorm = super()._replicate_for_data_parallel()
         parallel.attach_replica(self, replica)
         return replica

@@ -1,11 +1,8 @@
 """Synchronised Batch Renormalization: :class:`SyncBatchRenorm` and its 1d/2d/3d classes.
 
-The layers are :class:`~syncbn.SyncBatchNorm` layers of the ``renorm`` family
-(:mod:`syncbn.families.renorm`): the same engine, collectives, checks and
-paths (eager, ``torch.compile``, ``nn.DataParallel``, DDP, Join, activation
-checkpointing), with Ioffe's ``r`` and ``d`` correcting the batch statistics
-towards the running ones. :func:`convert_to_renorm` turns a model's BatchNorm
-layers into renorm layers.
+:class:`~syncbn.SyncBatchNorm` layers of the ``renorm`` family (:mod:`syncbn.families.renorm`):
+the same engine and paths, with Ioffe's ``r`` and ``d`` correcting the batch statistics;
+:func:`convert_to_renorm` converts a model.
 """
 
 from __future__ import annotations
@@ -53,21 +50,18 @@ class SyncBatchRenorm(SyncBatchNorm):
     .. math::
         y = \\gamma \\Big(\\frac{x - \\mu_B}{\\sqrt{\\sigma_B^2 + \\epsilon}}\\, r + d\\Big) + \\beta
 
-    :math:`r` and :math:`d` are constants in backward (no gradient flows through
-    them). The running statistics then update as ``nn.BatchNorm``'s (torch's
-    momentum convention, unbiased variance, ``momentum=None`` cumulative).
-    Eval is ``nn.BatchNorm`` with the running statistics. With ``r_max=1``,
-    ``d_max=0`` (or ``track_running_stats=False``: :math:`r = 1, d = 0`) this is
-    exactly :class:`~syncbn.SyncBatchNorm`. One collective each way, as
-    :class:`~syncbn.SyncBatchNorm`; without a process group the same math runs
-    locally.
+    :math:`r` and :math:`d` are constants in backward. The running statistics
+    update as ``nn.BatchNorm``'s (``momentum=None`` cumulative); eval is
+    ``nn.BatchNorm`` with them. With ``r_max=1``, ``d_max=0`` (or
+    ``track_running_stats=False``: :math:`r = 1, d = 0`) this is exactly
+    :class:`~syncbn.SyncBatchNorm`. One collective each way; without a process
+    group the same math runs locally.
 
     ``r_max`` and ``d_max`` are plain attributes: change them between steps for
-    the paper's warm-up (start at 1 and 0, relax towards e.g. 3 and 5).
-    Under activation checkpointing the recomputed forward takes :math:`r, d`
-    from the running statistics the layer's last forward saw: exact when the
-    layer runs once per checkpointed step (a layer called several times in one
-    step would recompute its earlier calls with the last call's).
+    the paper's warm-up (start at 1 and 0, relax towards e.g. 3 and 5). Under
+    activation checkpointing the recomputation takes :math:`r, d` from the
+    running statistics the layer's last forward saw (exact for a layer called
+    once per checkpointed step).
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
@@ -124,9 +118,7 @@ class SyncBatchRenorm(SyncBatchNorm):
         running_mean, running_var = self.running_mean, self.running_var
         assert running_mean is not None and running_var is not None
         before = self.__dict__.get("_renorm_before")
-        if recomputing and before is not None:
-            # Activation checkpointing recomputes this forward after the step's update: (r, d)
-            # come from the statistics the first forward saw (this layer's last call).
+        if recomputing and before is not None:  # after the step's update: the first forward's statistics
             running_mean, running_var = before
         elif eager:
             self.__dict__["_renorm_before"] = (running_mean.detach().clone(), running_var.detach().clone())
@@ -179,13 +171,11 @@ def convert_to_renorm(
 ) -> nn.Module:
     """Turn every BatchNorm layer of ``module`` into a synchronised renorm layer.
 
-    ``nn.BatchNorm1d/2d/3d`` (and :class:`~syncbn.SyncBatchNorm` layers)
-    become :class:`SyncBatchRenorm1d`/``2d``/``3d``, torch's ``nn.SyncBatchNorm``
-    the generic :class:`SyncBatchRenorm`: first :func:`syncbn.convert_sync_batchnorm`
-    (whose rules apply: state, hooks and parametrizations carried over, subclasses
-    with a forward of their own left alone), then the class of each plain syncbn
-    layer is switched to its renorm twin with ``r_max`` and ``d_max`` set. Layers
-    already renorm keep their ``r_max`` and ``d_max``.
+    ``nn.BatchNorm1d/2d/3d`` (and :class:`~syncbn.SyncBatchNorm` layers) become
+    :class:`SyncBatchRenorm1d`/``2d``/``3d``, torch's ``nn.SyncBatchNorm`` the
+    generic :class:`SyncBatchRenorm`: :func:`syncbn.convert_sync_batchnorm` (whose
+    rules apply), then each plain syncbn layer switches to its renorm twin with
+    ``r_max`` and ``d_max`` set. Renorm layers keep theirs.
     :func:`syncbn.revert_sync_batchnorm` undoes it (to plain ``nn.BatchNorm*d``).
 
     Args:

@@ -1,10 +1,6 @@
 """Exact running statistics for a whole model: merge them across ranks, or recompute them from data.
 
-:func:`sync_running_stats` makes every rank's BatchNorm running statistics the
-exact merge of all ranks' (one collective for the whole model);
-:func:`recompute_running_stats` replaces them by the exact population
-statistics of a set of batches on all ranks (two collectives for the whole
-model). Both work on any BatchNorm layer (``nn.BatchNorm*d``, syncbn's layers,
+Both functions work on any BatchNorm layer (``nn.BatchNorm*d``, syncbn's layers,
 timm's ``BatchNormAct2d``, ...) and leave every rank with identical buffers.
 """
 
@@ -42,44 +38,45 @@ def _layout_code(layers: list[tuple[str, _BatchNorm]]) -> float:
     return zlib.crc32(text.encode()) / 2**32
 
 
-def _check_layout(total: float, own: float, size: int, function: str) -> None:
-    """Raise on every rank when the ranks' models do not hold the same BatchNorm layers."""
-    if abs(total - size * own) > 1e-9 * size:
+def _all_reduce_checked(group: Any, packed: Tensor, own: float, function: str) -> int:
+    """Sum ``packed``, headed by ``[1, own layout code]``, over ``group``; return the group size.
+
+    Raises on every rank when the ranks' models do not hold the same BatchNorm layers.
+    """
+    group.all_reduce_sum(packed)
+    size = int(round(packed[0].item()))
+    if abs(packed[1].item() - size * own) > 1e-9 * size:
         raise ValueError(
             f"syncbn.{function}: the ranks' models hold different BatchNorm layers (expected the same "
             f"layer names and channel counts on all {size} ranks, got layer layouts that differ)"
         )
+    return size
 
 
 def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module:
     """Replace every BatchNorm layer's running statistics by their exact merge over the ranks.
 
     For a model trained with per-rank (unsynchronised) BatchNorm, or whose
-    ranks drifted apart (a restart, a fault): afterwards every rank holds the
-    same running mean and variance, those of the mixture of all ranks' data.
-    Rank :math:`r`'s statistics are weighted by :math:`w_r`, the batches it
-    has seen (``num_batches_tracked``):
+    ranks drifted apart: afterwards every rank holds the running mean and
+    variance of the mixture of all ranks' data, rank :math:`r`'s weighted by
+    :math:`w_r`, the batches it has seen (``num_batches_tracked``):
 
     .. math::
         \\mu = \\frac{\\sum_r w_r \\mu_r}{\\sum_r w_r}, \\qquad
         \\sigma^2 = \\underbrace{\\frac{\\sum_r w_r \\sigma_r^2}{\\sum_r w_r}}_{\\text{within ranks}}
           + \\underbrace{\\frac{\\sum_r w_r (\\mu_r - \\mu)^2}{\\sum_r w_r}}_{\\text{between ranks}}
 
-    (the law of total variance). Where every rank's batches have the same
-    size, the weights are proportional to the samples seen, and statistics
-    that each describe one rank's data exactly merge into exactly those of
-    all ranks' data together. A rank that has seen no batch carries no
-    weight; where no rank has seen one, or a layer keeps no
-    ``num_batches_tracked``, the ranks weigh equally. Averaging the
-    variances alone, as ``timm.utils.distribute_bn`` does, drops the
-    between-rank part and issues one collective per buffer.
+    (the law of total variance). With equal batch sizes on every rank, exact
+    per-rank statistics merge into exactly those of all ranks' data. A rank
+    that has seen no batch carries no weight; where no rank has seen one, or a
+    layer keeps no ``num_batches_tracked``, the ranks weigh equally. (Averaging
+    the variances alone, as ``timm.utils.distribute_bn`` does, drops the
+    between-rank part, with one collective per buffer.)
 
-    All layers travel in one float64 ``all_reduce`` (with a check that the
-    ranks hold the same layers: else a ``ValueError`` on every rank). Each
-    ``num_batches_tracked`` becomes the mean over ranks, rounded (unchanged
-    where the ranks saw equally many batches). Every rank of the group must
-    call this. Outside ``torch.distributed``, or in a group of one, the model
-    is returned unchanged.
+    All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked``
+    becomes the mean over ranks, rounded. Every rank of the group must call
+    this; outside ``torch.distributed``, or in a group of one, the model is
+    returned unchanged.
 
     Args:
         model: the model (or a single layer); any ``_BatchNorm`` layer with
@@ -120,10 +117,7 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         # [w, w*mean, w*(var + mean^2)], then the unweighted [mean, var + mean^2] for all-zero weights
         parts += [w, w * mean, w * second, mean, second]
     packed = torch.cat([p.to(device) for p in parts])
-    group.all_reduce_sum(packed)
-    head = packed[:2].tolist()
-    size = int(round(head[0]))
-    _check_layout(head[1], code, size, "sync_running_stats")
+    size = _all_reduce_checked(group, packed, code, "sync_running_stats")
     offset = 2
     with torch.no_grad():
         for _, layer in layers:
@@ -221,27 +215,18 @@ def recompute_running_stats(
 ) -> nn.Module:
     """Set every BatchNorm layer's running statistics to the exact statistics of the given data.
 
-    Runs ``model`` in training mode (without gradients) over ``batches`` on
-    every rank, and records, for each BatchNorm layer, the per-channel count,
-    mean and sum of squared deviations of everything that reaches it, merged
-    exactly in float64 (batch by batch, then across ranks). Each layer's
-    ``running_mean`` becomes the mean of all those values over all batches of
-    all ranks, and ``running_var`` their unbiased variance: the population
-    statistics of the whole data set, not an average of per-batch statistics
-    (averaging per-batch variances misses the spread between batch means),
-    identical on every rank. Called with the whole training set, it gives
-    the statistics the running averages only approximate (precise BN).
+    Runs ``model`` in training mode, without gradients, over ``batches`` on
+    every rank, and sets each BatchNorm layer's ``running_mean`` and
+    ``running_var`` to the mean and unbiased variance of everything that
+    reached it over all batches of all ranks (merged exactly in float64): the
+    population statistics, not an average of per-batch ones. Masked calls
+    count their valid positions only.
 
-    The forward passes are training-mode forwards: each layer normalises with
-    its batch's statistics as in training (a syncbn layer over all ranks'
-    batches, so then every rank must pass the same number of batches; plain
-    layers may see different numbers of batches per rank). Everything else
-    is restored afterwards (modules' train/eval modes, ``num_batches_tracked``;
-    on an error, the running statistics as well). Layers that no value
-    reached on any rank keep their statistics (one that a single value
-    reached keeps its variance); frozen syncbn layers
-    (``freeze=True``) keep theirs and are used as they are. Masked calls
-    (``layer(x, mask=m)``) count their valid positions only.
+    syncbn layers normalise over all ranks' batches, so every rank must then
+    pass the same number of batches. Modes and ``num_batches_tracked`` are
+    restored afterwards (on an error, the running statistics too). Layers no
+    value reached, and frozen syncbn layers, keep their statistics (a layer a
+    single value reached keeps its variance). See docs/statistics.md.
 
     Args:
         model: the model; pass the module itself rather than a DDP wrapper.
@@ -322,7 +307,7 @@ def _set_population_stats(
     layers: list[tuple[str, _BatchNorm]], moments: dict[int, _Moments], group: Any
 ) -> None:
     """Merge each layer's moments across ranks (two float64 all_reduces) and write its running stats."""
-    # The collectives run on the layers' device (NCCL needs accelerator tensors).
+    # On the layers' device (NCCL needs accelerator tensors).
     device = layers[0][1].running_mean.device if layers else torch.device("cpu")  # type: ignore[union-attr]
     f64 = {"dtype": torch.float64, "device": device}
     first: list[Tensor] = [torch.tensor([1.0, _layout_code(layers)], **f64)]  # type: ignore[arg-type]
@@ -332,19 +317,12 @@ def _set_population_stats(
         mean = m.mean.to(device) if m.mean is not None else torch.zeros(c, **f64)  # type: ignore[arg-type]
         first += [torch.tensor([m.count], **f64), m.count * mean]  # type: ignore[arg-type]
     sums = torch.cat(first)
-    size = 1
     if group is not None:
-        group.all_reduce_sum(sums)
-        size = int(round(sums[0].item()))
-        _check_layout(sums[1].item(), _layout_code(layers), size, "recompute_running_stats")
+        _all_reduce_checked(group, sums, _layout_code(layers), "recompute_running_stats")
     # Global means, then each rank's squared deviations about them (no cancellation).
-    offset, means, counts = 2, [], []
-    for _, layer in layers:
-        c = layer.running_mean.numel()  # type: ignore[union-attr]
-        n = sums[offset]
-        means.append(sums[offset + 1 : offset + 1 + c] / n.clamp_min(1.0))
-        counts.append(float(n.item()))
-        offset += 1 + c
+    chunks = sums[2:].split([1 + layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
+    means = [chunk[1:] / chunk[0].clamp_min(1.0) for chunk in chunks]
+    counts = [float(chunk[0].item()) for chunk in chunks]
     second: list[Tensor] = []
     for (_, layer), mean in zip(layers, means):
         m = moments[id(layer)]
@@ -355,12 +333,9 @@ def _set_population_stats(
     m2 = torch.cat(second) if second else torch.zeros(0, **f64)  # type: ignore[arg-type]
     if group is not None and m2.numel():
         group.all_reduce_sum(m2)
-    offset = 0
+    per_layer = m2.split([mean.numel() for mean in means])
     with torch.no_grad():
-        for (_, layer), mean, count in zip(layers, means, counts):
-            c = mean.numel()
-            layer_m2 = m2[offset : offset + c]
-            offset += c
+        for (_, layer), mean, count, layer_m2 in zip(layers, means, counts, per_layer):
             if count == 0:
                 continue  # no value reached this layer on any rank: keep its statistics
             layer.running_mean.copy_(mean)  # type: ignore[union-attr]
