@@ -113,8 +113,7 @@ class Reporting:
         if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (_hier)
             self._size, self._rank = process_group.size(), process_group.rank()
         else:
-            self._size = dist.get_world_size(process_group)
-            self._rank = dist.get_rank(process_group)
+            self._size, self._rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self._shared: _shm.SharedMemorySum | None = None  # set at the first CPU collective
         self._pg_timeout_s: float | None = None
         #: identity -> name of the layers seen by this process, for error messages.

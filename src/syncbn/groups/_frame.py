@@ -119,13 +119,10 @@ def decode_header(summed: list[float], group_size: int) -> Agreement:
     for i in range(len(FIELDS)):
         s1 = int(round(summed[1 + 2 * i]))
         s2 = int(round(summed[2 + 2 * i]))
-        if k > 0 and k * s2 == s1 * s1 and s1 % k == 0:
-            values.append(s1 // k)
-            pairs.append(None)
-            continue
-        values.append(None)
+        agreed = k > 0 and k * s2 == s1 * s1 and s1 % k == 0
+        values.append(s1 // k if agreed else None)
         pair = None
-        if k == 2:
+        if k == 2 and not agreed:
             disc = 2 * s2 - s1 * s1
             root = math.isqrt(disc) if disc >= 0 else -1
             if root >= 0 and root * root == disc and (s1 + root) % 2 == 0:

@@ -90,13 +90,12 @@ class Hierarchy:
         flat = tensor.reshape(-1)
         if cross is None:  # a rank that does not lead its machine
             local._framed(tensor, tag, present=True, host_wait=host_wait, deferred=False)
-            back = self._buffer(tensor)
-            back.zero_()
-            local._framed(back, tag, present=True, host_wait=host_wait, deferred=False)
-            got = int(back[n].item())
+            buf = self._buffer(tensor)
+            buf.zero_()
+            local._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
+            got = int(buf[n].item())
             if got != _OK:
                 raise self._reported(got)
-            flat.copy_(back[:n])
         else:
             failure: CollectiveError | None = None
             local_failed = False
@@ -126,7 +125,7 @@ class Hierarchy:
                     failure = failure or exc
             if failure is not None:
                 raise failure
-            flat.copy_(buf[:n])
+        flat.copy_(buf[:n])
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor

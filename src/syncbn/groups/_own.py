@@ -162,7 +162,7 @@ def _key(group: Any) -> int | None:
 
 def keep(group: Any, tensor: Tensor) -> None:
     """Keep ``tensor`` referenced for as long as ``group`` (it is handed to the group's collectives)."""
-    key = None if group is None else _key(group)
+    key = _key(group)
     if key is not None:
         _kept[key][1].append(tensor)
     else:
@@ -226,13 +226,6 @@ def _wait_abandoned(limit_s: float) -> None:
             pass
 
 
-def _registered(group: Any) -> bool:
-    try:
-        return group in dist.distributed_c10d._world.pg_map
-    except Exception:  # noqa: BLE001 - torch.distributed being torn down
-        return False
-
-
 def release(key: int, limit_s: float) -> None:
     """Destroy group ``key`` (:func:`adopt`) in order: its works (``limit_s`` at most), group, frames."""
     entry = _kept.pop(key, None)
@@ -248,11 +241,11 @@ def release(key: int, limit_s: float) -> None:
         return
     if _abandoned:
         _wait_abandoned(limit_s)
-    if _registered(group):
-        try:
+    try:
+        if group in dist.distributed_c10d._world.pg_map:  # registered with torch (not a wire)
             dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - already gone, or torch.distributed torn down
-            pass
+    except Exception:  # noqa: BLE001 - already gone, or torch.distributed torn down
+        pass
     del group  # the last reference: ~ProcessGroupGloo joins the worker threads here...
     _prune()
     del frames  # ...and only then are the tensors they held freed, on this thread

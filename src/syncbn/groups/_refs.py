@@ -45,8 +45,7 @@ class ProcessGroupRef:
         for group, mapping in world.pg_group_ranks.items():
             if _own.owned(group):  # syncbn's own groups are never the user's
                 continue
-            ordered = sorted(mapping, key=mapping.__getitem__)
-            if ordered == self.ranks:
+            if sorted(mapping, key=mapping.__getitem__) == self.ranks:
                 return group
         raise RuntimeError(
             f"syncbn: this module was saved with a process group of global ranks {self.ranks}, "

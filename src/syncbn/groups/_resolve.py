@@ -52,9 +52,7 @@ def forget_destroyed() -> int:
     :func:`resolve` runs it on meeting a new group, or once ``torch.distributed`` is no longer
     initialised: after ``destroy_process_group()`` nothing of the old group survives in syncbn.
     """
-    live: set[int] = set()
-    if dist.is_available() and dist.is_initialized():
-        live = {id(g) for g in dist.distributed_c10d._world.pg_map}
+    live = {id(g) for g in dist.distributed_c10d._world.pg_map} if is_initialized() else set()
     dropped = 0
     for key, (ref, group) in list(_resolved.items()):
         target = ref()
@@ -75,8 +73,6 @@ _resolved: dict[int, tuple[weakref.ref[Any], ProcessGroupSum | None]] = {}
 
 def to_picklable(process_group: Any) -> Any:
     """Replace a live process group by a :class:`ProcessGroupRef` for pickling."""
-    if process_group is None or isinstance(process_group, ProcessGroupRef):
-        return process_group
     if isinstance(process_group, dist.ProcessGroup):
         return ProcessGroupRef(group_ranks(process_group))
     return process_group

@@ -50,7 +50,7 @@ def _exchange(size: Any, world: int) -> list[list[int]]:
         machines: dict[float, list[int]] = {}
         for rank, (_, key) in enumerate(everyone):
             machines.setdefault(float(key), []).append(rank)
-        return sorted(machines.values(), key=lambda members: members[0])
+        return list(machines.values())  # by first rank: the ranks were met in order
     _check_size(size, world)
     return [list(range(start, start + size)) for start in range(0, world, size)]
 
@@ -104,10 +104,8 @@ def subgroup(size: int | str) -> Any:
         del _made[stale]
     rank = dist.get_rank()
     sets = _exchange(size, world)  # collective: every rank, the same sets or the same error
-    mine: Any = None
-    if len(sets) == 1:
-        mine = default
-    else:
+    mine: Any = default  # when the one set is every rank
+    if len(sets) > 1:
         for members in sets:  # every rank creates every group, in the same order
             group = dist.new_group(members)
             if rank in members:

@@ -232,13 +232,13 @@ class ProcessGroupSum(FramedTransport):
 
     def _connect_shared(self) -> _shm.SharedMemorySum | None:
         """Set up the shared-memory path (collective: every rank's first CPU collective on this group)."""
-        choice = self._shared_memory_choice
         calls = self._calls
 
         def exchange(t: Tensor) -> Tensor:
             self._calls += 1
-            return self._framed_process_group(t, Tag(0, PHASE_SETUP))
+            return self._frames(t, Tag(0, PHASE_SETUP), present=True, host_wait=True, deferred=False)
 
+        choice = self._shared_memory_choice
         allowed = _config.shared_memory_enabled() if choice is None else choice
         self._shared = _shm.connect(self._rank, self._size, allowed, exchange)
         if self._shared is None and self._size > 2:  # every rank: they agree on the choice too

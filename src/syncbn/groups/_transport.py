@@ -198,9 +198,6 @@ class FramedTransport(Reporting):
             total[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
         return self._shadow_result(fields, agreement.participants, total)
 
-    def _framed_process_group(self, tensor: Tensor, tag: Tag) -> Tensor:
-        return self._frames(tensor, tag, present=True, host_wait=True, deferred=False)
-
     def _frames(self, tensor: Tensor, tag: Tag, *, present: bool, host_wait: bool, deferred: bool) -> Tensor:
         """Sum ``tensor`` in place over the process group, frame by frame, each header checked or deferred."""
         flat = tensor.reshape(-1)
@@ -230,12 +227,10 @@ class FramedTransport(Reporting):
         if not self._wire_ready:
             if not self._own_group:
                 return None  # set-up: over the process group
-            group = self.process_group
+            group, bound = self.process_group, self._bound_s()
             # Its timeout is now the bound, or (a torch that cannot change it) what it was made with.
-            self._wire_timeout = (
-                self._bound_s() if _own.set_timeout(group, self._bound_s()) else _pg_timeout(group)
-            )
-            self._attach_wire(weakref.ref(group), self._bound_s())
+            self._wire_timeout = bound if _own.set_timeout(group, bound) else _pg_timeout(group)
+            self._attach_wire(weakref.ref(group), bound)
         wire = None if self._wire_ref is None else self._wire_ref()
         if wire is not None and self._wire_timeout is not None:
             now = self._bound_s()  # syncbn's bound, else the process group's timeout
