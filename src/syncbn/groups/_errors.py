@@ -166,8 +166,7 @@ class Reporting:
         text = "" if exc is None else f"{type(exc).__name__}: {exc}".strip()
         timed_out = not failed and (
             exc is None
-            or "timed out" in text.lower()
-            or "timeout" in text.lower()
+            or any(word in text.lower() for word in ("timed out", "timeout"))
             or (timeout is not None and waited >= 0.95 * timeout)
         )
         if timed_out:

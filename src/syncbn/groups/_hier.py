@@ -43,9 +43,7 @@ def choice(explicit: bool | None) -> bool:
     if explicit is not None:
         return explicit
     env = os.environ.get("SYNCBN_HIERARCHICAL", "").strip().lower()
-    if not env:
-        return DEFAULT
-    return env in ("1", "true", "yes", "on")
+    return env in ("1", "true", "yes", "on") if env else DEFAULT
 
 
 def _status(exc: CollectiveError) -> int:

@@ -181,10 +181,7 @@ CARRIES_TIMEOUT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".
 
 def set_timeout(group: Any, timeout_s: float) -> bool:
     """Make ``timeout_s`` the timeout of ``group``'s gloo backend; ``False`` where torch cannot."""
-    if not CARRIES_TIMEOUT:
-        return False
-    backend = _gloo_backend(group)
-    setter = getattr(backend, "_set_default_timeout", None)
+    setter = getattr(_gloo_backend(group), "_set_default_timeout", None) if CARRIES_TIMEOUT else None
     if setter is None:
         return False
     try:

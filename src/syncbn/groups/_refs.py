@@ -41,8 +41,7 @@ class ProcessGroupRef:
         """
         if self.ranks == list(range(dist.get_world_size())):
             return None
-        world = dist.distributed_c10d._world
-        for group, mapping in world.pg_group_ranks.items():
+        for group, mapping in dist.distributed_c10d._world.pg_group_ranks.items():
             if _own.owned(group):  # syncbn's own groups are never the user's
                 continue
             if sorted(mapping, key=mapping.__getitem__) == self.ranks:
