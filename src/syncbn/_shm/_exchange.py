@@ -163,9 +163,8 @@ class SharedMemorySum:
         flat = tensor.reshape(-1)
         fields = list(fields)
         for i in range(max(1, -(-n // per))):
-            lo, hi = i * per, min(n, (i + 1) * per)
             fields[6] = i
-            self._round(flat[lo:hi], fields, True, timeout, tensor.dtype)
+            self._round(flat[i * per : (i + 1) * per], fields, True, timeout, tensor.dtype)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
         return tensor
@@ -185,7 +184,7 @@ class SharedMemorySum:
         dtype = _CODE_DTYPES.get(fields[2] % 16, torch.float64)
         per = _CAPACITY // dtype.itemsize
         parts = [chunk]
-        for _ in range(1, max(1, -(-count // per))):
+        for _ in range(1, -(-count // per)):
             got = self._round(empty, [0] * 7, False, timeout, torch.float64)
             if got is None:
                 raise self._fail("the participants stopped in the middle of a call")

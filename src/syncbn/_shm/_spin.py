@@ -15,7 +15,7 @@ def _cores() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        return os.cpu_count() or 1
 
 
 class SpinPolicy:
