@@ -140,8 +140,6 @@ class ThreadSumGroup:
     """:class:`~syncbn.groups.SumGroup` of member ``rank`` over the threads of a :class:`Rendezvous`."""
 
     def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
-        if not 0 <= rank < rendezvous.size:
-            raise ValueError(f"expected a rank in [0, {rendezvous.size}) (got {rank})")
         self.rendezvous = rendezvous
         self.rank = rank
 

@@ -109,11 +109,9 @@ def connect(
         if offer[0].item() != 1:
             return None
         token = int(offer[1].item())
-        ok = True
         if rank != 0:
             segment = _attach(pids[0], int(offer[2].item()), size, token, _socket_name(pids[0], token))
-            ok = segment is not None
-        ok = ok and all(_alive(pid) for pid in pids)
+        ok = segment is not None and all(_alive(pid) for pid in pids)
         agreed = exchange(torch.tensor([0.0 if ok else 1.0], dtype=torch.float64))
         if agreed.item() != 0 or segment is None:
             return None

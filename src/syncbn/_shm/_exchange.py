@@ -32,7 +32,9 @@ class SharedMemoryError(RuntimeError):
     fields (``None`` for a shadowing rank).
     """
 
-    def __init__(self, message: str, *, timed_out: bool, waited: float, mismatch: bool = False) -> None:
+    def __init__(
+        self, message: str, *, timed_out: bool = False, waited: float = 0.0, mismatch: bool = False
+    ) -> None:
         super().__init__(message)
         self.timed_out = timed_out
         self.waited = waited
@@ -121,7 +123,7 @@ class SharedMemorySum:
         """Views for a round of ``m`` values of ``dtype`` in ``buffer``, made once and kept."""
         if len(self._plans) >= _MAX_PLANS:
             self._release_plans()
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         nbytes = m * item
         starts, raw, scratch = self._starts[buffer], self._raw, self._scratch_bytes
         slots = [raw[a : a + nbytes] for a in starts]
@@ -161,9 +163,8 @@ class SharedMemorySum:
         flat = tensor.reshape(-1)
         fields = list(fields)
         for i in range(max(1, -(-n // per))):
-            lo, hi = i * per, min(n, (i + 1) * per)
             fields[6] = i
-            self._round(flat[lo:hi], fields, True, timeout, tensor.dtype)
+            self._round(flat[i * per : (i + 1) * per], fields, True, timeout, tensor.dtype)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
         return tensor
@@ -181,9 +182,9 @@ class SharedMemorySum:
         fields, k, chunk = first
         count = (fields[4] << 16) | fields[5]
         dtype = _CODE_DTYPES.get(fields[2] % 16, torch.float64)
-        per = _CAPACITY // torch.empty((), dtype=dtype).element_size()
+        per = _CAPACITY // dtype.itemsize
         parts = [chunk]
-        for _ in range(1, max(1, -(-count // per))):
+        for _ in range(1, -(-count // per)):
             got = self._round(empty, [0] * 7, False, timeout, torch.float64)
             if got is None:
                 raise self._fail("the participants stopped in the middle of a call")
@@ -192,9 +193,7 @@ class SharedMemorySum:
 
     def _usable(self) -> None:
         if self.broken:
-            raise SharedMemoryError(
-                "the shared-memory group is unusable after an earlier failure", timed_out=False, waited=0.0
-            )
+            raise SharedMemoryError("the shared-memory group is unusable after an earlier failure")
 
     def _round(
         self, chunk: Tensor, fields: list[int], present: bool, timeout: float, dtype: torch.dtype
@@ -276,12 +275,7 @@ class SharedMemorySum:
         return got_fields, k, copy.sum(0, dtype=torch.float64)
 
     def _mismatch(self, lines: list[list[int]]) -> SharedMemoryError:
-        error = SharedMemoryError(
-            "the ranks made different collectives at the same point",
-            timed_out=False,
-            waited=0.0,
-            mismatch=True,
-        )
+        error = SharedMemoryError("the ranks made different collectives at the same point", mismatch=True)
         error.ranks = [_unpack(line) if line[_META_PRESENT] else None for line in lines]
         return error
 

@@ -41,15 +41,8 @@ def _syscall() -> tuple[int, Any] | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).syscall
         fn.restype = ctypes.c_long
-        fn.argtypes = [
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_uint32,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_uint32,
-        ]
+        pointer, u32 = ctypes.c_void_p, ctypes.c_uint32  # (number, uaddr, op, val, timeout, uaddr2, val3)
+        fn.argtypes = [ctypes.c_long, pointer, ctypes.c_int, u32, pointer, pointer, u32]
     except (OSError, AttributeError, TypeError):
         return None
     _loaded = (number, fn)

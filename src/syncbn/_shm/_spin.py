@@ -15,7 +15,7 @@ def _cores() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        return os.cpu_count() or 1
 
 
 class SpinPolicy:
@@ -23,13 +23,12 @@ class SpinPolicy:
 
     Four typical waits (a moving average), between :data:`_SPIN_MIN_S` and a cap that is lower
     when the machine's ``ranks`` outnumber its cores (a spinning rank holds a core a peer may
-    need); only the floor once waits outlast the cap. ``fixed=True``: always :data:`_SPIN_S`
+    need); only the floor once waits outlast the cap. ``fixed`` set: always :data:`_SPIN_S`
     (the earlier policy, kept for ``benchmarks/speed/hierarchical.py``).
     """
 
-    def __init__(self, ranks: int, fixed: bool = False) -> None:
-        self.ranks = ranks
-        self.fixed = fixed
+    def __init__(self, ranks: int) -> None:
+        self.fixed = False
         self.typical = 0.0
         self.cap = _SPIN_BUSY_S if ranks > _cores() else _SPIN_S
 
