@@ -48,13 +48,10 @@ def traced_moments(
         packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
     else:
         packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-    flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
-    if group:
-        summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
-    elif count == 1:
+    if not group and count == 1:
         raise _function._expected_more_than_one(x, _function.LOCAL, None)
-    else:
-        summed = packed
+    flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
+    summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags) if group else packed
     total = summed[0]
     n = total.clamp(min=1.0)
     sums = summed[1:].view(2, channels) / n
