@@ -10,8 +10,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ._packing import pack_grad_sums
-
 __all__ = ["Reduce", "differentiable_backward", "differentiable_input_grads"]
 
 Reduce = Callable[[Tensor, str], Tensor]
@@ -59,7 +57,10 @@ def differentiable_input_grads(
     dy = grad_output.to(stat)
     sum_dy = dy.sum(dims)
     sum_dy_xhat = (dy * xhat).sum(dims)
-    reduced = _DifferentiableSum.apply(pack_grad_sums(sum_dy, sum_dy_xhat), reduce, "backward").to(stat)
+    local = torch.stack([sum_dy, sum_dy_xhat])
+    reduced = _DifferentiableSum.apply(
+        local.float() if local.dtype in (torch.float16, torch.bfloat16) else local, reduce, "backward"
+    ).to(stat)
     scale = invstd if weight is None else invstd * weight.to(stat)
     grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
     return grad_input.to(x.dtype), sum_dy_xhat, sum_dy
