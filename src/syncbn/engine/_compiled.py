@@ -48,13 +48,10 @@ def traced_moments(
         packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
     else:
         packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-    flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
-    if group:
-        summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags)
-    elif count == 1:
+    if not group and count == 1:
         raise _function._expected_more_than_one(x, _function.LOCAL, None)
-    else:
-        summed = packed
+    flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
+    summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags) if group else packed
     total = summed[0]
     n = total.clamp(min=1.0)
     sums = summed[1:].view(2, channels) / n
@@ -117,15 +114,13 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
             if bias is not None:
                 y = y + bias.to(comp).view(shape)
             out = y.to(x.dtype)
-        # Only tensors are saved (no None: checkpointed regions under compile refuse it).
-        ctx.training, ctx.eps, ctx.family, ctx.group = training, eps, family, group
-        ctx.has_weight = weight is not None
-        ctx.has_bias = in_place and bias is not None
-        ctx.has_token = token is not None
-        ctx.has_correction = correction is not None
-        saved = (total,) if training else ()
-        extra = [t for t in (weight, bias if in_place else None, token, *(correction or ())) if t is not None]
-        ctx.save_for_backward(out if in_place else x, mean, invstd, *saved, *extra)
+        # Only tensors are saved (no None: checkpointed regions under compile refuse it); ctx.present
+        # says which of the optional ones are, the family's (r, d) follow when it has a correction.
+        ctx.eps, ctx.family, ctx.group = eps, family, group
+        optional = (total if training else None, weight, bias if in_place else None, token)
+        ctx.present = [t is not None for t in optional]
+        extra = [t for t in (*optional, *(correction or ())) if t is not None]
+        ctx.save_for_backward(out if in_place else x, mean, invstd, *extra)
         ctx.param_dtype = _rules.gradient_dtype(weight, bias, mean)
         if not training:
             return out
@@ -137,10 +132,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         ctx: Any, grad_output: Tensor, *unused: Any
     ) -> tuple[Tensor | None, ...]:
         x, mean, invstd, *extra = ctx.saved_tensors  # x: the output, for the in-place family
-        total = extra.pop(0) if ctx.training else None
-        weight = extra.pop(0) if ctx.has_weight else None
-        bias = extra.pop(0) if ctx.has_bias else None
-        token = extra.pop(0) if ctx.has_token else None
+        total, weight, bias, token = [extra.pop(0) if present else None for present in ctx.present]
         family, correction = ctx.family, extra  # (r, d) when the family has a correction
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         dims, shape = _layout(x)
@@ -168,7 +160,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
                 grad_input = (scale * (g - mean_dy - xhat * mean_dy_xhat)).to(x.dtype)
         if in_place:
             sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight)
-        elif ctx.has_correction:
+        elif correction:
             sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *correction)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None

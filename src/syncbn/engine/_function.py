@@ -88,11 +88,8 @@ def synchronized_moments(
     count = x.numel() // channels if channels else 0
     host = _host_side(x)
     buffer = _math.moment_buffer(channels, x.device) if host else None
-    if count > 0:
-        mean_l, var_l = _math.local_moments(x, scratch=scratch)
-        packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
-    else:
-        packed = _math.pack_moments(0, None, None, channels=channels, device=x.device, buffer=buffer)
+    mean_l, var_l = _math.local_moments(x, scratch=scratch) if count > 0 else (None, None)
+    packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
     if reduce is not None:
         packed = reduce(packed)
     total, (mean, var, unbiased) = _math.unpack_moments(
@@ -119,9 +116,7 @@ def through_join(group: Any) -> bool:
 
 def checks_before_forward(group: Any, layer: Any, x: Tensor) -> int:
     """The handshake or debug check before a forward collective; the debug call number (0: none)."""
-    if through_join(group):
-        return 0
-    return _checks.before_forward(group, layer, x)
+    return 0 if through_join(group) else _checks.before_forward(group, layer, x)
 
 
 def checks_before_backward(group: Any, layer: Any, grad_output: Tensor, call: int) -> None:
@@ -179,9 +174,8 @@ def synchronized_forward(
         if not family.training:
             stats = family.eval_forward_(x, weight, bias, running_mean, running_var, eps, stat_dtype)
         elif reduce is None and x.shape[1] and x.numel() // x.shape[1] > 1:
-            momentum = params.momentum
             stats = family.native_forward_(
-                x, weight, bias, running_mean, running_var, momentum, eps, stat_dtype
+                x, weight, bias, running_mean, running_var, params.momentum, eps, stat_dtype
             )
         else:
             moments = synchronized_moments(x, stat_dtype, reduce, one_value_error)

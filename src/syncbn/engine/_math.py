@@ -33,7 +33,7 @@ __all__ = [
     "finish_input_grad",
 ]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_LOW_PRECISION = _packing._LOW_PRECISION
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,12 +51,12 @@ def broadcast_shape(x: Tensor) -> list[int]:
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}  # per input dimension
+
+
 def _is_channels_last(x: Tensor) -> bool:
-    if x.dim() == 4:
-        return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    if x.dim() == 5:
-        return x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
-    return False
+    layout = _CHANNELS_LAST.get(x.dim())
+    return layout is not None and x.is_contiguous(memory_format=layout) and not x.is_contiguous()
 
 
 # Routes of local_moments (docs/internals/engine.md): blocked centring from this many values,
@@ -200,7 +200,7 @@ def backward_sums(
 def _memory_format(x: Tensor) -> torch.memory_format | None:
     """``x``'s dense memory format (contiguous or channels-last), ``None`` for other strides."""
     if _is_channels_last(x):
-        return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        return _CHANNELS_LAST[x.dim()]
     return torch.contiguous_format if x.is_contiguous() else None
 
 

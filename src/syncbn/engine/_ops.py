@@ -74,14 +74,10 @@ def group_handle(process_group: Any) -> int:
         try:
             ref: Callable[[], Any] = weakref.ref(group)
         except TypeError:  # a SumGroup that cannot be weakly referenced: held for good
-            ref = functools.partial(_identity, group)
+            ref = lambda: group  # noqa: E731
         _groups[handle] = ref
         _group_ids[id(group)] = handle
     return handle
-
-
-def _identity(group: Any) -> Any:
-    return group
 
 
 def group_of(handle: int) -> Any:
@@ -171,20 +167,15 @@ def _all_reduce_impl(
     return summed
 
 
-_warned_unbound = False
-
-
+@functools.cache  # warned once
 def _warn_unbound() -> None:
-    global _warned_unbound
-    if not _warned_unbound:
-        _warned_unbound = True
-        warnings.warn(
-            "syncbn: a compiled SyncBatchNorm's collective carries a layer token no live layer "
-            "holds (a layer built from another's state and never placed into a model or run "
-            "eagerly): its frames are anonymous and its first-use handshake is skipped; call "
-            "syncbn.name_layers(model) or run one eager step first",
-            stacklevel=2,
-        )
+    warnings.warn(
+        "syncbn: a compiled SyncBatchNorm's collective carries a layer token no live layer "
+        "holds (a layer built from another's state and never placed into a model or run "
+        "eagerly): its frames are anonymous and its first-use handshake is skipped; call "
+        "syncbn.name_layers(model) or run one eager step first",
+        stacklevel=2,
+    )
 
 
 def _framed_sum(

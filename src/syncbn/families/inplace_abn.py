@@ -43,25 +43,22 @@ def check_activation(activation: str, param: float, *, in_place: bool = True) ->
     ``"relu"`` only when not ``in_place``; in place, ``param`` (slope or alpha) must be positive and finite.
     """
     allowed = ACTIVATIONS if in_place else ("relu", *ACTIVATIONS)
+    names = ", ".join(map(repr, allowed))
     if activation == "relu" and in_place:
         raise ValueError(
             "activation='relu' cannot be computed in place: ReLU maps every negative value to 0, so "
             "the input cannot be recovered from the output for backward. Use 'leaky_relu' (a small "
             "slope, e.g. 0.01), 'elu' or 'identity', or the non-in-place ABN class for ReLU "
-            f"(expected one of {', '.join(repr(a) for a in allowed)}, got 'relu')"
+            f"(expected one of {names}, got 'relu')"
         )
     if activation not in allowed:
+        raise ValueError(f"expected activation one of {names} (got {activation!r})")
+    if in_place and activation in ("leaky_relu", "elu") and not 0 < float(param) < float("inf"):
+        what = "negative slope" if activation == "leaky_relu" else "alpha"
         raise ValueError(
-            f"expected activation one of {', '.join(repr(a) for a in allowed)} (got {activation!r})"
+            f"expected a positive, finite activation_param (the {what} of {activation}) for the "
+            f"in-place layer, which inverts the activation in backward (got {param!r})"
         )
-    if in_place and activation in ("leaky_relu", "elu"):
-        p = float(param)
-        if not p > 0 or p != p or p == float("inf"):
-            what = "negative slope" if activation == "leaky_relu" else "alpha"
-            raise ValueError(
-                f"expected a positive, finite activation_param (the {what} of {activation}) for the "
-                f"in-place layer, which inverts the activation in backward (got {param!r})"
-            )
 
 
 def check_writable(x: Tensor, what: str) -> None:
@@ -135,9 +132,8 @@ def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Ten
     gw = _math.cast(grad, acc)
     if activation == "leaky_relu":
         dz = torch.ops.aten.leaky_relu_backward(gw, yw, p, True)
-        if widen:
-            return F.leaky_relu(yw, 1.0 / p, inplace=True), dz, True  # the inverse of leaky_relu(., p)
-        return F.leaky_relu(yw, 1.0 / p), dz, True
+        # The inverse of leaky_relu(., p), in place where ``yw`` is a widened copy.
+        return F.leaky_relu(yw, 1.0 / p, inplace=widen), dz, True
     if activation == "elu":
         dz = torch.ops.aten.elu_backward(gw, p, 1.0, 1.0, True, yw)
         # log1p(y / alpha) where y < 0, kept finite where saturated (y == -alpha).
@@ -146,21 +142,11 @@ def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Ten
     return yw, gw, widen
 
 
-def _centre(z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per-channel ``(mean, var)`` with ``(z - mean) / sqrt(var) = xhat``: the bias and the squared scale."""
-    channels, acc = z.shape[1], z.dtype
-    mean = (
-        torch.zeros(channels, dtype=acc, device=z.device) if bias is None else _math.cast(bias.detach(), acc)
-    )
-    var = (
-        torch.ones(channels, dtype=acc, device=z.device) if scale is None else _math.cast(scale, acc).square()
-    )
-    return mean, var
-
-
 def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """Local ``(sum(dz), sum(dz * xhat))``: batch norm's backward kernel with mean ``b``, variance ``s^2``."""
-    mean, var = _centre(z, scale, bias)
+    channels = z.shape[1]  # (z - b) / sqrt(s^2) = xhat; b 0 and s 1 when absent
+    mean = z.new_zeros(channels) if bias is None else _math.cast(bias.detach(), z.dtype)
+    var = z.new_ones(channels) if scale is None else _math.cast(scale, z.dtype).square()
     _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
         dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
     )
