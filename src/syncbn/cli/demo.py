@@ -168,15 +168,13 @@ def _demo_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, 
     data = tuple(t.to(device) for t in load_digits(_DTYPES[config["dtype"]]))
     nets: dict[str, nn.Module] = {}
     results: dict[str, dict[str, Any]] = {}
-    for name, norm in (("local", nn.BatchNorm2d), ("syncbn", SyncBatchNorm2d)):
-        net, losses, seconds = _train(name, norm, config, data, rank, world_size, distributed=True)
+    for name, norm in (("local", nn.BatchNorm2d), ("syncbn", SyncBatchNorm2d), ("global", nn.BatchNorm2d)):
+        distributed = name != "global"
+        if not distributed and rank != 0:
+            return None
+        net, losses, seconds = _train(name, norm, config, data, rank, world_size, distributed)
         nets[name] = net
         results[name] = {"losses": losses, "seconds": seconds, **_evaluate(net, data)}
-    if rank != 0:
-        return None
-    net, losses, seconds = _train("global", nn.BatchNorm2d, config, data, 0, world_size, distributed=False)
-    nets["global"] = net
-    results["global"] = {"losses": losses, "seconds": seconds, **_evaluate(net, data)}
 
     truth_params, truth_buffers = _state(nets["global"])
     tail = max(1, config["steps"] // 10)
