@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -131,11 +132,7 @@ def _step_fn(name: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     if name.startswith("syncbn"):
         norm = SyncBatchNorm2d
     elif name.startswith("own"):
-        loop = LoopbackGroup()
-
-        def norm(c: int) -> nn.Module:
-            return SyncBatchNorm2d(c, process_group=loop)
-
+        norm = partial(SyncBatchNorm2d, process_group=LoopbackGroup())
     torch.manual_seed(0)
     net: nn.Module = deep_narrow(norm)
     ddp = spec.get("ddp", {})
