@@ -71,7 +71,6 @@ class ProgressBar:
                     self.stream.write("\n")
                 self.stream.flush()
         elif step * 4 >= self._next_quarter * self.total:
-            while step * 4 >= self._next_quarter * self.total:
-                self._next_quarter += 1
+            self._next_quarter = step * 4 // self.total + 1
             self.stream.write(self._text(step, info) + "\n")
             self.stream.flush()
