@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .. import groups
 from .._shm._spin import SpinPolicy
 from ..modules import SyncBatchNorm2d
-from ._bench_e2e import deep_narrow
+from ._bench_e2e import deep_narrow, sgd_step
 from ._bench_methods import LoopbackGroup
 
 __all__ = ["DEFAULT", "VARIANTS", "SHORT", "breakdown", "format_breakdown", "bare_sum"]
@@ -138,16 +137,7 @@ def _step_fn(name: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     ddp = spec.get("ddp", {})
     if ddp is not None:
         net = nn.parallel.DistributedDataParallel(net, **ddp)
-    if spec.get("compile"):
-        net = torch.compile(net)  # type: ignore[assignment]
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-
-    return step
+    return sgd_step(net, x, y, compiled=bool(spec.get("compile")))
 
 
 def bare_sum(calls: int = 200, values: int = 65) -> dict[str, float]:
