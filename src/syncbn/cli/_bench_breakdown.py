@@ -186,13 +186,10 @@ def breakdown(
                     times[name].append(time.perf_counter() - start)
                     rec.on = False
                     calls[name].append((list(rec.outer), list(rec.inner)))
-    bare = bare_sum()
-    mine = {"times": times, "calls": calls, "bare": bare, "inner": rec.has_inner}
+    mine = {"times": times, "calls": calls, "bare": bare_sum(), "inner": rec.has_inner}
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
-    if rank != 0:
-        return None
-    return _analyse(gathered, names)
+    return _analyse(gathered, names) if rank == 0 else None
 
 
 def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]:
@@ -242,9 +239,7 @@ def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
     step_ms = {n: max(statistics.median(g["times"][n]) for g in gathered) * 1e3 for n in names}
     has_inner = all(g["inner"] for g in gathered)
     rows: dict[str, dict[str, float]] = {}
-    for n in names:
-        if not n.startswith("syncbn"):
-            continue
+    for n in [name for name in names if name.startswith("syncbn")]:
         per_step = [
             _parts([g["calls"][n][s] for g in gathered], has_inner)
             for s in range(len(gathered[0]["calls"][n]))
