@@ -64,8 +64,7 @@ def _check_rank(
     device = rank_device(device_name)
     mine: dict[str, Any] = {}
     process_group = None if group_size is None else groups.subgroup(group_size)
-    size = dist.get_world_size(process_group)
-    for case in standard_cases(size):
+    for case in standard_cases(dist.get_world_size(process_group)):
         try:
             mine[case.name] = run_case(
                 case, rank, group=process_group, group_rank=dist.get_rank(process_group), device=device
