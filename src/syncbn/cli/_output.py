@@ -7,12 +7,19 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-__all__ = ["format_table", "ProgressBar", "format_error"]
+__all__ = ["format_table", "ProgressBar", "format_error", "fail"]
 
 
 def format_error(value: float) -> str:
     """An error magnitude in 3 significant digits (``0`` for exact zero)."""
     return "0" if value == 0 else f"{value:.2e}"
+
+
+def fail(message: str, code: int = 2, show: bool = True) -> int:
+    """Print ``message`` on stderr (only with ``show``: the main process); return the exit code ``code``."""
+    if show:
+        print(message, file=sys.stderr)
+    return code
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] = ()) -> str:
