@@ -73,9 +73,7 @@ class ProgressBar:
             now = time.perf_counter()
             if now - self._last_draw >= 0.1 or step >= self.total:
                 self._last_draw = now
-                self.stream.write("\r" + self._text(step, info))
-                if step >= self.total:
-                    self.stream.write("\n")
+                self.stream.write("\r" + self._text(step, info) + ("\n" if step >= self.total else ""))
                 self.stream.flush()
         elif step * 4 >= self._next_quarter * self.total:
             self._next_quarter = step * 4 // self.total + 1
