@@ -1,4 +1,4 @@
-"""Terminal output shared by the commands: aligned tables and a small progress bar."""
+"""Terminal output shared by the commands: aligned tables, a small progress bar, error messages."""
 
 from __future__ import annotations
 
