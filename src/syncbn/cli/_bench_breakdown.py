@@ -10,17 +10,17 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .. import groups
 from .._shm._spin import SpinPolicy
 from ..modules import SyncBatchNorm2d
-from ._bench_e2e import deep_narrow
+from ._bench_e2e import deep_narrow, sgd_step
 from ._bench_methods import LoopbackGroup
 
 __all__ = ["DEFAULT", "VARIANTS", "SHORT", "breakdown", "format_breakdown", "bare_sum"]
@@ -131,26 +131,13 @@ def _step_fn(name: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     if name.startswith("syncbn"):
         norm = SyncBatchNorm2d
     elif name.startswith("own"):
-        loop = LoopbackGroup()
-
-        def norm(c: int) -> nn.Module:
-            return SyncBatchNorm2d(c, process_group=loop)
-
+        norm = partial(SyncBatchNorm2d, process_group=LoopbackGroup())
     torch.manual_seed(0)
     net: nn.Module = deep_narrow(norm)
     ddp = spec.get("ddp", {})
     if ddp is not None:
         net = nn.parallel.DistributedDataParallel(net, **ddp)
-    if spec.get("compile"):
-        net = torch.compile(net)  # type: ignore[assignment]
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-
-    return step
+    return sgd_step(net, x, y, compiled=bool(spec.get("compile")))
 
 
 def bare_sum(calls: int = 200, values: int = 65) -> dict[str, float]:
@@ -199,13 +186,10 @@ def breakdown(
                     times[name].append(time.perf_counter() - start)
                     rec.on = False
                     calls[name].append((list(rec.outer), list(rec.inner)))
-    bare = bare_sum()
-    mine = {"times": times, "calls": calls, "bare": bare, "inner": rec.has_inner}
+    mine = {"times": times, "calls": calls, "bare": bare_sum(), "inner": rec.has_inner}
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
-    if rank != 0:
-        return None
-    return _analyse(gathered, names)
+    return _analyse(gathered, names) if rank == 0 else None
 
 
 def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]:
@@ -255,9 +239,7 @@ def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
     step_ms = {n: max(statistics.median(g["times"][n]) for g in gathered) * 1e3 for n in names}
     has_inner = all(g["inner"] for g in gathered)
     rows: dict[str, dict[str, float]] = {}
-    for n in names:
-        if not n.startswith("syncbn"):
-            continue
+    for n in [name for name in names if name.startswith("syncbn")]:
         per_step = [
             _parts([g["calls"][n][s] for g in gathered], has_inner)
             for s in range(len(gathered[0]["calls"][n]))

@@ -16,7 +16,7 @@ from torch import nn
 from ..modules import SyncBatchNorm2d
 from ._bench_runner import time_interleaved
 
-__all__ = ["MODELS", "conv_net", "deep_narrow", "resnet", "time_steps", "format_e2e", "slowest"]
+__all__ = ["MODELS", "conv_net", "deep_narrow", "resnet", "sgd_step", "time_steps", "format_e2e", "slowest"]
 
 Norm = Callable[[int], nn.Module]
 
@@ -79,6 +79,19 @@ def resnet(norm: Norm, width: int = 32) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def sgd_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor, compiled: bool = False) -> Callable[[], None]:
+    """One SGD step (lr 0.01, momentum 0.9) of ``net``, compiled with ``compiled``, on ``x``, ``y``."""
+    model: Callable[[torch.Tensor], torch.Tensor] = torch.compile(net) if compiled else net
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
 #: name -> (model factory, per-rank input size HxW, description)
 MODELS: dict[str, tuple[Callable[[Norm], nn.Module], int, str]] = {
     "deep": (deep_narrow, 8, "24 conv3x3(32)-BN-ReLU blocks, 8x8 images"),
@@ -117,16 +130,8 @@ def time_steps(
         torch.manual_seed(0)
         ids = [device.index] if cuda else None
         ddp = nn.parallel.DistributedDataParallel(build(norm).to(device), device_ids=ids)
-        net: Callable[[torch.Tensor], torch.Tensor] = torch.compile(ddp) if compiled else ddp
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-
-        def step(net: Callable[[torch.Tensor], torch.Tensor] = net, opt: torch.optim.Optimizer = opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
-
-        fns[name] = step
-        first = time_interleaved({name: step}, 1, 0, barrier=True, cuda=cuda)[name][0]
+        fns[name] = sgd_step(ddp, x, y, compiled)
+        first = time_interleaved({name: fns[name]}, 1, 0, barrier=True, cuda=cuda)[name][0]
         if first_s is not None:
             first_s[name] = first
     times = time_interleaved(fns, steps, warmup, barrier=True, cuda=cuda)

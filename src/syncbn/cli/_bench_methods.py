@@ -148,9 +148,8 @@ class _ForcedSync(nn.Module):
             return SyncBatchNormFunction.apply(x, bn.weight, bn.bias, params)  # type: ignore[no-any-return]
         from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFn
 
-        group = dist.group.WORLD
         return TorchSyncFn.apply(  # type: ignore[no-untyped-call, no-any-return]
-            x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum, group, 1
+            x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum, dist.group.WORLD, 1
         )
 
 

@@ -103,17 +103,13 @@ def _layer_steps(
     for method in METHODS:
         if method == "2xAR":
             steps[method] = _two_sums(channels, device, dist.all_reduce if dist.is_initialized() else None)
-            continue
-        if method == "2xAR-shm":
+        elif method == "2xAR-shm":
             if dist.is_initialized() and device.type == "cpu" and not force_sync:
                 steps[method] = _two_sums(channels, device, ProcessGroupSum(None).all_reduce_sum)
-            continue
-        mod = build(method, x_data, force_sync)
-        if mod is None:
-            continue
-        if dtype in (torch.float16, torch.bfloat16) and not x_data.is_cuda and method == "naive":
-            mod = mod.to(dtype)
-        steps[method] = training_step(mod, x_data, dy)
+        elif (mod := build(method, x_data, force_sync)) is not None:
+            if dtype in (torch.float16, torch.bfloat16) and not x_data.is_cuda and method == "naive":
+                mod = mod.to(dtype)
+            steps[method] = training_step(mod, x_data, dy)
     return steps
 
 

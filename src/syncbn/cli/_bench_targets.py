@@ -42,8 +42,7 @@ def _worst(records: list[dict[str, Any]], large: bool) -> tuple[float | None, st
     picked = [r for r in records if (math.prod(r["shape"]) >= LARGE) == large]
     if not picked:
         return None, ""
-    worst = max(r["ratios"]["syncbn_over_local"] for r in picked)
-    return worst, ", ".join(_shape_detail(r) for r in picked)
+    return max(r["ratios"]["syncbn_over_local"] for r in picked), ", ".join(_shape_detail(r) for r in picked)
 
 
 def _shape_detail(record: dict[str, Any]) -> str:

@@ -31,8 +31,7 @@ class Case:
     ``sizes``: per-rank batch sizes, one per rank of the group (0: an empty rank); ``inner``:
     ``(C, *spatial)``; ``layer_dtype``: float32 for low-precision input unless given;
     ``scale``, ``shift``: the input's standard deviation and mean; ``steps``: training steps
-    compared; ``generic``: :class:`syncbn.SyncBatchNorm` instead of the 1d/2d/3d class;
-    ``subgroup``: informational, the group size on ``new_subgroups(k)``.
+    compared; ``generic``: :class:`syncbn.SyncBatchNorm` instead of the 1d/2d/3d class.
     """
 
     name: str
@@ -46,7 +45,6 @@ class Case:
     memory_format: torch.memory_format | None = None
     steps: int = 2
     generic: bool = False
-    subgroup: int | None = None
     seed: int = 0
 
 
@@ -84,25 +82,22 @@ def run_case(
     total = sum(case.sizes)
     start = sum(case.sizes[:group_rank])
     stop = start + case.sizes[group_rank]
-    kwargs = dict(case.kwargs)
 
     ndim = 2 + len(case.inner) - 1
-    ref = _REF.get(ndim, nn.BatchNorm1d)(channels, **kwargs).double()
+    ref = _REF.get(ndim, nn.BatchNorm1d)(channels, **case.kwargs).double()
     cls = SyncBatchNorm if case.generic else _OURS[ndim]
-    ours = cls(channels, process_group=group, **kwargs).to(device=device, dtype=_layer_dtype(case))
+    ours = cls(channels, process_group=group, **case.kwargs).to(device=device, dtype=_layer_dtype(case))
     with torch.no_grad():  # the same kwargs: both layers have weights, and running stats, or neither
+        initial: dict[str, torch.Tensor] = {}
         if ref.affine:
-            w = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
-            b = torch.randn(channels, generator=gen, dtype=torch.float64)
-            for layer in (ref, ours):
-                layer.get_parameter("weight").copy_(w)
-                layer.get_parameter("bias").copy_(b)
+            initial["weight"] = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
+            initial["bias"] = torch.randn(channels, generator=gen, dtype=torch.float64)
         if ref.track_running_stats:
-            rm = torch.randn(channels, generator=gen, dtype=torch.float64)
-            rv = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
-            for layer in (ref, ours):
-                layer.get_buffer("running_mean").copy_(rm)
-                layer.get_buffer("running_var").copy_(rv)
+            initial["running_mean"] = torch.randn(channels, generator=gen, dtype=torch.float64)
+            initial["running_var"] = torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5
+        for layer in (ref, ours):
+            for key, value in initial.items():
+                getattr(layer, key).copy_(value)
 
     errors: dict[str, float] = {}
 
@@ -143,20 +138,17 @@ def run_case(
         note("nan", float(not bool(torch.isfinite(y).all() and torch.isfinite(x.grad).all())))
         if ours.weight is not None and ours.bias is not None and ref.weight is not None:
             assert ref.weight.grad is not None and ref.bias.grad is not None
-            gw = torch.zeros(channels, dtype=torch.float64, device=device)
-            gb = torch.zeros(channels, dtype=torch.float64, device=device)
-            if ours.weight.grad is not None and ours.bias.grad is not None:
-                gw += ours.weight.grad.detach().double()
-                gb += ours.bias.grad.detach().double()
-            dist.all_reduce(gw, group=group)
-            dist.all_reduce(gb, group=group)
             wscale = max(ref.weight.grad.abs().max().item(), ref.bias.grad.abs().max().item(), 1.0)
-            note("grad_weight", (gw.cpu() - ref.weight.grad).abs().max().item() / wscale)
-            note("grad_bias", (gb.cpu() - ref.bias.grad).abs().max().item() / wscale)
+            have_grads = ours.weight.grad is not None and ours.bias.grad is not None
+            for key in ("weight", "bias"):
+                summed = torch.zeros(channels, dtype=torch.float64, device=device)
+                if have_grads:
+                    summed += getattr(ours, key).grad.detach().double()
+                dist.all_reduce(summed, group=group)
+                note(f"grad_{key}", (summed.cpu() - getattr(ref, key).grad).abs().max().item() / wscale)
         if ref.running_mean is not None and ref.running_var is not None:
-            assert ours.running_mean is not None and ours.running_var is not None
-            note("running_mean", (ours.running_mean.double().cpu() - ref.running_mean).abs().max().item())
-            note("running_var", (ours.running_var.double().cpu() - ref.running_var).abs().max().item())
+            for key in ("running_mean", "running_var"):
+                note(key, (getattr(ours, key).double().cpu() - getattr(ref, key)).abs().max().item())
             assert ours.num_batches_tracked is not None and ref.num_batches_tracked is not None
             note(
                 "num_batches_tracked",

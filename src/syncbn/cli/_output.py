@@ -1,4 +1,4 @@
-"""Terminal output shared by the commands: aligned tables and a small progress bar."""
+"""Terminal output shared by the commands: aligned tables, a small progress bar, error messages."""
 
 from __future__ import annotations
 
@@ -7,12 +7,19 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-__all__ = ["format_table", "ProgressBar", "format_error"]
+__all__ = ["format_table", "ProgressBar", "format_error", "fail"]
 
 
 def format_error(value: float) -> str:
     """An error magnitude in 3 significant digits (``0`` for exact zero)."""
     return "0" if value == 0 else f"{value:.2e}"
+
+
+def fail(message: str, code: int = 2, show: bool = True) -> int:
+    """Print ``message`` on stderr (only with ``show``: the main process); return the exit code ``code``."""
+    if show:
+        print(message, file=sys.stderr)
+    return code
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] = ()) -> str:
@@ -66,12 +73,9 @@ class ProgressBar:
             now = time.perf_counter()
             if now - self._last_draw >= 0.1 or step >= self.total:
                 self._last_draw = now
-                self.stream.write("\r" + self._text(step, info))
-                if step >= self.total:
-                    self.stream.write("\n")
+                self.stream.write("\r" + self._text(step, info) + ("\n" if step >= self.total else ""))
                 self.stream.flush()
         elif step * 4 >= self._next_quarter * self.total:
-            while step * 4 >= self._next_quarter * self.total:
-                self._next_quarter += 1
+            self._next_quarter = step * 4 // self.total + 1
             self.stream.write(self._text(step, info) + "\n")
             self.stream.flush()

@@ -21,7 +21,7 @@ from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchN
 from ._bench_report import format_table, ratios
 from ._bench_runner import bench_layers, machine_info, time_interleaved
 from ._bench_targets import allocator_note, format_targets, load_average, targets
-from ._launch import DEFAULT_TIMEOUT_S, add_launch_arguments, default_backend, run_ranks
+from ._launch import DEFAULT_TIMEOUT_S, add_launch_arguments, default_backend, rank_device, run_ranks
 
 __all__ = [
     "DEFAULT_SHAPES",
@@ -113,9 +113,9 @@ def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.d
             out["e2e"]["syncbn_over_torch"] = ms["syncbn"] / ms["torch"]
     if args.compiled:
         out["compiled"] = {}
+        steps = max(args.e2e_steps, 3)
         for model in ("deep", "wide"):
             first: dict[str, float] = {}
-            steps = max(args.e2e_steps, 3)
             mine = time_steps(model, rank, 16, steps, 3, norms, compiled=True, device=device, first_s=first)
             ms, _ = slowest(mine, world_size)
             compile_s, _ = slowest(first, world_size)
@@ -130,10 +130,7 @@ def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.d
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     load_start = load_average()
     torch.set_num_threads(args.threads)
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = rank_device(args.device)
     records = bench_layers(
         rank,
         world_size,

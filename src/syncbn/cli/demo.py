@@ -13,7 +13,6 @@ import importlib
 import json
 import math
 import os
-import sys
 import time
 import warnings
 from typing import Any
@@ -25,7 +24,7 @@ from torch import nn
 from .. import __version__
 from ..modules import SyncBatchNorm2d
 from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
-from ._output import ProgressBar, format_error, format_table
+from ._output import ProgressBar, fail, format_error, format_table
 
 RUNS = {
     "local": "BatchNorm2d per rank (DDP, no sync)",
@@ -168,15 +167,13 @@ def _demo_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, 
     data = tuple(t.to(device) for t in load_digits(_DTYPES[config["dtype"]]))
     nets: dict[str, nn.Module] = {}
     results: dict[str, dict[str, Any]] = {}
-    for name, norm in (("local", nn.BatchNorm2d), ("syncbn", SyncBatchNorm2d)):
-        net, losses, seconds = _train(name, norm, config, data, rank, world_size, distributed=True)
+    for name, norm in (("local", nn.BatchNorm2d), ("syncbn", SyncBatchNorm2d), ("global", nn.BatchNorm2d)):
+        distributed = name != "global"
+        if not distributed and rank != 0:
+            return None
+        net, losses, seconds = _train(name, norm, config, data, rank, world_size, distributed)
         nets[name] = net
         results[name] = {"losses": losses, "seconds": seconds, **_evaluate(net, data)}
-    if rank != 0:
-        return None
-    net, losses, seconds = _train("global", nn.BatchNorm2d, config, data, 0, world_size, distributed=False)
-    nets["global"] = net
-    results["global"] = {"losses": losses, "seconds": seconds, **_evaluate(net, data)}
 
     truth_params, truth_buffers = _state(nets["global"])
     tail = max(1, config["steps"] // 10)
@@ -243,29 +240,22 @@ def _print_report(report: dict[str, Any]) -> None:
     )
 
 
-def _fail(main: bool, message: str, code: int = 2) -> int:
-    """Print ``message`` on stderr from the main process only; return the exit code."""
-    if main:
-        print(message, file=sys.stderr)
-    return code
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the demo; the main process prints the table and writes the files."""
     main = is_main_process()
     write = not args.no_out
     missing = missing_extras(plot=write)
     if missing:
-        return _fail(
-            main,
+        return fail(
             f"syncbn demo needs {' and '.join(missing)}: pip install 'syncbn[demo]' "
             f"(or pip install {' '.join(missing)})",
+            show=main,
         )
     if min(args.world_size, args.steps, args.batch) < 1:
-        return _fail(main, "syncbn demo: --world-size, --steps and --batch must be at least 1")
+        return fail("syncbn demo: --world-size, --steps and --batch must be at least 1", show=main)
     plan = launch_plan("demo", args)
     if isinstance(plan, str):
-        return _fail(main, plan)
+        return fail(plan, show=main)
     world_size, backend = plan
     config = {
         "steps": args.steps,
@@ -287,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_ranks(_demo_rank, world_size, backend, config)
     except Exception as exc:  # noqa: BLE001 - a rank failed: say so briefly
-        return _fail(main, f"syncbn demo: a rank failed: {exc}", 1)
+        return fail(f"syncbn demo: a rank failed: {exc}", 1, show=main)
     if not main or result is None:
         return 0
     report = {

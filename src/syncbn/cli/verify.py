@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from .. import __version__, groups
 from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
 from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
-from ._output import format_error, format_table
+from ._output import fail, format_error, format_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,8 +63,7 @@ def _check_rank(
     device = rank_device(device_name)
     mine: dict[str, Any] = {}
     process_group = None if group_size is None else groups.subgroup(group_size)
-    size = dist.get_world_size(process_group)
-    for case in standard_cases(size):
+    for case in standard_cases(dist.get_world_size(process_group)):
         try:
             mine[case.name] = run_case(
                 case, rank, group=process_group, group_rank=dist.get_rank(process_group), device=device
@@ -128,22 +126,18 @@ def _summarise(case: Case, per_rank: list[Any], scale: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Run the checks; print the table on the main process; 0 when all pass."""
     if args.world_size < 1:
-        print(f"syncbn verify: --world-size must be at least 1 (got {args.world_size})", file=sys.stderr)
-        return 2
+        return fail(f"syncbn verify: --world-size must be at least 1 (got {args.world_size})")
     plan = launch_plan("verify", args)
     if isinstance(plan, str):
-        print(plan, file=sys.stderr)
-        return 2
+        return fail(plan)
     world_size, backend = plan
     group_size = getattr(args, "group_size", None)
     main = is_main_process()
     if isinstance(group_size, int) and world_size % group_size:
-        print(
+        return fail(
             f"syncbn verify: --group-size must divide the world size {world_size} "
-            f"(got group size {group_size})",
-            file=sys.stderr,
+            f"(got group size {group_size})"
         )
-        return 2
     if main:
         grouping = "" if group_size is None else f" in groups of subgroup({group_size!r})"
         print(
@@ -157,9 +151,7 @@ def run(args: argparse.Namespace) -> int:
             _check_rank, world_size, backend, args.device, group_size, timeout_s=args.timeout
         )
     except Exception as exc:  # noqa: BLE001 - a rank died or timed out: that is a failed check
-        if main:
-            print(f"syncbn verify: FAILED, a rank did not finish: {exc}", file=sys.stderr)
-        return 1
+        return fail(f"syncbn verify: FAILED, a rank did not finish: {exc}", 1, show=main)
     elapsed = time.perf_counter() - start
     sizes = sorted({len(r.get(_GROUP, ())) for r in per_rank if isinstance(r, dict)} or {world_size})
     cases = standard_cases(sizes[0])
