@@ -73,7 +73,6 @@ _TO_SYNC: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
     (nn.BatchNorm2d, SyncBatchNorm2d),
     (nn.BatchNorm3d, SyncBatchNorm3d),
 ]
-_TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [(sync, plain) for plain, sync in _TO_SYNC]
 
 
 @functools.cache
@@ -156,9 +155,7 @@ def _transplant(old: _BatchNorm, new: _BatchNorm, skip: frozenset[str]) -> None:
 
     The containers themselves move, so hook handles taken on ``old`` still remove hooks from ``new``.
     """
-    for key, value in old.__dict__.items():
-        if key not in skip:
-            new.__dict__[key] = value
+    new.__dict__.update({key: value for key, value in old.__dict__.items() if key not in skip})
 
 
 # The class a converted layer reverts to, when it is not the default for its syncbn class.
@@ -174,26 +171,22 @@ def _to_sync(
     if isinstance(layer, SyncBatchNorm) or not _keeps_behaviour(layer, prefix):
         return layer
     original = _unparametrized_class(layer)
-    timm_act = _is_timm_act(layer)
-    target: type[SyncBatchNorm] = SyncBatchNorm
-    if timm_act:
+    group = process_group
+    if group is None and isinstance(layer, nn.SyncBatchNorm):
+        group = layer.process_group  # keep the group the layer was built with
+    if _is_timm_act(layer):
         from .integrations.timm import SyncBatchNormAct2d
 
-        target = SyncBatchNormAct2d
+        # Built without __init__ (timm's signature); the syncbn attributes come from a template.
+        new: SyncBatchNorm = SyncBatchNormAct2d.__new__(SyncBatchNormAct2d)
+        template = SyncBatchNorm(1, process_group=group, device="meta")
+        new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
     else:
+        target: type[SyncBatchNorm] = SyncBatchNorm
         for plain, sync in classes:
             if isinstance(layer, plain) and type(layer)._check_input_dim is plain._check_input_dim:
                 target = sync
                 break
-    group = process_group
-    if group is None and isinstance(layer, nn.SyncBatchNorm):
-        group = layer.process_group  # keep the group the layer was built with
-    if timm_act:
-        # Built without __init__ (timm's signature); the syncbn attributes come from a template.
-        new: SyncBatchNorm = target.__new__(target)
-        template = SyncBatchNorm(1, process_group=group, device="meta")
-        new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
-    else:
         new = like(target, layer, process_group=group, device="meta")
     _transplant(layer, new, _syncbn_only_keys() | {_REVERTS_TO})
     # torch's and timm's synchronised classes revert to the plain default; others to themselves.
@@ -207,7 +200,7 @@ def _plain_class_of(layer: nn.Module) -> type[_BatchNorm]:
     """The plain class a syncbn layer reverts to when it remembers none."""
     if _is_sync_act(layer):
         return _timm_act_classes()[0]  # type: ignore[no-any-return]
-    for sync, plain in _TO_PLAIN:
+    for plain, sync in _TO_SYNC:
         if (
             isinstance(layer, sync)
             and type(layer)._check_input_dim is sync._check_input_dim
