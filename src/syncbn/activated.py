@@ -162,7 +162,6 @@ def plain_equivalent(layer: ActivatedBatchNormBase, generic: type[nn.Module]) ->
         if layer.running_mean is not None:
             bn.running_mean, bn.running_var = layer.running_mean, layer.running_var
             bn.num_batches_tracked = layer.num_batches_tracked
-    bn.train(layer.training)
     pair = nn.Sequential(bn, activation_module(layer.activation, float(layer.activation_param)))
     pair.train(layer.training)
     return pair
