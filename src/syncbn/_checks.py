@@ -256,8 +256,7 @@ def _exchange(group: ProcessGroupSum, row: list[float], device: torch.device) ->
     table = torch.zeros(group.size, len(FIELDS), dtype=torch.float64, device=device)
     table[group.rank] = torch.tensor(row, dtype=torch.float64, device=device)
     group.all_reduce_sum_bounded(table, host_wait=True)
-    rows: list[list[float]] = table.tolist()
-    return rows
+    return table.tolist()
 
 
 def _grouped(rows: list[list[float]], field: int, show: Any) -> str:

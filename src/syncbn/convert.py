@@ -101,7 +101,7 @@ def _timm_act_classes() -> tuple[type, ...]:
 def _is_timm_act(layer: nn.Module) -> bool:
     """Whether ``layer`` is a timm ``BatchNormAct2d``/``SyncBatchNormAct`` with timm's own forward."""
     classes = _timm_act_classes()
-    return any(isinstance(layer, cls) for cls in classes) and type(layer).forward in {
+    return isinstance(layer, classes) and type(layer).forward in {
         getattr(cls, "forward", None) for cls in classes
     }
 
@@ -236,11 +236,9 @@ def _replace(module: nn.Module, swap: Callable[[nn.Module, str], nn.Module]) -> 
     done: dict[int, nn.Module] = {}
 
     def visit(mod: nn.Module, prefix: str) -> nn.Module:
-        key = id(mod)
-        if key in done:
-            return done[key]
-        new = swap(mod, prefix)
-        done[key] = new
+        if id(mod) in done:
+            return done[id(mod)]
+        new = done[id(mod)] = swap(mod, prefix)
         for name, child in list(new._modules.items()):
             if child is not None:
                 new._modules[name] = visit(child, f"{prefix}.{name}" if prefix else name)
