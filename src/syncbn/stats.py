@@ -126,10 +126,7 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
             s1, s2, u1, u2 = packed[offset + 1 : offset + 1 + 4 * c].split(c)
             offset += 1 + 4 * c
             total = float(w.item())
-            if total > 0:
-                mean, second = s1 / w, s2 / w
-            else:
-                mean, second = u1 / size, u2 / size
+            mean, second = (s1 / w, s2 / w) if total > 0 else (u1 / size, u2 / size)
             var = (second - mean * mean).clamp_min(0.0)
             layer.running_mean.copy_(mean)  # type: ignore[union-attr]
             layer.running_var.copy_(var)  # type: ignore[union-attr]
