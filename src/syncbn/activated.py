@@ -163,5 +163,4 @@ def plain_equivalent(layer: ActivatedBatchNormBase, generic: type[nn.Module]) ->
             bn.running_mean, bn.running_var = layer.running_mean, layer.running_var
             bn.num_batches_tracked = layer.num_batches_tracked
     pair = nn.Sequential(bn, activation_module(layer.activation, float(layer.activation_param)))
-    pair.train(layer.training)
-    return pair
+    return pair.train(layer.training)
