@@ -68,7 +68,8 @@ class BatchNorm(_BatchNorm):
 # SyncBatchNorm1d/2d/3d inherit SyncBatchNorm.forward.
 _PLAIN_FORWARDS = frozenset({_BatchNorm.forward, nn.SyncBatchNorm.forward, SyncBatchNorm.forward})
 
-_TO_SYNC: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
+_ClassTable = list[tuple[type[_BatchNorm], type[SyncBatchNorm]]]  # (plain class, its syncbn class)
+_TO_SYNC: _ClassTable = [
     (nn.BatchNorm1d, SyncBatchNorm1d),
     (nn.BatchNorm2d, SyncBatchNorm2d),
     (nn.BatchNorm3d, SyncBatchNorm3d),
@@ -162,12 +163,7 @@ def _transplant(old: _BatchNorm, new: _BatchNorm, skip: frozenset[str]) -> None:
 _REVERTS_TO = "_syncbn_reverts_to"
 
 
-def _to_sync(
-    layer: _BatchNorm,
-    prefix: str,
-    process_group: Any,
-    classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]],
-) -> nn.Module:
+def _to_sync(layer: _BatchNorm, prefix: str, process_group: Any, classes: _ClassTable) -> nn.Module:
     if isinstance(layer, SyncBatchNorm) or not _keeps_behaviour(layer, prefix):
         return layer
     original = _unparametrized_class(layer)
@@ -301,9 +297,7 @@ def convert_sync_batchnorm(
 set_converter(convert_sync_batchnorm)  # SyncBatchNorm.convert_sync_batchnorm, torch's spelling
 
 
-def _convert(
-    module: nn.Module, process_group: Any, classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]]
-) -> nn.Module:
+def _convert(module: nn.Module, process_group: Any, classes: _ClassTable) -> nn.Module:
     """:func:`convert_sync_batchnorm` with a chosen plain-to-sync class table."""
     # Check everything first: an error leaves the model untouched.
     for name, mod in module.named_modules():
