@@ -118,13 +118,11 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         parts += [w, w * mean, w * second, mean, second]
     packed = torch.cat([p.to(device) for p in parts])
     size = _all_reduce_checked(group, packed, code, "sync_running_stats")
-    offset = 2
+    chunks = packed[2:].split([1 + 4 * layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
     with torch.no_grad():
-        for _, layer in layers:
-            c = layer.running_mean.numel()  # type: ignore[union-attr]
-            w = packed[offset]
-            s1, s2, u1, u2 = packed[offset + 1 : offset + 1 + 4 * c].split(c)
-            offset += 1 + 4 * c
+        for (_, layer), chunk in zip(layers, chunks):
+            w = chunk[0]
+            s1, s2, u1, u2 = chunk[1:].split(layer.running_mean.numel())  # type: ignore[union-attr]
             total = float(w.item())
             mean, second = (s1 / w, s2 / w) if total > 0 else (u1 / size, u2 / size)
             var = (second - mean * mean).clamp_min(0.0)
