@@ -193,8 +193,7 @@ class ActivatedBatchNormBase(LayerMixin):
             else:
                 factor = 0.0 if self.momentum is None else float(self.momentum)
         running = self.training is False and self.running_mean is not None
-        mean = self.running_mean if (tracking or running) else None
-        var = self.running_var if (tracking or running) else None
+        mean, var = (self.running_mean, self.running_var) if (tracking or running) else (None, None)
         token = _ops.layer_token(self) if handle else None
         family = InPlaceABN(self.activation, float(self.activation_param), not running)
         out = traced_inplace_abn(
