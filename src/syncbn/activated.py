@@ -152,9 +152,7 @@ def plain_equivalent(layer: ActivatedBatchNormBase, generic: type[nn.Module]) ->
     """
     cls = nn.BatchNorm2d if layer._input_dims == (4,) else generic
     ref = layer.weight if layer.weight is not None else layer.running_mean
-    bn = like(
-        cls, layer, device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype
-    )
+    bn = like(cls, layer, **({} if ref is None else {"device": ref.device, "dtype": ref.dtype}))
     with torch.no_grad():
         if layer.weight is not None:
             bn.weight = nn.Parameter(layer.weight.abs() + layer.eps, requires_grad=layer.weight.requires_grad)
