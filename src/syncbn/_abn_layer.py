@@ -192,12 +192,10 @@ class ActivatedBatchNormBase(LayerMixin):
                 factor = 1.0 / (seen + 1).to(torch.float64)
             else:
                 factor = 0.0 if self.momentum is None else float(self.momentum)
-        act, param = self.activation, float(self.activation_param)
         running = self.training is False and self.running_mean is not None
-        mean = self.running_mean if (tracking or running) else None
-        var = self.running_var if (tracking or running) else None
+        mean, var = (self.running_mean, self.running_var) if (tracking or running) else (None, None)
         token = _ops.layer_token(self) if handle else None
-        family = InPlaceABN(act, param, not running)
+        family = InPlaceABN(self.activation, float(self.activation_param), not running)
         out = traced_inplace_abn(
             x, self.weight, self.bias, Params(mean, var, self.eps, factor, handle, token, family)
         )

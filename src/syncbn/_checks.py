@@ -50,8 +50,7 @@ class LayerState:
     """
 
     def __init__(self) -> None:
-        _names.install(on_wrap=_name_unnamed)  # parent links, for names in error messages
-        _install_binding_hook()
+        _install_hooks()
         self.index = next(_counter)
         self.name: str | None = None
         self._fresh()
@@ -132,7 +131,8 @@ def _bind_child(parent: nn.Module, name: str, child: nn.Module | None) -> None:
 
 
 @functools.cache  # once per process
-def _install_binding_hook() -> None:
+def _install_hooks() -> None:
+    _names.install(on_wrap=_name_unnamed)  # parent links, for names in error messages
     nn.modules.module.register_module_module_registration_hook(_bind_child)
 
 
@@ -190,10 +190,9 @@ def layer_name(layer: nn.Module | None) -> str:
     name = state.name
     if name is None:
         # Not ``state.name``: a name found on one rank's error path must not change its frame identity.
+        if state.found_name is None:
+            state.found_name = _names.qualified_name(layer)
         name = state.found_name
-        if name is None:
-            name = _names.qualified_name(layer)
-            state.found_name = name
     shape = f"{type(layer).__name__}({getattr(layer, 'num_features', '?')})"
     if name is None:
         return f"#{state.index} {shape} (call syncbn.name_layers(model) for names)"
@@ -257,8 +256,7 @@ def _exchange(group: ProcessGroupSum, row: list[float], device: torch.device) ->
     table = torch.zeros(group.size, len(FIELDS), dtype=torch.float64, device=device)
     table[group.rank] = torch.tensor(row, dtype=torch.float64, device=device)
     group.all_reduce_sum_bounded(table, host_wait=True)
-    rows: list[list[float]] = table.tolist()
-    return rows
+    return table.tolist()
 
 
 def _grouped(rows: list[list[float]], field: int, show: Any) -> str:

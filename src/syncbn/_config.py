@@ -158,8 +158,7 @@ def debug_enabled() -> bool:
         if _debug_override is not None:
             _debug_resolved = _debug_override
         else:
-            value = os.environ.get("SYNCBN_DEBUG")
-            _debug_resolved = value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+            _debug_resolved = os.environ.get("SYNCBN_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
     return _debug_resolved
 
 

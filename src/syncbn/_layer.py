@@ -94,15 +94,13 @@ def dims_doc(
     ``example``: the constructor and the call, on two lines; ``plain``: the ``nn.BatchNorm*d``
     it is an instance of; ``args``: an ``Args:`` section, placed before ``Shape:``.
     """
-    text = f":class:`{base}` {rank}"
+    text = f":class:`{base}` {rank}."
     if plain:
         text += (
-            f".\n\nSame arguments and math as :class:`{base}`; checks the input rank\nlike ``{plain}``, "
+            f"\n\nSame arguments and math as :class:`{base}`; checks the input rank\nlike ``{plain}``, "
             f"and is an ``{plain}``: ``isinstance(layer,\n{plain})`` is true, so code that finds "
             "BatchNorm layers by type (freezing,\nweight-decay exclusion, initialisation loops) finds it too."
         )
-    else:
-        text += "."
     construct, call = example.split("\n")
     return (
         f"{text}\n\n{args}Shape:\n    - Input: {shape}\n    - Output: {output}\n\n"

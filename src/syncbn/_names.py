@@ -30,17 +30,14 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     # ``parent.__dict__``, not getattr: torch.compile's OptimizedModule runs this hook before its own
     # attributes exist (its __getattr__ would recurse). Its ``_orig_mod`` link is not a place in the model.
     if child is None or name == "_orig_mod" or parent.__dict__.get("_is_replica", False):
-        return None
+        return
     with _lock:
-        links = _links.get(child)
-        if links is None:
-            links = _links[child] = []
+        links = _links.setdefault(child, [])
         links[:] = [(r, k) for r, k in links if r() is not None and (r() is not parent or k != name)]
         links.append((weakref.ref(parent), name))
         del links[:-_MAX_LINKS]
     if _on_wrap is not None and name == "module" and isinstance(parent, _WRAPPERS):
         _on_wrap(child)
-    return None
 
 
 def install(on_wrap: Callable[[nn.Module], None]) -> None:
@@ -76,10 +73,7 @@ def qualified_name(module: nn.Module) -> str | None:
     parts: list[str] = []
     current = module
     seen = {id(module)}
-    while True:
-        found = _holder(current)
-        if found is None:
-            break
+    while (found := _holder(current)) is not None:
         parent, key = found
         if (key == "module" and isinstance(parent, _WRAPPERS)) or id(parent) in seen:  # seen: a cycle
             break

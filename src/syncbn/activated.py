@@ -152,9 +152,7 @@ def plain_equivalent(layer: ActivatedBatchNormBase, generic: type[nn.Module]) ->
     """
     cls = nn.BatchNorm2d if layer._input_dims == (4,) else generic
     ref = layer.weight if layer.weight is not None else layer.running_mean
-    bn = like(
-        cls, layer, device=None if ref is None else ref.device, dtype=None if ref is None else ref.dtype
-    )
+    bn = like(cls, layer, **({} if ref is None else {"device": ref.device, "dtype": ref.dtype}))
     with torch.no_grad():
         if layer.weight is not None:
             bn.weight = nn.Parameter(layer.weight.abs() + layer.eps, requires_grad=layer.weight.requires_grad)
@@ -162,7 +160,5 @@ def plain_equivalent(layer: ActivatedBatchNormBase, generic: type[nn.Module]) ->
         if layer.running_mean is not None:
             bn.running_mean, bn.running_var = layer.running_mean, layer.running_var
             bn.num_batches_tracked = layer.num_batches_tracked
-    bn.train(layer.training)
     pair = nn.Sequential(bn, activation_module(layer.activation, float(layer.activation_param)))
-    pair.train(layer.training)
-    return pair
+    return pair.train(layer.training)

@@ -68,12 +68,12 @@ class BatchNorm(_BatchNorm):
 # SyncBatchNorm1d/2d/3d inherit SyncBatchNorm.forward.
 _PLAIN_FORWARDS = frozenset({_BatchNorm.forward, nn.SyncBatchNorm.forward, SyncBatchNorm.forward})
 
-_TO_SYNC: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
+_ClassTable = list[tuple[type[_BatchNorm], type[SyncBatchNorm]]]  # (plain class, its syncbn class)
+_TO_SYNC: _ClassTable = [
     (nn.BatchNorm1d, SyncBatchNorm1d),
     (nn.BatchNorm2d, SyncBatchNorm2d),
     (nn.BatchNorm3d, SyncBatchNorm3d),
 ]
-_TO_PLAIN: list[tuple[type[SyncBatchNorm], type[_BatchNorm]]] = [(sync, plain) for plain, sync in _TO_SYNC]
 
 
 @functools.cache
@@ -102,7 +102,7 @@ def _timm_act_classes() -> tuple[type, ...]:
 def _is_timm_act(layer: nn.Module) -> bool:
     """Whether ``layer`` is a timm ``BatchNormAct2d``/``SyncBatchNormAct`` with timm's own forward."""
     classes = _timm_act_classes()
-    return any(isinstance(layer, cls) for cls in classes) and type(layer).forward in {
+    return isinstance(layer, classes) and type(layer).forward in {
         getattr(cls, "forward", None) for cls in classes
     }
 
@@ -156,44 +156,33 @@ def _transplant(old: _BatchNorm, new: _BatchNorm, skip: frozenset[str]) -> None:
 
     The containers themselves move, so hook handles taken on ``old`` still remove hooks from ``new``.
     """
-    for key, value in old.__dict__.items():
-        if key not in skip:
-            new.__dict__[key] = value
+    new.__dict__.update({key: value for key, value in old.__dict__.items() if key not in skip})
 
 
 # The class a converted layer reverts to, when it is not the default for its syncbn class.
 _REVERTS_TO = "_syncbn_reverts_to"
 
 
-def _to_sync(
-    layer: _BatchNorm,
-    prefix: str,
-    process_group: Any,
-    classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]],
-) -> nn.Module:
+def _to_sync(layer: _BatchNorm, prefix: str, process_group: Any, classes: _ClassTable) -> nn.Module:
     if isinstance(layer, SyncBatchNorm) or not _keeps_behaviour(layer, prefix):
         return layer
     original = _unparametrized_class(layer)
-    timm_act = _is_timm_act(layer)
-    target: type[SyncBatchNorm] = SyncBatchNorm
-    if timm_act:
+    group = process_group
+    if group is None and isinstance(layer, nn.SyncBatchNorm):
+        group = layer.process_group  # keep the group the layer was built with
+    if _is_timm_act(layer):
         from .integrations.timm import SyncBatchNormAct2d
 
-        target = SyncBatchNormAct2d
+        # Built without __init__ (timm's signature); the syncbn attributes come from a template.
+        new: SyncBatchNorm = SyncBatchNormAct2d.__new__(SyncBatchNormAct2d)
+        template = SyncBatchNorm(1, process_group=group, device="meta")
+        new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
     else:
+        target: type[SyncBatchNorm] = SyncBatchNorm
         for plain, sync in classes:
             if isinstance(layer, plain) and type(layer)._check_input_dim is plain._check_input_dim:
                 target = sync
                 break
-    group = process_group
-    if group is None and isinstance(layer, nn.SyncBatchNorm):
-        group = layer.process_group  # keep the group the layer was built with
-    if timm_act:
-        # Built without __init__ (timm's signature); the syncbn attributes come from a template.
-        new: SyncBatchNorm = target.__new__(target)
-        template = SyncBatchNorm(1, process_group=group, device="meta")
-        new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
-    else:
         new = like(target, layer, process_group=group, device="meta")
     _transplant(layer, new, _syncbn_only_keys() | {_REVERTS_TO})
     # torch's and timm's synchronised classes revert to the plain default; others to themselves.
@@ -207,7 +196,7 @@ def _plain_class_of(layer: nn.Module) -> type[_BatchNorm]:
     """The plain class a syncbn layer reverts to when it remembers none."""
     if _is_sync_act(layer):
         return _timm_act_classes()[0]  # type: ignore[no-any-return]
-    for sync, plain in _TO_PLAIN:
+    for plain, sync in _TO_SYNC:
         if (
             isinstance(layer, sync)
             and type(layer)._check_input_dim is sync._check_input_dim
@@ -243,11 +232,9 @@ def _replace(module: nn.Module, swap: Callable[[nn.Module, str], nn.Module]) -> 
     done: dict[int, nn.Module] = {}
 
     def visit(mod: nn.Module, prefix: str) -> nn.Module:
-        key = id(mod)
-        if key in done:
-            return done[key]
-        new = swap(mod, prefix)
-        done[key] = new
+        if id(mod) in done:
+            return done[id(mod)]
+        new = done[id(mod)] = swap(mod, prefix)
         for name, child in list(new._modules.items()):
             if child is not None:
                 new._modules[name] = visit(child, f"{prefix}.{name}" if prefix else name)
@@ -310,9 +297,7 @@ def convert_sync_batchnorm(
 set_converter(convert_sync_batchnorm)  # SyncBatchNorm.convert_sync_batchnorm, torch's spelling
 
 
-def _convert(
-    module: nn.Module, process_group: Any, classes: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]]
-) -> nn.Module:
+def _convert(module: nn.Module, process_group: Any, classes: _ClassTable) -> nn.Module:
     """:func:`convert_sync_batchnorm` with a chosen plain-to-sync class table."""
     # Check everything first: an error leaves the model untouched.
     for name, mod in module.named_modules():

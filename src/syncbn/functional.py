@@ -233,8 +233,5 @@ def synchronized(input: Tensor, weight: Tensor | None, bias: Tensor | None, para
     ``params.group`` ``LOCAL`` runs the engine locally (a family without a group).
     """
     if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
-        transformed: Tensor = TransformableSyncBatchNormFunction.apply(
-            input, weight, bias, params, _Pending()
-        )
-        return transformed
+        return TransformableSyncBatchNormFunction.apply(input, weight, bias, params, _Pending())  # type: ignore[no-any-return]
     return _apply_eager(input, weight, bias, params)

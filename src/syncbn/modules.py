@@ -226,8 +226,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
     def _compiled_training_forward(self, input: Tensor, factor: float, tracking: bool) -> Tensor:
         # Traced arithmetic around the opaque collective (syncbn.engine._compiled). Nothing guards
         # on which layer this is (it travels as its token), so one compiled frame serves them all.
-        running_mean = self.running_mean if tracking else None
-        running_var = self.running_var if tracking else None
+        running_mean, running_var = (self.running_mean, self.running_var) if tracking else (None, None)
         handle = _ops.group_handle(self.process_group)
         family = self._family_call()
         seen = self.num_batches_tracked

@@ -7,12 +7,10 @@ the same engine and paths, with Ioffe's ``r`` and ``d`` correcting the batch sta
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._layer import dims_doc
 from .families import Renorm
@@ -28,9 +26,10 @@ __all__ = [
 
 
 def _check_limits(r_max: float, d_max: float) -> None:
-    if not (isinstance(r_max, (int, float)) and r_max >= 1.0 and not math.isnan(r_max)):
+    # NaN fails the comparisons too.
+    if not (isinstance(r_max, (int, float)) and r_max >= 1.0):
         raise ValueError(f"expected r_max >= 1 (got {r_max!r})")
-    if not (isinstance(d_max, (int, float)) and d_max >= 0.0 and not math.isnan(d_max)):
+    if not (isinstance(d_max, (int, float)) and d_max >= 0.0):
         raise ValueError(f"expected d_max >= 0 (got {d_max!r})")
 
 
@@ -198,7 +197,7 @@ def convert_to_renorm(
     converted = SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     for layer in converted.modules():
         target = _RENORM_OF.get(type(layer))
-        if target is not None and isinstance(layer, _BatchNorm):
+        if target is not None:
             layer.__class__ = target
             layer.__dict__.update(r_max=float(r_max), d_max=float(d_max))
     return converted

@@ -118,18 +118,13 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         parts += [w, w * mean, w * second, mean, second]
     packed = torch.cat([p.to(device) for p in parts])
     size = _all_reduce_checked(group, packed, code, "sync_running_stats")
-    offset = 2
+    chunks = packed[2:].split([1 + 4 * layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
     with torch.no_grad():
-        for _, layer in layers:
-            c = layer.running_mean.numel()  # type: ignore[union-attr]
-            w = packed[offset]
-            s1, s2, u1, u2 = packed[offset + 1 : offset + 1 + 4 * c].split(c)
-            offset += 1 + 4 * c
+        for (_, layer), chunk in zip(layers, chunks):
+            w = chunk[0]
+            s1, s2, u1, u2 = chunk[1:].split(layer.running_mean.numel())  # type: ignore[union-attr]
             total = float(w.item())
-            if total > 0:
-                mean, second = s1 / w, s2 / w
-            else:
-                mean, second = u1 / size, u2 / size
+            mean, second = (s1 / w, s2 / w) if total > 0 else (u1 / size, u2 / size)
             var = (second - mean * mean).clamp_min(0.0)
             layer.running_mean.copy_(mean)  # type: ignore[union-attr]
             layer.running_var.copy_(var)  # type: ignore[union-attr]
@@ -266,11 +261,8 @@ def recompute_running_stats(
             moments[id(module)].add(values)
 
     modes = [(mod, mod.training) for mod in model.modules()]
-    saved = [
-        (layer, layer.running_mean.clone(), layer.running_var.clone(), layer.num_batches_tracked)  # type: ignore[union-attr]
-        for _, layer in layers
-    ]
-    saved_tracked = [None if t is None else t.clone() for _, _, _, t in saved]
+    saved = [(layer, layer.running_mean.clone(), layer.running_var.clone()) for _, layer in layers]  # type: ignore[union-attr]
+    counters = [(t, t.clone()) for t in (layer.num_batches_tracked for _, layer in layers) if t is not None]
     handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for _, layer in layers]
     try:
         total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
@@ -287,7 +279,7 @@ def recompute_running_stats(
         _set_population_stats(layers, moments, group)
     except BaseException:
         with torch.no_grad():
-            for layer, mean, var, _ in saved:
+            for layer, mean, var in saved:
                 layer.running_mean.copy_(mean)  # type: ignore[union-attr]
                 layer.running_var.copy_(var)  # type: ignore[union-attr]
         raise
@@ -297,9 +289,8 @@ def recompute_running_stats(
         for mod, training in modes:
             mod.training = training
         with torch.no_grad():
-            for (_, _, _, tracked), value in zip(saved, saved_tracked):
-                if tracked is not None and value is not None:
-                    tracked.copy_(value)
+            for tracked, value in counters:
+                tracked.copy_(value)
     return model
 
 
@@ -310,7 +301,8 @@ def _set_population_stats(
     # On the layers' device (NCCL needs accelerator tensors).
     device = layers[0][1].running_mean.device if layers else torch.device("cpu")  # type: ignore[union-attr]
     f64 = {"dtype": torch.float64, "device": device}
-    first: list[Tensor] = [torch.tensor([1.0, _layout_code(layers)], **f64)]  # type: ignore[arg-type]
+    code = _layout_code(layers)
+    first: list[Tensor] = [torch.tensor([1.0, code], **f64)]  # type: ignore[arg-type]
     for _, layer in layers:
         m = moments[id(layer)]
         c = layer.running_mean.numel()  # type: ignore[union-attr]
@@ -318,7 +310,7 @@ def _set_population_stats(
         first += [torch.tensor([m.count], **f64), m.count * mean]  # type: ignore[arg-type]
     sums = torch.cat(first)
     if group is not None:
-        _all_reduce_checked(group, sums, _layout_code(layers), "recompute_running_stats")
+        _all_reduce_checked(group, sums, code, "recompute_running_stats")
     # Global means, then each rank's squared deviations about them (no cancellation).
     chunks = sums[2:].split([1 + layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
     means = [chunk[1:] / chunk[0].clamp_min(1.0) for chunk in chunks]
