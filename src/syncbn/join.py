@@ -78,7 +78,6 @@ class JoinableSyncBatchNorm(Joinable):
         key = groups._own.adopt(group)  # held there only: destroyed in order when this joinable goes
         self._sum = groups.ProcessGroupSum(group, own_group=True)
         weakref.finalize(self, groups._own.release, key, (bound or 1800.0) + 1.0)
-        del group
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._hook_handle = model.register_forward_pre_hook(self._notify)
