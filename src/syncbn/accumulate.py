@@ -21,11 +21,6 @@ from .modules import SyncBatchNorm
 __all__ = ["accumulation"]
 
 
-def _recomputing() -> bool:
-    """A forward inside a backward pass: ``torch.utils.checkpoint`` recomputing (eager only)."""
-    return not _rules.is_compiling() and _rules.in_backward()
-
-
 def _is_local(layer: nn.Module) -> bool:
     """Whether the layer's training forward runs without a collective (where the hooks must look)."""
     if isinstance(layer, ActivatedBatchNormBase) and layer._local:
@@ -78,8 +73,9 @@ class _Layer:
 
     def _before(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.pending = None
-        frozen = bool(getattr(layer, "freeze", False))
-        if not layer.training or frozen or not layer.track_running_stats or _recomputing():
+        if not layer.training or getattr(layer, "freeze", False) or not layer.track_running_stats:
+            return
+        if not _rules.is_compiling() and _rules.in_backward():  # torch.utils.checkpoint recomputing
             return
         if layer.__dict__.get("_syncbn_replica") is not None or not args or not isinstance(args[0], Tensor):
             return

@@ -25,16 +25,15 @@ def _fusable(bn: nn.Module) -> bool:
     return any(type(bn).forward is cls.forward for cls in _FUSABLE)
 
 
-def _pairs(module: nn.Module) -> list[tuple[str, nn.Sequential, int]]:
+def _pairs(module: nn.Module) -> list[tuple[str, nn.Sequential, str, str]]:
+    """``(name, seq, bn key, activation key)`` of every fusable pair of neighbours."""
     found = []
     for name, seq in module.named_modules():
-        if not isinstance(seq, nn.Sequential):
-            continue
-        children = list(seq._modules.values())
-        for i in range(len(children) - 1):
-            bn, act = children[i], children[i + 1]
-            if bn is not None and act is not None and _fusable(bn) and activation_of(act) is not None:
-                found.append((name, seq, i))
+        if isinstance(seq, nn.Sequential):
+            items = list(seq._modules.items())
+            for (key, bn), (act_key, act) in zip(items, items[1:]):
+                if bn is not None and act is not None and _fusable(bn) and activation_of(act) is not None:
+                    found.append((name, seq, key, act_key))
     return found
 
 
@@ -81,13 +80,11 @@ def fuse_batchnorm_activation(
     check_module(module, "fuse_batchnorm_activation")
     pairs = _pairs(module)
     bad = []
-    for name, seq, i in pairs:
-        bn: Any = list(seq._modules.values())[i]
-        if bn.weight is not None:
-            low = int((bn.weight.detach() < bn.eps).sum())
-            if low:
-                key = list(seq._modules)[i]
-                bad.append(f"{name + '.' if name else ''}{key} ({low} of {bn.num_features} channels)")
+    for name, seq, key, _ in pairs:
+        bn: Any = seq._modules[key]
+        low = 0 if bn.weight is None else int((bn.weight.detach() < bn.eps).sum())
+        if low:
+            bad.append(f"{name + '.' if name else ''}{key} ({low} of {bn.num_features} channels)")
     if bad and strict:
         raise ValueError(
             "syncbn: cannot fuse these BatchNorm layers into in-place layers exactly: their scale "
@@ -103,18 +100,14 @@ def fuse_batchnorm_activation(
             UserWarning,
             stacklevel=2,
         )
-    for _, seq, i in pairs:
-        keys = list(seq._modules)
-        bn = seq._modules[keys[i]]
-        act = seq._modules[keys[i + 1]]
-        assert bn is not None and act is not None
-        seq._modules[keys[i]] = _fused(bn, act, process_group)
-        seq._modules[keys[i + 1]] = nn.Identity()
+    for _, seq, key, act_key in pairs:
+        seq._modules[key] = _fused(seq._modules[key], seq._modules[act_key], process_group)
+        seq._modules[act_key] = nn.Identity()
     name_layers(module)
     return module
 
 
-def _fused(bn: Any, act: nn.Module, process_group: Any) -> InPlaceSyncBatchNorm:
+def _fused(bn: Any, act: Any, process_group: Any) -> InPlaceSyncBatchNorm:
     activation, param = activation_of(act)  # type: ignore[misc]
     cls = InPlaceSyncBatchNorm2d if isinstance(bn, nn.BatchNorm2d) else InPlaceSyncBatchNorm
     group = process_group if process_group is not None else getattr(bn, "process_group", None)

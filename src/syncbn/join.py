@@ -67,8 +67,7 @@ class JoinableSyncBatchNorm(Joinable):
                 "JoinableSyncBatchNorm supports layers synchronising over the default group only; "
                 f"{len(others)} layer(s) have process_group set (e.g. {type(others[0]).__name__})"
             )
-        self._config = _JoinConfig.construct_disabled_join_config()
-        super().__init__()
+        super().__init__()  # sets _join_config: a disabled configuration
         self._model = model
         # syncbn's bound as the group's timeout, so gloo gives up at the bound too.
         bound = _config.get_timeout()
@@ -78,10 +77,9 @@ class JoinableSyncBatchNorm(Joinable):
         key = groups._own.adopt(group)  # held there only: destroyed in order when this joinable goes
         self._sum = groups.ProcessGroupSum(group, own_group=True)
         weakref.finalize(self, groups._own.release, key, (bound or 1800.0) + 1.0)
-        del group
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
-        self._hook_handle = model.register_forward_pre_hook(self._notify)
+        model.register_forward_pre_hook(self._notify)
         self.shadowed = 0  # collectives this rank shadowed as a joined rank (for tests and logs)
 
     # Set by Join when it is built: join mode starts.

@@ -22,14 +22,10 @@ _TAG = Tag(zlib.crc32(b"syncbn.sync_buffers") & 0x7FFFFFFF, PHASE_OTHER)
 def _norm_buffers(model: nn.Module) -> list[Tensor]:
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
-    out: list[Tensor] = []
-    for module in model.modules():
-        if isinstance(module, _NormBase):
-            for name in ("running_mean", "running_var", "num_batches_tracked"):
-                buf = getattr(module, name, None)
-                if isinstance(buf, Tensor):
-                    out.append(buf)
-    return out
+    norms = [module for module in model.modules() if isinstance(module, _NormBase)]
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    found = (getattr(module, name, None) for module in norms for name in names)
+    return [buf for buf in found if isinstance(buf, Tensor)]
 
 
 @torch.no_grad()
@@ -74,7 +70,7 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
     """
     group = resolve(process_group)
     buffers = _norm_buffers(model)
-    if group is None or not isinstance(group, ProcessGroupSum):
+    if not isinstance(group, ProcessGroupSum):
         return 0
     if not 0 <= src < group.size:
         raise ValueError(f"sync_buffers: src must be a rank of the group, in [0, {group.size}) (got {src})")
@@ -86,9 +82,6 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
         if group.rank != src:
             flat.zero_()
     group.all_reduce_sum_bounded(flat, host_wait=True, tag=_TAG)
-    offset = 0
-    for buf in buffers:
-        n = buf.numel()
-        buf.copy_(flat[offset : offset + n].view_as(buf))
-        offset += n
+    for buf, part in zip(buffers, flat.split([buf.numel() for buf in buffers])):
+        buf.copy_(part.view_as(buf))
     return len(buffers)

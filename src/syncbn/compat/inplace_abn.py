@@ -82,8 +82,8 @@ class ABN(ActivatedBatchNormBase):
         tracking = self.training and self.track_running_stats
         factor = self._factor(tracking, False)
         use_batch = self.training or self.running_mean is None
-        running_mean = self.running_mean if not self.training or self.track_running_stats else None
-        running_var = self.running_var if not self.training or self.track_running_stats else None
+        keep = not self.training or self.track_running_stats
+        running_mean, running_var = (self.running_mean, self.running_var) if keep else (None, None)
         y = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, use_batch, factor, self.eps)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)

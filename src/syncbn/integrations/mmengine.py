@@ -64,12 +64,6 @@ def register() -> None:
             MODELS.register_module(name, module=cls)
 
 
-def _load_mmcv_norms() -> None:
-    # mmcv registers "SyncBN" (without force) when mmcv.cnn is imported: first, or that would fail.
-    if importlib.util.find_spec("mmcv") is not None:
-        importlib.import_module("mmcv.cnn")
-
-
 def replace_syncbn(enable: bool = True) -> None:
     """Make ``"SyncBN"`` in configs build :class:`syncbn.SyncBatchNorm` (``enable=False`` undoes it).
 
@@ -82,7 +76,9 @@ def replace_syncbn(enable: bool = True) -> None:
         enable: ``True`` to map ``"SyncBN"`` to :class:`syncbn.SyncBatchNorm`,
             ``False`` to restore what it meant before (mmcv's ``torch.nn.SyncBatchNorm``).
     """
-    _load_mmcv_norms()
+    # mmcv registers "SyncBN" (without force) when mmcv.cnn is imported: first, or that would fail.
+    if importlib.util.find_spec("mmcv") is not None:
+        importlib.import_module("mmcv.cnn")
     current = MODELS.get("SyncBN")
     if enable:
         if current is not SyncBatchNorm:
