@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from _helpers.processes import run_in_session
 from syncbn.cli._bench_targets import MANY_FAULTS, TARGETS, allocator_note, format_targets, targets
 from syncbn.cli.bench import NaiveSyncBatchNorm, parse_shapes
 
@@ -24,36 +24,8 @@ ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.e
 
 
 def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """Run a script in a session of its own; past ``timeout``, kill the whole session.
-
-    The scripts fork their ranks: killing only the parent (what ``subprocess.run`` does on a
-    timeout) would leave the ranks orphaned. The failure then says what the script printed.
-    """
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{args[0]} did not finish within {timeout:g} s:\n{out}\n{err}") from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    # Rank processes the script left behind (e.g. a rank stuck at interpreter exit) go too.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """Run a script with this checkout's ``src`` (``run_in_session``: nothing it forks survives)."""
+    return run_in_session([sys.executable, *args], env=ENV, cwd=ROOT, timeout=timeout)
 
 
 @pytest.mark.timeout(240)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from _helpers.processes import run_in_session
+
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
@@ -28,13 +30,8 @@ def _env(extra_path: str | None = None) -> dict[str, str]:
 
 
 def _syncbn(*args: str, cwd: Path, timeout: float = 150, extra_path: str | None = None):
-    return subprocess.run(
-        [sys.executable, "-m", "syncbn", *args],
-        cwd=cwd,
-        env=_env(extra_path),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return run_in_session(
+        [sys.executable, "-m", "syncbn", *args], env=_env(extra_path), cwd=cwd, timeout=timeout
     )
 
 
@@ -154,9 +151,7 @@ def test_verify_and_demo_under_torchrun(tmp_path: Path) -> None:
     base = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "syncbn"]
 
     def launch(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            base + list(args), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=150
-        )
+        return run_in_session(base + list(args), env=_env(), cwd=tmp_path, timeout=150)
 
     # A zero tolerance fails every case with any rounding error: the exit code says so.
     proc = launch("verify", "--tolerance-scale", "0")
