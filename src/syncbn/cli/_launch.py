@@ -88,7 +88,7 @@ def _destroy() -> None:
     Before torch 2.8 a process group is destroyed with the GIL held while gloo's worker threads are
     joined (pytorch#56297); a worker still freeing a finished collective's tensor that Python has
     dropped (``all_gather_object``'s, just before this) waits for the GIL: a deadlock, seen here
-    in about 1 run in 3 of ``verify --world-size 4 --group-size 2`` on torch 2.2.2. A pause with the
+    in 2 of 5 runs of ``verify --world-size 4 --group-size 2`` on torch 2.2.2. A pause with the
     GIL released lets such a worker finish first.
     """
     time.sleep(0.05)
