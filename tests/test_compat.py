@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 from typing import Any, Callable
 
@@ -55,6 +56,17 @@ def test_synchronized_classes_take_the_package_constructor_and_are_batchnorm(
     assert (bn.num_features, bn.eps, bn.momentum, bn.affine) == (4, 1e-3, 0.2, False)
     assert bn.track_running_stats is False and bn.running_mean is None
     assert isinstance(bn, base) and bn.process_group is None
+    # The package's five arguments first, with its defaults; then syncbn.SyncBatchNorm's own.
+    params = list(inspect.signature(ours_cls).parameters.values())
+    assert [(p.name, p.default) for p in params[:5]] == [
+        ("num_features", inspect.Parameter.empty),
+        ("eps", 1e-5),
+        ("momentum", 0.1),
+        ("affine", True),
+        ("track_running_stats", True),
+    ]
+    assert inspect.signature(ours_cls) == inspect.signature(base)
+    assert ours_cls(4, freeze=True, device="cpu", dtype=torch.float64).weight.dtype == torch.float64
 
     torch.manual_seed(0)
     ours, ref = ours_cls(4), ref_cls(4)

@@ -7,12 +7,13 @@ Change only the import line::
         SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model,
     )
 
-The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d`` with that package's
-constructor. They synchronise across the replicas of a plain ``nn.DataParallel`` (no replication
-callback needed) and across ``torch.distributed`` processes; :class:`DataParallelWithCallback` and
-:func:`patch_replication_callback` still run the package's callbacks for other modules. Numerics
-follow ``nn.BatchNorm`` (``eps`` added to the variance, not a clamp; float64 sums of centred
-moments, where the original's cancel when ``|mean| >> std``). The Migration guide lists every difference.
+The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d``, whose first five constructor
+arguments are that package's. They synchronise across the replicas of a plain ``nn.DataParallel``
+(no replication callback needed) and across ``torch.distributed`` processes;
+:class:`DataParallelWithCallback` and :func:`patch_replication_callback` still run the package's
+callbacks for other modules. Numerics follow ``nn.BatchNorm`` (``eps`` added to the variance, not a
+clamp; float64 sums of centred moments, where the original's cancel when ``|mean| >> std``).
+The Migration guide lists every difference.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -45,26 +45,6 @@ __all__ = [
 ]
 
 
-class _PackageConstructor(SyncBatchNorm):
-    """The package's positional constructor; syncbn's other arguments are keyword-only."""
-
-    def __init__(
-        self,
-        num_features: int,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        *,
-        process_group: Any = None,
-        device: Any = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
-        )
-
-
 _ARGS = """Args:
     num_features: number of channels :math:`C`.
     eps: added to the variance for numerical stability (never a clamp). Default: 1e-5.
@@ -72,18 +52,21 @@ _ARGS = """Args:
     affine: learnable per-channel scale and shift. Default: ``True``.
     track_running_stats: keep running statistics (the original warns that it
         does not support ``False``; here it works as in ``nn.BatchNorm``). Default: ``True``.
-    process_group: keyword-only; ``torch.distributed`` group to synchronise
-        over, ``None`` for the default group.
-    device: keyword-only; device of the parameters and buffers.
-    dtype: keyword-only; dtype of the parameters and buffers.
+    process_group: ``torch.distributed`` group to synchronise over, ``None`` for the
+        default group (not in the original, which has no process groups).
+    device: device of the parameters and buffers.
+    dtype: dtype of the parameters and buffers.
+    bias: keyword-only; ``False`` drops the learnable shift. Default: ``True``.
+    freeze: keyword-only; normalise with the running statistics and never
+        communicate (:class:`syncbn.SyncBatchNorm`). Default: ``False``.
 
 """
 
 
-class SynchronizedBatchNorm1d(_PackageConstructor, SyncBatchNorm1d):
+class SynchronizedBatchNorm1d(SyncBatchNorm1d):
     __doc__ = dims_doc(
         "syncbn.SyncBatchNorm1d",
-        "with the ``sync_batchnorm`` package's constructor",
+        "under the ``sync_batchnorm`` package's name",
         ":math:`(N, C)` or :math:`(N, C, L)`",
         "same as input.",
         "bn = SynchronizedBatchNorm1d(32)\ny = bn(torch.randn(20, 32))",
@@ -91,10 +74,10 @@ class SynchronizedBatchNorm1d(_PackageConstructor, SyncBatchNorm1d):
     )
 
 
-class SynchronizedBatchNorm2d(_PackageConstructor, SyncBatchNorm2d):
+class SynchronizedBatchNorm2d(SyncBatchNorm2d):
     __doc__ = dims_doc(
         "syncbn.SyncBatchNorm2d",
-        "with the ``sync_batchnorm`` package's constructor",
+        "under the ``sync_batchnorm`` package's name",
         ":math:`(N, C, H, W)`",
         "same as input.",
         "bn = SynchronizedBatchNorm2d(64)\ny = bn(torch.randn(8, 64, 32, 32))",
@@ -102,10 +85,10 @@ class SynchronizedBatchNorm2d(_PackageConstructor, SyncBatchNorm2d):
     )
 
 
-class SynchronizedBatchNorm3d(_PackageConstructor, SyncBatchNorm3d):
+class SynchronizedBatchNorm3d(SyncBatchNorm3d):
     __doc__ = dims_doc(
         "syncbn.SyncBatchNorm3d",
-        "with the ``sync_batchnorm`` package's constructor",
+        "under the ``sync_batchnorm`` package's name",
         ":math:`(N, C, D, H, W)`",
         "same as input.",
         "bn = SynchronizedBatchNorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))",
