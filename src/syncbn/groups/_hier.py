@@ -87,10 +87,10 @@ class Hierarchy:
         n = tensor.numel()
         flat = tensor.reshape(-1)
         if cross is None:  # a rank that does not lead its machine
-            local._framed(tensor, tag, present=True, host_wait=host_wait, deferred=False)
+            local._framed(tensor, tag, host_wait=host_wait, deferred=False)
             buf = self._buffer(tensor)
             buf.zero_()
-            local._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
+            local._framed(buf, tag, host_wait=host_wait, deferred=False)
             got = int(buf[n].item())
             if got != _OK:
                 raise self._reported(got)
@@ -99,7 +99,7 @@ class Hierarchy:
             local_failed = False
             if local is not None:
                 try:
-                    local._framed(tensor, tag, present=True, host_wait=host_wait, deferred=False)
+                    local._framed(tensor, tag, host_wait=host_wait, deferred=False)
                 except CollectiveError as exc:
                     failure, local_failed = exc, True  # it still makes the leaders' sum, reporting it
             buf = self._buffer(tensor)
@@ -107,7 +107,7 @@ class Hierarchy:
             buf[n] = 0 if failure is None else 1
             status = _OK
             try:
-                cross._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
+                cross._framed(buf, tag, host_wait=host_wait, deferred=False)
             except CollectiveError as exc:
                 status = _status(exc)
                 failure = failure or exc
@@ -118,7 +118,7 @@ class Hierarchy:
             if local is not None and not local_failed:  # else its machine's ranks raised already
                 buf[n] = status
                 try:
-                    local._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
+                    local._framed(buf, tag, host_wait=host_wait, deferred=False)
                 except CollectiveError as exc:
                     failure = failure or exc
             if failure is not None:

@@ -198,7 +198,7 @@ class FramedTransport(Reporting):
             total[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
         return self._shadow_result(fields, agreement.participants, total)
 
-    def _frames(self, tensor: Tensor, tag: Tag, *, present: bool, host_wait: bool, deferred: bool) -> Tensor:
+    def _frames(self, tensor: Tensor, tag: Tag, *, host_wait: bool, deferred: bool) -> Tensor:
         """Sum ``tensor`` in place over the process group, frame by frame, each header checked or deferred."""
         flat = tensor.reshape(-1)
         n = flat.numel()
@@ -206,7 +206,7 @@ class FramedTransport(Reporting):
         for i in range(frame_count(n)):
             lo, hi = i * PAYLOAD, min(n, (i + 1) * PAYLOAD)
             mine = header_fields(tag, code, self._calls, n, i)
-            frame = self._frame(tensor.device, encode_header(mine, present), flat[lo:hi])
+            frame = self._frame(tensor.device, encode_header(mine, True), flat[lo:hi])
             self._all_reduce_process_group(frame, host_wait=host_wait)
             if deferred:
                 self._defer(frame[:HEADER], mine, tag)
