@@ -266,7 +266,7 @@ class FramedTransport(Reporting):
         self._wire_ref = ref
         self._wire_ready = True
 
-    def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
+    def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> None:
         wire = self._cpu_wire() if tensor.device.type == "cpu" else None
         group = self.process_group if wire is None else wire
         delta = _config.timeout_delta()
@@ -285,7 +285,6 @@ class FramedTransport(Reporting):
         if bounded and finished is False:  # some backends report a timeout by returning False
             _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
-        return tensor
 
 
 def _stuck_timeout(kept: float, wanted: float, group: str) -> str:
