@@ -33,8 +33,6 @@ _WHAT = {
     _FAILED: "failed: a rank on another machine died, or that machine is unreachable",
     _MISMATCH: "found that the machines made different collectives",
 }
-
-
 _CHECK_LOGS = "Check the other ranks' logs for the first error." + _AFTER_FAILURE
 
 
@@ -44,12 +42,6 @@ def choice(explicit: bool | None) -> bool:
         return explicit
     env = os.environ.get("SYNCBN_HIERARCHICAL", "").strip().lower()
     return env in ("1", "true", "yes", "on") if env else DEFAULT
-
-
-def _status(exc: CollectiveError) -> int:
-    if exc.mismatch:
-        return _MISMATCH
-    return _TIMED_OUT if exc.timed_out else _FAILED
 
 
 class Hierarchy:
@@ -108,7 +100,7 @@ class Hierarchy:
             try:
                 cross._framed(buf, tag, host_wait=host_wait, deferred=False)
             except CollectiveError as exc:
-                status = _status(exc)
+                status = _MISMATCH if exc.mismatch else (_TIMED_OUT if exc.timed_out else _FAILED)
                 failure = failure or exc
             else:
                 failed = int(buf[n].item())
