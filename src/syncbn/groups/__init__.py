@@ -36,7 +36,6 @@ from ._frame import (  # noqa: F401
     SumGroup,
     Tag,
     decode_header,
-    dtype_code,
     encode_header,
     header_fields,
 )

@@ -92,11 +92,10 @@ class CollectiveError(RuntimeError):
 def _pg_timeout(process_group: Any) -> float:
     """The process group's own timeout in seconds (its backend's options; 1800 if unknown)."""
     try:
-        group = dist.group.WORLD if process_group is None else process_group
-        if isinstance(group, dist.ProcessGroupGloo):  # one of syncbn's own wires
-            return float(group.options._timeout.total_seconds())
-        backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
-        return float(backend.options._timeout.total_seconds())
+        group: Any = dist.group.WORLD if process_group is None else process_group
+        if not isinstance(group, dist.ProcessGroupGloo):  # else one of syncbn's own wires
+            group = group._get_backend(torch.device("cpu"))
+        return float(group.options._timeout.total_seconds())
     except Exception:  # noqa: BLE001 - any backend without readable options
         return 1800.0
 

@@ -178,12 +178,10 @@ def mismatch_message(mine: list[int], agreement: Agreement, names: dict[int, str
     differ = [what for what, idx in _FIELD_GROUPS.items() if any(agreement.values[i] is None for i in idx)]
     text = f"this rank sent {describe_fields(list(mine), names)}; the ranks disagree on {', '.join(differ)}"
     if all(p is None or mine[i] in p for i, p in enumerate(agreement.pairs)) and any(agreement.pairs):
-        other: list[int | None] = []
-        for i, pair in enumerate(agreement.pairs):
-            if pair is None:
-                other.append(mine[i] if agreement.values[i] is not None else None)
-            else:
-                other.append(pair[1] if pair[0] == mine[i] else pair[0])
+        other = [  # where the fields agree, this rank's value is the agreed one
+            value if pair is None else (pair[1] if pair[0] == mine[i] else pair[0])
+            for i, (value, pair) in enumerate(zip(agreement.values, agreement.pairs))
+        ]
         text += f" (the other rank sent {describe_fields(other, names)})"
     return text
 

@@ -33,8 +33,6 @@ _WHAT = {
     _FAILED: "failed: a rank on another machine died, or that machine is unreachable",
     _MISMATCH: "found that the machines made different collectives",
 }
-
-
 _CHECK_LOGS = "Check the other ranks' logs for the first error." + _AFTER_FAILURE
 
 
@@ -46,12 +44,6 @@ def choice(explicit: bool | None) -> bool:
     return env in ("1", "true", "yes", "on") if env else DEFAULT
 
 
-def _status(exc: CollectiveError) -> int:
-    if exc.mismatch:
-        return _MISMATCH
-    return _TIMED_OUT if exc.timed_out else _FAILED
-
-
 class Hierarchy:
     """This rank's part of a hierarchical group: its machine group and, on a leader, the leaders'.
 
@@ -59,7 +51,7 @@ class Hierarchy:
     machine; ``leader`` is a rank of the whole group, ``size`` its number of ranks (for the errors).
     """
 
-    def __init__(self, local: Any, cross: Any, machines: int, leader: int, size: int = 0) -> None:
+    def __init__(self, local: Any, cross: Any, machines: int, leader: int, size: int) -> None:
         self.local = local
         self.cross = cross
         self.machines = machines
@@ -86,11 +78,11 @@ class Hierarchy:
         local, cross = self.local, self.cross
         n = tensor.numel()
         flat = tensor.reshape(-1)
+        buf = self._buffer(tensor)
         if cross is None:  # a rank that does not lead its machine
-            local._framed(tensor, tag, present=True, host_wait=host_wait, deferred=False)
-            buf = self._buffer(tensor)
+            local._framed(tensor, tag, host_wait=host_wait, deferred=False)
             buf.zero_()
-            local._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
+            local._framed(buf, tag, host_wait=host_wait, deferred=False)
             got = int(buf[n].item())
             if got != _OK:
                 raise self._reported(got)
@@ -99,26 +91,29 @@ class Hierarchy:
             local_failed = False
             if local is not None:
                 try:
-                    local._framed(tensor, tag, present=True, host_wait=host_wait, deferred=False)
+                    local._framed(tensor, tag, host_wait=host_wait, deferred=False)
                 except CollectiveError as exc:
                     failure, local_failed = exc, True  # it still makes the leaders' sum, reporting it
-            buf = self._buffer(tensor)
             buf[:n].copy_(flat)
             buf[n] = 0 if failure is None else 1
             status = _OK
             try:
-                cross._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
+                cross._framed(buf, tag, host_wait=host_wait, deferred=False)
             except CollectiveError as exc:
-                status = _status(exc)
+                status = _MISMATCH if exc.mismatch else (_TIMED_OUT if exc.timed_out else _FAILED)
                 failure = failure or exc
             else:
                 failed = int(buf[n].item())
                 if failure is None and failed:
-                    status, failure = _FAILED, self._other_machines(failed)
+                    status = _FAILED
+                    failure = self._failed(
+                        f"{failed} other machine(s) reported a failed sum among their own ranks (a rank "
+                        f"there died or timed out). {_CHECK_LOGS}"
+                    )
             if local is not None and not local_failed:  # else its machine's ranks raised already
                 buf[n] = status
                 try:
-                    local._framed(buf, tag, present=True, host_wait=host_wait, deferred=False)
+                    local._framed(buf, tag, host_wait=host_wait, deferred=False)
                 except CollectiveError as exc:
                     failure = failure or exc
             if failure is not None:
@@ -127,12 +122,6 @@ class Hierarchy:
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
-
-    def _other_machines(self, failed: int) -> CollectiveError:
-        return self._failed(
-            f"{failed} other machine(s) reported a failed sum among their own ranks (a rank there "
-            f"died or timed out). {_CHECK_LOGS}"
-        )
 
     def _reported(self, status: int) -> CollectiveError:
         after = "No state was changed and the group is still usable." if status == _MISMATCH else _CHECK_LOGS
@@ -169,8 +158,7 @@ def connect(group: Any, wanted: bool, able: bool, exchange: Callable[[Tensor], T
     """
     rank, size, process_group = group.rank, group.size, group.process_group
     table = torch.zeros(size, 3, dtype=torch.float64)
-    row = [1.0 if wanted else 0.0, 1.0 if able else 0.0, _shm._host_key()]
-    table[rank] = torch.tensor(row, dtype=torch.float64)
+    table[rank] = torch.tensor([float(wanted), float(able), _shm._host_key()], dtype=torch.float64)
     rows = exchange(table).tolist()
     wants = [bool(row[0]) for row in rows]
     if any(wants) and not all(wants):

@@ -46,22 +46,19 @@ def resolve(process_group: Any) -> SumGroup | None:
     return group
 
 
-def forget_destroyed() -> int:
-    """Drop (and close) the cached groups of destroyed process groups; how many were dropped.
+def forget_destroyed() -> None:
+    """Drop (and close) the cached groups of destroyed process groups.
 
     :func:`resolve` runs it on meeting a new group, or once ``torch.distributed`` is no longer
     initialised: after ``destroy_process_group()`` nothing of the old group survives in syncbn.
     """
     live = {id(g) for g in dist.distributed_c10d._world.pg_map} if is_initialized() else set()
-    dropped = 0
     for key, (ref, group) in list(_resolved.items()):
         target = ref()
         if target is None or id(target) not in live:
             del _resolved[key]
             if group is not None:
                 group.close()
-            dropped += 1
-    return dropped
 
 
 # Classes whose instances passed the SumGroup protocol check once.

@@ -22,16 +22,6 @@ NODE = "node"
 _made: dict[tuple[str, ...], tuple[weakref.ref[Any], Any]] = {}
 
 
-def _check_size(size: Any, world: int) -> None:
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise TypeError(f"syncbn.groups.subgroup: expected an int group size or {NODE!r} (got {size!r})")
-    if size < 1 or world % size != 0:
-        raise ValueError(
-            f"syncbn.groups.subgroup: expected a group size that divides the world size {world} "
-            f"(got group size {size})"
-        )
-
-
 def _exchange(size: Any, world: int) -> list[list[int]]:
     """The member sets to create, in rank order, from every rank's request and machine (collective).
 
@@ -51,7 +41,13 @@ def _exchange(size: Any, world: int) -> list[list[int]]:
         for rank, (_, key) in enumerate(everyone):
             machines.setdefault(float(key), []).append(rank)
         return list(machines.values())  # by first rank: the ranks were met in order
-    _check_size(size, world)
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"syncbn.groups.subgroup: expected an int group size or {NODE!r} (got {size!r})")
+    if size < 1 or world % size != 0:
+        raise ValueError(
+            f"syncbn.groups.subgroup: expected a group size that divides the world size {world} "
+            f"(got group size {size})"
+        )
     return [list(range(start, start + size)) for start in range(0, world, size)]
 
 

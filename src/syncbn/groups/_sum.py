@@ -127,7 +127,7 @@ class ProcessGroupSum(FramedTransport):
         Shape:
             any; the result has the shape of ``tensor``.
         """
-        return self._framed(tensor, tag or ANONYMOUS, present=True, host_wait=False, deferred=deferred)
+        return self._framed(tensor, tag or ANONYMOUS, host_wait=False, deferred=deferred)
 
     def all_reduce_sum_bounded(self, tensor: Tensor, *, host_wait: bool, tag: Tag | None = None) -> Tensor:
         """:meth:`all_reduce_sum`, optionally bounding the wait (and checking the header) on the host.
@@ -143,9 +143,7 @@ class ProcessGroupSum(FramedTransport):
             ``tensor``, now holding the sum.
         """
         deferred = False if host_wait else None
-        return self._framed(
-            tensor, tag or Tag(0, PHASE_CHECK), present=True, host_wait=host_wait, deferred=deferred
-        )
+        return self._framed(tensor, tag or Tag(0, PHASE_CHECK), host_wait=host_wait, deferred=deferred)
 
     def shadow_sum(self, device: torch.device | str = "cpu") -> ShadowResult | None:
         """Take part in the other ranks' next framed call without contributing (DDP ``Join``).
@@ -236,7 +234,7 @@ class ProcessGroupSum(FramedTransport):
 
         def exchange(t: Tensor) -> Tensor:
             self._calls += 1
-            return self._frames(t, Tag(0, PHASE_SETUP), present=True, host_wait=True, deferred=False)
+            return self._frames(t, Tag(0, PHASE_SETUP), host_wait=True, deferred=False)
 
         choice = self._shared_memory_choice
         allowed = _config.shared_memory_enabled() if choice is None else choice
@@ -250,9 +248,7 @@ class ProcessGroupSum(FramedTransport):
         self._shared_ready = True
         return self._shared
 
-    def _framed(
-        self, tensor: Tensor, tag: Tag, *, present: bool, host_wait: bool, deferred: bool | None
-    ) -> Tensor:
+    def _framed(self, tensor: Tensor, tag: Tag, *, host_wait: bool, deferred: bool | None) -> Tensor:
         self._enter()
         self._calls += 1
         n = tensor.numel()
@@ -281,7 +277,6 @@ class ProcessGroupSum(FramedTransport):
             deferred = tensor.device.type != "cpu" and not host_wait and not _config.debug_enabled()
         if (
             not deferred
-            and present
             and n <= PAYLOAD
             and tensor.device.type == "cpu"
             and tensor.dtype in FAST_DTYPES
@@ -289,7 +284,7 @@ class ProcessGroupSum(FramedTransport):
             and tensor.is_contiguous()
         ):
             return self._one_cpu_frame(tensor, tag, dtype_code(tensor.dtype), n, host_wait)
-        return self._frames(tensor, tag, present=present, host_wait=host_wait, deferred=deferred)
+        return self._frames(tensor, tag, host_wait=host_wait, deferred=deferred)
 
     def __repr__(self) -> str:
         return f"ProcessGroupSum(rank={self._rank}, size={self._size})"

@@ -198,7 +198,7 @@ class FramedTransport(Reporting):
             total[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
         return self._shadow_result(fields, agreement.participants, total)
 
-    def _frames(self, tensor: Tensor, tag: Tag, *, present: bool, host_wait: bool, deferred: bool) -> Tensor:
+    def _frames(self, tensor: Tensor, tag: Tag, *, host_wait: bool, deferred: bool) -> Tensor:
         """Sum ``tensor`` in place over the process group, frame by frame, each header checked or deferred."""
         flat = tensor.reshape(-1)
         n = flat.numel()
@@ -206,7 +206,7 @@ class FramedTransport(Reporting):
         for i in range(frame_count(n)):
             lo, hi = i * PAYLOAD, min(n, (i + 1) * PAYLOAD)
             mine = header_fields(tag, code, self._calls, n, i)
-            frame = self._frame(tensor.device, encode_header(mine, present), flat[lo:hi])
+            frame = self._frame(tensor.device, encode_header(mine, True), flat[lo:hi])
             self._all_reduce_process_group(frame, host_wait=host_wait)
             if deferred:
                 self._defer(frame[:HEADER], mine, tag)
@@ -266,7 +266,7 @@ class FramedTransport(Reporting):
         self._wire_ref = ref
         self._wire_ready = True
 
-    def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> Tensor:
+    def _all_reduce_process_group(self, tensor: Tensor, *, host_wait: bool) -> None:
         wire = self._cpu_wire() if tensor.device.type == "cpu" else None
         group = self.process_group if wire is None else wire
         delta = _config.timeout_delta()
@@ -285,7 +285,6 @@ class FramedTransport(Reporting):
         if bounded and finished is False:  # some backends report a timeout by returning False
             _own.abandon(work, tensor)
             raise self._error(None, time.monotonic() - start, _config.get_timeout())
-        return tensor
 
 
 def _stuck_timeout(kept: float, wanted: float, group: str) -> str:
