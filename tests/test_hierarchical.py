@@ -46,6 +46,8 @@ def _hierarchical(rank: int, world_size: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(rank)
     noisy = torch.randn(300, generator=gen, dtype=torch.float64).float()
     group.all_reduce_sum(noisy, groups.Tag(4, groups.PHASE_OTHER))
+    strided = (torch.arange(6, dtype=torch.float64) * (rank + 1)).view(2, 3).t()  # not contiguous
+    group.all_reduce_sum(strided, groups.Tag(5, groups.PHASE_OTHER))
     hier = group._hier  # noqa: SLF001 - the structure under test
     layer = syncbn.SyncBatchNorm2d(C, process_group=group).double()
     with torch.no_grad():
@@ -61,6 +63,7 @@ def _hierarchical(rank: int, world_size: int) -> dict[str, Any]:
         "leader": None if hier is None else hier.cross is not None,
         "local_shm": None if hier is None or hier.local is None else hier.local.uses_shared_memory,
         "ints": ints.tolist(),
+        "strided": strided.tolist(),
         "noisy": noisy.numpy().tobytes(),
         "out": out.detach(),
         "gx": x.grad,
@@ -86,8 +89,10 @@ def test_hierarchical_sums_are_exact_bit_identical_and_equal_batchnorm() -> None
     exact = torch.stack([n.double() for n in noisy]).sum(0)
     got = torch.frombuffer(bytearray(results[0]["noisy"]), dtype=torch.float32)
     assert torch.allclose(got.double(), exact, rtol=1e-6, atol=1e-6)
+    strided = (torch.arange(6, dtype=torch.float64) * sum(r + 1 for r in range(WORLD))).view(2, 3).t()
     for r in results:
         assert r["ints"] == expected_ints
+        assert r["strided"] == strided.tolist(), "a non-contiguous tensor's sum"
     # The layer against nn.BatchNorm2d on the global batch.
     xs, dys = zip(*(_data(r) for r in range(WORLD)))
     x = torch.cat(xs).requires_grad_(True)

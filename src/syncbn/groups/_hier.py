@@ -77,7 +77,6 @@ class Hierarchy:
         """
         local, cross = self.local, self.cross
         n = tensor.numel()
-        flat = tensor.reshape(-1)
         buf = self._buffer(tensor)
         if cross is None:  # a rank that does not lead its machine
             local._framed(tensor, tag, host_wait=host_wait, deferred=False)
@@ -94,7 +93,7 @@ class Hierarchy:
                     local._framed(tensor, tag, host_wait=host_wait, deferred=False)
                 except CollectiveError as exc:
                     failure, local_failed = exc, True  # it still makes the leaders' sum, reporting it
-            buf[:n].copy_(flat)
+            buf[:n].copy_(tensor.reshape(-1))  # after the machine sum (a strided tensor's reshape copies)
             buf[n] = 0 if failure is None else 1
             status = _OK
             try:
@@ -118,9 +117,7 @@ class Hierarchy:
                     failure = failure or exc
             if failure is not None:
                 raise failure
-        flat.copy_(buf[:n])
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
+        tensor.copy_(buf[:n].view(tensor.shape))
         return tensor
 
     def _reported(self, status: int) -> CollectiveError:
