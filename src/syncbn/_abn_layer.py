@@ -186,12 +186,11 @@ class ActivatedBatchNormBase(LayerMixin):
         handle = 0 if self._local or not self.training else _ops.group_handle(self._group())
         tracking = self.training and self.track_running_stats
         factor: float | Tensor = 0.0
-        if tracking:
-            seen = self.num_batches_tracked
-            if self.momentum is None and seen is not None:
-                factor = 1.0 / (seen + 1).to(torch.float64)
-            else:
-                factor = 0.0 if self.momentum is None else float(self.momentum)
+        seen = self.num_batches_tracked
+        if tracking and self.momentum is not None:
+            factor = float(self.momentum)
+        elif tracking and seen is not None:  # momentum=None: 1 / (batches seen, this one included)
+            factor = 1.0 / (seen + 1).to(torch.float64)
         running = self.training is False and self.running_mean is not None
         mean, var = (self.running_mean, self.running_var) if (tracking or running) else (None, None)
         token = _ops.layer_token(self) if handle else None

@@ -10,7 +10,7 @@ import itertools
 import math
 import weakref
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -71,9 +71,7 @@ class LayerState:
 
     def bind(self, layer: nn.Module) -> None:
         """Make ``layer`` the module :func:`layer_for_token` finds for this state's token."""
-        owner = self.owner
-        if owner is None or owner() is not layer:
-            self.owner = weakref.ref(layer)
+        self.owner = weakref.ref(layer)
 
     def is_verified(self, process_group: Any) -> bool:
         return self._verified.get(id(process_group)) is process_group
@@ -122,17 +120,23 @@ def layer_for_token(token: int) -> nn.Module | None:
     return owner
 
 
+def bind_state(module: nn.Module) -> None:
+    """Bind a syncbn layer's state to ``module`` (a layer copied, unpickled or placed into a parent)."""
+    state = module.__dict__.get("_syncbn_state")
+    if isinstance(state, LayerState):
+        state.bind(module)
+
+
 def _bind_child(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     """Module registration hook: a syncbn layer placed into a parent is bound to its state."""
     if child is not None:
-        state = child.__dict__.get("_syncbn_state")
-        if isinstance(state, LayerState):
-            state.bind(child)
+        bind_state(child)
 
 
 @functools.cache  # once per process
 def _install_hooks() -> None:
-    _names.install(on_wrap=_name_unnamed)  # parent links, for names in error messages
+    # Parent links for error messages; a model wrapped in DDP or DataParallel names its unnamed layers.
+    _names.install(on_wrap=functools.partial(_assign_names, prefix="", overwrite=False))
     nn.modules.module.register_module_module_registration_hook(_bind_child)
 
 
@@ -175,11 +179,6 @@ def _assign_names(model: nn.Module, prefix: str, overwrite: bool) -> int:
             _known_names[_identity_hash(full)] = repr(full)
             count += 1
     return count
-
-
-def _name_unnamed(model: nn.Module) -> None:
-    """Name the still unnamed layers of a model being wrapped in DDP or DataParallel."""
-    _assign_names(model, "", overwrite=False)
 
 
 def layer_name(layer: nn.Module | None) -> str:
@@ -252,14 +251,7 @@ def _describe_config(code: float) -> str:
     )
 
 
-def _exchange(group: ProcessGroupSum, row: list[float], device: torch.device) -> list[list[float]]:
-    table = torch.zeros(group.size, len(FIELDS), dtype=torch.float64, device=device)
-    table[group.rank] = torch.tensor(row, dtype=torch.float64, device=device)
-    group.all_reduce_sum_bounded(table, host_wait=True)
-    return table.tolist()
-
-
-def _grouped(rows: list[list[float]], field: int, show: Any) -> str:
+def _grouped(rows: list[list[float]], field: int, show: Callable[[float], str]) -> str:
     by_value: dict[float, list[int]] = {}
     for rank, row in enumerate(rows):
         by_value.setdefault(row[field], []).append(rank)
@@ -271,6 +263,19 @@ def _whole(v: float) -> str:
     return str(int(v)) if math.isfinite(v) else str(v)
 
 
+# field -> (what the ranks disagree on, how a rank's value reads)
+_DISAGREEMENTS: dict[str, tuple[str, Callable[[float], str]]] = {
+    "call": (
+        "how many times this layer has been called (a rank skipped or repeated a call)",
+        lambda v: f"call {_whole(v)}",
+    ),
+    "phase": ("the phase (one rank is in forward, another in backward)", lambda v: _PHASES.get(v, "?")),
+    "channels": ("the channel count", lambda v: f"{_whole(v)} channels"),
+    "dtype": ("the input dtype", _dtype_from_code),
+    "config": ("the layer configuration", _describe_config),
+}
+
+
 def _compare(
     rows: list[list[float]], debug: bool, layer: nn.Module | None, identities: dict[float, str]
 ) -> None:
@@ -278,20 +283,6 @@ def _compare(
     fields: tuple[str, ...] = ("identity", "call", "phase", "config", "channels", "dtype")
     if not debug:
         fields = ("phase", "channels", "dtype")
-    shows: dict[str, Any] = {
-        "call": lambda v: f"call {_whole(v)}",
-        "phase": lambda v: _PHASES.get(v, "?"),
-        "channels": lambda v: f"{_whole(v)} channels",
-        "dtype": _dtype_from_code,
-        "config": _describe_config,
-    }
-    what = {
-        "call": "how many times this layer has been called (a rank skipped or repeated a call)",
-        "phase": "the phase (one rank is in forward, another in backward)",
-        "channels": "the channel count",
-        "dtype": "the input dtype",
-        "config": "the layer configuration",
-    }
     for name in fields:
         i = FIELDS.index(name)
         if all(row[i] == rows[0][i] for row in rows):
@@ -308,9 +299,10 @@ def _compare(
                 f"syncbn: layer {layer_name(layer)}: the {len(rows)} ranks of the group are not "
                 f"calling the same SyncBatchNorm layer (the layer order differs between ranks): {listing}"
             )
+        what, show = _DISAGREEMENTS[name]
         raise ValueError(
             f"syncbn: layer {layer_name(layer)}: the {len(rows)} ranks of the group disagree on "
-            f"{what[name]}: {_grouped(rows, i, shows[name])}"
+            f"{what}: {_grouped(rows, i, show)}"
         )
     if debug:
         bad = [r for r, row in enumerate(rows) if row[FIELDS.index("nonfinite")]]
@@ -332,11 +324,13 @@ def _check(
     nonfinite = float(debug and x.numel() > 0 and not bool(torch.isfinite(x).all()))
     row = [identity, float(call), phase, float(x.shape[1]), _dtype_code(x.dtype)]
     row += [_config_code(layer, x.dim()), nonfinite, index]
+    table = torch.zeros(group.size, len(FIELDS), dtype=torch.float64, device=x.device)
+    table[group.rank] = torch.tensor(row, dtype=torch.float64, device=x.device)
     try:
-        rows = _exchange(group, row, x.device)
+        group.all_reduce_sum_bounded(table, host_wait=True)
     except CollectiveError as exc:
         raise exc.for_layer(layer_name(layer), f"{_PHASES[phase]} consistency check") from exc.__cause__
-    _compare(rows, debug, layer, {**_known_names, identity: repr(identity_text)})
+    _compare(table.tolist(), debug, layer, {**_known_names, identity: repr(identity_text)})
 
 
 def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:

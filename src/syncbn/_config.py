@@ -99,27 +99,23 @@ def get_timeout() -> float | None:
         >>> syncbn.get_timeout()
         300.0
     """
+    global _timeout_resolved, _timeout_delta
     if _timeout_resolved is _UNSET:
-        _resolve_timeout()
+        if _timeout_override is not _UNSET:
+            value: float | None = _timeout_override  # type: ignore[assignment]
+        else:
+            env = os.environ.get("SYNCBN_TIMEOUT")
+            value = DEFAULT_TIMEOUT_S if env is None else _parse_timeout(env, "SYNCBN_TIMEOUT")
+        _timeout_delta = None if value is None else timedelta(seconds=value)
+        _timeout_resolved = value
     return _timeout_resolved  # type: ignore[return-value]
 
 
 def timeout_delta() -> timedelta | None:
     """:func:`get_timeout` as a ``timedelta`` (made once, not per call)."""
     if _timeout_resolved is _UNSET:
-        _resolve_timeout()
+        get_timeout()
     return _timeout_delta
-
-
-def _resolve_timeout() -> None:
-    global _timeout_resolved, _timeout_delta
-    if _timeout_override is not _UNSET:
-        value: float | None = _timeout_override  # type: ignore[assignment]
-    else:
-        env = os.environ.get("SYNCBN_TIMEOUT")
-        value = DEFAULT_TIMEOUT_S if env is None else _parse_timeout(env, "SYNCBN_TIMEOUT")
-    _timeout_delta = None if value is None else timedelta(seconds=value)
-    _timeout_resolved = value
 
 
 def set_debug(enabled: bool | None) -> None:

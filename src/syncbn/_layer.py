@@ -58,19 +58,12 @@ class LayerMixin(nn.Module):
         for key, value in self.__dict__.items():
             # A process group is a handle to live communicators: share it.
             new.__dict__[key] = value if key == self._group_attr else copy.deepcopy(value, memo)
-        _bind(new)
+        _checks.bind_state(new)
         return new
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        _bind(self)
-
-
-def _bind(layer: nn.Module) -> None:
-    """Bind a copied or unpickled layer's state (with a new token) to the layer."""
-    state = layer.__dict__.get("_syncbn_state")
-    if isinstance(state, _checks.LayerState):
-        state.bind(layer)
+        _checks.bind_state(self)
 
 
 def check_module(module: Any, function: str) -> None:

@@ -22,7 +22,7 @@ _links: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref[nn.Module], 
 )
 _lock = threading.Lock()
 _installed = False
-_on_wrap: Callable[[nn.Module], None] | None = None
+_on_wrap: Callable[[nn.Module], object] | None = None
 
 
 def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
@@ -40,7 +40,7 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
         _on_wrap(child)
 
 
-def install(on_wrap: Callable[[nn.Module], None]) -> None:
+def install(on_wrap: Callable[[nn.Module], object]) -> None:
     """Start recording parent links (once per process).
 
     ``on_wrap(model)`` runs when a model is placed into a DDP or DataParallel wrapper.

@@ -89,9 +89,7 @@ def _path(prefix: str) -> str:
 
 def _timm_act_classes() -> tuple[type, ...]:
     """timm's norm-plus-activation BatchNorm classes, if timm is loaded (else no layer is one)."""
-    norm_act = sys.modules.get("timm.layers.norm_act")
-    if norm_act is None:
-        return ()
+    norm_act = sys.modules.get("timm.layers.norm_act")  # None: no class found
     return tuple(
         cls
         for cls in (getattr(norm_act, "BatchNormAct2d", None), getattr(norm_act, "SyncBatchNormAct", None))
@@ -217,10 +215,7 @@ def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
         new: _BatchNorm = remembered.__new__(remembered)
     else:
         target = _plain_class_of(layer)
-        if _is_sync_act(layer):
-            new = target.__new__(target)
-        else:
-            new = like(target, layer, device="meta")
+        new = target.__new__(target) if _is_sync_act(layer) else like(target, layer, device="meta")
     family_keys = frozenset(getattr(type(layer), "_syncbn_family_keys", ()))  # e.g. renorm's r_max, d_max
     _transplant(layer, new, _syncbn_only_keys() | family_keys | {"process_group", _REVERTS_TO})
     _carry_parametrizations(layer, new)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -71,9 +70,7 @@ class JoinableSyncBatchNorm(Joinable):
         self._model = model
         # syncbn's bound as the group's timeout, so gloo gives up at the bound too.
         bound = _config.get_timeout()
-        group = dist.new_group(
-            list(range(dist.get_world_size())), timeout=None if bound is None else timedelta(seconds=bound)
-        )
+        group = dist.new_group(list(range(dist.get_world_size())), timeout=_config.timeout_delta())
         key = groups._own.adopt(group)  # held there only: destroyed in order when this joinable goes
         self._sum = groups.ProcessGroupSum(group, own_group=True)
         weakref.finalize(self, groups._own.release, key, (bound or 1800.0) + 1.0)
