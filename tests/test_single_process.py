@@ -217,6 +217,12 @@ def test_functional_without_group_is_functional_batch_norm() -> None:
     assert torch.equal(y1, y2) and torch.equal(rm1, rm2) and torch.equal(rv1, rv2)
     with pytest.raises(ValueError, match="expected input with 3 channels"):
         syncbn.functional.sync_batch_norm(torch.randn(5, 4), rm1, rv1, training=True)
+    before = rm1.clone()
+    for bad in ("running_var", "weight", "bias"):  # every per-channel tensor is checked, nothing changes
+        args = {"running_var": rv1, "weight": torch.ones(3), "bias": torch.zeros(3), bad: torch.ones(4)}
+        with pytest.raises(ValueError, match=f"expected {bad} with 3 elements, one per channel .*got 4"):
+            syncbn.functional.sync_batch_norm(x, rm1, training=True, **args)
+    assert torch.equal(rm1, before)
 
 
 def test_low_precision_input_to_float32_layer_keeps_input_dtype() -> None:

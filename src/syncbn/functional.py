@@ -192,8 +192,15 @@ def sync_batch_norm(
         >>> mask = torch.arange(7) < lengths[:, None]          # (N, L), True = valid
         >>> y = sync_batch_norm(seq, None, None, training=True, mask=mask)
     """
-    channels = next((t.numel() for t in (running_mean, running_var, weight, bias) if t is not None), None)
+    per_channel = {"running_mean": running_mean, "running_var": running_var, "weight": weight, "bias": bias}
+    channels = next((t.numel() for t in per_channel.values() if t is not None), None)
     check_input(input, channels)
+    for name, tensor in per_channel.items():  # all of them before any is read or written
+        if tensor is not None and tensor.numel() != channels:
+            raise ValueError(
+                f"expected {name} with {channels} elements, one per channel of the input "
+                f"(got {tensor.numel()} elements)"
+            )
     if mask is not None:
         args = (running_mean, running_var, weight, bias, training, momentum, eps, process_group)
         return apply_masked(lambda flat: sync_batch_norm(flat, *args, layer=layer), input, mask)
