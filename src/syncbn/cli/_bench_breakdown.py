@@ -96,11 +96,10 @@ class _Recorder:
         self.outer: list[tuple[int, ...]] = []  # (entry ns, exit ns, CPU at exit)
         self.inner: list[tuple[int, ...]] = []  # (entry ns, exit ns)
         self.on = False
-        self.group = groups.resolve(None)
         self.has_inner = False
 
     def install(self) -> None:
-        g = self.group
+        g = groups.resolve(None)
         if g is None:
             return
         g.all_reduce_sum = self._wrap(g.all_reduce_sum, self.outer, True)  # type: ignore[method-assign]
@@ -209,7 +208,7 @@ def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]
             e, x_ = outer[r][i][:2]
             inside += x_ - e
             wait += last_in - e
-        cpus = {o[i][2] if len(o[i]) > 2 else -1 for o in outer}
+        cpus = {o[i][2] for o in outer}
         shared += len(cpus) == 1 and -1 not in cpus
         if has_inner and all(len(v) > i for v in inner):
             last = max(range(ranks), key=lambda r: inner[r][i][0])
@@ -272,7 +271,7 @@ def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
 
 def format_breakdown(res: dict[str, Any]) -> str:
     """The breakdown as text: step times, then per collective (us) for each syncbn variant."""
-    lines = [f"load average {res['load'][0]:.2f} {res['load'][1]:.2f} {res['load'][2]:.2f}"]
+    lines = ["load average " + " ".join(f"{v:.2f}" for v in res["load"])]
     lines.append(
         "step ms (slowest rank's median): " + ", ".join(f"{k} {v:.2f}" for k, v in res["step_ms"].items())
     )
