@@ -59,12 +59,11 @@ def _settings(spec: dict[str, Any], rank: int) -> Iterator[None]:
     """Apply a variant's thread count, pinning and spin budget; restore them afterwards."""
     threads = torch.get_num_threads()
     cpus = os.sched_getaffinity(0)
-    patched: Any = None
+    budget = SpinPolicy.budget
     torch.set_num_threads(spec.get("threads", 1))
     if spec.get("pin"):
         _set_affinity({sorted(cpus)[rank % len(cpus)]})
     if "spin_s" in spec:
-        patched = SpinPolicy.budget
         value = spec["spin_s"]
         SpinPolicy.budget = lambda self, now: value  # type: ignore[method-assign]
     try:
@@ -72,8 +71,7 @@ def _settings(spec: dict[str, Any], rank: int) -> Iterator[None]:
     finally:
         torch.set_num_threads(threads)
         _set_affinity(cpus)
-        if patched is not None:
-            SpinPolicy.budget = patched  # type: ignore[method-assign]
+        SpinPolicy.budget = budget  # type: ignore[method-assign]
 
 
 def _getcpu() -> Callable[[], int]:
@@ -204,10 +202,9 @@ def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]
     wake_sleep: list[float] = []
     for i in range(n):
         last_in = max(o[i][0] for o in outer)
-        for r in range(ranks):
-            e, x_ = outer[r][i][:2]
-            inside += x_ - e
-            wait += last_in - e
+        for o in outer:
+            inside += o[i][1] - o[i][0]
+            wait += last_in - o[i][0]
         cpus = {o[i][2] for o in outer}
         shared += len(cpus) == 1 and -1 not in cpus
         if has_inner and all(len(v) > i for v in inner):

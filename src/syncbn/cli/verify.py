@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(plan, str):
         return fail(plan)
     world_size, backend = plan
-    group_size = getattr(args, "group_size", None)
+    group_size = args.group_size
     main = is_main_process()
     if isinstance(group_size, int) and world_size % group_size:
         return fail(
