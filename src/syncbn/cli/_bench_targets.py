@@ -113,14 +113,11 @@ def format_targets(
     """The targets as a text table, then the load averages (1, 5, 15 min) at start and end."""
     cells = []
     for row in rows:
+        goal = f"<= {row['target']:.2f}"
         if row["measured"] is None:
-            measured, met, detail = "-", "not run", f"needs {row['needs']}"
-        else:
-            measured, met, detail = (
-                f"{row['measured']:.3f}",
-                "met" if row["met"] else "NOT met",
-                row["detail"],
-            )
-        cells.append([row["quantity"], measured, f"<= {row['target']:.2f}", met, detail])
+            cells.append([row["quantity"], "-", goal, "not run", f"needs {row['needs']}"])
+            continue
+        met = "met" if row["met"] else "NOT met"
+        cells.append([row["quantity"], f"{row['measured']:.3f}", goal, met, row["detail"]])
     table = format_table(["target", "ratio", "goal", "", "detail"], cells, [False, True, True])
     return f"{table}\nload average (1, 5, 15 min): {_load(load_start)} at start, {_load(load_end)} at end"
