@@ -236,10 +236,7 @@ def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
     has_inner = all(g["inner"] for g in gathered)
     rows: dict[str, dict[str, float]] = {}
     for n in [name for name in names if name.startswith("syncbn")]:
-        per_step = [
-            _parts([g["calls"][n][s] for g in gathered], has_inner)
-            for s in range(len(gathered[0]["calls"][n]))
-        ]
+        per_step = [_parts(list(ranks), has_inner) for ranks in zip(*(g["calls"][n] for g in gathered))]
         per_step = [step for step in per_step if step]
         keys = per_step[0].keys() if per_step else []
         parts = {k: statistics.median(step[k] for step in per_step) for k in keys}
