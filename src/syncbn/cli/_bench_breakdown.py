@@ -59,12 +59,11 @@ def _settings(spec: dict[str, Any], rank: int) -> Iterator[None]:
     """Apply a variant's thread count, pinning and spin budget; restore them afterwards."""
     threads = torch.get_num_threads()
     cpus = os.sched_getaffinity(0)
-    patched: Any = None
+    budget = SpinPolicy.budget
     torch.set_num_threads(spec.get("threads", 1))
     if spec.get("pin"):
         _set_affinity({sorted(cpus)[rank % len(cpus)]})
     if "spin_s" in spec:
-        patched = SpinPolicy.budget
         value = spec["spin_s"]
         SpinPolicy.budget = lambda self, now: value  # type: ignore[method-assign]
     try:
@@ -72,8 +71,7 @@ def _settings(spec: dict[str, Any], rank: int) -> Iterator[None]:
     finally:
         torch.set_num_threads(threads)
         _set_affinity(cpus)
-        if patched is not None:
-            SpinPolicy.budget = patched  # type: ignore[method-assign]
+        SpinPolicy.budget = budget  # type: ignore[method-assign]
 
 
 def _getcpu() -> Callable[[], int]:
@@ -96,11 +94,10 @@ class _Recorder:
         self.outer: list[tuple[int, ...]] = []  # (entry ns, exit ns, CPU at exit)
         self.inner: list[tuple[int, ...]] = []  # (entry ns, exit ns)
         self.on = False
-        self.group = groups.resolve(None)
         self.has_inner = False
 
     def install(self) -> None:
-        g = self.group
+        g = groups.resolve(None)
         if g is None:
             return
         g.all_reduce_sum = self._wrap(g.all_reduce_sum, self.outer, True)  # type: ignore[method-assign]
@@ -205,11 +202,10 @@ def _parts(per_rank_calls: list[list[Any]], has_inner: bool) -> dict[str, float]
     wake_sleep: list[float] = []
     for i in range(n):
         last_in = max(o[i][0] for o in outer)
-        for r in range(ranks):
-            e, x_ = outer[r][i][:2]
-            inside += x_ - e
-            wait += last_in - e
-        cpus = {o[i][2] if len(o[i]) > 2 else -1 for o in outer}
+        for o in outer:
+            inside += o[i][1] - o[i][0]
+            wait += last_in - o[i][0]
+        cpus = {o[i][2] for o in outer}
         shared += len(cpus) == 1 and -1 not in cpus
         if has_inner and all(len(v) > i for v in inner):
             last = max(range(ranks), key=lambda r: inner[r][i][0])
@@ -240,10 +236,7 @@ def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
     has_inner = all(g["inner"] for g in gathered)
     rows: dict[str, dict[str, float]] = {}
     for n in [name for name in names if name.startswith("syncbn")]:
-        per_step = [
-            _parts([g["calls"][n][s] for g in gathered], has_inner)
-            for s in range(len(gathered[0]["calls"][n]))
-        ]
+        per_step = [_parts(list(ranks), has_inner) for ranks in zip(*(g["calls"][n] for g in gathered))]
         per_step = [step for step in per_step if step]
         keys = per_step[0].keys() if per_step else []
         parts = {k: statistics.median(step[k] for step in per_step) for k in keys}
@@ -272,7 +265,7 @@ def _analyse(gathered: list[Any], names: list[str]) -> dict[str, Any]:
 
 def format_breakdown(res: dict[str, Any]) -> str:
     """The breakdown as text: step times, then per collective (us) for each syncbn variant."""
-    lines = [f"load average {res['load'][0]:.2f} {res['load'][1]:.2f} {res['load'][2]:.2f}"]
+    lines = ["load average " + " ".join(f"{v:.2f}" for v in res["load"])]
     lines.append(
         "step ms (slowest rank's median): " + ", ".join(f"{k} {v:.2f}" for k, v in res["step_ms"].items())
     )

@@ -6,6 +6,7 @@ The models and how they are timed: docs/internals/cli.md.
 from __future__ import annotations
 
 import statistics
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -46,10 +47,6 @@ def conv_net(norm: Norm, widths: tuple[int, ...]) -> nn.Module:
 def deep_narrow(norm: Norm) -> nn.Module:
     """The narrow net: 24 conv3x3(32)-norm-ReLU blocks, global pooling and a linear head."""
     return conv_net(norm, (32,) * 24)
-
-
-def _wide(norm: Norm) -> nn.Module:
-    return conv_net(norm, (16, 32, 32, 64))
 
 
 class _BasicBlock(nn.Module):
@@ -95,7 +92,7 @@ def sgd_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor, compiled: bool = 
 #: name -> (model factory, per-rank input size HxW, description)
 MODELS: dict[str, tuple[Callable[[Norm], nn.Module], int, str]] = {
     "deep": (deep_narrow, 8, "24 conv3x3(32)-BN-ReLU blocks, 8x8 images"),
-    "wide": (_wide, 32, "4 conv3x3(16-64)-BN-ReLU blocks, 32x32 images"),
+    "wide": (partial(conv_net, widths=(16, 32, 32, 64)), 32, "4 conv3x3(16-64)-BN-ReLU blocks, 32x32 images"),
     "resnet": (resnet, 32, "ResNet-style, 15 BN layers, 32x32 images"),
 }
 
@@ -147,8 +144,7 @@ def slowest(mine: dict[str, float], world_size: int) -> tuple[dict[str, float], 
 
 def format_e2e(model: str, ms: dict[str, float]) -> str:
     """One line: each variant's slowest-rank median and its ratio to ``plain``."""
-    parts = [f"plain {ms['plain']:.2f} ms"]
-    for name, value in ms.items():
-        if name != "plain":
-            parts.append(f"{name} {value:.2f} ms (x{value / ms['plain']:.3f})")
+    parts = [f"plain {ms['plain']:.2f} ms"] + [
+        f"{name} {value:.2f} ms (x{value / ms['plain']:.3f})" for name, value in ms.items() if name != "plain"
+    ]
     return f"  {model:>6} ({MODELS[model][2]}): " + "   ".join(parts)

@@ -162,8 +162,6 @@ def build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
         mod = LocalWithCollectives(_local_bn(x.dim(), channels), channels, x.device)
     elif method == "syncbn":
         mod = SyncBatchNorm(channels)
-        if force_sync:
-            mod = _ForcedSync(mod, "syncbn")
     elif method == "alone":
         mod = _ForcedSync(SyncBatchNorm(channels), "alone")
     elif method == "syncbn-pg":
@@ -176,8 +174,8 @@ def build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
         if not x.is_cuda:
             return None  # torch.nn.SyncBatchNorm raises on CPU tensors
         mod = nn.SyncBatchNorm(channels)
-        if force_sync:
-            mod = _ForcedSync(mod, "torch")
     else:
         raise ValueError(method)
+    if force_sync and method in ("syncbn", "torch"):
+        mod = _ForcedSync(mod, method)
     return mod.to(device=x.device).train()

@@ -4,28 +4,30 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["format_table", "ratios"]
+__all__ = ["format_table", "ratio", "ratios"]
+
+
+def ratio(ms: dict[str, float] | None, num: str, den: str) -> float | None:
+    """``ms[num] / ms[den]``, or ``None`` where ``ms`` or either method is missing."""
+    return ms[num] / ms[den] if ms and num in ms and den in ms else None
 
 
 def ratios(ms: dict[str, float]) -> dict[str, float | None]:
     """The headline ratios from one shape's medians (``None`` where a method did not run)."""
     floor = ms["local"] + ms.get("2xAR", 0.0)
-    sync = ms["syncbn"]
     own_floor = ms["local"] + ms["2xAR-shm"] if "2xAR-shm" in ms else None
     return {
         "floor_ms": floor,
-        "syncbn_over_local": sync / ms["local"],
-        "alone_over_local": ms["alone"] / ms["local"] if "alone" in ms else None,
-        "syncbn_over_floor": sync / floor,
+        "syncbn_over_local": ms["syncbn"] / ms["local"],
+        "alone_over_local": ratio(ms, "alone", "local"),
+        "syncbn_over_floor": ms["syncbn"] / floor,
         "own_floor_ms": own_floor,
-        "syncbn_over_own_floor": sync / own_floor if own_floor else None,
-        "syncbn_over_interleaved_floor": sync / ms["local+AR"] if "local+AR" in ms else None,
-        "syncbn_pg_over_interleaved_floor": (
-            ms["syncbn-pg"] / ms["local+AR"] if "syncbn-pg" in ms and "local+AR" in ms else None
-        ),
-        "syncbn_over_naive": sync / ms["naive"] if "naive" in ms else None,
-        "syncbn_over_torch": sync / ms["torch"] if "torch" in ms else None,
-        "naive_over_local": ms["naive"] / ms["local"] if "naive" in ms else None,
+        "syncbn_over_own_floor": ms["syncbn"] / own_floor if own_floor else None,
+        "syncbn_over_interleaved_floor": ratio(ms, "syncbn", "local+AR"),
+        "syncbn_pg_over_interleaved_floor": ratio(ms, "syncbn-pg", "local+AR"),
+        "syncbn_over_naive": ratio(ms, "syncbn", "naive"),
+        "syncbn_over_torch": ratio(ms, "syncbn", "torch"),
+        "naive_over_local": ratio(ms, "naive", "local"),
     }
 
 

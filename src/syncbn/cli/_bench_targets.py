@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any
 
+from ._bench_report import ratio
 from ._output import format_table
 
 __all__ = ["LARGE", "MANY_FAULTS", "TARGETS", "allocator_note", "format_targets", "load_average", "targets"]
@@ -30,12 +31,6 @@ TARGETS: dict[str, tuple[str, float, str]] = {
 def load_average() -> list[float] | None:
     """The 1, 5 and 15 minute load averages (``None`` where the platform has none)."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-
-
-def _ratio(ms: dict[str, float] | None, num: str, den: str) -> float | None:
-    if not ms or num not in ms or den not in ms:
-        return None
-    return ms[num] / ms[den]
 
 
 def _worst(records: list[dict[str, Any]], large: bool) -> tuple[float | None, str]:
@@ -92,12 +87,12 @@ def targets(
     """
     compiled = compiled or {}
     measured: dict[str, tuple[float | None, str]] = {
-        "eager_step": (_ratio(e2e, "syncbn", "plain"), ""),
-        "compiled_narrow": (_ratio(compiled.get("deep"), "syncbn", "plain"), ""),
-        "compiled_wide": (_ratio(compiled.get("wide"), "syncbn", "plain"), ""),
+        "eager_step": (ratio(e2e, "syncbn", "plain"), ""),
+        "compiled_narrow": (ratio(compiled.get("deep"), "syncbn", "plain"), ""),
+        "compiled_wide": (ratio(compiled.get("wide"), "syncbn", "plain"), ""),
         "large_layers": _worst(records, True),
         "small_layers": _worst(records, False),
-        "torch_step": (_ratio(e2e, "syncbn", "torch"), ""),
+        "torch_step": (ratio(e2e, "syncbn", "torch"), ""),
     }
     rows = []
     for key, (quantity, target, needs) in TARGETS.items():

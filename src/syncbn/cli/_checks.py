@@ -48,12 +48,6 @@ class Case:
     seed: int = 0
 
 
-def _layer_dtype(case: Case) -> torch.dtype:
-    if case.layer_dtype is not None:
-        return case.layer_dtype
-    return torch.float32 if case.dtype in (torch.float16, torch.bfloat16) else case.dtype
-
-
 def _expect(condition: bool, message: str) -> None:
     if not condition:
         raise AssertionError(message)
@@ -86,7 +80,10 @@ def run_case(
     ndim = 2 + len(case.inner) - 1
     ref = _REF.get(ndim, nn.BatchNorm1d)(channels, **case.kwargs).double()
     cls = SyncBatchNorm if case.generic else _OURS[ndim]
-    ours = cls(channels, process_group=group, **case.kwargs).to(device=device, dtype=_layer_dtype(case))
+    layer_dtype = case.layer_dtype
+    if layer_dtype is None:
+        layer_dtype = torch.float32 if case.dtype in (torch.float16, torch.bfloat16) else case.dtype
+    ours = cls(channels, process_group=group, **case.kwargs).to(device=device, dtype=layer_dtype)
     with torch.no_grad():  # the same kwargs: both layers have weights, and running stats, or neither
         initial: dict[str, torch.Tensor] = {}
         if ref.affine:

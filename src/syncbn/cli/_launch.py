@@ -77,11 +77,6 @@ def rank_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _start_method(backend: str) -> str:
-    fork_ok = sys.platform.startswith("linux") and backend != "nccl" and not torch.cuda.is_initialized()
-    return "fork" if fork_ok else "spawn"
-
-
 def _destroy() -> None:
     """``destroy_process_group()``, once gloo's worker threads have freed what they hold.
 
@@ -139,12 +134,13 @@ def run_ranks(
             return fn(dist.get_rank(), dist.get_world_size(), *args)
         finally:
             _destroy()
+    fork_ok = sys.platform.startswith("linux") and backend != "nccl" and not torch.cuda.is_initialized()
     with tempfile.TemporaryDirectory(prefix="syncbn-") as tmp:
         mp.start_processes(
             _worker,
             args=(fn, world_size, backend, tmp, timeout_s, args),
             nprocs=world_size,
-            start_method=_start_method(backend),
+            start_method="fork" if fork_ok else "spawn",
         )
         with open(os.path.join(tmp, "result.pkl"), "rb") as f:
             return pickle.load(f)

@@ -257,15 +257,8 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(plan, str):
         return fail(plan, show=main)
     world_size, backend = plan
-    config = {
-        "steps": args.steps,
-        "batch": args.batch,
-        "seed": args.seed,
-        "lr": args.lr,
-        "device": args.device,
-        "backend": backend,
-        "dtype": args.dtype,
-    }
+    config = {key: getattr(args, key) for key in ("steps", "batch", "seed", "lr", "device")}
+    config |= {"backend": backend, "dtype": args.dtype}
     if main:
         print(
             f"syncbn {__version__} demo: digits (1,437 training / 360 test 8x8 images), "

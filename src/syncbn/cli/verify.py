@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(plan, str):
         return fail(plan)
     world_size, backend = plan
-    group_size = getattr(args, "group_size", None)
+    group_size = args.group_size
     main = is_main_process()
     if isinstance(group_size, int) and world_size % group_size:
         return fail(
@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - a rank died or timed out: that is a failed check
         return fail(f"syncbn verify: FAILED, a rank did not finish: {exc}", 1, show=main)
     elapsed = time.perf_counter() - start
-    sizes = sorted({len(r.get(_GROUP, ())) for r in per_rank if isinstance(r, dict)} or {world_size})
-    cases = standard_cases(sizes[0])
+    sizes = [len(r.get(_GROUP, ())) for r in per_rank if isinstance(r, dict)]
+    cases = standard_cases(min(sizes, default=world_size))
     missing = "no result (its group has another size)"
     summaries = [
         _summarise(c, [r.get(c.name, missing) for r in per_rank], args.tolerance_scale) for c in cases
