@@ -110,6 +110,33 @@ def test_single_process_matches_the_concatenated_batch(momentum: float | None, i
     assert _error(model, _expected(plain, micro)) < TOL
 
 
+def test_renorm_limits_changed_inside_the_block_count_each_micro_batch_once() -> None:
+    # A renorm layer without a group takes batch norm's local path at r_max=1, d_max=0 (seen by
+    # the block's hooks) and the engine otherwise (which reports the moments): asked per call.
+    torch.manual_seed(0)
+    micro = [torch.randn(6, 3, dtype=torch.float64) * 2 + 1 for _ in range(3)]
+    ref = nn.BatchNorm1d(3).double()
+    ref(torch.cat(micro))
+    warm, relaxed = (1.0, 0.0), (3.0, 5.0)
+    schedules = [
+        (warm, [relaxed] * 3),
+        (relaxed, [warm] * 3),
+        (warm, [warm, relaxed, warm]),
+        (relaxed, [relaxed, warm, relaxed]),
+        (relaxed, [relaxed] * 3),
+    ]
+    for start, limits in schedules:
+        layer = syncbn.SyncBatchRenorm1d(3, r_max=start[0], d_max=start[1]).double()
+        with syncbn.accumulation(layer):
+            for (r_max, d_max), x in zip(limits, micro):
+                layer.r_max, layer.d_max = r_max, d_max
+                layer(x)
+        assert int(layer.num_batches_tracked) == 1, (start, limits)
+        for key in ("running_mean", "running_var"):
+            error = (getattr(layer, key) - getattr(ref, key)).abs().max().item()
+            assert error < TOL, (start, limits, key, error)
+
+
 def test_plain_batchnorm_and_masked_input() -> None:
     bn = nn.BatchNorm1d(3).double()
     ours = syncbn.SyncBatchNorm(3).double()

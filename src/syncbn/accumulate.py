@@ -28,7 +28,7 @@ def _is_local(layer: nn.Module) -> bool:
     if isinstance(layer, SyncBatchNorm) and layer._family_call() is not None:
         return False  # a family (renorm) runs the engine even without a group: the engine shows it
     if isinstance(layer, LayerMixin):
-        return groups.resolve(layer._group()) is None
+        return _group(layer) is None
     if isinstance(layer, nn.SyncBatchNorm):
         raise TypeError(
             "syncbn.accumulation: expected syncbn's layers or plain BatchNorm "
@@ -36,6 +36,23 @@ def _is_local(layer: nn.Module) -> bool:
             "syncbn.convert_sync_batchnorm first"
         )
     return True  # plain nn.BatchNorm*: always local
+
+
+def _group(layer: nn.Module) -> Any:
+    """The group the layer's training calls synchronise over (``None``: local)."""
+    if not isinstance(layer, LayerMixin) or (isinstance(layer, ActivatedBatchNormBase) and layer._local):
+        return None
+    return groups.resolve(layer._group())
+
+
+def _varies(layer: nn.Module) -> bool:
+    """Whether the layer's path can change from call to call without a group: a family whose
+    attributes choose batch norm's local path (renorm at ``r_max=1, d_max=0``) or the engine."""
+    return (
+        isinstance(layer, SyncBatchNorm)
+        and type(layer)._family_call is not SyncBatchNorm._family_call
+        and _group(layer) is None
+    )
 
 
 def _local_moments(x: Tensor, mask: Tensor | None) -> tuple[int, Tensor, Tensor] | None:
@@ -55,6 +72,8 @@ class _Layer:
 
     def __init__(self, layer: nn.Module) -> None:
         local = _is_local(layer)  # may refuse the layer: before anything is registered
+        # A layer whose path is chosen per call (renorm without a group): its hooks ask each call.
+        self.varies = _varies(layer)
         self.layer = layer
         running_mean, running_var = layer.running_mean, layer.running_var
         assert isinstance(running_mean, Tensor) and isinstance(running_var, Tensor)
@@ -67,7 +86,7 @@ class _Layer:
         self.moments = _accumulating.listen(running_mean)
         self.pending: tuple[int, Tensor, Tensor] | None = None
         self.hooks: list[Any] = []
-        if local:
+        if local or self.varies:
             self.hooks.append(layer.register_forward_pre_hook(self._before, with_kwargs=True))
             self.hooks.append(layer.register_forward_hook(self._after))
 
@@ -79,6 +98,8 @@ class _Layer:
             return
         if layer.__dict__.get("_syncbn_replica") is not None or not args or not isinstance(args[0], Tensor):
             return
+        if self.varies and isinstance(layer, SyncBatchNorm) and layer._family_call() is not None:
+            return  # this call runs the engine, which reports its moments itself
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         self.pending = _local_moments(args[0], mask)
 
