@@ -267,12 +267,18 @@ SIZES = [[2, 3, 1], [4, 0, 2], [1, 1, 3]]  # micro-batch m, rank r (uneven; an e
 def _ranks(rank: int, world: int) -> dict[str, Any]:
     calls = {"n": 0}
     original = groups.ProcessGroupSum.all_reduce_sum
+    original_bounded = groups.ProcessGroupSum.all_reduce_sum_bounded
 
     def counting(self: Any, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         calls["n"] += 1
         return original(self, tensor, *args, **kwargs)
 
+    def counting_bounded(self: Any, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        calls["n"] += 1
+        return original_bounded(self, tensor, *args, **kwargs)
+
     groups.ProcessGroupSum.all_reduce_sum = counting  # type: ignore[method-assign]
+    groups.ProcessGroupSum.all_reduce_sum_bounded = counting_bounded  # type: ignore[method-assign]
     result: dict[str, Any] = {}
     data = _data(7, SIZES)
     for momentum in (0.1, None):
@@ -291,7 +297,11 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
                 for row in data:
                     grad = torch.randn_like(row[rank])
                     model(row[rank]).backward(grad[:, :1].expand(-1, C2, -1, -1).contiguous())
-            result[f"plain m={momentum} inplace={inplace}"] = (_error(model, expected), calls["n"] - without)
+            # one collective more: the ranks' vote at the block's end
+            result[f"plain m={momentum} inplace={inplace}"] = (
+                _error(model, expected),
+                calls["n"] - without - 1,
+            )
     # checkpointed (recomputed in backward: not a new micro-batch)
     plain = _plain()
     expected = _expected(plain, [torch.cat(row) for row in data])
@@ -351,13 +361,140 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
-def test_ranks_match_the_concatenated_micro_batches_without_extra_collectives() -> None:
+def test_ranks_match_the_concatenated_micro_batches_with_one_vote_per_block() -> None:
     results = launch(_ranks, 3, timeout=150)
     for rank, result in enumerate(results):
         for case, (error, extra) in result.items():
             assert error < TOL, (rank, case, error)
-            assert extra == 0, (rank, case, f"{extra} extra collectives (or compiled frames)")
+            assert extra == 0, (rank, case, f"{extra} extra collectives beyond the vote (or compiled frames)")
     assert results[0] == results[1] == results[2]
+
+
+def _states(*layers: nn.Module) -> list[dict[str, Tensor]]:
+    return [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
+
+
+def _disagreeing(rank: int, world: int) -> dict[str, Any]:
+    """Ranks that end a block differently (an exception or discard() on one rank, uneven micro-batch
+    counts under Join): every rank applies the same update, or every rank puts its statistics back."""
+    import warnings
+
+    from torch.distributed.algorithms import Join
+
+    syncbn.set_timeout(10.0)
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(11)
+    micro = [
+        [torch.randn(3 + r, 4, generator=gen, dtype=torch.float64) * 2 + 1 for r in range(world)]
+        for _ in range(3)
+    ]
+    bn = syncbn.SyncBatchNorm1d(4).double()
+    before = _states(bn)
+
+    def outcome(error: BaseException | None) -> tuple[Any, ...]:
+        kept = all(torch.equal(v, before[0][k]) for k, v in bn.state_dict().items())
+        mismatch = getattr(error, "mismatch", None)
+        return (None if error is None else type(error).__name__, mismatch, kept)
+
+    # rank 0 raises after the block's last collective (a loss check): every rank discards
+    error: BaseException | None = None
+    try:
+        with syncbn.accumulation(bn):
+            for row in micro:
+                bn(row[rank])
+            if rank == 0:
+                raise KeyError("skip this step")
+    except KeyError as exc:
+        error = exc
+    out["raise after the collectives"] = outcome(error)
+
+    # rank 0 raises while the others still call the layer: their call meets rank 0's vote and
+    # raises a mismatch there, then they vote too; every rank discards, the group stays usable
+    error = None
+    try:
+        with syncbn.accumulation(bn):
+            bn(micro[0][rank])
+            if rank == 0:
+                raise KeyError("skip this step")
+            bn(micro[1][rank])
+    except (KeyError, syncbn.CollectiveError) as exc:
+        error = exc
+    out["raise between the collectives"] = outcome(error)
+
+    # by hand: discard() on rank 0, commit() on the others
+    block = syncbn.accumulation(bn).begin()
+    bn(micro[0][rank])
+    block.discard() if rank == 0 else block.commit()
+    out["discard on one rank"] = outcome(None)
+
+    # then a block that every rank commits: the one exact update over every rank's micro-batches
+    with syncbn.accumulation(bn):
+        for row in micro:
+            bn(row[rank])
+    ref = nn.BatchNorm1d(4).double()
+    ref(torch.cat([x for row in micro for x in row]))
+    out["commit after"] = _states(bn) + [
+        max((bn.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    ]
+
+    # Join inside the block with uneven micro-batch counts (rank r: 2 + r): the rank that joined
+    # early did not see the calls it shadowed; every rank takes the moments of the last one
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), syncbn.SyncBatchNorm1d(4)).double()
+    ref = copy.deepcopy(model[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", groups.UnboundedStepWarning)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        joinable = syncbn.JoinableSyncBatchNorm(ddp)
+        data = [
+            [torch.randn(4, 3, generator=gen, dtype=torch.float64) + i for i in range(2 + r)]
+            for r in range(world)
+        ]
+        with syncbn.accumulation(ddp):
+            with Join([joinable, ddp]):
+                for x in data[rank]:
+                    ddp(x).square().mean().backward()
+    with torch.no_grad():
+        inputs = torch.cat([model[0](x) for xs in data for x in xs])
+    nn.BatchNorm1d.forward(ref, inputs)
+    out["join"] = _states(model[1]) + [
+        max((model[1].state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    ]
+    dist.barrier()
+
+    # last (the group is unusable after): rank 0 commits a block that rank 1 never closes; the
+    # vote waits the bound, raises, and rank 0's statistics are put back
+    syncbn.set_timeout(2.0)
+    if rank == 0:
+        before = _states(bn)
+        error = None
+        block = syncbn.accumulation(bn).begin()
+        with torch.no_grad():
+            bn.running_mean.add_(1.0)  # as a forward would have
+        try:
+            block.commit()
+        except syncbn.CollectiveError as exc:
+            error = exc
+        out["peer never closes"] = (outcome(error), "syncbn.accumulation" in str(error), block.active)
+    return out
+
+
+def test_ranks_that_end_a_block_differently_agree() -> None:
+    results = launch(_disagreeing, 2, timeout=150)
+    first, second = results
+    # discarded on every rank, each rank's own exception raised as it was
+    assert first["raise after the collectives"] == ("KeyError", None, True)
+    assert second["raise after the collectives"] == (None, None, True)
+    assert first["raise between the collectives"] == ("KeyError", None, True)
+    assert second["raise between the collectives"] == ("CollectiveError", True, True)
+    assert first["discard on one rank"] == second["discard on one rank"] == (None, None, True)
+    assert first["peer never closes"] == (("CollectiveError", False, True), True, False)
+    for case in ("commit after", "join"):
+        *state0, error0 = first[case]
+        *state1, error1 = second[case]
+        assert error0 < TOL and error1 < TOL, (case, error0, error1)
+        assert all(torch.equal(state0[0][k], state1[0][k]) for k in state0[0]), case
+        assert int(state0[0]["num_batches_tracked"]) == 1, case
 
 
 # --- accelerate: the documented recipe ---------------------------------------------------------

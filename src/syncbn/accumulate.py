@@ -5,8 +5,10 @@ How the micro-batches' moments are collected and merged: docs/internals/tools.md
 
 from __future__ import annotations
 
+import sys
+import zlib
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -15,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _accumulating, groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import LayerMixin
-from .engine import _rules
+from .engine import _function, _rules
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
@@ -108,34 +110,165 @@ class _Layer:
             self.moments.add(*self.pending)
             self.pending = None
 
-    def close(self, commit: bool) -> None:
-        """Stop listening; put the statistics back, then (``commit``) apply the one merged update."""
+    def stop(self) -> None:
+        """Stop listening."""
         for hook in self.hooks:
             hook.remove()
+        self.hooks = []
         _accumulating.stop(self.moments)
+
+    def seen(self) -> _Seen:
+        """What this rank saw: whether the layer ran, and the merged moments (read on the host)."""
+        ran = self.batches is not None and not torch.equal(self.batches[0], self.batches[1])
+        return _Seen(ran, *self.moments.result())
+
+    def close(self, seen: _Seen | None) -> None:
+        """Put the statistics back, then apply the one update of ``seen`` (``None``: none)."""
         with torch.no_grad():
             self.running_mean.copy_(self.mean0)
             self.running_var.copy_(self.var0)
             if self.batches is not None:
                 tracked, before = self.batches
-                ran = not torch.equal(tracked, before)
                 tracked.copy_(before)
-                if commit and ran:
+                if seen is not None and seen.ran:
                     tracked.add_(1)
-            if not commit:
-                return
-            count, mean, m2 = self.moments.result()
-            if count <= 0.0:
+            if seen is None or seen.total <= 0.0:
                 return
             momentum: Any = self.layer.momentum
             if momentum is None:  # cumulative moving average, this update included
-                seen = float(self.batches[0].item()) if self.batches is not None else 1.0
-                factor = 1.0 / max(seen, 1.0)
+                batches = float(self.batches[0].item()) if self.batches is not None else 1.0
+                factor = 1.0 / max(batches, 1.0)
             else:
                 factor = float(momentum)
-            unbiased = m2 / max(count - 1.0, 1.0)
-            for running, batch in ((self.running_mean, mean), (self.running_var, unbiased)):
+            unbiased = seen.m2 / max(seen.total - 1.0, 1.0)
+            for running, batch in ((self.running_mean, seen.mean), (self.running_var, unbiased)):
                 running.lerp_(batch.to(running.dtype), factor)
+
+
+class _Seen(NamedTuple):
+    """What one rank's block saw of a layer: whether it ran, and the merged moments (``total``
+    values per channel, their ``mean`` and ``m2``, the sum of squared deviations; float64)."""
+
+    ran: bool
+    total: float
+    mean: Tensor
+    m2: Tensor
+
+
+_VOTE = groups.Tag(zlib.crc32(b"syncbn.accumulation") & 0x7FFFFFFF, groups.PHASE_OTHER)
+_SHARE = groups.Tag(zlib.crc32(b"syncbn.accumulation moments") & 0x7FFFFFFF, groups.PHASE_OTHER)
+
+
+def _no_vote(error: BaseException | None) -> bool:
+    """Whether a block ending with ``error`` must not vote: the process is going down, or a
+    collective failed (a timeout, a dead peer), which left the group unusable on every rank."""
+    if error is None:
+        return False
+    return not isinstance(error, Exception) or (
+        isinstance(error, groups.CollectiveError) and not error.mismatch
+    )
+
+
+def _vote(group: groups.ProcessGroupSum, vote: Tensor) -> Tensor:
+    """The framed sum of the votes; tried once more after a mismatch: a peer was then still at a
+    layer's collective, which raised there too, so it is on its way to its own vote."""
+    try:
+        return group.all_reduce_sum_bounded(vote.clone(), host_wait=True, tag=_VOTE)
+    except groups.CollectiveError as exc:
+        if not exc.mismatch:
+            raise
+    return group.all_reduce_sum_bounded(vote, host_wait=True, tag=_VOTE)
+
+
+def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> list[_Seen] | None:
+    """One vote of the group's ranks at the block's end: the layers' update, or ``None`` (discard).
+
+    Every rank votes commit or discard and how many values it saw (``total``, summed over the
+    layers). Any discard: every rank discards. Ranks that saw fewer values missed calls (a rank
+    that joined early under ``Join`` shadows the others' last calls without seeing them): every
+    rank then takes the moments of the first rank that saw the most, in one more collective.
+    """
+    device = seen[0].mean.device
+    vote = torch.zeros(1 + group.size, dtype=torch.float64, device=device)
+    vote[0] = 0.0 if commit else 1.0
+    vote[1 + group.rank] = sum(s.total for s in seen)
+    summed = _vote(group, vote).tolist()
+    counts = summed[1:]
+    if summed[0] > 0.0 or not commit:
+        return None
+    if min(counts) == max(counts):
+        return seen
+    source = counts.index(max(counts))
+    parts: list[Tensor] = []
+    for s in seen:
+        head = torch.tensor([float(s.ran), s.total], dtype=torch.float64, device=device)
+        parts += [
+            head,
+            s.mean.reshape(-1).to(device, torch.float64),
+            s.m2.reshape(-1).to(device, torch.float64),
+        ]
+    flat = torch.cat(parts)
+    if group.rank != source:
+        flat.zero_()
+    group.all_reduce_sum_bounded(flat, host_wait=True, tag=_SHARE)
+    taken: list[_Seen] = []
+    offset = 0
+    for s in seen:
+        n = s.mean.numel()
+        ran, count = flat[offset : offset + 2].tolist()
+        mean = flat[offset + 2 : offset + 2 + n].view_as(s.mean)
+        m2 = flat[offset + 2 + n : offset + 2 + 2 * n].view_as(s.m2)
+        taken.append(_Seen(ran > 0.0, count, mean, m2))
+        offset += 2 + 2 * n
+    return taken
+
+
+def _decide(
+    opened: list[_Layer], seen: list[_Seen], commit: bool, error: BaseException | None
+) -> list[_Seen | None]:
+    """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`).
+
+    Layers that synchronise vote over their group, once per group; local layers follow this rank
+    (and its votes). Under an active ``Join`` nothing is voted (a joined rank cannot answer).
+    """
+    if _no_vote(error):
+        return [None] * len(opened)
+    members: dict[int, tuple[groups.ProcessGroupSum, list[int]]] = {}
+    for i, state in enumerate(opened):
+        group = _group(state.layer)
+        if isinstance(group, groups.ProcessGroupSum) and not _function.through_join(group):
+            members.setdefault(id(group), (group, []))[1].append(i)
+    decided: list[_Seen | None] = list(seen) if commit else [None] * len(opened)
+    failed: groups.CollectiveError | None = None
+    for group, index in members.values():
+        try:
+            agreed = _agree(group, [seen[i] for i in index], commit)
+        except groups.CollectiveError as exc:
+            agreed = None
+            if commit:  # the other groups still get this rank's vote (discard): nobody waits for it
+                failed = groups.CollectiveError(
+                    "syncbn.accumulation: the ranks' vote at the end of the block failed, so this "
+                    "rank put its running statistics back as they were at begin() (every rank of "
+                    f"the group must close the block alike): {exc.args[0]}",
+                    timed_out=exc.timed_out,
+                    waited=exc.waited,
+                    group_size=exc.group_size,
+                    detail=exc.detail,
+                    mismatch=exc.mismatch,
+                )
+                failed.__cause__ = exc
+            # a discarding rank puts its statistics back whatever the others do
+        for j, i in enumerate(index):
+            decided[i] = None if agreed is None else agreed[j]
+        if agreed is None:
+            commit = False  # a discard agreed anywhere: this rank's later votes and local layers too
+    if failed is not None:
+        raise failed
+    if not commit:
+        local = set(range(len(opened))) - {i for _, index in members.values() for i in index}
+        for i in local:
+            decided[i] = None
+    return decided
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -157,14 +290,26 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
     update with the mean and unbiased variance of all micro-batches of all ranks
     together, and ``num_batches_tracked`` goes up by one: exactly what one
     training forward over the concatenated ``k x W`` micro-batches would leave
-    (``momentum=None`` included). An exception inside the block leaves the
-    running statistics and ``num_batches_tracked`` as they were before it.
+    (``momentum=None`` included). An exception inside the block, on any rank,
+    leaves the running statistics and ``num_batches_tracked`` as they were
+    before it on every rank of the group.
 
-    No collective is added: the block merges the global moments the layers
-    already sum (in float64, Chan's formulas), so the ranks' statistics stay
-    identical. Covers syncbn's layers and plain ``nn.BatchNorm*`` (local, seen
-    by a forward pre-hook); ``torch.nn.SyncBatchNorm`` is refused (convert the
-    model first).
+    No collective is added per call: the block merges the global moments the
+    layers already sum (in float64, Chan's formulas). Closing it is one small
+    collective over the layers' group (a vote of ``1 + W`` values, bounded by
+    :func:`syncbn.set_timeout`): if any rank leaves the block with an exception
+    or calls :meth:`discard`, every rank discards; a rank that saw fewer values
+    than another (it joined early under ``Join``) takes the moments of one that
+    saw them all. So the ranks' statistics stay identical, and every rank of
+    the group must close its block. Inside an active ``Join`` there is no vote
+    (a joined rank cannot answer): open the block around the ``Join``. Covers
+    syncbn's layers and plain ``nn.BatchNorm*`` (local, seen by a forward
+    pre-hook); ``torch.nn.SyncBatchNorm`` is refused (convert the model first).
+
+    Raises:
+        CollectiveError: at :meth:`commit` (or the end of the ``with``), the
+            vote failed (a rank did not close its block within the bound); the
+            statistics were put back on this rank.
 
     Args:
         model: the module whose batch-norm layers accumulate (DDP wrappers and
@@ -207,25 +352,40 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
                 opened.append(_Layer(layer))
         except BaseException:
             for state in opened:
-                state.close(commit=False)
+                state.stop()
+                state.close(None)
             raise
         self._open = opened
         return self
 
     def commit(self) -> None:
-        """Apply the one update with every micro-batch seen since :meth:`begin`, and stop."""
-        self._close(commit=True)
+        """Apply the one update with every micro-batch seen since :meth:`begin`, and stop.
+
+        With a process group, the ranks vote first (one small collective): if any rank discards,
+        every rank discards (see the class docstring).
+        """
+        self._close(commit=True, error=None)
 
     def discard(self) -> None:
-        """Put the running statistics back as they were at :meth:`begin`, and stop."""
-        self._close(commit=False)
+        """Put the running statistics back as they were at :meth:`begin`, and stop.
 
-    def _close(self, commit: bool) -> None:
+        Called while handling an exception (``except``, Lightning's ``on_exception``), it reads
+        that exception: after a failed collective it does not vote.
+        """
+        self._close(commit=False, error=sys.exc_info()[1])
+
+    def _close(self, commit: bool, error: BaseException | None) -> None:
         opened, self._open = self._open, None
         if opened is None:
             raise RuntimeError("syncbn.accumulation: not collecting (expected begin() first)")
         for state in opened:
-            state.close(commit)
+            state.stop()
+        decided: list[_Seen | None] = [None] * len(opened)
+        try:
+            decided = _decide(opened, [state.seen() for state in opened], commit, error)
+        finally:  # on an error too: every layer put back (and nothing applied)
+            for state, update in zip(opened, decided):
+                state.close(update)
 
     def __enter__(self) -> accumulation:
         return self.begin()
@@ -233,4 +393,4 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        self._close(commit=kind is None)
+        self._close(commit=kind is None, error=value)
