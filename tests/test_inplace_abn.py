@@ -232,6 +232,50 @@ def test_a_leaf_that_requires_grad_is_refused_before_anything_changes() -> None:
     assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(3))
 
 
+@pytest.mark.parametrize(
+    "attr,value,match",
+    [
+        ("activation", "bogus", "expected activation one of"),
+        ("activation", "relu", "ReLU maps every negative value to 0"),
+        ("activation_param", -1.0, "positive, finite activation_param"),
+        ("activation_param", 0.0, "positive, finite activation_param"),
+        ("activation_param", float("nan"), "positive, finite activation_param"),
+        ("activation_param", None, "positive, finite activation_param"),
+    ],
+)
+@pytest.mark.parametrize("training", [True, False])
+def test_activation_set_after_construction_is_checked_at_every_forward(
+    attr: str, value: object, match: str, training: bool
+) -> None:
+    for cls in (syncbn.InPlaceSyncBatchNorm2d, InPlaceABN, InPlaceABNSync):
+        layer = cls(4).train(training)
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        setattr(layer, attr, value)
+        x = torch.randn(3, 4, 2, 2)
+        h = x.clone()
+        with pytest.raises(ValueError, match=match):
+            layer(h)
+        assert torch.equal(h, x), "the input is not written"
+        assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    abn = ABN(4)
+    abn.activation = "tanh"
+    with pytest.raises(ValueError, match="expected activation one of"):
+        abn(torch.randn(3, 4))
+    assert int(abn.num_batches_tracked) == 0
+    abn.activation = "relu"  # the non-in-place layer computes ReLU
+    assert (abn(torch.randn(3, 4)) >= 0).all()
+
+
+def test_an_activation_changed_to_a_valid_one_is_used() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    changed = syncbn.InPlaceSyncBatchNorm(3, activation="leaky_relu").double()
+    changed.activation, changed.activation_param = "elu", 0.5
+    fresh = syncbn.InPlaceSyncBatchNorm(3, activation="elu", activation_param=0.5).double()
+    assert torch.equal(changed(x.clone()), fresh(x.clone()))
+    assert torch.equal(changed.running_var, fresh.running_var)
+
+
 def test_double_backward_is_a_clear_error() -> None:
     layer = InPlaceABN(3).double()
     x = torch.randn(5, 3, 2, dtype=torch.float64, requires_grad=True)

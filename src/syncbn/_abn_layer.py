@@ -156,8 +156,13 @@ class ActivatedBatchNormBase(LayerMixin):
                 f"(got input of size {list(x.shape)})"
             )
 
+    def _check_activation(self) -> None:
+        # At every call, as at construction: activation and activation_param are plain attributes.
+        check_activation(self.activation, self.activation_param, in_place=self._in_place)
+
     def _forward(self, x: Tensor) -> Tensor:
         """Training or eval forward of the in-place layers (traced under ``torch.compile``); returns ``x``."""
+        self._check_activation()
         if _is_compiling():
             if _ops is None or (
                 not self._local

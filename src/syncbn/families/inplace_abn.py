@@ -40,8 +40,22 @@ ACTIVATIONS = ("leaky_relu", "elu", "identity")
 def check_activation(activation: str, param: float, *, in_place: bool = True) -> None:
     """Raise ``ValueError`` for an activation the (in-place) layer cannot use.
 
-    ``"relu"`` only when not ``in_place``; in place, ``param`` (slope or alpha) must be positive and finite.
+    ``"relu"`` only when not ``in_place``; in place, ``param`` (slope or alpha) must be positive and
+    finite. The layers call it at construction and at every forward (the attributes may change).
     """
+    if activation in ACTIVATIONS:
+        if in_place and activation != "identity":
+            try:
+                valid = 0 < float(param) < float("inf")
+            except (TypeError, ValueError):
+                valid = False
+            if not valid:
+                what = "negative slope" if activation == "leaky_relu" else "alpha"
+                raise ValueError(
+                    f"expected a positive, finite activation_param (the {what} of {activation}) for the "
+                    f"in-place layer, which inverts the activation in backward (got {param!r})"
+                )
+        return
     allowed = ACTIVATIONS if in_place else ("relu", *ACTIVATIONS)
     names = ", ".join(map(repr, allowed))
     if activation == "relu" and in_place:
@@ -53,12 +67,6 @@ def check_activation(activation: str, param: float, *, in_place: bool = True) ->
         )
     if activation not in allowed:
         raise ValueError(f"expected activation one of {names} (got {activation!r})")
-    if in_place and activation in ("leaky_relu", "elu") and not 0 < float(param) < float("inf"):
-        what = "negative slope" if activation == "leaky_relu" else "alpha"
-        raise ValueError(
-            f"expected a positive, finite activation_param (the {what} of {activation}) for the "
-            f"in-place layer, which inverts the activation in backward (got {param!r})"
-        )
 
 
 def check_writable(x: Tensor, what: str) -> None:
