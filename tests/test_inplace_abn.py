@@ -232,6 +232,68 @@ def test_a_leaf_that_requires_grad_is_refused_before_anything_changes() -> None:
     assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(3))
 
 
+LAYOUTS = {  # views of a (4, 8, 3, 5) tensor holding the layer's 4 channels
+    "channel-strided view": lambda t: t[:, ::2],
+    "channel slice": lambda t: t[:, 2:6],
+    "batch-strided view": lambda t: t.repeat(2, 1, 1, 1)[::2, 2:6],
+    "permuted": lambda t: t[:, 2:6].transpose(2, 3).contiguous().transpose(2, 3),
+    "channels_last": lambda t: t[:, 2:6].contiguous(memory_format=torch.channels_last),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("cls", [syncbn.InPlaceSyncBatchNorm2d, InPlaceABN, InPlaceABNSync])
+def test_any_input_layout_matches_the_contiguous_input_on_the_local_path(cls: type, layout: str) -> None:
+    # torch's CPU kernel written over a non-contiguous, non-channels-last input reads values it
+    # already overwrote: the local path gave a wrong output and wrong running statistics there.
+    torch.manual_seed(0)
+    base = torch.randn(4, 8, 3, 5, dtype=torch.float64) * 2.0 + 1.0
+    grad = torch.randn(4, 4, 3, 5, dtype=torch.float64)
+    w, b = _params(4, 1)
+    results = []
+    for contiguous in (True, False):
+        layer = cls(4, activation="leaky_relu", activation_param=0.1).double()
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            layer.bias.copy_(b)
+        leaf = base.clone().requires_grad_()
+        h = LAYOUTS[layout](leaf * 1.0)
+        if contiguous:
+            h = h.contiguous()
+        y = layer(h)
+        assert y is h
+        y.backward(grad)
+        results.append((y.detach(), leaf.grad, layer.weight.grad, layer.running_mean, layer.running_var))
+    for mine, contiguous_result in zip(results[1], results[0]):
+        assert torch.allclose(mine, contiguous_result, rtol=0, atol=1e-12)
+    running = (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
+    x = LAYOUTS[layout](base).contiguous()
+    ref = reference(x, grad, w, b, running, momentum=0.1, activation="leaky_relu", param=0.1)
+    y, _, _, running_mean, running_var = results[1]
+    assert (
+        max(max_error(y, ref["y"]), max_error(running_mean, ref["rm"]), max_error(running_var, ref["rv"]))
+        < 1e-12
+    )
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_an_expanded_input_is_refused_before_anything_changes(training: bool) -> None:
+    # Several elements in one memory location cannot each hold an output value.
+    for layer in (syncbn.InPlaceSyncBatchNorm2d(4), InPlaceABN(4), InPlaceABNSync(4)):
+        layer.train(training)
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        x = torch.randn(2, 4, 1, 3).expand(2, 4, 3, 3)
+        with pytest.raises(
+            RuntimeError, match=r"several elements in one memory location \(size \[2, 4, 3, 3\]"
+        ):
+            layer(x)
+        assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    running = (torch.zeros(4), torch.ones(4))
+    with pytest.raises(RuntimeError, match="several elements in one memory location"):
+        inplace_abn(torch.randn(4, 1).expand(4, 4), None, None, *running, training)
+    assert torch.equal(running[0], torch.zeros(4)) and torch.equal(running[1], torch.ones(4))
+
+
 @pytest.mark.parametrize(
     "attr,value,match",
     [
