@@ -532,6 +532,62 @@ def test_compiled_local_layers_trace_without_graph_breaks() -> None:
     torch._dynamo.reset()
 
 
+@needs_compiled_ops
+@pytest.mark.parametrize("training", [True, False])
+def test_compiled_layer_on_a_view_input_matches_eager(training: bool) -> None:
+    # The traced Function returns the statistics with the output it writes over x; autograd refuses
+    # that for a view input, which dynamo reported as an InternalTorchDynamoError. Now the layer
+    # runs eagerly there (a graph break, with a warning); in eval the traced form returns x alone.
+    torch.manual_seed(0)
+    layers = [
+        syncbn.InPlaceSyncBatchNorm2d(4, activation="elu", activation_param=0.5).double() for _ in range(2)
+    ]
+    for layer in layers:
+        layer.train(training)
+        with torch.no_grad():
+            layer.running_var.fill_(2.0)
+    base = torch.randn(8, 8, 3, 3, dtype=torch.float64)
+    grad = torch.randn(8, 4, 3, 3, dtype=torch.float64)
+
+    def step(t: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        h = t * 1.0
+        return layer(h[:, ::2]), h
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+    results = []
+    for fn, layer in ((compiled, layers[0]), (step, layers[1])):
+        leaf = base.clone().requires_grad_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y, h = fn(leaf, layer)
+        y.backward(grad)
+        views = [w for w in caught if "view of another tensor" in str(w.message)]
+        assert bool(views) == (training and fn is compiled)
+        results.append((y, h, leaf.grad, layer.weight.grad, layer.running_mean, layer.running_var))
+        assert int(layer.num_batches_tracked) == int(training)
+    for mine, eager in zip(*results):
+        assert torch.allclose(mine, eager, rtol=0, atol=1e-12)
+    torch._dynamo.reset()
+
+
+@needs_compiled_ops
+def test_compiled_layer_refuses_an_expanded_input_or_a_leaf_clearly() -> None:
+    for training in (True, False):
+        layer = syncbn.InPlaceSyncBatchNorm2d(4).train(training)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t, layer=layer: layer(t.expand(2, 4, 3, 3)), backend="eager")
+        with pytest.raises(RuntimeError, match="several elements in one memory location"):
+            compiled(torch.randn(2, 4, 1, 3))
+        assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(4))
+    layer = syncbn.InPlaceSyncBatchNorm2d(4)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="which here is a leaf tensor that requires grad"):
+        torch.compile(layer, backend="eager")(torch.randn(2, 4, 3, 3, requires_grad=True))
+    assert int(layer.num_batches_tracked) == 0
+    torch._dynamo.reset()
+
+
 def test_fuse_and_revert() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
