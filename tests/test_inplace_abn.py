@@ -232,6 +232,112 @@ def test_a_leaf_that_requires_grad_is_refused_before_anything_changes() -> None:
     assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(3))
 
 
+LAYOUTS = {  # views of a (4, 8, 3, 5) tensor holding the layer's 4 channels
+    "channel-strided view": lambda t: t[:, ::2],
+    "channel slice": lambda t: t[:, 2:6],
+    "batch-strided view": lambda t: t.repeat(2, 1, 1, 1)[::2, 2:6],
+    "permuted": lambda t: t[:, 2:6].transpose(2, 3).contiguous().transpose(2, 3),
+    "channels_last": lambda t: t[:, 2:6].contiguous(memory_format=torch.channels_last),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("cls", [syncbn.InPlaceSyncBatchNorm2d, InPlaceABN, InPlaceABNSync])
+def test_any_input_layout_matches_the_contiguous_input_on_the_local_path(cls: type, layout: str) -> None:
+    # torch's CPU kernel written over a non-contiguous, non-channels-last input reads values it
+    # already overwrote: the local path gave a wrong output and wrong running statistics there.
+    torch.manual_seed(0)
+    base = torch.randn(4, 8, 3, 5, dtype=torch.float64) * 2.0 + 1.0
+    grad = torch.randn(4, 4, 3, 5, dtype=torch.float64)
+    w, b = _params(4, 1)
+    results = []
+    for contiguous in (True, False):
+        layer = cls(4, activation="leaky_relu", activation_param=0.1).double()
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            layer.bias.copy_(b)
+        leaf = base.clone().requires_grad_()
+        h = LAYOUTS[layout](leaf * 1.0)
+        if contiguous:
+            h = h.contiguous()
+        y = layer(h)
+        assert y is h
+        y.backward(grad)
+        results.append((y.detach(), leaf.grad, layer.weight.grad, layer.running_mean, layer.running_var))
+    for mine, contiguous_result in zip(results[1], results[0]):
+        assert torch.allclose(mine, contiguous_result, rtol=0, atol=1e-12)
+    running = (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
+    x = LAYOUTS[layout](base).contiguous()
+    ref = reference(x, grad, w, b, running, momentum=0.1, activation="leaky_relu", param=0.1)
+    y, _, _, running_mean, running_var = results[1]
+    assert (
+        max(max_error(y, ref["y"]), max_error(running_mean, ref["rm"]), max_error(running_var, ref["rv"]))
+        < 1e-12
+    )
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_an_expanded_input_is_refused_before_anything_changes(training: bool) -> None:
+    # Several elements in one memory location cannot each hold an output value.
+    for layer in (syncbn.InPlaceSyncBatchNorm2d(4), InPlaceABN(4), InPlaceABNSync(4)):
+        layer.train(training)
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        x = torch.randn(2, 4, 1, 3).expand(2, 4, 3, 3)
+        with pytest.raises(
+            RuntimeError, match=r"several elements in one memory location \(size \[2, 4, 3, 3\]"
+        ):
+            layer(x)
+        assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    running = (torch.zeros(4), torch.ones(4))
+    with pytest.raises(RuntimeError, match="several elements in one memory location"):
+        inplace_abn(torch.randn(4, 1).expand(4, 4), None, None, *running, training)
+    assert torch.equal(running[0], torch.zeros(4)) and torch.equal(running[1], torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    "attr,value,match",
+    [
+        ("activation", "bogus", "expected activation one of"),
+        ("activation", "relu", "ReLU maps every negative value to 0"),
+        ("activation_param", -1.0, "positive, finite activation_param"),
+        ("activation_param", 0.0, "positive, finite activation_param"),
+        ("activation_param", float("nan"), "positive, finite activation_param"),
+        ("activation_param", None, "positive, finite activation_param"),
+    ],
+)
+@pytest.mark.parametrize("training", [True, False])
+def test_activation_set_after_construction_is_checked_at_every_forward(
+    attr: str, value: object, match: str, training: bool
+) -> None:
+    for cls in (syncbn.InPlaceSyncBatchNorm2d, InPlaceABN, InPlaceABNSync):
+        layer = cls(4).train(training)
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        setattr(layer, attr, value)
+        x = torch.randn(3, 4, 2, 2)
+        h = x.clone()
+        with pytest.raises(ValueError, match=match):
+            layer(h)
+        assert torch.equal(h, x), "the input is not written"
+        assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    abn = ABN(4)
+    abn.activation = "tanh"
+    with pytest.raises(ValueError, match="expected activation one of"):
+        abn(torch.randn(3, 4))
+    assert int(abn.num_batches_tracked) == 0
+    abn.activation = "relu"  # the non-in-place layer computes ReLU
+    assert (abn(torch.randn(3, 4)) >= 0).all()
+
+
+def test_an_activation_changed_to_a_valid_one_is_used() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    changed = syncbn.InPlaceSyncBatchNorm(3, activation="leaky_relu").double()
+    changed.activation, changed.activation_param = "elu", 0.5
+    fresh = syncbn.InPlaceSyncBatchNorm(3, activation="elu", activation_param=0.5).double()
+    assert torch.equal(changed(x.clone()), fresh(x.clone()))
+    assert torch.equal(changed.running_var, fresh.running_var)
+
+
 def test_double_backward_is_a_clear_error() -> None:
     layer = InPlaceABN(3).double()
     x = torch.randn(5, 3, 2, dtype=torch.float64, requires_grad=True)
@@ -423,6 +529,62 @@ def test_compiled_local_layers_trace_without_graph_breaks() -> None:
     for p, q in zip(model.buffers(), ref.buffers()):
         assert torch.allclose(p.double(), q.double(), atol=1e-6)
     assert backend.frame_count == 1 and not counters["graph_break"]
+    torch._dynamo.reset()
+
+
+@needs_compiled_ops
+@pytest.mark.parametrize("training", [True, False])
+def test_compiled_layer_on_a_view_input_matches_eager(training: bool) -> None:
+    # The traced Function returns the statistics with the output it writes over x; autograd refuses
+    # that for a view input, which dynamo reported as an InternalTorchDynamoError. Now the layer
+    # runs eagerly there (a graph break, with a warning); in eval the traced form returns x alone.
+    torch.manual_seed(0)
+    layers = [
+        syncbn.InPlaceSyncBatchNorm2d(4, activation="elu", activation_param=0.5).double() for _ in range(2)
+    ]
+    for layer in layers:
+        layer.train(training)
+        with torch.no_grad():
+            layer.running_var.fill_(2.0)
+    base = torch.randn(8, 8, 3, 3, dtype=torch.float64)
+    grad = torch.randn(8, 4, 3, 3, dtype=torch.float64)
+
+    def step(t: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        h = t * 1.0
+        return layer(h[:, ::2]), h
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+    results = []
+    for fn, layer in ((compiled, layers[0]), (step, layers[1])):
+        leaf = base.clone().requires_grad_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y, h = fn(leaf, layer)
+        y.backward(grad)
+        views = [w for w in caught if "view of another tensor" in str(w.message)]
+        assert bool(views) == (training and fn is compiled)
+        results.append((y, h, leaf.grad, layer.weight.grad, layer.running_mean, layer.running_var))
+        assert int(layer.num_batches_tracked) == int(training)
+    for mine, eager in zip(*results):
+        assert torch.allclose(mine, eager, rtol=0, atol=1e-12)
+    torch._dynamo.reset()
+
+
+@needs_compiled_ops
+def test_compiled_layer_refuses_an_expanded_input_or_a_leaf_clearly() -> None:
+    for training in (True, False):
+        layer = syncbn.InPlaceSyncBatchNorm2d(4).train(training)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t, layer=layer: layer(t.expand(2, 4, 3, 3)), backend="eager")
+        with pytest.raises(RuntimeError, match="several elements in one memory location"):
+            compiled(torch.randn(2, 4, 1, 3))
+        assert int(layer.num_batches_tracked) == 0 and torch.equal(layer.running_mean, torch.zeros(4))
+    layer = syncbn.InPlaceSyncBatchNorm2d(4)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="which here is a leaf tensor that requires grad"):
+        torch.compile(layer, backend="eager")(torch.randn(2, 4, 3, 3, requires_grad=True))
+    assert int(layer.num_batches_tracked) == 0
     torch._dynamo.reset()
 
 

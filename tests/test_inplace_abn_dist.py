@@ -2,7 +2,9 @@
 
 One launch of 3 ranks runs every case: uneven and empty per-rank batches, each activation, the
 compat classes, the native layer and the function, momentum None, no running statistics, eval (no
-communication), the collectives' count and size, and the global-count-one error on every rank.
+communication), the collectives' count and size, a channel-strided view as the input (over the
+group, and over a group of one: torch's local kernel), and the global-count-one error, an
+expanded input and an activation set after construction refused alike on every rank.
 torch.compile, DistributedDataParallel, DataParallel and Join, the same for every family, are in
 ``test_family_matrix.py``.
 """
@@ -33,6 +35,8 @@ CASES: list[dict[str, Any]] = [
     {"kind": "native", "act": "identity", "p": 0.0, "sizes": [2, 2, 0], "shape": (2, 3, 2), "affine": False},
     {"kind": "compat", "act": "leaky_relu", "p": 0.2, "sizes": [0, 3, 3], "shape": (3, 4), "track": False},
     {"kind": "function", "act": "elu", "p": 0.7, "sizes": [2, 1, 3], "shape": (5, 2, 2)},
+    # a channel-strided view of a wider tensor as the input (written through to that tensor)
+    {"kind": "native", "act": "leaky_relu", "p": 0.1, "sizes": [3, 2, 0], "shape": (3, 4, 2), "view": True},
 ]
 
 
@@ -92,7 +96,7 @@ def _run_case(rank: int, case: dict[str, Any], index: int) -> dict[str, float]:
         w = weight.clone().requires_grad_() if layer is None else None
         b = bias.clone().requires_grad_() if layer is None else None
         group.calls.clear()
-        h = leaf * 1.0
+        h = leaf.repeat_interleave(2, dim=1)[:, ::2] if case.get("view") else leaf * 1.0
         if layer is None:
             y = inplace_abn_sync(h, w, b, *fn_running, True, 0.1, 1e-5, case["act"], case["p"], group=group)
         else:
@@ -139,7 +143,61 @@ def _all_cases(rank: int, world_size: int) -> list[Any]:
     except ValueError as exc:
         unchanged = all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
         out.append((str(exc).split(" (")[0], unchanged))
+    out.append(_group_of_one_on_a_strided_view(rank, world_size))
+    out.append(_faults_before_anything_changes(rank))
     return out
+
+
+def _group_of_one_on_a_strided_view(rank: int, world_size: int) -> dict[str, float]:
+    # A group of one runs torch's local kernel, which read values it had already written over a
+    # channel-strided input: a wrong output and wrong running statistics.
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    layer = syncbn.InPlaceSyncBatchNorm(
+        3, process_group=singles[rank], activation="elu", activation_param=0.5
+    )
+    layer = layer.double()
+    gen = torch.Generator().manual_seed(7 + rank)
+    with torch.no_grad():
+        layer.weight.uniform_(-1.5, 1.5, generator=gen)
+        layer.bias.normal_(generator=gen)
+    x = torch.randn(5, 6, 4, generator=gen, dtype=torch.float64) * 2.0 + 1.0
+    grad = torch.randn(5, 3, 4, generator=gen, dtype=torch.float64)
+    running = (layer.running_mean.clone(), layer.running_var.clone())
+    ref = reference(x[:, ::2], grad, layer.weight, layer.bias, running, activation="elu", param=0.5)
+    leaf = x.clone().requires_grad_()
+    h = (leaf * 1.0)[:, ::2]
+    y = layer(h)
+    assert y is h
+    y.backward(grad)
+    assert torch.equal(leaf.grad[:, 1::2], torch.zeros(5, 3, 4, dtype=torch.float64))
+    return {
+        "y": max_error(y, ref["y"]),
+        "dx": max_error(leaf.grad[:, ::2], ref["dx"]),
+        "dw": max_error(layer.weight.grad, ref["dw"]),
+        "rm": max_error(layer.running_mean, ref["rm"]),
+        "rv": max_error(layer.running_var, ref["rv"]),
+    }
+
+
+def _faults_before_anything_changes(rank: int) -> dict[str, Any]:
+    # Every rank raises the same error before any collective and any state change; the next
+    # valid step then runs over the whole group (no rank was left inside a collective).
+    layer = syncbn.InPlaceSyncBatchNorm(3).double()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    errors = []
+    try:
+        layer(torch.randn(2, 3, 1, dtype=torch.float64).expand(2, 3, 4))
+    except RuntimeError as exc:
+        errors.append(str(exc).split(" (")[0])
+    layer.activation, layer.activation_param = "elu", 0.0
+    try:
+        layer(torch.randn(2, 3, 4, dtype=torch.float64))
+    except ValueError as exc:
+        errors.append(str(exc).split(" (")[0])
+    unchanged = all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    layer.activation_param = 1.0
+    layer(torch.randn(2 + rank, 3, 4, dtype=torch.float64))
+    return {"errors": errors, "unchanged": unchanged, "steps": int(layer.num_batches_tracked)}
 
 
 def test_equals_global_batchnorm_and_activation_on_every_rank() -> None:
@@ -148,7 +206,17 @@ def test_equals_global_batchnorm_and_activation_on_every_rank() -> None:
         for case, errors in zip(CASES, per_rank[: len(CASES)]):
             worst = max(errors.values())
             assert worst <= TOL, f"rank {rank}, case {case}: {errors}"
-    messages = {r[-1] for r in results}
+    for rank, per_rank in enumerate(results):
+        single = per_rank[len(CASES) + 1]
+        assert max(single.values()) <= TOL, f"rank {rank}, a group of one on a strided view: {single}"
+    faults = [per_rank[len(CASES) + 2] for per_rank in results]
+    assert all(f == faults[0] for f in faults), faults
+    assert faults[0]["unchanged"] and faults[0]["steps"] == 1, faults[0]
+    assert [e[:60] for e in faults[0]["errors"]] == [
+        "in-place activated batch norm overwrites its input, which he",
+        "expected a positive, finite activation_param",
+    ], faults[0]
+    messages = {r[len(CASES)] for r in results}
     assert len(messages) == 1, messages
     text, unchanged = messages.pop()
     assert text.startswith("Expected more than 1 value per channel when training") and unchanged

@@ -16,7 +16,7 @@ from . import _fx, groups, parallel
 from ._layer import LayerMixin
 from .engine import _rules
 from .engine._function import Params, inplace_abn_apply
-from .families.inplace_abn import InPlaceABN, check_activation
+from .families.inplace_abn import InPlaceABN, check_activation, check_writable
 
 try:
     from .engine import _ops
@@ -156,8 +156,13 @@ class ActivatedBatchNormBase(LayerMixin):
                 f"(got input of size {list(x.shape)})"
             )
 
+    def _check_activation(self) -> None:
+        # At every call, as at construction: activation and activation_param are plain attributes.
+        check_activation(self.activation, self.activation_param, in_place=self._in_place)
+
     def _forward(self, x: Tensor) -> Tensor:
         """Training or eval forward of the in-place layers (traced under ``torch.compile``); returns ``x``."""
+        self._check_activation()
         if _is_compiling():
             if _ops is None or (
                 not self._local
@@ -182,7 +187,19 @@ class ActivatedBatchNormBase(LayerMixin):
         # nn.DataParallel replicas run eagerly (one graph break per layer).
         if self.__dict__.get("_syncbn_replica") is not None:
             return _eager_forward(self, x)
+        if self.training and x._base is not None:  # (dynamo reads _base without a graph break)
+            # The traced Function returns the statistics besides the output it writes over x, and
+            # autograd refuses that for an input that is a view (t[:, ::2], x.transpose(...)):
+            # dynamo breaks the graph and the eager layer, which returns the output alone, runs.
+            _warn_while_tracing(
+                f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile on an input "
+                "that is a view of another tensor: dynamo breaks the graph here and runs the layer "
+                "eagerly (pass a tensor that is not a view, e.g. the output of the operation before "
+                "it or a .contiguous() copy, to keep the layer in the graph)"
+            )
+            return _eager_forward(self, x)
         self._check_input_dim(x)
+        check_writable(x, "in-place activated batch norm")  # (while tracing: the eager path's error)
         handle = 0 if self._local or not self.training else _ops.group_handle(self._group())
         tracking = self.training and self.track_running_stats
         factor: float | Tensor = 0.0

@@ -79,6 +79,7 @@ class ABN(ActivatedBatchNormBase):
         if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
             return _fx.leaf_call(self, ABN.forward, x)
         self._check_input_dim(x)
+        self._check_activation()
         tracking = self.training and self.track_running_stats
         factor = self._factor(tracking, False)
         use_batch = self.training or self.running_mean is None

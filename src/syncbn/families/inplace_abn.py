@@ -40,8 +40,22 @@ ACTIVATIONS = ("leaky_relu", "elu", "identity")
 def check_activation(activation: str, param: float, *, in_place: bool = True) -> None:
     """Raise ``ValueError`` for an activation the (in-place) layer cannot use.
 
-    ``"relu"`` only when not ``in_place``; in place, ``param`` (slope or alpha) must be positive and finite.
+    ``"relu"`` only when not ``in_place``; in place, ``param`` (slope or alpha) must be positive and
+    finite. The layers call it at construction and at every forward (the attributes may change).
     """
+    if activation in ACTIVATIONS:
+        if in_place and activation != "identity":
+            try:
+                valid = 0 < float(param) < float("inf")
+            except (TypeError, ValueError):
+                valid = False
+            if not valid:
+                what = "negative slope" if activation == "leaky_relu" else "alpha"
+                raise ValueError(
+                    f"expected a positive, finite activation_param (the {what} of {activation}) for the "
+                    f"in-place layer, which inverts the activation in backward (got {param!r})"
+                )
+        return
     allowed = ACTIVATIONS if in_place else ("relu", *ACTIVATIONS)
     names = ", ".join(map(repr, allowed))
     if activation == "relu" and in_place:
@@ -53,21 +67,35 @@ def check_activation(activation: str, param: float, *, in_place: bool = True) ->
         )
     if activation not in allowed:
         raise ValueError(f"expected activation one of {names} (got {activation!r})")
-    if in_place and activation in ("leaky_relu", "elu") and not 0 < float(param) < float("inf"):
-        what = "negative slope" if activation == "leaky_relu" else "alpha"
-        raise ValueError(
-            f"expected a positive, finite activation_param (the {what} of {activation}) for the "
-            f"in-place layer, which inverts the activation in backward (got {param!r})"
-        )
+
+
+def _kernel_layout(x: Tensor) -> bool:
+    """Whether torch's CPU batch norm kernel may write its output over ``x``: contiguous or channels-last.
+
+    On any other layout (a channel-strided view ``t[:, ::2]``, a permutation) it reads values it
+    already overwrote: a wrong output and wrong running statistics.
+    """
+    return (
+        x.is_contiguous()
+        or x.is_contiguous(memory_format=torch.channels_last)
+        or x.is_contiguous(memory_format=torch.channels_last_3d)
+    )
 
 
 def check_writable(x: Tensor, what: str) -> None:
-    """Raise before anything changes when ``x`` cannot be overwritten under autograd."""
+    """Raise before anything changes when ``x`` cannot be overwritten (under autograd, or at all)."""
     if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
         raise RuntimeError(
             f"{what} overwrites its input, which here is a leaf tensor that requires grad (a parameter "
             "or an input created with requires_grad=True): autograd forbids writing over it. Pass the "
             "output of another operation (e.g. the convolution before it), or a clone"
+        )
+    if not x.is_contiguous() and any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape)):
+        raise RuntimeError(
+            f"{what} overwrites its input, which here has several elements in one memory location "
+            f"(size {list(x.shape)}, stride {list(x.stride())}: an expand()ed or broadcast tensor): "
+            "each output value needs its own element. Pass a tensor that owns its elements, e.g. "
+            "x.contiguous() or x.clone()"
         )
 
 
@@ -220,13 +248,13 @@ class InPlaceABN(NamedTuple):
         """Without a group: ``nn.BatchNorm``'s own training kernel over ``x``, then the activation."""
         scale = abs_scale(weight, eps)
         b = None if bias is None else bias.detach()
-        if x.device.type == "cpu":  # the CPU kernel reads the statistics before writing over x
+        if x.device.type == "cpu" and _kernel_layout(x):  # the CPU kernel reads x before writing over it
             invstd = torch.empty(x.shape[1], dtype=stat)
             torch.ops.aten.native_batch_norm.out(
                 x, scale, b, running_mean, running_var, True, momentum, eps,
                 out=x, save_mean=torch.empty_like(invstd), save_invstd=invstd,
             )  # fmt: skip
-        else:
+        else:  # (any other layout: the CPU kernel written over x would read values it already wrote)
             out, _, invstd = torch.native_batch_norm(
                 x, scale, b, running_mean, running_var, True, momentum, eps
             )
