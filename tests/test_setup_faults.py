@@ -8,7 +8,15 @@ members. These tests hold it to what held before syncbn had groups of its own:
   different ranks, are exact (nothing syncbn makes needs a rank outside the user's group);
 * a peer that dies before its first call is found within about a second, not at the bound;
 * a peer killed while the other waits in set-up never leaves the survivor waiting past the
-  bound, at any instant of the set-up.
+  bound, at any instant of the set-up;
+* a rank outside ``new_group([0, 1])`` (torch hands it the int ``NON_GROUP_MEMBER``) that trains
+  a layer over that group gets a ``ValueError`` naming itself and the group's ranks, nothing
+  changed (it raised "cannot create weak reference to 'int' object"), while the members train
+  exactly;
+* a rank that does not reach a job-wide ``new_group`` made through ``groups._meet`` (as
+  ``JoinableSyncBatchNorm`` needs) is named within syncbn's bound on every rank that called, no
+  group made (torch's own ``new_group`` left a bare "Wait timeout"); the late rank raises too, and
+  all then meet again.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import syncbn
-from _helpers.dist_harness import launch
+from _helpers.dist_harness import COLLECTIVE_TIMEOUT_S, launch
 from syncbn import _shm, groups
 
 BOUND = 10.0
@@ -229,3 +237,90 @@ def test_a_peer_lost_while_the_wire_connects_is_found_within_the_bound(attempt: 
     assert other["type"] == "CollectiveError", other
     limit = WIRE_BOUND if groups._own.CARRIES_TIMEOUT else 5 * WIRE_BOUND
     assert other["s"] < limit + 2.0, other
+
+
+def _non_member(rank: int, world_size: int) -> dict[str, Any]:
+    syncbn.set_timeout(BOUND)
+    pair = dist.new_group([0, 1])  # rank 2: torch.distributed.GroupMember.NON_GROUP_MEMBER
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(8, 3, 2, 2, generator=gen, dtype=torch.float64) * 3 + 1
+    layers = {
+        "bn": syncbn.SyncBatchNorm2d(3, process_group=pair),
+        "inplace": syncbn.InPlaceSyncBatchNorm2d(3, process_group=pair, activation="identity"),
+        "renorm": syncbn.SyncBatchRenorm2d(3, process_group=pair, r_max=1.0, d_max=0.0),
+    }
+    out: dict[str, Any] = {}
+    for name, layer in layers.items():
+        layer.double()
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        x = full[4 * min(rank, 1) : 4 * min(rank, 1) + 4].clone()
+        given = x.clone()
+        try:
+            y = layer(x)
+        except ValueError as exc:
+            out[name] = str(exc)
+        else:  # a member: the pair's big batch (renorm with r_max=1, d_max=0 is batch norm)
+            reference = nn.BatchNorm2d(3).double()
+            out[name] = (y.detach() - reference(full)[4 * rank : 4 * rank + 4]).abs().max().item()
+            out[f"{name} running"] = (layer.running_var - reference.running_var).abs().max().item()
+        after = layer.state_dict()
+        out[f"{name} unchanged"] = all(torch.equal(before[k], after[k]) for k in before) and bool(
+            torch.equal(x, given)
+        )
+    return out
+
+
+def test_a_rank_outside_the_group_is_told_so_and_the_members_train() -> None:
+    results = launch(_non_member, 3, timeout=90)
+    for rank in (0, 1):
+        for name in ("bn", "inplace", "renorm"):
+            if name == "bn":  # (the in-place layer's scale is |weight| + eps: its output is close only)
+                assert results[rank][name] < 1e-12, (rank, name, results[rank])
+            assert results[rank][f"{name} running"] < 1e-12, (rank, name, results[rank])
+    outside = results[2]
+    for name in ("bn", "inplace", "renorm"):
+        text = outside[name]
+        assert text.startswith("syncbn: expected a process group that global rank 2 belongs to"), text
+        assert "NON_GROUP_MEMBER (-100)" in text and "global ranks [0, 1]" in text, text
+        assert "syncbn.groups.subgroup(k)" in text and "nothing was changed" in text, text
+        assert outside[f"{name} unchanged"], (name, outside)
+
+
+def _absent_from_new_group(rank: int, world_size: int) -> dict[str, Any]:
+    syncbn.set_timeout(1.5)
+    everyone = list(range(world_size))
+    caller = "syncbn.JoinableSyncBatchNorm(model)"
+    out: dict[str, Any] = {}
+    if rank == 1:
+        time.sleep(6.0)  # well past the others' bound: rank-dependent code before the call
+    try:
+        groups._meet.new_group(caller, everyone, None)
+        out["first"] = "made"
+    except syncbn.CollectiveError as exc:
+        out["first"] = str(exc)
+        out["timed out"] = exc.timed_out
+        out["waited"] = exc.waited
+    out["groups after"] = len(dist.distributed_c10d._world.pg_map)
+    dist.barrier()  # every rank past its first try (the default group is still usable)
+    group = groups._meet.new_group(caller, everyone, None)  # all on time: the next epoch
+    total = torch.ones(1)
+    dist.all_reduce(total, group=group)
+    out["summed"] = total.item()
+    return out
+
+
+def test_a_rank_absent_from_a_job_wide_new_group_is_named_within_the_bound() -> None:
+    results = launch(_absent_from_new_group, 3, timeout=90)
+    for rank in (0, 2):
+        text = results[rank]["first"]
+        assert text.startswith(
+            "syncbn.JoinableSyncBatchNorm(model) is collective over every rank of the job"
+        ), text
+        assert "global ranks [1] did not" in text and "bound: 1.5 s" in text, text
+        assert "No group was made" in text, text
+        assert results[rank]["timed out"] is True
+        assert results[rank]["waited"] < COLLECTIVE_TIMEOUT_S  # syncbn's bound, not the group's
+    late = results[1]["first"]  # alone in the next meeting: it gives up at the bound too
+    assert "JoinableSyncBatchNorm" in late and "global ranks [0, 2] did not" in late, late
+    assert len({out["groups after"] for out in results}) == 1  # no rank made a group
+    assert [out["summed"] for out in results] == [3.0, 3.0, 3.0]

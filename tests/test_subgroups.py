@@ -5,6 +5,10 @@ batches, momentum None, dtypes, against ``nn.BatchNorm`` on the group's batch in
 in-place family, ``convert_sync_batchnorm(group_size=...)``, the cache, the shared-memory path,
 errors that name the group, and fresh groups after ``destroy_process_group`` + a new job.
 ``"node"`` on two simulated hosts (``tests/_helpers/netns.py``) is in the last test.
+
+A rank that does not call ``subgroup`` (directly or through ``convert_sync_batchnorm(group_size=)``)
+is named within syncbn's bound by every rank that did, nothing made or converted; it once left them
+in ``all_gather_object`` for the process group's timeout, then a raw gloo error.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +27,7 @@ from torch import nn
 
 import syncbn
 from _helpers import netns as _netns
-from _helpers.dist_harness import launch
+from _helpers.dist_harness import COLLECTIVE_TIMEOUT_S, launch
 from _helpers.renorm_reference import renorm_reference
 from syncbn import groups
 from syncbn.cli._checks import run_case, standard_cases
@@ -236,3 +241,44 @@ def test_node_groups_on_two_simulated_hosts() -> None:
         assert out["pairs"] == out["ranks"]
         assert out["shared"] is True  # each machine's group takes its shared memory
         assert out["error"] < TOL and out["inplace"] < TOL, (rank, out)
+
+
+def _absent(rank: int, world: int) -> dict[str, Any]:
+    syncbn.set_timeout(1.5)
+    out: dict[str, Any] = {}
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    calls = {
+        0: lambda: syncbn.convert_sync_batchnorm(model, group_size=1),
+        1: lambda: (time.sleep(6.0), groups.subgroup(1)),  # well past the others' bound
+        2: lambda: groups.subgroup(1),
+    }
+    try:
+        calls[rank]()
+        out["first"] = "made"
+    except syncbn.CollectiveError as exc:
+        out["first"] = str(exc)
+        out["waited"] = exc.waited
+        out["timed out"] = exc.timed_out
+    out["unconverted"] = type(model[1]) is nn.BatchNorm1d
+    out["groups after"] = len(dist.distributed_c10d._world.pg_map)
+    dist.barrier()  # the default group is still usable; now every rank asks, on time
+    mine = groups.subgroup(1)
+    out["ranks"] = groups.group_ranks(mine)
+    converted = syncbn.convert_sync_batchnorm(model, group_size=1)
+    out["converted"] = converted[1].process_group is mine
+    return out
+
+
+def test_a_rank_that_does_not_call_subgroup_is_named_within_the_bound() -> None:
+    results = launch(_absent, 3, timeout=90)
+    for rank in (0, 2):
+        text = results[rank]["first"]
+        assert text.startswith("syncbn.groups.subgroup(1) is collective over every rank of the job"), text
+        assert "global ranks [1] did not" in text and "bound: 1.5 s" in text, text
+        assert "No group was made" in text, text
+        assert results[rank]["timed out"] is True
+        assert results[rank]["waited"] < COLLECTIVE_TIMEOUT_S  # syncbn's bound, not the group's
+    assert "global ranks [0, 2] did not" in results[1]["first"], results[1]  # late: it gives up too
+    assert len({out["groups after"] for out in results}) == 1  # no rank made a group
+    for rank, out in enumerate(results):
+        assert out["unconverted"] and out["converted"] and out["ranks"] == [rank], out

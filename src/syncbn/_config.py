@@ -25,6 +25,11 @@ __all__ = [
 #: checkpoint write on one rank, short next to ``torch.distributed``'s 30 minutes.
 DEFAULT_TIMEOUT_S = 300.0
 
+#: The largest bound accepted, in seconds (about 31.7 years): every wait syncbn makes takes it
+#: (``timedelta`` stops near 8.6e13 s, a thread's wait on Linux at ``threading.TIMEOUT_MAX``, 9.2e9 s).
+#: Not re-exported by ``syncbn``; for no bound of syncbn's own, pass ``None``, ``0`` or ``"none"``.
+MAX_TIMEOUT_S = 1e9
+
 _UNSET = object()
 _timeout_override: object = _UNSET
 _debug_override: bool | None = None
@@ -54,6 +59,11 @@ def _parse_timeout(value: object, source: str) -> float | None:
         raise ValueError(f"{source}: expected a non-negative number of seconds (got {value!r})")
     if seconds == 0 or math.isinf(seconds):
         return None
+    if seconds > MAX_TIMEOUT_S:
+        raise ValueError(
+            f"{source}: expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {value!r}); "
+            "for no bound of syncbn's own (the process group's timeout bounds every wait) use 0 or 'none'"
+        )
     return seconds
 
 
@@ -65,10 +75,17 @@ def set_timeout(seconds: float | None | str = "default") -> None:
     time waited and the likely causes.
 
     Args:
-        seconds: the bound in seconds; ``None`` or ``0`` for no bound of syncbn's
-            own (the process group's timeout then bounds every wait, shared
-            memory included); ``"default"`` to drop the override and use
-            ``SYNCBN_TIMEOUT`` or the default again.
+        seconds: the bound in seconds, at most ``1e9`` (about 31 years); ``None``,
+            ``0`` or ``inf`` for no bound of syncbn's own (the process group's
+            timeout then bounds every wait, shared memory included);
+            ``"default"`` to drop the override and use ``SYNCBN_TIMEOUT`` or the
+            default again.
+
+    Raises:
+        ValueError: a negative or NaN number, a number above ``1e9``, or a string
+            that is not a number, here; the same for ``SYNCBN_TIMEOUT`` at the
+            first training call (or :func:`get_timeout`).
+        TypeError: neither a number, a string nor ``None``.
 
     Example::
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.distributed as dist  # noqa: F401 - syncbn.groups.dist: the tests patch its all_reduce
 
 # Beyond __all__, the seam also re-exports the helpers that syncbn's tools and tests use.
-from . import _ddp, _own, _transport  # noqa: F401 - syncbn.join and the tests use them
+from . import _ddp, _meet, _own, _transport  # noqa: F401 - syncbn.join and the tests use them
 from ._ddp import PlainJoinError, UnboundedStepWarning
 from ._errors import CollectiveError
 from ._frame import (  # noqa: F401

@@ -24,6 +24,13 @@ def resolve(process_group: Any) -> SumGroup | None:
         ``None`` when ``torch.distributed`` is unavailable or not initialised,
         or the group has a single member: plain batch norm is then exact.
         Otherwise a :class:`SumGroup`.
+
+    Raises:
+        ValueError: ``process_group`` is ``torch.distributed.GroupMember.NON_GROUP_MEMBER``,
+            what ``new_group`` returns to the ranks it leaves out: this rank is not a member
+            (``torch.nn.SyncBatchNorm`` silently runs unsynchronised there; torch's collectives
+            warn and do nothing). Raised on that rank only, before any state changes; the
+            group's members are not affected.
     """
     # Concrete types first: a runtime Protocol check costs tens of microseconds.
     if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, ProcessGroupRef)):
@@ -40,10 +47,33 @@ def resolve(process_group: Any) -> SumGroup | None:
     hit = _resolved.get(id(live))
     if hit is not None and hit[0]() is live:
         return hit[1]
+    if isinstance(live, int):  # new_group's NON_GROUP_MEMBER (-100); a miss every call: it raises
+        if live == dist.GroupMember.NON_GROUP_MEMBER and not isinstance(live, bool):
+            raise _not_a_member(live)
+        raise TypeError(
+            f"syncbn: expected process_group to be a torch.distributed process group or None (got {live!r})"
+        )
     forget_destroyed()
     group = ProcessGroupSum(process_group) if dist.get_world_size(process_group) > 1 else None
     _resolved[id(live)] = (weakref.ref(live), group)
     return group
+
+
+def _not_a_member(process_group: int) -> ValueError:
+    """The error for ``NON_GROUP_MEMBER``: this rank, and the ranks of the group it was left out of."""
+    rank = dist.get_rank()
+    try:  # torch keeps the ranks of the last group that left this rank out under NON_GROUP_MEMBER
+        last: str = f"global ranks {list(dist.get_process_group_ranks(process_group))}"  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - best effort in an error path
+        last = "unknown"
+    return ValueError(
+        f"syncbn: expected a process group that global rank {rank} belongs to (got "
+        f"torch.distributed.GroupMember.NON_GROUP_MEMBER ({process_group!r}), which "
+        f"torch.distributed.new_group returns to the ranks it leaves out; the last group that left "
+        f"rank {rank} out: {last}). Give each rank a group it is a member of (for example "
+        "syncbn.groups.subgroup(k) or torch.distributed.new_subgroups(k)[0]), or process_group=None "
+        "for the default group; nothing was changed"
+    )
 
 
 def forget_destroyed() -> None:

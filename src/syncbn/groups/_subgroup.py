@@ -6,12 +6,14 @@ life of the default group. See docs/internals/groups.md.
 
 from __future__ import annotations
 
+import json
 import weakref
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import _shm
+from . import _meet
 
 __all__ = ["subgroup", "NODE"]
 
@@ -25,11 +27,21 @@ _made: dict[tuple[str, ...], tuple[weakref.ref[Any], Any]] = {}
 def _exchange(size: Any, world: int) -> list[list[int]]:
     """The member sets to create, in rank order, from every rank's request and machine (collective).
 
-    Raises on every rank alike when the ranks asked for different sizes, or for an invalid one.
+    Raises on every rank alike when the ranks asked for different sizes, or for an invalid one,
+    or (:class:`~syncbn.groups.CollectiveError`) when a rank did not call within syncbn's bound.
     """
     mine = (repr(size), _shm._host_key())
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine)
+    met = _meet.meet(
+        f"syncbn.groups.subgroup({size!r})",
+        "subgroup",
+        json.dumps(mine),
+        consequence="No group was made; the process group is still usable.",
+    )
+    if met is not None:
+        everyone: list[Any] = [tuple(json.loads(text)) for text in met]
+    else:  # torch's internals moved: the collective of torch.distributed, bounded by the group's timeout
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
     asked = [request for request, _ in everyone]
     if len(set(asked)) > 1:
         listed = ", ".join(f"rank {r}: {request}" for r, request in enumerate(asked))
@@ -55,9 +67,10 @@ def subgroup(size: int | str) -> Any:
     """This rank's process group of ``size`` consecutive ranks, or of this machine's ranks.
 
     Every rank of the job must call it: the first time it is collective (the ranks compare their
-    ``size`` in one ``all_gather_object``, then each creates every group in the same order, so
-    none hangs on a group another never makes). The result is cached per ``size`` for the life of
-    the default group (later calls do not communicate) and destroyed with it.
+    ``size`` in one exchange in the job's store, bounded by syncbn's bound, then each creates every
+    group in the same order, so none hangs on a group another never makes). The result is cached
+    per ``size`` for the life of the default group (later calls do not communicate) and destroyed
+    with it.
 
     Use the result as ``process_group=`` of any syncbn layer (or of ``torch.distributed`` calls);
     :func:`syncbn.convert_sync_batchnorm` takes ``group_size=`` as the one-line form. A group whose
@@ -78,6 +91,9 @@ def subgroup(size: int | str) -> Any:
             ranks asked for different sizes (named per rank); on every rank alike, before any
             group is made.
         TypeError: ``size`` is neither an int nor ``"node"`` (on every rank alike).
+        syncbn.CollectiveError: (``timed_out=True``) a rank did not call it within syncbn's bound
+            (``SYNCBN_TIMEOUT``); on every rank that called, naming the missing ranks, before any
+            group is made.
 
     Example::
 

@@ -1,0 +1,132 @@
+"""Every rank of the job meets within syncbn's bound, or every rank raises: :func:`meet`.
+
+The set-up calls that are collective over the whole job (:func:`~syncbn.groups.subgroup`,
+:func:`new_group`) once waited on ``torch.distributed`` itself (an ``all_gather_object``, gloo's
+connection through the store) for the process group's timeout, 30 minutes by default, and a rank
+that never came left its peers a bare "Wait timeout". Here the ranks meet in the job's store with
+the bound (``SYNCBN_TIMEOUT``; none: the process group's timeout), in three steps:
+
+1. read the meeting's epoch (a store key, the same for every rank of the job) and publish this
+   rank's value under it;
+2. wait, with the bound, for every rank's value;
+3. settle the verdict with one ``compare_set``: the first rank to settle writes ``go`` (every value
+   was there) or the ranks missing when its wait ended, every other rank reads what it wrote, and
+   the epoch moves on. So the ranks that met agree, and a rank that arrives after its peers gave
+   up raises too (at once, if it read the old epoch; else after the bound, alone in the new one),
+   instead of proceeding into a collective that no peer joins. After a failed meeting every rank
+   may try again: they meet in the next epoch.
+
+Only the store is touched: no process group, and nothing that a failed meeting leaves to clean up.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import _config
+from . import _own
+from ._errors import CollectiveError, _pg_timeout
+
+__all__ = ["meet", "new_group"]
+
+_GO = "go"
+
+
+def _bound() -> tuple[float, str]:
+    """The wait bound in seconds and where it comes from, in words."""
+    bound = _config.get_timeout()
+    if bound is not None:
+        return bound, "SYNCBN_TIMEOUT/syncbn.set_timeout"
+    return _pg_timeout(None), "the process group's timeout, SYNCBN_TIMEOUT being none"
+
+
+def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> list[str] | None:
+    """Every rank's ``value``, in rank order, once every rank of the job has called with ``tag``.
+
+    Collective over the default group, bounded by syncbn's bound.
+
+    Args:
+        caller: the public call, for the error (``"syncbn.groups.subgroup(2)"``).
+        tag: the meeting's name, the same on every rank (never the value: ranks that ask for
+            different things must still meet, to raise alike).
+        value: this rank's contribution (a short string).
+        consequence: appended to the error (what was not made).
+
+    Returns:
+        The values, or ``None`` where the job's store cannot be reached through torch's internals
+        (the caller then falls back to a collective of ``torch.distributed``).
+
+    Raises:
+        CollectiveError: (``timed_out=True``) on every rank that called, when a rank did not
+            arrive within the bound: the ranks missing, the bound and its source, what to do.
+    """
+    found = _own._store_for(None)
+    if found is None:
+        return None
+    base, name = found
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = dist.PrefixStore(f"syncbn/meet/{name}/{tag}/", base)
+    epoch = store.compare_set("epoch", "", "0").decode()
+    here = dist.PrefixStore(f"{epoch}/", store)
+    keys = [f"value/{r}" for r in range(world)]
+    bound, source = _bound()
+    start = time.monotonic()
+    here.set(keys[rank], value)
+    try:
+        here.wait(keys, timedelta(seconds=bound))
+        proposal = _GO
+    except Exception:  # noqa: BLE001 - a store's timeout: RuntimeError or DistStoreError
+        missing = [r for r in range(world) if not here.check([keys[r]])]
+        proposal = "missing " + ",".join(map(str, missing)) if missing else _GO
+    verdict = here.compare_set("verdict", "", proposal).decode()
+    store.compare_set("epoch", epoch, str(int(epoch) + 1))  # the first to settle moves it on
+    if verdict == _GO:
+        got = here.multi_get(keys) if hasattr(here, "multi_get") else [here.get(k) for k in keys]
+        return [v.decode() for v in got]
+    missing = [int(r) for r in verdict.removeprefix("missing ").split(",")]
+    raise _late(caller, rank, world, missing, time.monotonic() - start, bound, source, consequence)
+
+
+def _late(
+    caller: str,
+    rank: int,
+    world: int,
+    missing: list[int],
+    waited: float,
+    bound: float,
+    source: str,
+    consequence: str,
+) -> CollectiveError:
+    if rank in missing:
+        what = (
+            f"rank {rank} arrived after the other ranks had given up waiting for it (bound: "
+            f"{bound:g} s: {source}; the ranks missing then: {missing})"
+        )
+    else:
+        what = (
+            f"waited {waited:.1f} s (bound: {bound:g} s: {source}) for every rank of the default "
+            f"group of {world} ranks to call it, and global ranks {missing} did not"
+        )
+    message = (
+        f"{caller} is collective over every rank of the job: {what}. Call it on every rank "
+        "at the same point of the program (not under a rank-dependent branch); a rank may also be "
+        "busy elsewhere (raise the bound with SYNCBN_TIMEOUT=<seconds> or syncbn.set_timeout()) "
+        f"or dead.{(' ' + consequence) if consequence else ''}"
+    )
+    return CollectiveError(message, timed_out=True, waited=waited, group_size=world)
+
+
+def new_group(caller: str, ranks: list[int], timeout: timedelta | None) -> Any:
+    """``torch.distributed.new_group(ranks, timeout=timeout)`` once every rank has arrived (:func:`meet`).
+
+    ``new_group`` is collective over the whole job, and a rank that never calls it leaves the
+    others in the store's wait of gloo's connection, then a bare "Wait timeout". Here a rank that
+    does not arrive within syncbn's bound is named in a :class:`CollectiveError` raised on every
+    rank that called, before any group is made.
+    """
+    meet(caller, "new_group", consequence="No group was made; the process group is still usable.")
+    return dist.new_group(ranks, timeout=timeout)
