@@ -70,7 +70,9 @@ class JoinableSyncBatchNorm(Joinable):
         self._model = model
         # syncbn's bound as the group's timeout, so gloo gives up at the bound too.
         bound = _config.get_timeout()
-        group = dist.new_group(list(range(dist.get_world_size())), timeout=_config.timeout_delta())
+        # Every rank meets within the bound first: a rank that never builds its joinable is named.
+        ranks = list(range(dist.get_world_size()))
+        group = groups._meet.new_group("syncbn.JoinableSyncBatchNorm(model)", ranks, _config.timeout_delta())
         key = groups._own.adopt(group)  # held there only: destroyed in order when this joinable goes
         self._sum = groups.ProcessGroupSum(group, own_group=True)
         weakref.finalize(self, groups._own.release, key, (bound or 1800.0) + 1.0)
