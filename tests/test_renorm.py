@@ -197,6 +197,39 @@ def test_limits_take_any_real_number_and_name_the_type_of_anything_else() -> Non
         syncbn.SyncBatchRenorm1d(C, r_max=np.float32(0.5))
 
 
+@pytest.mark.parametrize(
+    ("buffer", "value", "named"),
+    [
+        ("running_var", float("nan"), "running_var holds NaN or Inf"),
+        ("running_var", -5.0, "running_var is negative"),
+        ("running_mean", float("inf"), "running_mean holds NaN or Inf"),
+    ],
+    ids=["nan-var", "negative-var", "inf-mean"],
+)
+def test_debug_mode_names_invalid_running_statistics_before_any_update(
+    buffer: str, value: float, named: str
+) -> None:
+    layer = _layer()
+    with torch.no_grad():
+        getattr(layer, buffer)[1] = value  # e.g. a corrupt checkpoint
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x, _ = _data(6)
+    syncbn.set_debug(True)
+    try:
+        with pytest.raises(
+            ValueError, match=rf"SyncBatchRenorm1d\(4\).*invalid running statistics \({named}\)"
+        ):
+            layer(x)
+        torch.testing.assert_close(dict(layer.state_dict()), before, rtol=0, atol=0, equal_nan=True)
+        assert int(layer.num_batches_tracked) == 0
+        # Not read in training: batch norm's path (r_max=1, d_max=0), and eval, run as before.
+        layer.r_max, layer.d_max = 1.0, 0.0
+        assert not layer(x)[:, 0].isnan().any()
+        layer.eval()(x)
+    finally:
+        syncbn.set_debug(None)
+
+
 # Two gloo ranks: each takes its shard of one global batch (uneven, and one rank empty).
 SHARDS = {"uneven": (3, 5), "empty": (0, 6)}
 

@@ -11,8 +11,9 @@ import numbers
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from . import _checks, _config, groups
 from ._layer import dims_doc
 from .families import Renorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
@@ -77,8 +78,10 @@ class SyncBatchRenorm(SyncBatchNorm):
 
     ``r_max`` and ``d_max`` are plain attributes: change them between steps for
     the paper's warm-up (start at 1 and 0, relax towards e.g. 3 and 5), alike on
-    every rank. Any real number is taken (a NumPy scalar too); a tensor is refused
-    (``ValueError``: pass ``float(value)``). Under
+    every rank (checked at the first training call, and on every call in debug
+    mode). Any real number is taken (a NumPy scalar too); a tensor is refused
+    (``ValueError``: pass ``float(value)``). In debug mode, NaN/Inf or negative
+    running statistics (which :math:`r, d` read) raise ``ValueError``. Under
     activation checkpointing the recomputation takes :math:`r, d` from the
     running statistics the layer's last forward saw (exact for a layer called
     once per checkpointed step).
@@ -141,8 +144,18 @@ class SyncBatchRenorm(SyncBatchNorm):
         if recomputing and before is not None:  # after the step's update: the first forward's statistics
             running_mean, running_var = before
         elif eager:
+            if _config.debug_enabled() and not isinstance(
+                groups.resolve(self._group()), groups.ProcessGroupSum
+            ):  # over a process group the consistency check tests them on every rank
+                _checks.check_running_stats(self, running_mean, running_var)
             self.__dict__["_renorm_before"] = (running_mean.detach().clone(), running_var.detach().clone())
         return Renorm(r_max, d_max, running_mean, running_var)
+
+    def _syncbn_debug_running_stats(self) -> tuple[Tensor, Tensor] | None:
+        """The running statistics this training call's ``r`` and ``d`` read (debug mode's check)."""
+        if not self.track_running_stats or (self.r_max == 1.0 and self.d_max == 0.0):
+            return None
+        return self.running_mean, self.running_var  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r_max={self.r_max:g}, d_max={self.d_max:g}"
