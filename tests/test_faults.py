@@ -14,6 +14,7 @@ harness fails on any rank that did not return), that ``/dev/shm`` holds no
 
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import mmap
@@ -578,7 +579,7 @@ def test_debug_mode_recovers_after_a_rejected_call() -> None:
 
 def test_a_nan_in_a_debug_row_is_named_not_a_crash() -> None:
     bn = syncbn.SyncBatchNorm1d(3)
-    good = [1.0, 1.0, 1.0, 3.0, 3.0, 17.0, 0.0, 0.0]
+    good = [1.0, 1.0, 1.0, 3.0, 3.0, 17.0, 0.0, 0.0] + [0.0] * (len(_checks.FIELDS) - 8)
     bad = list(good)
     bad[1] = float("nan")
     with pytest.raises(ValueError, match=r"call nan"):
@@ -587,6 +588,126 @@ def test_a_nan_in_a_debug_row_is_named_not_a_crash() -> None:
     bad[3] = float("nan")
     with pytest.raises(ValueError, match=r"nan channels"):
         _checks._compare([good, bad], True, bn, {})
+
+
+def _plain_again(layer: nn.Module) -> None:
+    """A renorm layer back to ``SyncBatchNorm1d`` in place: its class and its settings."""
+    layer.__class__ = syncbn.SyncBatchNorm1d
+    for key in syncbn.SyncBatchRenorm._syncbn_family_keys:
+        layer.__dict__.pop(key, None)
+
+
+# Each case: (debug, layer on this rank, how to make the ranks agree again). Rank 1 differs.
+def _disagreeing(rank: int) -> dict[str, tuple[bool, Callable[[], nn.Module], Callable[[nn.Module], None]]]:
+    other = rank == 1
+
+    def renorm(**kw: Any) -> Callable[[], nn.Module]:
+        return lambda: syncbn.SyncBatchRenorm1d(4, **kw).double()
+
+    def plain(**kw: Any) -> Callable[[], nn.Module]:
+        return lambda: syncbn.SyncBatchNorm1d(4, **kw).double()
+
+    def setter(**kw: Any) -> Callable[[nn.Module], None]:
+        return lambda layer: layer.__dict__.update(kw)
+
+    def in_place(activation: str) -> nn.Module:
+        return syncbn.InPlaceSyncBatchNorm(4, activation=activation, activation_param=0.5).double()
+
+    return {
+        "r_max": (False, renorm(r_max=1.5 if other else 3.0), setter(r_max=3.0)),
+        "r_max-debug": (True, renorm(r_max=1.5 if other else 3.0), setter(r_max=3.0)),
+        "eps": (False, plain(eps=1e-3 if other else 1e-5), setter(eps=1e-5)),
+        "momentum": (False, plain(momentum=None if other else 0.1), setter(momentum=0.1)),
+        "activation": (
+            True,
+            lambda: in_place("elu" if other else "leaky_relu"),
+            setter(activation="leaky_relu"),
+        ),
+        "class": (
+            True,
+            renorm() if other else plain(),
+            _plain_again,
+        ),
+    }
+
+
+def _train(layer: nn.Module, rank: int, seed: int) -> None:
+    full, grad = _batch(seed, layer.num_features)
+    x = full[4 * rank : 4 * rank + 4].clone().requires_grad_()
+    layer(x * 1.0).backward(grad[4 * rank : 4 * rank + 4])  # * 1.0: the in-place layer's input
+
+
+def _settings_disagree(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (debug, make, agree) in _disagreeing(rank).items():
+        syncbn.set_debug(debug)
+        torch.manual_seed(0)
+        layer = make()
+        with torch.no_grad():
+            layer.running_mean.fill_(2.0)  # renorm's r and d clamp: its output depends on r_max
+            layer.running_var.fill_(0.1)
+        before = _state(layer)
+        out[name] = _attempt(functools.partial(_train, layer, rank, 0))
+        out[name]["unchanged"] = _same(before, _state(layer))
+        agree(layer)
+        out[name]["then"] = _attempt(functools.partial(_train, layer, rank, 1))["type"]
+    # A schedule that changes r_max alike on every rank passes; one rank left behind is caught in
+    # debug mode, on the call where the values part.
+    syncbn.set_debug(True)
+    layer = syncbn.SyncBatchRenorm1d(4, r_max=1.0, d_max=0.0).double()
+    results = []
+    for step in range(3):
+        layer.r_max = 1.0 + step if rank == 0 or step < 2 else 2.0
+        layer.d_max = 0.5 * step
+        before = _state(layer)
+        results.append(_attempt(functools.partial(_train, layer, rank, step)))
+    out["schedule"] = {"types": [r["type"] for r in results], "msg": results[-1]["msg"]}
+    out["schedule"]["unchanged"] = _same(before, _state(layer))
+    # Running statistics a renorm layer reads in training, invalid on rank 1 (a corrupt checkpoint).
+    layer = syncbn.SyncBatchRenorm1d(4).double()
+    with torch.no_grad():
+        layer.running_var[2] = float("nan") if rank == 1 else 1.0
+        layer.running_mean[0] = -float("inf") if rank == 1 else 0.0
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    out["stats"] = _attempt(functools.partial(_train, layer, rank, 0))
+    after = dict(layer.state_dict())
+    out["stats"]["unchanged"] = all(
+        torch.equal(v.nan_to_num(), after[k].nan_to_num()) for k, v in before.items()
+    )
+    syncbn.set_debug(None)
+    return out
+
+
+def test_ranks_with_different_layer_settings_or_class_get_one_error_on_every_rank() -> None:
+    results = _run(_settings_disagree)
+    expected = {
+        "r_max": "the layer's r_max .*: rank \\[0\\]: r_max=3.0; rank \\[1\\]: r_max=1.5",
+        "r_max-debug": "the layer's r_max .*: rank \\[0\\]: r_max=3.0; rank \\[1\\]: r_max=1.5",
+        "eps": "the layer's eps .*: rank \\[0\\]: eps=1e-05; rank \\[1\\]: eps=0.001",
+        "momentum": "the layer's momentum .*: rank \\[0\\]: momentum=0.1; rank \\[1\\]: momentum=None",
+        "activation": "the layer's activation .*: rank \\[0\\]: activation='leaky_relu'; rank \\[1\\]: "
+        "activation='elu'",
+        "class": "the layer class .*: rank \\[0\\]: syncbn.modules.SyncBatchNorm1d; "
+        "rank \\[1\\]: syncbn.renorm.SyncBatchRenorm1d",
+    }
+    for result in results:
+        for name, pattern in expected.items():
+            case = result[name]
+            assert case["type"] == "ValueError" and re.search(pattern, case["msg"]), (name, case)
+            assert case["unchanged"], name  # raised before any state changed
+            assert case["then"] is None, (name, case)  # agreeing again, the layer trains on
+        schedule = result["schedule"]
+        assert schedule["types"] == [None, None, "ValueError"], schedule
+        assert "rank [0]: r_max=3.0; rank [1]: r_max=2.0" in schedule["msg"] and schedule["unchanged"]
+        stats = result["stats"]
+        assert stats["type"] == "ValueError" and stats["unchanged"], stats
+        assert (
+            "invalid running statistics (rank [0]: valid; rank [1]: running_mean holds NaN or Inf, "
+            "running_var holds NaN or Inf)" in stats["msg"]
+        ), stats
+    for name in [*expected, "stats"]:
+        if name != "class":  # the layer's own class names it in the message
+            assert results[0][name]["msg"] == results[1][name]["msg"], name
 
 
 # --------------------------------------------------------------------------- item 8: slot integrity

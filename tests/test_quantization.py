@@ -84,6 +84,45 @@ def test_fuse_modules_in_eval_folds_the_batch_norm() -> None:
         torch.testing.assert_close(fuse_modules(seq, [["0", "1"]])(x), want)
 
 
+def test_fuse_modules_in_eval_folds_a_renorm_layer_and_qat_refuses_it() -> None:
+    # In eval a renorm layer is batch norm with its running statistics: torch's folds are exact.
+    ref = _model().eval()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    ours = syncbn.convert_to_renorm(copy.deepcopy(ref)).eval()
+    assert isinstance(ours[1], syncbn.SyncBatchRenorm2d) and isinstance(ours[8], syncbn.SyncBatchRenorm1d)
+    want = ref(x)
+    torch.testing.assert_close(ours(x), want, rtol=0, atol=0)
+    fused = fuse_modules(ours, GROUPS)
+    assert type(fused[0]) is nni.ConvReLU2d and type(fused[3]) is nn.Conv2d and type(fused[7]) is nn.Linear
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fused.modules())
+    torch.testing.assert_close(fused(x), want, rtol=0, atol=1e-12)
+
+    for dim in (1, 3):  # ConvTranspose, and the generic class
+        for bn in (getattr(syncbn, f"SyncBatchRenorm{dim}d")(3), syncbn.SyncBatchRenorm(3)):
+            seq = nn.Sequential(getattr(nn, f"ConvTranspose{dim}d")(3, 3, 1), bn).double().eval()
+            with torch.no_grad():
+                bn.running_mean.uniform_(-1, 1)
+                bn.running_var.uniform_(0.5, 2)
+            xt = torch.randn((2, 3) + (4,) * dim, dtype=torch.float64)
+            want = seq(xt)
+            torch.testing.assert_close(fuse_modules(seq, [["0", "1"]])(xt), want, rtol=0, atol=1e-12)
+
+    pair = nn.Sequential(syncbn.SyncBatchRenorm2d(3), nn.ReLU()).eval()
+    bn_relu = fuse_modules(pair, [["0", "1"]])[0]
+    assert type(bn_relu) is nni.BNReLU2d and type(bn_relu[0]) is nn.BatchNorm2d
+
+    # QAT: torch's modules fold batch norm's statistics, never r and d: a clear refusal.
+    for model, group in (
+        (syncbn.convert_to_renorm(_model()), ["0", "1", "2"]),
+        (syncbn.convert_to_renorm(_model()), ["7", "8"]),
+        (nn.Sequential(syncbn.SyncBatchRenorm2d(3), nn.ReLU()), ["0", "1"]),
+    ):
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(ValueError, match=r"renorm layer cannot be fused for QAT \(got .*SyncBatchRenorm"):
+            fuse_modules_qat(model.train(), [group])
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
 def test_fuse_modules_qat_and_prepare_qat_keep_the_synchronised_layer() -> None:
     model = syncbn.convert_sync_batchnorm(_model().float()).train()  # fake quantization is float32
     layers = [model[1], model[4], model[8]]

@@ -169,6 +169,67 @@ def test_constructor_checks_and_generic_class() -> None:
     assert isinstance(syncbn.SyncBatchRenorm3d(3), nn.BatchNorm3d)
 
 
+def test_limits_take_any_real_number_and_name_the_type_of_anything_else() -> None:
+    import numpy as np
+
+    x, g = _data(6)
+    want = _step(_layer(r_max=2.0, d_max=0.5), x, g)
+    for r_max, d_max in ((np.float32(2.0), np.float64(0.5)), (2, np.float32(0.5)), (np.int64(2), 0.5)):
+        layer = _layer()
+        layer.r_max, layer.d_max = r_max, d_max  # e.g. from a NumPy schedule, between steps
+        got = _step(layer, x, g)
+        assert all(torch.equal(got[k], want[k]) for k in want), (r_max, d_max)
+        assert type(syncbn.SyncBatchRenorm1d(C, r_max=r_max, d_max=d_max).r_max) is float
+    for value, kind in (
+        (torch.tensor(2.0), "torch.Tensor"),
+        ("2", "builtins.str"),
+        (None, "builtins.NoneType"),
+    ):
+        layer = _layer()
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        layer.r_max = value
+        with pytest.raises(ValueError, match=rf"expected r_max to be a real number >= 1: .*of type {kind}"):
+            layer(x)
+        assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+        with pytest.raises(ValueError, match=rf"expected d_max to be a real number >= 0: .*of type {kind}"):
+            syncbn.SyncBatchRenorm1d(C, d_max=value)
+    with pytest.raises(ValueError, match=r"expected r_max >= 1 \(got 0.5\)"):
+        syncbn.SyncBatchRenorm1d(C, r_max=np.float32(0.5))
+
+
+@pytest.mark.parametrize(
+    ("buffer", "value", "named"),
+    [
+        ("running_var", float("nan"), "running_var holds NaN or Inf"),
+        ("running_var", -5.0, "running_var is negative"),
+        ("running_mean", float("inf"), "running_mean holds NaN or Inf"),
+    ],
+    ids=["nan-var", "negative-var", "inf-mean"],
+)
+def test_debug_mode_names_invalid_running_statistics_before_any_update(
+    buffer: str, value: float, named: str
+) -> None:
+    layer = _layer()
+    with torch.no_grad():
+        getattr(layer, buffer)[1] = value  # e.g. a corrupt checkpoint
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x, _ = _data(6)
+    syncbn.set_debug(True)
+    try:
+        with pytest.raises(
+            ValueError, match=rf"SyncBatchRenorm1d\(4\).*invalid running statistics \({named}\)"
+        ):
+            layer(x)
+        torch.testing.assert_close(dict(layer.state_dict()), before, rtol=0, atol=0, equal_nan=True)
+        assert int(layer.num_batches_tracked) == 0
+        # Not read in training: batch norm's path (r_max=1, d_max=0), and eval, run as before.
+        layer.r_max, layer.d_max = 1.0, 0.0
+        assert not layer(x)[:, 0].isnan().any()
+        layer.eval()(x)
+    finally:
+        syncbn.set_debug(None)
+
+
 # Two gloo ranks: each takes its shard of one global batch (uneven, and one rank empty).
 SHARDS = {"uneven": (3, 5), "empty": (0, 6)}
 

@@ -18,9 +18,27 @@ from torch import Tensor, nn
 from . import _config, _names
 from .groups import CollectiveError, ProcessGroupSum
 
-__all__ = ["LayerState", "name_layers", "layer_name", "layer_for_token", "before_forward", "before_backward"]
+__all__ = [
+    "LayerState",
+    "name_layers",
+    "layer_name",
+    "layer_for_token",
+    "before_forward",
+    "before_backward",
+    "check_running_stats",
+]
 
-FIELDS = ("identity", "call", "phase", "channels", "dtype", "config", "nonfinite", "index")
+# The layer's settings the ranks must share, read by name (a layer without one reads "not set"):
+# a different value on one rank gives per-rank outputs or running statistics, silently.
+SETTINGS = ("eps", "momentum", "r_max", "d_max", "activation", "activation_param")
+FIELDS = (
+    ("identity", "call", "phase", "channels", "dtype", "config", "nonfinite", "index", "class")
+    + SETTINGS
+    + ("stats",)
+)
+_NOT_SET = -math.inf  # a setting the layer does not have (None reads NaN)
+# Activation names every rank can decode from their CRC-32 in a message (others: their code).
+_TEXTS = ("identity", "leaky_relu", "elu", "relu", "none")
 _PHASES = {1.0: "forward", 2.0: "backward"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _counter = itertools.count()
@@ -251,6 +269,121 @@ def _describe_config(code: float) -> str:
     )
 
 
+_class_codes: weakref.WeakKeyDictionary[type, float] = weakref.WeakKeyDictionary()
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _class_code(layer: nn.Module | None) -> float:
+    """CRC-32 of the layer's class's qualified name (equal on every rank for one class), 0 without one."""
+    if layer is None:
+        return 0.0
+    cls = type(layer)
+    code = _class_codes.get(cls)
+    if code is None:
+        code = _class_codes[cls] = _identity_hash(_class_name(cls))
+    return code
+
+
+def _describe_class(code: float) -> str:
+    """The class a code names: a subclass of ``nn.Module`` loaded in this process (error path only)."""
+    if code == 0.0:
+        return "no layer (a functional call)"
+    todo, seen = [nn.Module], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if _identity_hash(_class_name(cls)) == code:
+            return _class_name(cls)
+        todo.extend(cls.__subclasses__())
+    return f"a class not loaded on this rank (code {_whole(code)})"
+
+
+def _setting_code(layer: nn.Module | None, name: str) -> float:
+    """A layer setting as a float64: numbers as they are, None NaN, a string its CRC-32."""
+    value = _NOT_SET if layer is None else getattr(layer, name, _NOT_SET)
+    if value is None:
+        return math.nan
+    if isinstance(value, str):
+        return _identity_hash(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # the layer's own checks name such a value
+        return math.nan
+
+
+def _show_setting(name: str) -> Callable[[float], str]:
+    def show(code: float) -> str:
+        if code == _NOT_SET:
+            return f"no {name}"
+        if math.isnan(code):
+            return f"{name}=None"
+        if name == "activation":
+            texts = {_identity_hash(t): t for t in _TEXTS}
+            return f"{name}={texts[code]!r}" if code in texts else f"{name} with CRC-32 {_whole(code)}"
+        return f"{name}={code!r}"
+
+    return show
+
+
+def _equal(a: float, b: float) -> bool:
+    return a == b
+
+
+def _same(a: float, b: float) -> bool:
+    """Equal, NaN (a setting of None) included."""
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _stats_code(layer: nn.Module | None) -> float:
+    """Debug mode: bits of :func:`_stats_fault` for the running statistics the training output reads."""
+    reader = getattr(layer, "_syncbn_debug_running_stats", None)
+    stats = None if reader is None else reader()
+    return 0.0 if stats is None else float(_stats_fault(*stats))
+
+
+def _stats_fault(running_mean: Tensor, running_var: Tensor) -> int:
+    """Bits: 1 ``running_mean`` holds NaN/Inf, 2 ``running_var`` does, 4 ``running_var`` is negative."""
+    flags = torch.stack(
+        [
+            ~torch.isfinite(running_mean).all(),
+            ~torch.isfinite(running_var).all(),
+            (running_var < 0).any(),
+        ]
+    ).tolist()  # one host read, debug mode only
+    return sum(1 << i for i, flag in enumerate(flags) if flag)
+
+
+def _describe_stats(code: float) -> str:
+    bits = int(code) if math.isfinite(code) else 7
+    texts = ("running_mean holds NaN or Inf", "running_var holds NaN or Inf", "running_var is negative")
+    return ", ".join(text for i, text in enumerate(texts) if bits & (1 << i)) or "valid"
+
+
+def _stats_error(layer: nn.Module | None, where: str) -> ValueError:
+    return ValueError(
+        f"syncbn: layer {layer_name(layer)}: invalid running statistics ({where}); this layer's "
+        "training output reads them (Batch Renormalization's r and d), so every output of the "
+        "affected channels would be NaN or wrong. Load valid statistics (a good checkpoint) or call "
+        "layer.reset_running_stats() (detected by SYNCBN_DEBUG, before anything was updated)"
+    )
+
+
+def check_running_stats(layer: nn.Module, running_mean: Tensor, running_var: Tensor) -> None:
+    """Debug mode without a process group: raise ``ValueError`` for NaN/Inf or negative statistics.
+
+    Over a process group the consistency check makes the same test on every rank (field ``stats``),
+    so every rank raises alike; a layer calls this only when no such check runs.
+    """
+    bits = _stats_fault(running_mean, running_var)
+    if bits:
+        raise _stats_error(layer, _describe_stats(float(bits)))
+
+
 def _grouped(rows: list[list[float]], field: int, show: Callable[[float], str]) -> str:
     by_value: dict[float, list[int]] = {}
     for rank, row in enumerate(rows):
@@ -273,6 +406,14 @@ _DISAGREEMENTS: dict[str, tuple[str, Callable[[float], str]]] = {
     "channels": ("the channel count", lambda v: f"{_whole(v)} channels"),
     "dtype": ("the input dtype", _dtype_from_code),
     "config": ("the layer configuration", _describe_config),
+    "class": ("the layer class (build the same model on every rank)", _describe_class),
+    **{
+        name: (
+            f"the layer's {name} (every rank must use the same value; change it alike on every rank)",
+            _show_setting(name),
+        )
+        for name in SETTINGS
+    },
 }
 
 
@@ -280,12 +421,13 @@ def _compare(
     rows: list[list[float]], debug: bool, layer: nn.Module | None, identities: dict[float, str]
 ) -> None:
     """Raise the same ``ValueError`` on every rank when the rows disagree."""
-    fields: tuple[str, ...] = ("identity", "call", "phase", "config", "channels", "dtype")
+    fields: tuple[str, ...] = ("identity", "call", "phase", "config", "class", "channels", "dtype")
     if not debug:
-        fields = ("phase", "channels", "dtype")
-    for name in fields:
+        fields = ("phase", "channels", "dtype", "class")
+    for name in fields + SETTINGS:
         i = FIELDS.index(name)
-        if all(row[i] == rows[0][i] for row in rows):
+        equal = _same if name in SETTINGS else _equal
+        if all(equal(row[i], rows[0][i]) for row in rows):
             continue
         if name == "identity":
             index = FIELDS.index("index")
@@ -312,6 +454,10 @@ def _compare(
                 f"({_PHASES.get(rows[0][2], '?')}); the statistics of every rank would be "
                 "poisoned (detected by SYNCBN_DEBUG)"
             )
+        stats = FIELDS.index("stats")
+        if any(row[stats] for row in rows):
+            where = _grouped(rows, stats, _describe_stats)
+            raise _stats_error(layer, where)
 
 
 def _check(
@@ -323,7 +469,9 @@ def _check(
     index = float(state.index) if state is not None else -1.0
     nonfinite = float(debug and x.numel() > 0 and not bool(torch.isfinite(x).all()))
     row = [identity, float(call), phase, float(x.shape[1]), _dtype_code(x.dtype)]
-    row += [_config_code(layer, x.dim()), nonfinite, index]
+    row += [_config_code(layer, x.dim()), nonfinite, index, _class_code(layer)]
+    row += [_setting_code(layer, name) for name in SETTINGS]
+    row.append(_stats_code(layer) if debug and phase == 1.0 else 0.0)
     table = torch.zeros(group.size, len(FIELDS), dtype=torch.float64, device=x.device)
     table[group.rank] = torch.tensor(row, dtype=torch.float64, device=x.device)
     try:

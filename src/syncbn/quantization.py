@@ -5,6 +5,8 @@ fuser and QAT tables. On a converted model, ``fuse_modules`` folds the batch nor
 ``nn.BatchNorm``; ``fuse_modules_qat`` gives :class:`ConvSyncBn2d` and its siblings, which
 ``prepare_qat`` turns into torch's QAT modules whose ``bn`` is the synchronised layer itself, so
 their batch statistics span every rank. ``[bn, relu]`` pairs are not fused for QAT (``ValueError``).
+Renorm layers (:class:`~syncbn.SyncBatchRenorm` and its 1d/2d/3d classes) fold in eval, where they
+are batch norm with their running statistics; QAT fusion refuses them (``ValueError``).
 The recipes page (FX, quantization and export) has the details and limits.
 
 Example::
@@ -29,6 +31,7 @@ from torch import nn
 
 from .convert import revert_sync_batchnorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
+from .renorm import SyncBatchRenorm, SyncBatchRenorm1d, SyncBatchRenorm2d, SyncBatchRenorm3d
 
 __all__ = [
     "ConvSyncBn1d",
@@ -128,6 +131,24 @@ def _conv_bn(ours: type, default: Callable[..., nn.Module]) -> Callable[..., nn.
     return fuse
 
 
+def _eval_only(default: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """A renorm layer's fuser: in eval it is batch norm with its running statistics (torch folds it)."""
+
+    def fuse(is_qat: bool, *modules: nn.Module) -> nn.Module:
+        if is_qat:
+            renorm = next(m for m in modules if isinstance(m, SyncBatchRenorm))
+            raise ValueError(
+                "torch's QAT modules fold batch norm's training statistics, not Batch "
+                "Renormalization's r and d: a renorm layer cannot be fused for QAT (got "
+                f"{', '.join(type(m).__name__ for m in modules)}). Leave it unfused, or train "
+                f"with SyncBatchNorm (r_max=1, d_max=0 is batch norm; {type(renorm).__name__} "
+                "folds in eval with fuse_modules)"
+            )
+        return default(is_qat, *modules)
+
+    return fuse
+
+
 def _bn_relu(torch_cls: type) -> Callable[..., nn.Module]:
     def fuse(is_qat: bool, bn: nn.Module, relu: nn.Module) -> nn.Module:
         if is_qat:
@@ -160,6 +181,20 @@ def fuser_methods() -> dict[tuple[type, ...], Callable[..., nn.Module]]:
             found[(sync, nn.ReLU)] = _bn_relu(getattr(nni, f"BNReLU{dim}d"))
     for bn in (SyncBatchNorm1d, SyncBatchNorm):
         found[(nn.Linear, bn)] = _conv_bn(LinearSyncBn1d, fm.fuse_linear_bn)
+    # Renorm layers: in eval, batch norm with their running statistics; no QAT module exists.
+    renorms = ((1, SyncBatchRenorm1d), (2, SyncBatchRenorm2d), (3, SyncBatchRenorm3d))
+    for dim, renorm in renorms:
+        for renorm_bn in (renorm, SyncBatchRenorm):
+            for first, method in (
+                (getattr(nn, f"Conv{dim}d"), fm.fuse_conv_bn),
+                (getattr(nn, f"ConvTranspose{dim}d"), fm.fuse_convtranspose_bn),
+            ):
+                found[(first, renorm_bn)] = _eval_only(method)
+            found[(getattr(nn, f"Conv{dim}d"), renorm_bn, nn.ReLU)] = _eval_only(fm.fuse_conv_bn_relu)
+        if dim > 1:
+            found[(renorm, nn.ReLU)] = _eval_only(_bn_relu(getattr(nni, f"BNReLU{dim}d")))
+    for renorm_bn in (SyncBatchRenorm1d, SyncBatchRenorm):
+        found[(nn.Linear, renorm_bn)] = _eval_only(fm.fuse_linear_bn)
     return found
 
 

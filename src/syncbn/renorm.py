@@ -7,11 +7,13 @@ the same engine and paths, with Ioffe's ``r`` and ``d`` correcting the batch sta
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from . import _checks, _config, groups
 from ._layer import dims_doc
 from .families import Renorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
@@ -25,12 +27,30 @@ __all__ = [
 ]
 
 
-def _check_limits(r_max: float, d_max: float) -> None:
-    # NaN fails the comparisons too.
-    if not (isinstance(r_max, (int, float)) and r_max >= 1.0):
-        raise ValueError(f"expected r_max >= 1 (got {r_max!r})")
-    if not (isinstance(d_max, (int, float)) and d_max >= 0.0):
-        raise ValueError(f"expected d_max >= 0 (got {d_max!r})")
+def _limit(name: str, value: Any, least: float) -> float:
+    """``value`` as a float, or ``ValueError`` naming what is expected (``least`` or more) and what came."""
+    if type(value) is not float:  # the per-call fast path is this one type test
+        if not isinstance(value, numbers.Real):  # NumPy scalars are; tensors, strings, None are not
+            hint = (
+                " (a tensor would be read back from its device on every training call)"
+                if isinstance(value, torch.Tensor)
+                else ""
+            )
+            raise ValueError(
+                f"expected {name} to be a real number >= {least:g}: a Python float or int, or a NumPy "
+                f"scalar (got {value!r} of type {type(value).__module__}.{type(value).__qualname__}); "
+                f"pass float(...) of it{hint}"
+            )
+        value = float(value)
+    # NaN fails the comparison too.
+    if not value >= least:
+        raise ValueError(f"expected {name} >= {least:g} (got {value!r})")
+    return value
+
+
+def _check_limits(r_max: Any, d_max: Any) -> tuple[float, float]:
+    """``(r_max, d_max)`` as floats; ``ValueError`` for a limit that is not a real number >= 1 / >= 0."""
+    return _limit("r_max", r_max, 1.0), _limit("d_max", d_max, 0.0)
 
 
 class SyncBatchRenorm(SyncBatchNorm):
@@ -57,7 +77,11 @@ class SyncBatchRenorm(SyncBatchNorm):
     group the same math runs locally.
 
     ``r_max`` and ``d_max`` are plain attributes: change them between steps for
-    the paper's warm-up (start at 1 and 0, relax towards e.g. 3 and 5). Under
+    the paper's warm-up (start at 1 and 0, relax towards e.g. 3 and 5), alike on
+    every rank (checked at the first training call, and on every call in debug
+    mode). Any real number is taken (a NumPy scalar too); a tensor is refused
+    (``ValueError``: pass ``float(value)``). In debug mode, NaN/Inf or negative
+    running statistics (which :math:`r, d` read) raise ``ValueError``. Under
     activation checkpointing the recomputation takes :math:`r, d` from the
     running statistics the layer's last forward saw (exact for a layer called
     once per checkpointed step).
@@ -73,8 +97,8 @@ class SyncBatchRenorm(SyncBatchNorm):
             ``None`` is the default group, looked up at call time.
         device: device of the parameters and buffers.
         dtype: dtype of the parameters and buffers.
-        r_max: the clamp of :math:`r`, at least 1. Default: 3.0.
-        d_max: the clamp of :math:`d`, at least 0. Default: 5.0.
+        r_max: the clamp of :math:`r`, a real number at least 1. Default: 3.0.
+        d_max: the clamp of :math:`d`, a real number at least 0. Default: 5.0.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions.
@@ -103,16 +127,16 @@ class SyncBatchRenorm(SyncBatchNorm):
         r_max: float = 3.0,
         d_max: float = 5.0,
     ) -> None:
-        _check_limits(r_max, d_max)
+        r_max, d_max = _check_limits(r_max, d_max)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
         )
-        self.r_max = float(r_max)
-        self.d_max = float(d_max)
+        self.r_max = r_max
+        self.d_max = d_max
 
     def _family_call(self, recomputing: bool = False, eager: bool = False) -> Renorm | None:
-        _check_limits(self.r_max, self.d_max)
-        if not self.track_running_stats or (self.r_max == 1.0 and self.d_max == 0.0):
+        r_max, d_max = _check_limits(self.r_max, self.d_max)
+        if not self.track_running_stats or (r_max == 1.0 and d_max == 0.0):
             return None  # r = 1, d = 0: batch norm's own path, bit for bit
         running_mean, running_var = self.running_mean, self.running_var
         assert running_mean is not None and running_var is not None
@@ -120,8 +144,18 @@ class SyncBatchRenorm(SyncBatchNorm):
         if recomputing and before is not None:  # after the step's update: the first forward's statistics
             running_mean, running_var = before
         elif eager:
+            if _config.debug_enabled() and not isinstance(
+                groups.resolve(self._group()), groups.ProcessGroupSum
+            ):  # over a process group the consistency check tests them on every rank
+                _checks.check_running_stats(self, running_mean, running_var)
             self.__dict__["_renorm_before"] = (running_mean.detach().clone(), running_var.detach().clone())
-        return Renorm(float(self.r_max), float(self.d_max), running_mean, running_var)
+        return Renorm(r_max, d_max, running_mean, running_var)
+
+    def _syncbn_debug_running_stats(self) -> tuple[Tensor, Tensor] | None:
+        """The running statistics this training call's ``r`` and ``d`` read (debug mode's check)."""
+        if not self.track_running_stats or (self.r_max == 1.0 and self.d_max == 0.0):
+            return None
+        return self.running_mean, self.running_var  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r_max={self.r_max:g}, d_max={self.d_max:g}"
@@ -193,11 +227,11 @@ def convert_to_renorm(
         ...     if isinstance(m, syncbn.SyncBatchRenorm):
         ...         m.r_max, m.d_max = 3.0, 5.0
     """
-    _check_limits(r_max, d_max)
+    r_max, d_max = _check_limits(r_max, d_max)
     converted = SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     for layer in converted.modules():
         target = _RENORM_OF.get(type(layer))
         if target is not None:
             layer.__class__ = target
-            layer.__dict__.update(r_max=float(r_max), d_max=float(d_max))
+            layer.__dict__.update(r_max=r_max, d_max=d_max)
     return converted
