@@ -383,7 +383,7 @@ def _collectives(rank: int, world_size: int, debug: bool) -> tuple[list[int], fl
 
 @pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
 def test_handshake_once_per_layer_and_debug_checks_every_collective(debug: bool) -> None:
-    check = 2 * 8  # the check table: world size x 8 fields
+    check = 2 * len(syncbn._checks.FIELDS)  # the check table: world size x its fields
     data = [2 * 5 + 1, 2 * 5]
     for calls, error in launch(_collectives, 2, debug, timeout=60):
         assert error < 1e-5
