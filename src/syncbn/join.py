@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from . import _config, groups
-from ._checks import _DTYPES, _dtype_code
 from ._layer import LayerMixin
+from ._row import _DTYPES, _dtype_code
 from .engine import _function
 
 __all__ = ["JoinableSyncBatchNorm"]
