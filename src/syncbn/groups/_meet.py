@@ -80,7 +80,7 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
         here.wait(keys, timedelta(seconds=bound))
         proposal = _GO
     except Exception:  # noqa: BLE001 - a store's timeout: RuntimeError or DistStoreError
-        missing = [r for r in range(world) if not here.check([keys[r]])]
+        missing = [r for r in range(world) if not _present(here, keys[r])]
         proposal = "missing " + ",".join(map(str, missing)) if missing else _GO
     verdict = here.compare_set("verdict", "", proposal).decode()
     store.compare_set("epoch", epoch, str(int(epoch) + 1))  # the first to settle moves it on
@@ -89,6 +89,17 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
         return [v.decode() for v in got]
     missing = [int(r) for r in verdict.removeprefix("missing ").split(",")]
     raise _late(caller, rank, world, missing, time.monotonic() - start, bound, source, consequence)
+
+
+def _present(store: Any, key: str) -> bool:
+    """Whether ``key`` is set, without waiting (``Store.check``, which torch 2.2's stores lack: a 1 ms wait there)."""
+    if hasattr(store, "check"):
+        return bool(store.check([key]))
+    try:
+        store.wait([key], timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001 - a store's timeout: RuntimeError or DistStoreError
+        return False
+    return True
 
 
 def _late(
