@@ -177,12 +177,15 @@ def _killed_while_peer_waits(rank: int, world_size: int, shared: bool, kill_afte
 def test_a_peer_killed_while_the_other_waits_in_set_up_is_found_within_the_bound(
     shared: bool, kill_after: float
 ) -> None:
+    # torch < 2.13: the wire is made with the bound, and gloo's first connection may wait 5x it
+    # for a peer lost in the milliseconds after the presence check (docs/robustness.md states it).
+    bound = BOUND if groups._own.CARRIES_TIMEOUT else 5 * BOUND
     results = launch(
         _killed_while_peer_waits,
         2,
         shared,
         kill_after,
-        timeout=40,
+        timeout=bound + 30,
         allow_failures=True,
         finish_wait=0.2,
     )
@@ -194,7 +197,7 @@ def test_a_peer_killed_while_the_other_waits_in_set_up_is_found_within_the_bound
     else:  # around rank 1's set-up (its exchanges, the wire's rendezvous) or its first steps
         # At the bound: "s" counts from before rank 1's set-up, which takes seconds of its own on a
         # loaded machine (seen: 11.06 s with two suites sharing 2 cores), hence the margin.
-        assert other["s"] < BOUND + 3.0, other
+        assert other["s"] < bound + 3.0, other
 
 
 WIRE_BOUND = 2.0
