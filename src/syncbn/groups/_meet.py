@@ -92,7 +92,7 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
 
 
 def _present(store: Any, key: str) -> bool:
-    """Whether ``key`` is set, without waiting (``Store.check``, which torch 2.2's stores lack: a 1 ms wait there)."""
+    """Whether ``key`` is set, without waiting: ``Store.check`` (torch 2.2 lacks it: a 1 ms wait)."""
     if hasattr(store, "check"):
         return bool(store.check([key]))
     try:
