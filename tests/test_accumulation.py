@@ -535,3 +535,26 @@ def test_lightning_callback(tmp_path: Any) -> None:
         assert len(result["errors"]) == 2 and result["batches"] == 2, result
         assert result["group"] == [0, 1]  # SyncBatchNorm(group_size=2): subgroup(2) of 2 ranks
         assert max(result["errors"]) < TOL, result["errors"]
+
+
+def _two_groups(rank: int, world: int, subgroup_first: bool) -> tuple[int, int]:
+    sub = syncbn.SyncBatchNorm1d(3, process_group=groups.subgroup(2))
+    whole = syncbn.SyncBatchNorm1d(3)
+    model = nn.Sequential(sub, whole) if subgroup_first else nn.Sequential(whole, sub)
+    try:
+        with syncbn.accumulation(model):
+            for _ in range(2):
+                model(torch.randn(4, 3))
+            if rank == 0:
+                raise KeyError("this rank skips the step")
+    except KeyError:
+        pass
+    return int(sub.num_batches_tracked), int(whole.num_batches_tracked)
+
+
+@pytest.mark.parametrize("subgroup_first", [True, False], ids=["subgroup-first", "default-first"])
+def test_a_discard_in_any_group_puts_back_every_layer_of_the_ranks_that_see_it(subgroup_first: bool) -> None:
+    # Ranks 2 and 3 share the default group's vote with rank 0, which raised: none of their layers
+    # may commit, whichever group votes first (the pair's own vote agreed to commit).
+    results = launch(_two_groups, 4, subgroup_first, timeout=150)
+    assert results == [(0, 0)] * 4, results

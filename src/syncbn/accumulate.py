@@ -229,7 +229,8 @@ def _decide(
     """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`).
 
     Layers that synchronise vote over their group, once per group; local layers follow this rank
-    (and its votes). Under an active ``Join`` nothing is voted (a joined rank cannot answer).
+    (and its votes). A discard agreed in any group puts back every layer of this rank, whatever
+    the layers' order. Under an active ``Join`` nothing is voted (a joined rank cannot answer).
     """
     if _no_vote(error):
         return [None] * len(opened)
@@ -261,13 +262,11 @@ def _decide(
         for j, i in enumerate(index):
             decided[i] = None if agreed is None else agreed[j]
         if agreed is None:
-            commit = False  # a discard agreed anywhere: this rank's later votes and local layers too
+            commit = False  # a discard agreed anywhere: this rank's later votes, and every layer
     if failed is not None:
         raise failed
-    if not commit:
-        local = set(range(len(opened))) - {i for _, index in members.values() for i in index}
-        for i in local:
-            decided[i] = None
+    if not commit:  # every layer of this rank, the groups voted before the discard included
+        return [None] * len(opened)
     return decided
 
 
