@@ -136,7 +136,7 @@ class SyncBatchRenorm(SyncBatchNorm):
 
     def _family_call(self, recomputing: bool = False, eager: bool = False) -> Renorm | None:
         r_max, d_max = _check_limits(self.r_max, self.d_max)
-        if not self.track_running_stats or (r_max == 1.0 and d_max == 0.0):
+        if not self._reads_running_stats(r_max, d_max):
             return None  # r = 1, d = 0: batch norm's own path, bit for bit
         running_mean, running_var = self.running_mean, self.running_var
         assert running_mean is not None and running_var is not None
@@ -153,9 +153,13 @@ class SyncBatchRenorm(SyncBatchNorm):
 
     def _syncbn_debug_running_stats(self) -> tuple[Tensor, Tensor] | None:
         """The running statistics this training call's ``r`` and ``d`` read (debug mode's check)."""
-        if not self.track_running_stats or (self.r_max == 1.0 and self.d_max == 0.0):
+        if not self._reads_running_stats(self.r_max, self.d_max):
             return None
         return self.running_mean, self.running_var  # type: ignore[return-value]
+
+    def _reads_running_stats(self, r_max: float, d_max: float) -> bool:
+        """Whether a training call computes ``r`` and ``d`` (else it is batch norm: ``r = 1, d = 0``)."""
+        return self.track_running_stats and not (r_max == 1.0 and d_max == 0.0)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r_max={self.r_max:g}, d_max={self.d_max:g}"
