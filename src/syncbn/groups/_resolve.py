@@ -48,7 +48,7 @@ def resolve(process_group: Any) -> SumGroup | None:
     if hit is not None and hit[0]() is live:
         return hit[1]
     if isinstance(live, int):  # new_group's NON_GROUP_MEMBER (-100); a miss every call: it raises
-        if live == dist.GroupMember.NON_GROUP_MEMBER and not isinstance(live, bool):
+        if live == dist.GroupMember.NON_GROUP_MEMBER:
             raise _not_a_member(live)
         raise TypeError(
             f"syncbn: expected process_group to be a torch.distributed process group or None (got {live!r})"
