@@ -437,6 +437,23 @@ def _disagreeing(rank: int, world: int) -> dict[str, Any]:
         max((bn.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     ]
 
+    # nn.DataParallel replicas under a process group synchronise within the process only (warned);
+    # a block leaves what the plain call leaves on each rank, with no vote on those moments
+    x = torch.randn(4 + 2 * rank, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    plain, blocked = syncbn.SyncBatchNorm1d(4).double(), syncbn.SyncBatchNorm1d(4).double()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        syncbn.parallel.data_parallel(plain, x, chunks=2)
+        with syncbn.accumulation(blocked):
+            syncbn.parallel.data_parallel(blocked, x, chunks=2)
+    local = nn.BatchNorm1d(4).double()
+    local(x)
+    out["replicas"] = (
+        max((blocked.state_dict()[k] - v).abs().max().item() for k, v in plain.state_dict().items()),
+        max((local.state_dict()[k] - v).abs().max().item() for k, v in plain.state_dict().items()),
+        sum("replicas synchronise with each other only" in str(w.message) for w in caught),
+    )
+
     # Join inside the block with uneven micro-batch counts (rank r: 2 + r): the rank that joined
     # early did not see the calls it shadowed; every rank takes the moments of the last one
     torch.manual_seed(0)
@@ -475,7 +492,10 @@ def _disagreeing(rank: int, world: int) -> dict[str, Any]:
             block.commit()
         except syncbn.CollectiveError as exc:
             error = exc
+            block.discard()  # a training loop's except clause: nothing left to do, nothing raised
         out["peer never closes"] = (outcome(error), "syncbn.accumulation" in str(error), block.active)
+        with pytest.raises(RuntimeError, match="expected begin"):
+            block.discard()  # only the first discard after the failure is a no-op
     return out
 
 
@@ -488,6 +508,8 @@ def test_ranks_that_end_a_block_differently_agree() -> None:
     assert first["raise between the collectives"] == ("KeyError", None, True)
     assert second["raise between the collectives"] == ("CollectiveError", True, True)
     assert first["discard on one rank"] == second["discard on one rank"] == (None, None, True)
+    for replicas in (first["replicas"], second["replicas"]):
+        assert replicas[0] < TOL and replicas[1] < TOL and replicas[2] >= 1, replicas
     assert first["peer never closes"] == (("CollectiveError", False, True), True, False)
     for case in ("commit after", "join"):
         *state0, error0 = first[case]

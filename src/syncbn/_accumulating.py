@@ -38,6 +38,7 @@ class Moments:
         self.mean = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
         self.m2 = torch.zeros(running_mean.shape, dtype=torch.float64, device=device)
         self.batches: list[tuple[float | Tensor, Tensor]] = []  # eager: (count, stack(mean, var))
+        self.local = False  # a batch came from nn.DataParallel replicas (not the layer's group)
 
     def add(self, count: float | Tensor, mean: Tensor, var: Tensor, unbiased: bool = False) -> None:
         """Add one batch of ``count`` values per channel, ``mean`` and biased (or ``unbiased``) ``var``.
@@ -96,17 +97,20 @@ def observe(
     momentum: float | Tensor,
     *,
     unbiased: bool = False,
+    local: bool = False,
 ) -> None:
     """Tell a listening block about a batch's global moments, where the engine updates ``running_mean``.
 
     ``momentum`` is the update factor about to be used: exactly 0 (a checkpointed recomputation)
-    is not a new batch and is ignored. Traceable by ``torch.compile``.
+    is not a new batch and is ignored. ``local``: the moments are one process's DataParallel
+    replicas', not the layer's group's. Traceable by ``torch.compile``.
     """
     if not _listeners or running_mean is None or (isinstance(momentum, float) and momentum == 0.0):
         return
     moments = listening(running_mean)
     if moments is not None:
         moments.add(count, mean, var, unbiased)
+        moments.local = moments.local or local
 
 
 def listening(running_mean: Tensor) -> Moments | None:

@@ -228,15 +228,18 @@ def _decide(
 ) -> list[_Seen | None]:
     """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`).
 
-    Layers that synchronise vote over their group, once per group; local layers follow this rank
-    (and its votes). A discard agreed in any group puts back every layer of this rank, whatever
-    the layers' order. Under an active ``Join`` nothing is voted (a joined rank cannot answer).
+    Layers that synchronise vote over their group, once per group; local layers (and layers run
+    as ``nn.DataParallel`` replicas) follow this rank (and its votes). A discard agreed in any
+    group puts back every layer of this rank, whatever the layers' order. Under an active
+    ``Join`` nothing is voted (a joined rank cannot answer).
     """
     if _no_vote(error):
         return [None] * len(opened)
     members: dict[int, tuple[groups.ProcessGroupSum, list[int]]] = {}
     for i, state in enumerate(opened):
         group = _group(state.layer)
+        if state.moments.local:  # nn.DataParallel replicas' moments: this process's alone
+            continue
         if isinstance(group, groups.ProcessGroupSum) and not _function.through_join(group):
             members.setdefault(id(group), (group, []))[1].append(i)
     decided: list[_Seen | None] = list(seen) if commit else [None] * len(opened)
@@ -333,6 +336,7 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
             raise TypeError(f"syncbn.accumulation: expected an nn.Module (got {type(model).__name__})")
         self.model = model
         self._open: list[_Layer] | None = None
+        self._failed = False  # the last close raised (the statistics were put back)
 
     @property
     def active(self) -> bool:
@@ -369,19 +373,26 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
         """Put the running statistics back as they were at :meth:`begin`, and stop.
 
         Called while handling an exception (``except``, Lightning's ``on_exception``), it reads
-        that exception: after a failed collective it does not vote.
+        that exception: after a failed collective it does not vote. After a :meth:`commit` that
+        raised (the statistics were put back then), it does nothing.
         """
         self._close(commit=False, error=sys.exc_info()[1])
 
     def _close(self, commit: bool, error: BaseException | None) -> None:
         opened, self._open = self._open, None
+        failed, self._failed = self._failed, False
         if opened is None:
+            if failed and not commit:  # discard() after a commit() that raised: already put back
+                return
             raise RuntimeError("syncbn.accumulation: not collecting (expected begin() first)")
         for state in opened:
             state.stop()
         decided: list[_Seen | None] = [None] * len(opened)
         try:
             decided = _decide(opened, [state.seen() for state in opened], commit, error)
+        except BaseException:
+            self._failed = True
+            raise
         finally:  # on an error too: every layer put back (and nothing applied)
             for state, update in zip(opened, decided):
                 state.close(update)

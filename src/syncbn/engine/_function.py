@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import _accumulating, _checks, _config
-from .._threads import LOCAL
+from .._threads import LOCAL, ThreadSumGroup
 from ..families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
 from ..groups import (
     PHASE_BACKWARD,
@@ -69,7 +69,8 @@ class Moments(NamedTuple):
         """The update of ``params``' running statistics (none for an empty global batch)."""
         if self.global_count > 0:  # (syncbn.accumulation sees every update here)
             running_mean, momentum = params.running_mean, params.momentum
-            _accumulating.observe(running_mean, self.total, self.mean, self.var, momentum)
+            replicas = isinstance(params.group, ThreadSumGroup)
+            _accumulating.observe(running_mean, self.total, self.mean, self.var, momentum, local=replicas)
             _math.update_running(running_mean, params.running_var, self.mean, self.unbiased, momentum)
 
 

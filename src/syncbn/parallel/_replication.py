@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import _checks
+from .. import _checks, groups
 from .._threads import Rendezvous
 from ._joint import replica_batch_norm
 
@@ -99,6 +100,7 @@ class _Replication:
         with self._lock:
             if self._rendezvous is None:
                 self._rendezvous = Rendezvous(self.expected, _timeout, label=self.describe)
+                _warn_if_distributed(self.master)
             return self._rendezvous
 
     def describe(self) -> str:
@@ -122,6 +124,26 @@ class _Replication:
                     continue
                 if mine.device != theirs.device or mine.data_ptr() != theirs.data_ptr():  # not shared
                     theirs.copy_(mine)
+
+
+def _warn_if_distributed(layer: nn.Module) -> None:
+    """Warn (once per process) that replicas do not synchronise over the layer's process group."""
+    group_of = getattr(layer, "_group", None)
+    if group_of is None or not groups.is_initialized():
+        return
+    try:
+        group = groups.resolve(group_of())
+    except ValueError:  # not a member of the layer's group: its forward outside replicas says so
+        return
+    if group is not None and group.size > 1:
+        warnings.warn(
+            "syncbn: nn.DataParallel replicas synchronise with each other only, within this "
+            f"process; the layer's process group ({group.size} ranks) is not used, so each "
+            "process normalises with its own batch. Use one process per device under "
+            "DistributedDataParallel for statistics over every rank",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 class _ReplicaSlot:
