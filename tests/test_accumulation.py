@@ -176,16 +176,18 @@ def test_compiled_single_process() -> None:
         assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("chunks", [2, 1])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_data_parallel_replicas(inplace: bool) -> None:
+def test_data_parallel_replicas(inplace: bool, chunks: int) -> None:
     # syncbn.parallel.data_parallel: the CPU code path of nn.DataParallel (replica 0 updates the
-    # original buffers with the replicas' joint statistics; the block sees them once).
+    # original buffers with the replicas' joint statistics; the block sees them once). One chunk:
+    # one replica (nn.DataParallel given a batch smaller than its devices), torch's kernel path.
     plain = _plain()
     model = _ours(plain, inplace)
     micro = [b[0] for b in _data(4, [[4], [6], [2]])]
     with syncbn.accumulation(model):
         for x in micro:
-            syncbn.parallel.data_parallel(model, x, chunks=2).square().mean().backward()
+            syncbn.parallel.data_parallel(model, x, chunks=chunks).square().mean().backward()
     assert _error(model, _expected(plain, micro)) < TOL
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _accumulating
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
 from ..engine import _math
 from ..engine._function import Params, inplace_abn_apply, synchronized_forward
@@ -66,7 +67,9 @@ def replica_batch_norm(
         family = None if family_call is None else family_call()
     in_place = family is not None and family.in_place
 
-    if rendezvous.size == 1 and (family is None or in_place):
+    # one replica: torch's kernel, unless syncbn.accumulation listens (the engine reports moments)
+    listened = running_mean is not None and _accumulating.listening(running_mean) is not None
+    if rendezvous.size == 1 and (family is None or in_place) and not listened:
         if in_place:
             args = (True, momentum, eps, family.activation, family.param, None)
             single = inplace_abn_apply(x, weight, bias, running_mean, running_var, *args)
