@@ -153,12 +153,43 @@ def _explicit_groups(rank: int, world_size: int) -> dict[str, str]:
     # The default group (None) and a layer that never synchronises are fine.
     syncbn.JoinableSyncBatchNorm(nn.Sequential(syncbn.InPlaceSyncBatchNorm(4), InPlaceABN(4)))
     out["default"] = "accepted"
+    out["after a Join that raised"] = _after_a_join_that_raised(rank)
     return out
 
 
-def test_joinable_refuses_an_explicit_group_on_every_family() -> None:
+def _after_a_join_that_raised(rank: int) -> str:
+    """A Join whose body raised runs no post-hooks: join mode must still end with it, so that
+    later collectives are framed again (swapped layers raise the mismatch on every rank)."""
+    import warnings
+
+    from torch.distributed.algorithms import Join
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), syncbn.SyncBatchNorm1d(4), syncbn.SyncBatchNorm1d(4)).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", syncbn.groups.UnboundedStepWarning)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        x = torch.randn(4, 3, dtype=torch.float64)
+        ddp(x).sum().backward()  # every layer known on every rank
+        try:
+            with Join([syncbn.JoinableSyncBatchNorm(ddp), ddp]):
+                ddp(x).sum().backward()
+                raise KeyError("a data error in the training loop")
+        except KeyError:
+            pass
+    h = torch.randn(4, 4, dtype=torch.float64)
+    try:
+        for layer in (model[1], model[2]) if rank == 0 else (model[2], model[1]):
+            layer(h)
+    except syncbn.CollectiveError as exc:
+        return f"CollectiveError mismatch={exc.mismatch}"
+    return "no error"
+
+
+def test_joinable_refuses_an_explicit_group_on_every_family_and_join_mode_ends_with_the_join() -> None:
     for per_rank in launch(_explicit_groups, 2, timeout=120):
         assert per_rank.pop("default") == "accepted"
+        assert per_rank.pop("after a Join that raised") == "CollectiveError mismatch=True"
         for name, message in per_rank.items():
             assert message == (
                 "JoinableSyncBatchNorm supports layers synchronising over the default group only; "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,10 @@ from ._row import _DTYPES, _dtype_code
 from .engine import _function
 
 __all__ = ["JoinableSyncBatchNorm"]
+
+
+def _dead() -> None:
+    """A weak reference whose object is gone: no ``Join`` holds the joinable yet."""
 
 _HEADER = 4
 
@@ -80,6 +84,7 @@ class JoinableSyncBatchNorm(Joinable):
         self._thread_error: BaseException | None = None
         model.register_forward_pre_hook(self._notify)
         self.shadowed = 0  # collectives this rank shadowed as a joined rank (for tests and logs)
+        self._hook: Callable[[], _ShadowHook | None] = _dead
 
     # Set by Join when it is built: join mode starts.
     @property
@@ -111,7 +116,18 @@ class JoinableSyncBatchNorm(Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook ``Join`` runs on a joined rank: it shadows SyncBatchNorm collectives."""
-        return _ShadowHook(self)
+        hook = _ShadowHook(self)
+        self._hook = weakref.ref(hook)  # held by the Join: gone with it
+        return hook
+
+    def live(self) -> bool:
+        """Whether the ``Join`` holding this joinable is still going.
+
+        A ``Join`` whose body raised runs no post-hooks; join mode then ends when the ``Join``
+        object is gone (as the plain-``Join`` watch of ``syncbn.groups`` does).
+        """
+        hook = self._hook()
+        return hook is not None
 
     @property
     def join_device(self) -> torch.device:

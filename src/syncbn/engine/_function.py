@@ -112,7 +112,13 @@ _joining: Any = None
 
 def through_join(group: Any) -> bool:
     """Whether ``group``'s collectives go through the active Join's joinable (then the checks are skipped)."""
-    return _joining is not None and isinstance(group, ProcessGroupSum) and group.process_group is None
+    global _joining
+    if _joining is None or not isinstance(group, ProcessGroupSum) or group.process_group is not None:
+        return False
+    if not _joining.live():  # its Join ended through an exception (no post-hook ran): join mode ends
+        _joining = None
+        return False
+    return True
 
 
 def checks_before_forward(group: Any, layer: Any, x: Tensor) -> int:
