@@ -87,6 +87,16 @@ def _eval_never_communicates(rank: int, world_size: int) -> bool:
         frozen(x).sum().backward()
         assert frozen.weight.grad is None and x.grad is not None
         assert int(frozen.num_batches_tracked) == 0
+    # DDP with default settings trains a model holding frozen layers (no gradient is expected of
+    # their parameters: requires_grad=False, as torch's way of freezing), over several steps
+    from syncbn.compat import megengine
+
+    for frozen_layer in (syncbn.SyncBatchNorm2d(4, freeze=True), megengine.SyncBatchNorm(4, freeze=True)):
+        model = nn.Sequential(nn.Conv2d(3, 4, 1), frozen_layer, nn.Conv2d(4, 2, 1))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for _ in range(3):
+            ddp(torch.randn(2, 3, 4, 4)).sum().backward()
+        assert not frozen_layer.weight.requires_grad and frozen_layer.weight.grad is None
     return True
 
 

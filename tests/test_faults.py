@@ -259,6 +259,34 @@ def test_functional_calls_in_different_dtypes_are_an_error_on_every_rank(shared:
         assert result["grad_is_none"]
 
 
+def _functional_arguments(rank: int, world_size: int) -> dict[str, Any]:
+    """Arguments F.batch_norm refuses are refused on 2 ranks too, before anything is sent or changed."""
+    sbn = syncbn.functional.sync_batch_norm
+    mean, var = torch.zeros(3), torch.ones(3)
+    x = torch.randn(4, 3)
+    cases: dict[str, Callable[[], Any]] = {
+        "mean only": lambda: sbn(x, mean, None, training=True),
+        "var only": lambda: sbn(x, None, var, training=True),
+        "eps 0": lambda: sbn(x, None, None, training=True, eps=0.0),
+        "momentum None": lambda: sbn(x, mean, var, training=True, momentum=None),  # type: ignore[arg-type]
+        "layer eps 0": lambda: syncbn.SyncBatchNorm1d(3, eps=0.0)(x),
+        "renorm eps 0": lambda: syncbn.SyncBatchRenorm1d(3, eps=0.0)(x),
+    }
+    out = {name: _attempt(case)["type"] for name, case in cases.items()}
+    out["unchanged"] = torch.equal(mean, torch.zeros(3)) and torch.equal(var, torch.ones(3))
+    out["usable"] = _attempt(lambda: sbn(x, mean, var, training=True))["type"]
+    return out
+
+
+def test_functional_arguments_are_refused_as_f_batch_norm_refuses_them() -> None:
+    # the checks run before a transport is chosen: the default one suffices
+    expected = {
+        name: "ValueError" for name in ("mean only", "var only", "eps 0", "layer eps 0", "renorm eps 0")
+    }
+    expected.update({"momentum None": "TypeError", "unchanged": True, "usable": None})
+    assert launch(_functional_arguments, 2, timeout=60) == [expected, expected]
+
+
 # --------------------------------------------------------------------------- item 9: equal channels swapped
 
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable
 
 import torch
@@ -175,10 +176,13 @@ def sync_batch_norm(
         The normalised tensor.
 
     Raises:
-        TypeError: non-floating-point input, or a mask that is not boolean.
+        TypeError: non-floating-point input, a mask that is not boolean, or (in
+            training, with running statistics) a ``momentum`` that is not a number.
         ValueError: input of fewer than 2 dimensions, a channel count that does
             not match the given statistics or parameters, a mask of the wrong
-            shape or device, or (in training, on every rank alike) only one
+            shape or device, only one of ``running_mean`` and ``running_var``
+            given or an ``eps`` that is not positive in training (as
+            ``F.batch_norm``), or (in training, on every rank alike) only one
             value per channel over the whole group.
 
     Example::
@@ -201,6 +205,17 @@ def sync_batch_norm(
                 f"expected {name} with {channels} elements, one per channel of the input "
                 f"(got {tensor.numel()} elements)"
             )
+    if training:
+        if (running_mean is None) != (running_var is None):
+            raise ValueError("running_mean and running_var must either both be None or neither be None")
+        if running_mean is not None and (
+            isinstance(momentum, bool) or not isinstance(momentum, numbers.Real)
+        ):
+            raise TypeError(
+                "sync_batch_norm(): expected momentum to be a float when running statistics are "
+                f"given (got {type(momentum).__name__})"
+            )
+        check_eps(eps)
     if mask is not None:
         args = (running_mean, running_var, weight, bias, training, momentum, eps, process_group)
         return apply_masked(lambda flat: sync_batch_norm(flat, *args, layer=layer), input, mask)
@@ -210,6 +225,12 @@ def sync_batch_norm(
     if group is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
     return synchronized(input, weight, bias, Params(running_mean, running_var, eps, momentum, group, layer))
+
+
+def check_eps(eps: float) -> None:
+    """Raise torch's ``ValueError`` for an ``eps`` that is not positive (training divides by it)."""
+    if not eps > 0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
 
 
 # SyncBatchNormFunction.apply's C entry, bound once (else ``apply``). Outside torch.func and tracing,

@@ -26,6 +26,7 @@ __all__ = ["JoinableSyncBatchNorm"]
 def _dead() -> None:
     """A weak reference whose object is gone: no ``Join`` holds the joinable yet."""
 
+
 _HEADER = 4
 
 

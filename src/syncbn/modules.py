@@ -21,7 +21,7 @@ try:
 except ImportError:  # torch without custom operators: compiled models run the eager layer (graph breaks)
     _ops = None  # type: ignore[assignment]
     _compiled = None  # type: ignore[assignment]
-from .functional import apply_masked, check_input, synchronized
+from .functional import apply_masked, check_eps, check_input, synchronized
 
 # torch >= 2.13 BatchNorm layers take a keyword-only ``bias``.
 _BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
@@ -80,7 +80,10 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             as ``nn.BatchNorm``'s ``bias=False`` in torch 2.13). Default: ``True``.
         freeze: normalise with the running statistics in training too, never
             update them, give :math:`\\gamma` and :math:`\\beta` no gradient and
-            never communicate (the input still gets its gradient). Default: ``False``.
+            never communicate (the input still gets its gradient). ``freeze=True``
+            here also sets ``requires_grad=False`` on them (torch's way of freezing:
+            DDP then expects no gradient for them); setting ``freeze`` later
+            leaves ``requires_grad`` to you. Default: ``False``.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions.
@@ -123,6 +126,10 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             self.register_parameter("bias", None)
         self.process_group = process_group
         self.freeze = freeze
+        if freeze:  # no gradient: DDP must not wait for one (find_unused_parameters)
+            for parameter in (self.weight, self.bias):
+                if parameter is not None:
+                    parameter.requires_grad_(False)
         self._init_state()
 
     _input_dims: tuple[int, ...] | None = None
@@ -170,6 +177,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                 input, self.running_mean, self.running_var, weight, bias, batch_stats, 0.0, self.eps
             )
 
+        check_eps(self.eps)
         # Activation checkpointing recomputes this forward in backward: statistics synchronised
         # again, running ones updated with factor 0 (unchanged), num_batches_tracked not at all.
         compiling = _is_compiling()

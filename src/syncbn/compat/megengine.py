@@ -45,7 +45,8 @@ class SyncBatchNorm(_SyncBatchNorm):
         track_running_stats: keep running statistics; without them eval uses the
             whole group's batch statistics (and communicates). Default: ``True``.
         freeze: normalise with the running statistics, never update them nor
-            communicate, and do not train weight and bias. Default: ``False``.
+            communicate, and do not train weight and bias (``requires_grad=False``
+            on them, so DDP expects no gradient). Default: ``False``.
         group: ``torch.distributed`` group to synchronise over; ``None`` is the
             default group. Also readable and settable as ``process_group``.
         name: keyword-only; MegEngine's module name, a non-empty string or ``None``.
