@@ -64,7 +64,7 @@ def _all_reduce_checked(group: Any, packed: Tensor, own: float, function: str) -
 
 
 def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module:
-    """Replace every BatchNorm layer's running statistics by their exact merge over the ranks.
+    """Replace every BatchNorm layer's running statistics by their merge over the ranks.
 
     For a model trained with per-rank (unsynchronised) BatchNorm, or whose
     ranks drifted apart: afterwards every rank holds the running mean and
