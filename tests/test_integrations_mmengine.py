@@ -63,6 +63,21 @@ def test_replace_syncbn_is_opt_in_and_undone() -> None:
     assert type(build_norm_layer(dict(type="SyncBN"), 4)[1]) is torch_cls
 
 
+def test_replace_syncbn_undone_where_syncbn_was_not_registered() -> None:
+    # mmengine without mmcv: no "SyncBN" entry before, none after the undo (mmcv's entry set aside here)
+    mmcv_cls = MODELS.module_dict.pop("SyncBN")
+    try:
+        assert MODELS.get("SyncBN") is None
+        sbm.replace_syncbn()
+        assert MODELS.get("SyncBN") is syncbn.SyncBatchNorm
+        sbm.replace_syncbn(False)
+        assert "SyncBN" not in MODELS.module_dict and MODELS.get("SyncBN") is None
+        sbm.replace_syncbn(False)  # nothing left to undo: still absent
+        assert MODELS.get("SyncBN") is None
+    finally:
+        MODELS.module_dict["SyncBN"] = mmcv_cls
+
+
 def test_conv_module_with_the_in_place_layer() -> None:
     torch.manual_seed(3)
     act = dict(type="LeakyReLU", negative_slope=0.01)

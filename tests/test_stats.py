@@ -124,6 +124,54 @@ def test_recompute_masked_calls_unreached_and_frozen_layers() -> None:
     assert torch.equal(model.frozen.running_var, torch.full((3,), 2.0, dtype=F64))  # frozen: kept
 
 
+def test_recompute_covers_the_in_place_layers_and_never_writes_over_the_batches() -> None:
+    from syncbn.compat.inplace_abn import ABN, InPlaceABN
+
+    torch.manual_seed(6)
+    model = nn.Sequential(
+        syncbn.InPlaceSyncBatchNorm2d(3, activation="leaky_relu"),
+        nn.Conv2d(3, 4, 1),
+        InPlaceABN(4, activation="elu"),
+        ABN(4),
+    ).double()
+    layers = [model[0], model[2], model[3]]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.uniform_(0.5, 2.0)
+            layer.num_batches_tracked.fill_(7)
+    g = torch.Generator().manual_seed(7)
+    # (input, label) pairs; the model sees a view of the input (its first 3 of 5 channels)
+    batches = [(torch.randn(n, 5, 3, 3, generator=g, dtype=F64) * 2 + 1, torch.zeros(n)) for n in (4, 2, 5)]
+    originals = [x.clone() for x, _ in batches]
+
+    seen: list[list[torch.Tensor]] = [[] for _ in layers]
+    reference = copy.deepcopy(model).train()
+    copies = [ref for ref in reference.modules() if hasattr(ref, "activation")]
+    handles = [
+        ref.register_forward_pre_hook(
+            lambda mod, args, i=i: seen[i].append(
+                args[0].detach().movedim(1, -1).reshape(-1, args[0].shape[1])
+            )
+        )
+        for i, ref in enumerate(copies)
+    ]
+    with torch.no_grad():
+        for x, _ in batches:
+            reference(x[:, :3].clone())
+    for handle in handles:
+        handle.remove()
+
+    model.eval()
+    syncbn.recompute_running_stats(model, batches, forward=lambda m, b: m(b[0][:, :3]), progress=False)
+    for layer, values in zip(layers, seen):
+        everything = torch.cat(values)
+        torch.testing.assert_close(layer.running_mean, everything.mean(0), rtol=0, atol=1e-13)
+        torch.testing.assert_close(layer.running_var, everything.var(0), rtol=0, atol=1e-12)
+        assert int(layer.num_batches_tracked) == 7
+    assert all(torch.equal(x, original) for (x, _), original in zip(batches, originals))
+    assert not any(m.training for m in model.modules())  # back in eval mode
+
+
 def test_recompute_error_leaves_the_statistics_and_modes() -> None:
     model = _net().eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -229,6 +277,53 @@ def _stats_ranks(rank: int, world_size: int) -> dict[str, Any]:
     )
     out["sync_bn_state"] = {k: v.clone() for k, v in synced.state_dict().items()}
     groups.ProcessGroupSum.all_reduce_sum = original  # type: ignore[method-assign]
+
+    # 6. the in-place layers take part in sync_running_stats and sync_buffers
+    from syncbn.compat.inplace_abn import InPlaceABNSync
+
+    in_place = nn.Sequential(syncbn.InPlaceSyncBatchNorm2d(3), InPlaceABNSync(2)).double()
+    for layer in in_place:
+        with torch.no_grad():
+            layer.running_mean.fill_(float(rank))
+            layer.running_var.fill_(1.0 + rank)
+            layer.num_batches_tracked.fill_(1 + 2 * rank)  # weights 1 and 3
+    syncbn.sync_running_stats(in_place)
+    out["in_place_sync"] = [(m.running_mean.tolist(), m.running_var.tolist()) for m in in_place]
+    with torch.no_grad():
+        for layer in in_place:
+            for buf in layer.buffers():
+                buf.fill_(10 * rank + 2)
+    synced_count = syncbn.sync_buffers(in_place, src=1)
+    out["in_place_buffers"] = (synced_count, [float(v) for b in in_place.buffers() for v in b.reshape(-1)])
+
+    # 7. sync_buffers, models of equal total size but different layouts: an error on every rank
+    layout = nn.Sequential(nn.BatchNorm1d(2), nn.BatchNorm1d(4))
+    if rank == 1:
+        layout = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(2))
+    with torch.no_grad():
+        for buf in layout.buffers():
+            buf.fill_(rank + 5)
+    before = [b.clone() for b in layout.buffers()]
+    try:
+        syncbn.sync_buffers(layout)
+        out["layout"] = ("no error",)
+    except syncbn.CollectiveError as exc:
+        out["layout"] = (exc.mismatch, str(exc))
+    out["layout_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, layout.buffers()))
+    out["layout_then"] = syncbn.sync_buffers(nn.Sequential(nn.BatchNorm1d(2)))  # the group still works
+
+    # 8. sync_running_stats on BatchNorm's unbiased variances of n values per rank: the documented
+    #    difference (B - (R - 1) A) / (R n - 1) from the unbiased variance of all values
+    values = torch.tensor([[0.0, 2.0, 7.0], [4.0, 6.0, 5.0]], dtype=F64)  # (rank, n = 3)
+    bn = nn.BatchNorm1d(1).double()
+    with torch.no_grad():
+        bn.running_mean.fill_(float(values[rank].mean()))
+        bn.running_var.fill_(float(values[rank].var()))
+        bn.num_batches_tracked.fill_(1)
+    syncbn.sync_running_stats(bn)
+    within, between = float(values.var(1).mean()), float(values.mean(1).var(unbiased=False))
+    documented = float(values.var()) - (between - within) / (values.numel() - 1)
+    out["unbiased_merge"] = (float(bn.running_var), documented, within + between)
     return out
 
 
@@ -241,6 +336,18 @@ def test_stats_tools_across_ranks_are_exact_and_identical_on_every_rank() -> Non
         assert "hold different BatchNorm layers" in out["mismatch"]
         assert out["recompute_calls"] == 2
         assert out["plain_err"] < 1e-12 and out["sync_bn_err"] < 1e-12
+        # in-place layers: weights 1 and 3, means 0 and 1, variances 1 and 2
+        assert out["in_place_sync"] == [([0.75] * c, [1.75 + 0.1875] * c) for c in (3, 2)], out[
+            "in_place_sync"
+        ]
+        synced_count, buffers = out["in_place_buffers"]
+        assert synced_count == 6 and buffers == [12.0] * 12, buffers  # rank 1's
+        mismatch, message = out["layout"]
+        assert mismatch is True and "syncbn.sync_buffers: the ranks' calls differ" in message, message
+        assert "expected the same normalisation layers" in message and "14 values" in message
+        assert out["layout_unchanged"] and out["layout_then"] == 3
+        merged, documented, mixture = out["unbiased_merge"]
+        assert abs(merged - documented) < 1e-12 and abs(merged - mixture) < 1e-12
     for key in ("sync_state", "plain_state", "sync_bn_state"):
         a, b = results[0][key], results[1][key]
         assert all(torch.equal(a[k], b[k]) for k in a), key  # bit-identical on every rank

@@ -15,6 +15,8 @@ from .modules import SyncBatchNorm
 
 __all__ = ["fuse_batchnorm_activation"]
 
+_Pair = tuple[str, nn.Sequential, str, str]  # (container's name, container, bn key, activation key)
+
 _FUSABLE = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, SyncBatchNorm, nn.SyncBatchNorm)
 
 
@@ -25,7 +27,17 @@ def _fusable(bn: nn.Module) -> bool:
     return any(type(bn).forward is cls.forward for cls in _FUSABLE)
 
 
-def _pairs(module: nn.Module) -> list[tuple[str, nn.Sequential, str, str]]:
+def _uses(module: nn.Module) -> dict[int, int]:
+    """How many places of the model (child slots of its modules, each module once) hold each module."""
+    count: dict[int, int] = {}
+    for parent in module.modules():
+        for child in parent._modules.values():
+            if child is not None:
+                count[id(child)] = count.get(id(child), 0) + 1
+    return count
+
+
+def _pairs(module: nn.Module) -> list[_Pair]:
     """``(name, seq, bn key, activation key)`` of every fusable pair of neighbours."""
     found = []
     for name, seq in module.named_modules():
@@ -56,6 +68,11 @@ def fuse_batchnorm_activation(
     cannot be represented (``strict``: refused; else clamped to 0, scale
     :math:`\\epsilon`, which changes the model there).
 
+    A BatchNorm held in several places is fused once: the same new layer
+    object at each of its pairs. One that is also used elsewhere (outside a
+    pair, or in pairs with different activations) is left unfused, with a
+    warning: its fused weight would change those other uses.
+
     Args:
         module: the model.
         process_group: the group the fused layers synchronise over (``None``:
@@ -78,9 +95,19 @@ def fuse_batchnorm_activation(
         ['Conv2d', 'InPlaceSyncBatchNorm2d', 'Identity']
     """
     check_module(module, "fuse_batchnorm_activation")
-    pairs = _pairs(module)
+    # Each BatchNorm once (one may sit in several pairs): fused only where every place that holds
+    # it is a pair with the same activation, since its fused weight w - eps serves all of them.
+    by_bn: dict[int, list[_Pair]] = {}
+    for pair in _pairs(module):
+        by_bn.setdefault(id(pair[1]._modules[pair[2]]), []).append(pair)
+    uses = _uses(module)
+    fused: list[list[_Pair]] = []
+    shared: list[list[_Pair]] = []
+    for bn_id, pairs in by_bn.items():
+        kinds = {activation_of(seq._modules[act_key]) for _, seq, _, act_key in pairs}
+        (fused if uses[bn_id] == len(pairs) and len(kinds) == 1 else shared).append(pairs)
     bad = []
-    for name, seq, key, _ in pairs:
+    for (name, seq, key, _), *_ in fused:
         bn: Any = seq._modules[key]
         low = 0 if bn.weight is None else int((bn.weight.detach() < bn.eps).sum())
         if low:
@@ -100,9 +127,21 @@ def fuse_batchnorm_activation(
             UserWarning,
             stacklevel=2,
         )
-    for _, seq, key, act_key in pairs:
-        seq._modules[key] = _fused(seq._modules[key], seq._modules[act_key], process_group)
-        seq._modules[act_key] = nn.Identity()
+    if shared:
+        warnings.warn(
+            "syncbn: left these BatchNorm layers unfused: each is also used outside a BatchNorm -> "
+            "LeakyReLU/ELU pair, or with different activations, where its fused weight (w - eps) "
+            "would change the model: "
+            + ", ".join(f"{name + '.' if name else ''}{key}" for (name, _, key, _), *_ in shared),
+            UserWarning,
+            stacklevel=2,
+        )
+    for pairs in fused:
+        _, first, key, act_key = pairs[0]
+        new = _fused(first._modules[key], first._modules[act_key], process_group)
+        for _, seq, key, act_key in pairs:  # one layer object wherever the BatchNorm was
+            seq._modules[key] = new
+            seq._modules[act_key] = nn.Identity()
     name_layers(module)
     return module
 

@@ -12,20 +12,32 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .groups import PHASE_OTHER, ProcessGroupSum, Tag, resolve
+from ._abn_layer import ActivatedBatchNormBase
+from .groups import PHASE_OTHER, CollectiveError, ProcessGroupSum, Tag, resolve
 
 __all__ = ["sync_buffers"]
 
-_TAG = Tag(zlib.crc32(b"syncbn.sync_buffers") & 0x7FFFFFFF, PHASE_OTHER)
+_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _norm_buffers(model: nn.Module) -> list[Tensor]:
+def _norm_buffers(model: nn.Module) -> tuple[list[Tensor], Tag]:
+    """The normalisation layers' buffers, in module order, and the call's tag.
+
+    The tag's identity is a checksum of the buffers' names and shapes: ranks whose models hold
+    different buffers (even of equal total size) make different calls, which every rank detects.
+    """
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
-    norms = [module for module in model.modules() if isinstance(module, _NormBase)]
-    names = ("running_mean", "running_var", "num_batches_tracked")
-    found = (getattr(module, name, None) for module in norms for name in names)
-    return [buf for buf in found if isinstance(buf, Tensor)]
+    buffers: list[Tensor] = []
+    layout = ["syncbn.sync_buffers"]
+    for name, module in model.named_modules():  # each module once
+        if isinstance(module, (_NormBase, ActivatedBatchNormBase)):
+            for key in _NAMES:
+                buf = getattr(module, key, None)
+                if isinstance(buf, Tensor):
+                    buffers.append(buf)
+                    layout.append(f"{name}.{key}:{tuple(buf.shape)}")
+    return buffers, Tag(zlib.crc32(";".join(layout).encode()) & 0x7FFFFFFF, PHASE_OTHER)
 
 
 @torch.no_grad()
@@ -33,14 +45,17 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
     """Copy rank ``src``'s batch-norm buffers to every rank of the group.
 
     Every normalisation layer of ``model`` with running statistics
-    (``syncbn.SyncBatchNorm*``, ``nn.BatchNorm*d``, ``nn.InstanceNorm*d`` with
-    ``track_running_stats=True``) takes ``running_mean``, ``running_var`` and
-    ``num_batches_tracked`` from rank ``src``, for instance after a
-    :class:`~syncbn.CollectiveError`. The values travel as one framed float64
-    sum (exact for float16/bfloat16/float32 values and counts below ``2**53``),
-    so models that differ between ranks give a ``CollectiveError`` naming both
-    sizes on every rank and no buffer changes. A collective: call it on every
-    rank. Parameters are not touched (DDP broadcasts them at construction).
+    (``syncbn.SyncBatchNorm*``, ``syncbn.InPlaceSyncBatchNorm*``, the
+    ``syncbn.compat.inplace_abn`` layers, ``nn.BatchNorm*d``,
+    ``nn.InstanceNorm*d`` with ``track_running_stats=True``) takes
+    ``running_mean``, ``running_var`` and ``num_batches_tracked`` from rank
+    ``src``, for instance after a :class:`~syncbn.CollectiveError`. The values
+    travel as one framed float64 sum (exact for float16/bfloat16/float32 values
+    and counts below ``2**53``) whose header carries a checksum of the layers'
+    names and the buffers' shapes, so models that differ between ranks (even
+    with equal total sizes) give a ``CollectiveError`` (``mismatch``) on every
+    rank, naming both sizes, and no buffer changes. A collective: call it on
+    every rank. Parameters are not touched (DDP broadcasts them at construction).
 
     Args:
         model: the model (``DistributedDataParallel``/``DataParallel`` wrappers
@@ -55,7 +70,7 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
 
     Raises:
         ValueError: ``src`` is not a rank of the group.
-        CollectiveError: the ranks' models have different buffers, or the
+        CollectiveError: the ranks' models have different buffers (names, shapes), or the
             collective timed out or failed.
 
     Example::
@@ -69,7 +84,7 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
         ...     syncbn.sync_buffers(model)                 # every rank: equal buffers again
     """
     group = resolve(process_group)
-    buffers = _norm_buffers(model)
+    buffers, tag = _norm_buffers(model)
     if not isinstance(group, ProcessGroupSum):
         return 0
     if not 0 <= src < group.size:
@@ -81,7 +96,21 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
         flat = torch.cat([b.detach().reshape(-1).to(device=device, dtype=torch.float64) for b in buffers])
         if group.rank != src:
             flat.zero_()
-    group.all_reduce_sum_bounded(flat, host_wait=True, tag=_TAG)
+    try:
+        group.all_reduce_sum_bounded(flat, host_wait=True, tag=tag)
+    except CollectiveError as exc:
+        if not exc.mismatch:
+            raise
+        raise CollectiveError(
+            "syncbn.sync_buffers: the ranks' calls differ (expected the same normalisation layers, "
+            "buffer names and shapes on every rank of the group; this rank sent "
+            f"{len(buffers)} buffers, {flat.numel()} values); no buffer changed. {exc}",
+            timed_out=False,
+            waited=exc.waited,
+            group_size=exc.group_size,
+            detail=exc.detail,
+            mismatch=True,
+        ) from exc
     for buf, part in zip(buffers, flat.split([buf.numel() for buf in buffers])):
         buf.copy_(part.view_as(buf))
     return len(buffers)

@@ -1,7 +1,7 @@
-"""Exact running statistics for a whole model: merge them across ranks, or recompute them from data.
+"""Running statistics for a whole model: merge them across ranks, or recompute them exactly from data.
 
-Both functions work on any BatchNorm layer (``nn.BatchNorm*d``, syncbn's layers,
-timm's ``BatchNormAct2d``, ...) and leave every rank with identical buffers.
+Both functions work on any BatchNorm layer (``nn.BatchNorm*d``, syncbn's layers, the in-place
+ones included, timm's ``BatchNormAct2d``, ...) and leave every rank with identical buffers.
 """
 
 from __future__ import annotations
@@ -10,29 +10,39 @@ import sys
 import time
 import zlib
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import groups
+from ._abn_layer import ActivatedBatchNormBase
 from ._layer import check_module
 
 __all__ = ["sync_running_stats", "recompute_running_stats"]
 
+# A layer with BatchNorm's running statistics: torch's, or an in-place activated one of syncbn's.
+_Tracked = Union[_BatchNorm, ActivatedBatchNormBase]
 
-def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _BatchNorm]]:
-    """The model's BatchNorm layers that keep running statistics, each once, in module order."""
+
+def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _Tracked]]:
+    """The model's BatchNorm layers that keep running statistics, each once, in module order.
+
+    The in-place activated layers (``InPlaceSyncBatchNorm*``, the compat ``ABN`` family) hold the
+    same buffers under the same names and count as BatchNorm layers here.
+    """
     check_module(model, function)
     return [
         (name, mod)
         for name, mod in model.named_modules()  # each module once (named_modules skips repeats)
-        if isinstance(mod, _BatchNorm) and mod.running_mean is not None and mod.running_var is not None
+        if isinstance(mod, (_BatchNorm, ActivatedBatchNormBase))
+        and mod.running_mean is not None
+        and mod.running_var is not None
     ]
 
 
-def _layout_code(layers: list[tuple[str, _BatchNorm]]) -> float:
+def _layout_code(layers: list[tuple[str, _Tracked]]) -> float:
     """A number in [0, 1) that identifies the layers' names and sizes (equal on ranks with equal models)."""
     text = ";".join(f"{name}:{layer.running_mean.numel()}" for name, layer in layers)  # type: ignore[union-attr]
     return zlib.crc32(text.encode()) / 2**32
@@ -54,7 +64,7 @@ def _all_reduce_checked(group: Any, packed: Tensor, own: float, function: str) -
 
 
 def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module:
-    """Replace every BatchNorm layer's running statistics by their exact merge over the ranks.
+    """Replace every BatchNorm layer's running statistics by their merge over the ranks.
 
     For a model trained with per-rank (unsynchronised) BatchNorm, or whose
     ranks drifted apart: afterwards every rank holds the running mean and
@@ -66,12 +76,20 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         \\sigma^2 = \\underbrace{\\frac{\\sum_r w_r \\sigma_r^2}{\\sum_r w_r}}_{\\text{within ranks}}
           + \\underbrace{\\frac{\\sum_r w_r (\\mu_r - \\mu)^2}{\\sum_r w_r}}_{\\text{between ranks}}
 
-    (the law of total variance). With equal batch sizes on every rank, exact
-    per-rank statistics merge into exactly those of all ranks' data. A rank
-    that has seen no batch carries no weight; where no rank has seen one, or a
-    layer keeps no ``num_batches_tracked``, the ranks weigh equally. (Averaging
-    the variances alone, as ``timm.utils.distribute_bn`` does, drops the
-    between-rank part, with one collective per buffer.)
+    (the law of total variance), applied to the stored ``running_var``. That is
+    the variance of the mixture of the ranks' distributions; it is exactly the
+    variance of all ranks' data together only for *biased* per-rank variances
+    weighted by sample counts. BatchNorm stores the *unbiased* variance and
+    counts batches, not samples, so for statistics of :math:`n` values per
+    channel on each of :math:`R` ranks (equal weights) the result differs from
+    the unbiased variance of all :math:`Rn` values by
+    :math:`(B - (R - 1) A) / (Rn - 1)`, :math:`A` and :math:`B` the within- and
+    between-rank terms above: less than :math:`1/n` of the variance (for the
+    statistics of the data themselves, use :func:`recompute_running_stats`). A
+    rank that has seen no batch carries no weight; where no rank has seen one,
+    or a layer keeps no ``num_batches_tracked``, the ranks weigh equally.
+    (Averaging the variances alone, as ``timm.utils.distribute_bn`` does, drops
+    the between-rank part, with one collective per buffer.)
 
     All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked``
     becomes the mean over ranks, rounded. Every rank of the group must call
@@ -80,7 +98,8 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
 
     Args:
         model: the model (or a single layer); any ``_BatchNorm`` layer with
-            running statistics takes part.
+            running statistics takes part, and syncbn's in-place activated
+            layers (``InPlaceSyncBatchNorm*``, ``syncbn.compat.inplace_abn``).
         process_group: the ``torch.distributed`` group to merge over; ``None``
             is the default group.
 
@@ -172,6 +191,29 @@ def _masked_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | No
     return x
 
 
+def _storage(t: Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass)
+        return 0
+
+
+def _storages(batch: Any) -> set[int]:
+    """The storages of the tensors in ``batch`` (nested in tuples, lists and dicts)."""
+    found: set[int] = set()
+    stack = [batch]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Tensor):
+            found.add(_storage(item))
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    found.discard(0)
+    return found
+
+
 class _Progress:
     """A one-line progress bar on stderr, redrawn at most ten times a second."""
 
@@ -215,7 +257,9 @@ def recompute_running_stats(
     ``running_var`` to the mean and unbiased variance of everything that
     reached it over all batches of all ranks (merged exactly in float64): the
     population statistics, not an average of per-batch ones. Masked calls
-    count their valid positions only.
+    count their valid positions only. The in-place activated layers take part
+    too; one handed a tensor of a batch (or a view of it) works on a copy, so
+    the batches are never written over.
 
     syncbn layers normalise over all ranks' batches, so every rank must then
     pass the same number of batches. Modes and ``num_batches_tracked`` are
@@ -260,10 +304,23 @@ def recompute_running_stats(
         if values is not None:
             moments[id(module)].add(values)
 
+    feeding: set[int] = set()  # the storages of the batch being run
+
+    def protect(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        # An in-place layer handed the caller's batch (or a view of it) would write over it: a copy.
+        if args and isinstance(args[0], Tensor) and _storage(args[0]) in feeding:
+            return (args[0].clone(), *args[1:])
+        return None
+
     modes = [(mod, mod.training) for mod in model.modules()]
     saved = [(layer, layer.running_mean.clone(), layer.running_var.clone()) for _, layer in layers]  # type: ignore[union-attr]
     counters = [(t, t.clone()) for t in (layer.num_batches_tracked for _, layer in layers) if t is not None]
-    handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for _, layer in layers]
+    handles = [
+        mod.register_forward_pre_hook(protect)
+        for mod in model.modules()
+        if isinstance(mod, ActivatedBatchNormBase) and mod._in_place
+    ]
+    handles += [layer.register_forward_pre_hook(hook, with_kwargs=True) for _, layer in layers]
     try:
         total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
         show = sys.stderr.isatty() if progress is None else progress
@@ -272,6 +329,7 @@ def recompute_running_stats(
         done = 0
         with torch.no_grad():
             for batch in batches:
+                feeding = _storages(batch)
                 run(model, batch)
                 done += 1
                 bar.update(done)
@@ -295,7 +353,7 @@ def recompute_running_stats(
 
 
 def _set_population_stats(
-    layers: list[tuple[str, _BatchNorm]], moments: dict[int, _Moments], group: Any
+    layers: list[tuple[str, _Tracked]], moments: dict[int, _Moments], group: Any
 ) -> None:
     """Merge each layer's moments across ranks (two float64 all_reduces) and write its running stats."""
     # On the layers' device (NCCL needs accelerator tensors).

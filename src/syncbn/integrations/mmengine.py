@@ -49,8 +49,10 @@ NAMES: dict[str, type[nn.Module]] = {
     "ExactSyncBNRenorm": SyncBatchRenorm,
 }
 
-# What "SyncBN" meant before replace_syncbn (mmcv registers torch.nn.SyncBatchNorm under it).
+# What "SyncBN" meant before replace_syncbn (mmcv registers torch.nn.SyncBatchNorm under it;
+# _ABSENT: not registered, as with mmengine alone).
 _replaced: list[Any] = []
+_ABSENT = object()
 
 
 def register() -> None:
@@ -74,18 +76,23 @@ def replace_syncbn(enable: bool = True) -> None:
 
     Args:
         enable: ``True`` to map ``"SyncBN"`` to :class:`syncbn.SyncBatchNorm`,
-            ``False`` to restore what it meant before (mmcv's ``torch.nn.SyncBatchNorm``).
+            ``False`` to restore what it meant before (mmcv's ``torch.nn.SyncBatchNorm``;
+            without mmcv, no entry: the name is unregistered again).
     """
     # mmcv registers "SyncBN" (without force) when mmcv.cnn is imported: first, or that would fail.
     if importlib.util.find_spec("mmcv") is not None:
         importlib.import_module("mmcv.cnn")
-    current = MODELS.get("SyncBN")
+    current = MODELS.module_dict.get("SyncBN", _ABSENT)
     if enable:
         if current is not SyncBatchNorm:
             _replaced.append(current)
             MODELS.register_module("SyncBN", module=SyncBatchNorm, force=True)
     elif current is SyncBatchNorm and _replaced:
-        MODELS.register_module("SyncBN", module=_replaced.pop(), force=True)
+        previous = _replaced.pop()
+        if previous is _ABSENT:
+            del MODELS._module_dict["SyncBN"]  # unregistered again, as before (mmengine has no API)
+        else:
+            MODELS.register_module("SyncBN", module=previous, force=True)
 
 
 register()
