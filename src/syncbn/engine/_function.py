@@ -231,8 +231,10 @@ def _save(
     if params.family is not None and params.family.in_place:  # only the output (the input, overwritten)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, weight, bias)
-    else:
+    elif result.correction is None:
         ctx.save_for_backward(x, result.weight)
+    else:  # also the layer's own weight: the double backward differentiates through it
+        ctx.save_for_backward(x, result.weight, weight)
     ctx.stats, ctx.family, ctx.correction = result.stats, params.family, result.correction
     ctx.param_dtype = gradient_dtype(weight, bias, x)  # (read only where a parameter needs a gradient)
     ctx.params, ctx.call = params, call
@@ -246,10 +248,13 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
             raise RuntimeError(DOUBLE_BACKWARD)
         grad_input, sum_dy_xhat, sum_dy = _in_place_backward(ctx, grad_output, family, stats, need_input)
     else:
-        x, weight = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, weight = saved[0], saved[1]
         if torch.is_grad_enabled() and stats.total:
             # create_graph=True: every rank takes this branch alike (same create_graph and count).
             checks_before_backward(group, layer, grad_output, ctx.call)
+            if ctx.correction is not None:  # the effective scale from the differentiable weight
+                weight = family.scale(saved[2], ctx.correction[0])
             return differentiable_backward(
                 ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, layer, phase)
             )
