@@ -499,6 +499,31 @@ def test_low_precision_inputs(dtype: torch.dtype, tol: float) -> None:
 
 
 @needs_compiled_ops
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_compiled_fullgraph_under_no_grad_equals_eager(training: bool) -> None:
+    # Inference under torch.no_grad(): dynamo traces ctx.mark_dirty only with grad on, so the
+    # traced forward runs without the autograd Function there (it raised Unsupported before).
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv1d(3, 4, 1), syncbn.InPlaceSyncBatchNorm(4, activation="elu"))
+        model[1].running_mean.uniform_(-1.0, 1.0)
+        return model.double().train(training)
+
+    model, ref = make(), make()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    for step in range(2):
+        x = torch.randn(5, 3, 6, dtype=torch.float64)
+        with torch.no_grad():
+            y, y_ref = compiled(x), ref(x)
+        assert max_error(y, y_ref) <= 1e-12, step
+        for p, q in zip(model.state_dict().values(), ref.state_dict().values()):
+            assert max_error(p, q) <= 1e-12, step
+    assert int(model[1].num_batches_tracked) == (2 if training else 0)
+    torch._dynamo.reset()
+
+
+@needs_compiled_ops
 def test_compiled_local_layers_trace_without_graph_breaks() -> None:
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
