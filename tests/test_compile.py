@@ -112,6 +112,27 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
     out["num_batches_tracked"] = int(compiled[1].num_batches_tracked)
     out["op calls fullgraph"] = _compiled_calls() - before  # the compiled path really ran
 
+    # The in-place family under torch.no_grad() (inference), fullgraph: eval, and training (its
+    # collective through the compiled operator), against the eager layer on the same shards.
+    for training in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        abn = nn.Sequential(nn.Conv1d(3, 4, 1), syncbn.InPlaceSyncBatchNorm(4)).double().train(training)
+        abn_ref = copy.deepcopy(abn)
+        compiled_abn = torch.compile(abn, fullgraph=True, backend="eager")
+        key, before = f"no_grad in-place training={training}", _compiled_calls()
+        try:
+            worst = 0.0
+            for sizes in ((3, 5), (4, 2)):
+                torch.manual_seed(10 + sum(sizes))
+                x = torch.randn(sum(sizes), 3, 5, dtype=torch.float64)[sum(sizes[:rank]) :][: sizes[rank]]
+                with torch.no_grad():
+                    worst = max(worst, _err(compiled_abn(x.clone()), abn_ref(x.clone())))
+            out[key] = max(worst, _state_err(abn, abn_ref))
+        except Exception as exc:  # noqa: BLE001  (reported by the test, not a failed launch)
+            out[key] = f"{type(exc).__name__}: {exc}"
+        out[f"{key} op calls"] = _compiled_calls() - before
+
     # Double backward through the compiled graph: torch's own clear error, never a wrong gradient.
     x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     cm = torch.compile(copy.deepcopy(eager), fullgraph=True)
@@ -196,6 +217,15 @@ def test_compiled_equals_eager_on_two_ranks(key: str) -> None:
         assert result["num_batches_tracked"] == len(STEPS)
         # Every training step of every layer went through the compiled operator (no eager fallback).
         assert result[f"op calls {key}"] == steps * (2 if key == "fullgraph" else 1), result
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_in_place_family_compiles_fullgraph_under_no_grad(training: bool) -> None:
+    key = f"no_grad in-place training={training}"
+    for rank, result in enumerate(_results()):
+        assert isinstance(result[key], float) and result[key] <= 1e-12, f"rank {rank}: {result[key]}"
+        assert result[f"{key} op calls"] == (2 if training else 0), result  # eval never communicates
 
 
 @pytest.mark.timeout(600)

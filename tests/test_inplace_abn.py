@@ -499,6 +499,31 @@ def test_low_precision_inputs(dtype: torch.dtype, tol: float) -> None:
 
 
 @needs_compiled_ops
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_compiled_fullgraph_under_no_grad_equals_eager(training: bool) -> None:
+    # Inference under torch.no_grad(): dynamo traces ctx.mark_dirty only with grad on, so the
+    # traced forward runs without the autograd Function there (it raised Unsupported before).
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv1d(3, 4, 1), syncbn.InPlaceSyncBatchNorm(4, activation="elu"))
+        model[1].running_mean.uniform_(-1.0, 1.0)
+        return model.double().train(training)
+
+    model, ref = make(), make()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    for step in range(2):
+        x = torch.randn(5, 3, 6, dtype=torch.float64)
+        with torch.no_grad():
+            y, y_ref = compiled(x), ref(x)
+        assert max_error(y, y_ref) <= 1e-12, step
+        for p, q in zip(model.state_dict().values(), ref.state_dict().values()):
+            assert max_error(p, q) <= 1e-12, step
+    assert int(model[1].num_batches_tracked) == (2 if training else 0)
+    torch._dynamo.reset()
+
+
+@needs_compiled_ops
 def test_compiled_local_layers_trace_without_graph_breaks() -> None:
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
@@ -673,3 +698,122 @@ def test_local_inplace_abn_replicas_normalise_alone() -> None:
         ]
     )
     assert torch.allclose(y, expected, atol=1e-12)  # weight 1: scale 1 + eps
+
+
+# torch.func: the layer runs the engine's setup_context Function under transforms (grad, vjp,
+# vmap in eval); a second differentiation and vmap over batch statistics raise syncbn's errors.
+def _func_layer() -> nn.Module:
+    torch.manual_seed(0)
+    layer = syncbn.InPlaceSyncBatchNorm2d(3, activation="elu", activation_param=0.5).double()
+    with torch.no_grad():
+        layer.weight.uniform_(-1.5, 1.5)
+        layer.bias.uniform_(-1.0, 1.0)
+        layer.running_mean.uniform_(-1.0, 1.0)
+        layer.running_var.uniform_(0.5, 2.0)
+    return layer
+
+
+def _func_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 3, 2, 2, dtype=torch.float64, generator=gen) * 2.0 + 0.5
+    return x, torch.randn(n, 3, 2, 2, dtype=torch.float64, generator=gen)
+
+
+def _func_cases(rank: int, world_size: int, sizes: tuple[int, ...] = (7,)) -> dict[str, object]:
+    """``torch.func`` over the layer on this rank's shard of one global batch; errors and messages."""
+    from torch.func import functional_call, grad, vmap
+
+    out: dict[str, object] = {}
+    layer = _func_layer()
+    x, g = _func_data(sum(sizes))
+    running = (layer.running_mean, layer.running_var)
+    want = reference(x, g, layer.weight, layer.bias, running, activation="elu", param=0.5)
+    lo = sum(sizes[:rank])
+    xs, gs = x[lo : lo + sizes[rank]], g[lo : lo + sizes[rank]]
+    params = {k: v.detach().clone() for k, v in layer.named_parameters()}
+    buffers = {k: v.clone() for k, v in layer.named_buffers()}
+
+    def loss(p: dict, b: dict, t: torch.Tensor) -> torch.Tensor:
+        return (functional_call(layer, (p, b), (t.clone(),)) * gs).sum()
+
+    # Training, grad of weight, bias and input (buffers passed: their update is the reference's).
+    gp, gx = grad(loss, argnums=(0, 2))(params, buffers, xs)
+    dw, db = gp["weight"].clone(), gp["bias"].clone()
+    if world_size > 1:
+        torch.distributed.all_reduce(dw)
+        torch.distributed.all_reduce(db)
+    out["grad"] = max(
+        max_error(gx, want["dx"][lo : lo + sizes[rank]]),
+        max_error(dw, want["dw"]),
+        max_error(db, want["db"]),
+        max_error(buffers["running_mean"], want["rm"]),
+        max_error(buffers["running_var"], want["rv"]),
+    )
+    # vmap over batch statistics: syncbn's error, before any state changes.
+    before = [t.clone() for t in layer.buffers()]
+    try:
+        vmap(lambda t: layer(t.clone()))(xs.unsqueeze(1))
+        out["vmap train"] = "ran"
+    except NotImplementedError as exc:
+        out["vmap train"] = str(exc)
+    out["vmap train state"] = max(max_error(a, b) for a, b in zip(before, layer.buffers()))
+    return out
+
+
+def test_func_grad_vmap_in_training_one_process() -> None:
+    result = _func_cases(0, 1)
+    assert result["grad"] <= 1e-12
+    assert "torch.func.vmap over an in-place activated batch norm" in str(result["vmap train"])
+    assert "(got batch statistics" in str(result["vmap train"]) and result["vmap train state"] == 0.0
+
+
+def test_func_grad_and_vmap_in_training_on_two_ranks() -> None:
+    from _helpers.dist_harness import launch
+
+    for rank, result in enumerate(launch(_func_cases, 2, (3, 5), timeout=120)):
+        assert result["grad"] <= 1e-12, f"rank {rank}: {result}"
+        assert "torch.func.vmap over an in-place activated batch norm" in str(result["vmap train"]), rank
+        assert result["vmap train state"] == 0.0
+
+
+def test_func_second_differentiation_raises_clearly() -> None:
+    from torch.func import functional_call, grad
+
+    layer = _func_layer()
+    x, g = _func_data(6)
+    params = {k: v.detach().clone() for k, v in layer.named_parameters()}
+
+    def loss(p: dict, b: dict) -> torch.Tensor:
+        return (functional_call(layer, (p, b), (x.clone(),)) * g).sum()
+
+    def penalty(p: dict, b: dict) -> torch.Tensor:
+        return grad(loss)(p, b)["weight"].pow(2).sum()
+
+    with pytest.raises(RuntimeError, match="double backward"):  # never a silent zero
+        grad(penalty)(params, {k: v.clone() for k, v in layer.named_buffers()})
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_func_vmap_in_eval_equals_the_reference(strided: bool) -> None:
+    from torch.func import grad, vmap
+
+    layer = _func_layer().eval()
+    x, g = _func_data(6)
+    running = (layer.running_mean, layer.running_var)
+    want = reference(x, g, layer.weight, layer.bias, running, training=False, activation="elu", param=0.5)
+
+    def batched(t: torch.Tensor) -> torch.Tensor:  # samples of one image, or of two (a strided view)
+        return t.view(2, 3, 3, 2, 2).transpose(0, 1) if strided else t.view(6, 1, 3, 2, 2)
+
+    def unbatched(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1).reshape(x.shape) if strided else t.reshape(x.shape)
+
+    with torch.no_grad():
+        y = vmap(lambda t: layer(t.clone()))(batched(x))
+    assert max_error(unbatched(y), want["y"]) <= 1e-12
+
+    def per_sample(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return (layer(t.clone()) * u).sum()
+
+    dx = vmap(grad(per_sample))(batched(x), batched(g))  # per-sample input gradients
+    assert max_error(unbatched(dx), want["dx"]) <= 1e-12

@@ -67,6 +67,48 @@ def _step(layer: nn.Module, x: Tensor, g: Tensor, run: Any = None) -> dict[str, 
     }  # fmt: skip
 
 
+def _double_backward(
+    run: Any, weight: Tensor, bias: Tensor, x: Tensor, g: Tensor, h: Tensor
+) -> dict[str, Tensor]:
+    """First-order gradients with ``create_graph=True``, then those of a penalty linear in them.
+
+    The penalty ``sum(dx * h) + sum(dw * v) + sum(db * v)`` (random ``h``, fixed ``v``) sums over
+    ranks to the global batch's, so its gradients compare shard by shard (weight/bias: summed).
+    """
+    xg = x.detach().clone().requires_grad_()
+    dx, dw, db = torch.autograd.grad(run(xg), (xg, weight, bias), g, create_graph=True)
+    v = torch.linspace(-0.5, 1.5, x.shape[1], dtype=x.dtype)
+    penalty = (dx * h).sum() + (dw * v).sum() + (db * v).sum()
+    second = torch.autograd.grad(penalty, (xg, weight, bias), allow_unused=True)
+    ggx, ggw, ggb = (torch.zeros_like(t) if s is None else s for s, t in zip(second, (xg, weight, bias)))
+    out = {"dx": dx, "dw": dw, "db": db, "ggx": ggx, "ggw": ggw, "ggb": ggb}
+    return {k: t.detach() for k, t in out.items()}
+
+
+def _double_backward_expected(layer: nn.Module, x: Tensor, g: Tensor, h: Tensor) -> dict[str, Tensor]:
+    w = layer.weight.detach().clone().requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+    rm, rv = layer.running_mean.clone(), layer.running_var.clone()
+
+    def run(t: Tensor) -> Tensor:
+        return renorm_reference(t, w, b, rm, rv, layer.r_max, layer.d_max)[0]
+
+    return _double_backward(run, w, b, x, g, h)
+
+
+@pytest.mark.parametrize("shape", [(), (3,)], ids=["NC", "NCL"])
+def test_double_backward_equals_the_formulas(shape: tuple[int, ...]) -> None:
+    # A gradient penalty through the layer trains its weight: d(dx)/d(weight) = r * invstd * (...)
+    # with r constant (it was computed from a detached weight: a silent zero before).
+    layer = _layer()
+    x, g = _data(7, extra=shape)
+    h = _data(7, seed=1, extra=shape)[1]
+    want = _double_backward_expected(layer, x, g, h)
+    got = _double_backward(layer, layer.weight, layer.bias, x, g, h)
+    assert float(want["ggw"].abs().max()) > 0.1  # (the case tests something)
+    assert _max_err(got, want) <= 1e-10, {k: float((got[k] - want[k]).abs().max()) for k in want}
+
+
 @pytest.mark.parametrize("shape", [(), (3,)], ids=["NC", "NCL"])
 def test_single_process_equals_the_formulas(shape: tuple[int, ...]) -> None:
     layer = _layer()
@@ -252,6 +294,19 @@ def _distributed(rank: int, world_size: int) -> dict[str, float]:
                 torch.distributed.all_reduce(got[key])
             want["y"], want["dx"] = _shard(want["y"], rank, sizes), _shard(want["dx"], rank, sizes)
             out[f"eager-{name}-{cls.__name__}"] = _max_err(got, want)
+        # Double backward (a gradient penalty): first- and second-order gradients of x, weight, bias.
+        layer = _layer()
+        x, g = _data(sum(sizes), seed=5)
+        h = _data(sum(sizes), seed=6)[1]
+        want = _double_backward_expected(layer, x, g, h)
+        shards = [_shard(t, rank, sizes) for t in (x, g, h)]
+        got = _double_backward(layer, layer.weight, layer.bias, *shards)
+        for key in ("dw", "db", "ggw", "ggb"):
+            got[key] = got[key].detach().clone()
+            torch.distributed.all_reduce(got[key])
+        for key in ("dx", "ggx"):
+            want[key] = _shard(want[key], rank, sizes)
+        out[f"double-backward-{name}"] = _max_err(got, want)
         # DDP (which sums the parameter gradients) and compiled, 1d.
         layer = _layer()
         x, g = _data(sum(sizes), seed=11)
@@ -283,7 +338,9 @@ def distributed() -> list[dict[str, float]]:
 
 
 @pytest.mark.parametrize("shards", list(SHARDS))
-@pytest.mark.parametrize("path", ["eager", "ddp", pytest.param("compiled", marks=needs_compiled_ops)])
+@pytest.mark.parametrize(
+    "path", ["eager", "ddp", "double-backward", pytest.param("compiled", marks=needs_compiled_ops)]
+)
 def test_two_ranks_equal_the_formulas_on_the_global_batch(
     distributed: list[dict[str, float]], path: str, shards: str
 ) -> None:

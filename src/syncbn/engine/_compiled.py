@@ -9,7 +9,7 @@ docs/how-it-works.md's; why the backward is explicit is in docs/internals/engine
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -72,6 +72,56 @@ def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tens
             running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
 
 
+class _TracedForward(NamedTuple):
+    """What :func:`_traced_forward` computed: the output and what the Function saves or returns."""
+
+    out: Tensor  # the in-place family: x, overwritten
+    mean: Tensor
+    var: Tensor  # biased (eval: the running variance)
+    invstd: Tensor
+    unbiased: Tensor | None  # None in eval (the in-place family)
+    total: Tensor | None  # None in eval (the in-place family)
+    weight: Tensor | None  # the weight the elementwise forward used (the family's effective one)
+    bias: Tensor | None
+    correction: tuple[Tensor, Tensor] | None  # the family's (r, d)
+
+
+def _traced_forward(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
+) -> _TracedForward:
+    """The forward of :class:`_TracedSyncBatchNorm`, traced operations only (no autograd state)."""
+    eps, group, token, family = params.eps, params.group, params.layer, params.family
+    in_place = family is not None and family.in_place
+    running = None
+    if in_place and params.running_mean is not None and params.running_var is not None:
+        running = (params.running_mean, params.running_var)
+    # (the running statistics' dtype counts for the in-place family only)
+    stat = _rules.statistics_dtype(x, weight, None if running is None else running[0])
+    total = unbiased = None
+    if not in_place or family.training:
+        total, mean, var, unbiased = traced_moments(x, group, token, stat)
+    else:
+        assert running is not None
+        mean, var = running[0].to(stat), running[1].to(stat)
+    invstd = torch.rsqrt(var + eps)
+    correction = None
+    if in_place:  # the family's elementwise forward, written over x
+        family.traced_forward_(x, weight, bias, mean, invstd, eps)
+        out = x
+    else:
+        dims, shape = _layout(x)
+        comp = _compute_dtype(x, stat)
+        correction = None if family is None else family.correction(mean, var, eps)
+        if correction is not None:  # the family's effective affine map; (r, d) constants
+            weight, bias = family.affine(weight, bias, *correction)
+        scale = invstd if weight is None else invstd * weight
+        y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
+        if bias is not None:
+            y = y + bias.to(comp).view(shape)
+        out = y.to(x.dtype)
+    return _TracedForward(out, mean, var, invstd, unbiased, total, weight, bias, correction)
+
+
 class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm of any family over a group, in traceable operations.
 
@@ -86,34 +136,12 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
     ) -> Any:  # type: ignore[override]
         eps, group, token, family = params.eps, params.group, params.layer, params.family
         in_place = family is not None and family.in_place
-        running = None
-        if in_place and params.running_mean is not None and params.running_var is not None:
-            running = (params.running_mean, params.running_var)
-        # (the running statistics' dtype counts for the in-place family only)
-        stat = _rules.statistics_dtype(x, weight, None if running is None else running[0])
-        training = not in_place or family.training
-        if training:
-            total, mean, var, unbiased = traced_moments(x, group, token, stat)
-        else:
-            assert running is not None
-            mean, var = running[0].to(stat), running[1].to(stat)
-        invstd = torch.rsqrt(var + eps)
-        correction = None
-        if in_place:  # the family's elementwise forward, written over x
-            family.traced_forward_(x, weight, bias, mean, invstd, eps)
+        out, mean, var, invstd, unbiased, total, weight, bias, correction = _traced_forward(
+            x, weight, bias, params
+        )
+        training = total is not None
+        if in_place:
             ctx.mark_dirty(x)
-            out = x
-        else:
-            dims, shape = _layout(x)
-            comp = _compute_dtype(x, stat)
-            correction = None if family is None else family.correction(mean, var, eps)
-            if correction is not None:  # the family's effective affine map; (r, d) constants
-                weight, bias = family.affine(weight, bias, *correction)
-            scale = invstd if weight is None else invstd * weight
-            y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
-            if bias is not None:
-                y = y + bias.to(comp).view(shape)
-            out = y.to(x.dtype)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it); ctx.present
         # says which of the optional ones are, the family's (r, d) follow when it has a correction.
         ctx.eps, ctx.family, ctx.group = eps, family, group
@@ -182,11 +210,21 @@ def sync_batch_norm(
 def traced_inplace_abn(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten."""
-    if not params.family.training:
-        out: Tensor = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten.
+
+    With grad disabled (``torch.no_grad()``, inference) the traced forward runs without the
+    autograd Function: dynamo traces ``ctx.mark_dirty`` only under ``Function.apply`` with grad on.
+    """
+    if not torch.is_grad_enabled():  # the same operations, no autograd state
+        forward = _traced_forward(x, weight, bias, params)
+        out, mean, unbiased, total, var = x, forward.mean, forward.unbiased, forward.total, forward.var
+        if total is None or unbiased is None:  # eval
+            return out
+    elif not params.family.training:
+        out = _TracedSyncBatchNorm.apply(x, weight, bias, params)
         return out
-    out, mean, unbiased, total, var = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    else:
+        out, mean, unbiased, total, var = _TracedSyncBatchNorm.apply(x, weight, bias, params)
     if params.group:  # syncbn.accumulation (local layers are seen by its forward hooks)
         _accumulating.observe(params.running_mean, total, mean, var, params.momentum)
     with torch.no_grad():

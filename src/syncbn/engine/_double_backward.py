@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["Reduce", "differentiable_backward", "differentiable_input_grads"]
+__all__ = ["Reduce", "differentiable_backward", "differentiable_input_grads", "reduce_unwrapped"]
 
 Reduce = Callable[[Tensor, str], Tensor]
 
@@ -30,6 +30,12 @@ class _DifferentiableSum(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         summed: Tensor = _DifferentiableSum.apply(grad, ctx.reduce, ctx.phase)
         return summed, None, None
+
+
+def reduce_unwrapped(tensor: Tensor, reduce: Reduce) -> Tensor:
+    """``reduce(tensor, "backward")`` on the plain tensor under torch.func's wrappers (a Function unwraps)."""
+    summed: Tensor = _DifferentiableSum.apply(tensor, reduce, "backward")
+    return summed
 
 
 def differentiable_input_grads(

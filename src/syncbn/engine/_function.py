@@ -25,7 +25,7 @@ from ..groups import (
     Tag,
 )
 from . import _math
-from ._double_backward import differentiable_backward
+from ._double_backward import differentiable_backward, reduce_unwrapped
 from ._math import Stats, finish_input_grad, local_grad_sums
 from ._rules import gradient_dtype, one_value_error, statistics_dtype
 
@@ -237,8 +237,10 @@ def _save(
     if params.family is not None and params.family.in_place:  # only the output (the input, overwritten)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, weight, bias)
-    else:
+    elif result.correction is None:
         ctx.save_for_backward(x, result.weight)
+    else:  # also the layer's own weight: the double backward differentiates through it
+        ctx.save_for_backward(x, result.weight, weight)
     ctx.stats, ctx.family, ctx.correction = result.stats, params.family, result.correction
     ctx.param_dtype = gradient_dtype(weight, bias, x)  # (read only where a parameter needs a gradient)
     ctx.params, ctx.call = params, call
@@ -249,13 +251,16 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     if family is not None and family.in_place:
         if torch.is_grad_enabled():  # the output it recovers from is not differentiable again
-            raise RuntimeError(DOUBLE_BACKWARD)
+            return _in_place_backward_under_func(ctx, grad_output)
         grad_input, sum_dy_xhat, sum_dy = _in_place_backward(ctx, grad_output, family, stats, need_input)
     else:
-        x, weight = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, weight = saved[0], saved[1]
         if torch.is_grad_enabled() and stats.total:
             # create_graph=True: every rank takes this branch alike (same create_graph and count).
             checks_before_backward(group, layer, grad_output, ctx.call)
+            if ctx.correction is not None:  # the effective scale from the differentiable weight
+                weight = family.scale(saved[2], ctx.correction[0])
             return differentiable_backward(
                 ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, layer, phase)
             )
@@ -287,9 +292,77 @@ def _in_place_backward(
             reduced = _math.pack_grad_sums(sum_dz, sum_dz_xhat)
             if group is not None:
                 checks_before_backward(group, layer, grad, ctx.call)
-                reduced = _all_reduce(group, reduced, layer, "backward")
+                if torch._C._are_functorch_transforms_active():  # the plain tensors (torch.func.grad)
+                    reduced = reduce_unwrapped(reduced, lambda t, phase: _all_reduce(group, t, layer, phase))
+                else:
+                    reduced = _all_reduce(group, reduced, layer, "backward")
         grad_input = family.input_grad(y, weight, bias, stats, carry, reduced) if need_input else None
     return (grad_input, *family.parameter_grads(sum_dz, sum_dz_xhat, weight))
+
+
+def _in_place_backward_under_func(
+    ctx: Any, grad_output: Tensor
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The in-place family's backward with grad on: refused, except under torch.func's transforms.
+
+    ``torch.func.grad``/``vjp`` always build the backward's graph: there the gradients are computed
+    without it, each behind a node whose own backward raises, so only a second differentiation
+    (a nested transform) is refused, never answered with a silently wrong value.
+    """
+    if not torch._C._are_functorch_transforms_active():
+        raise RuntimeError(DOUBLE_BACKWARD)
+    with torch.no_grad():
+        grads = _backward(ctx, grad_output)
+    y, weight, _ = ctx.saved_tensors  # (what the gradients depend on: the node is recorded if any does)
+    gi, gw, gb = (None if g is None else _FirstOrderOnly.apply(g, y, weight, grad_output) for g in grads)
+    return gi, gw, gb
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """``grad`` unchanged; differentiating it again raises (the in-place family's double backward)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad: Tensor, *depends_on: Tensor | None) -> Tensor:  # type: ignore[override]
+        return grad.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
+IN_PLACE_VMAP = (
+    "syncbn: torch.func.vmap over an in-place activated batch norm (InPlaceSyncBatchNorm, "
+    "InPlaceABN, InPlaceABNSync) expected eval mode with running statistics and an unbatched "
+    "weight and bias (got {got}): batch statistics would be each vmapped sample's own (and, "
+    "synchronised, a collective per sample). Under vmap use the layer in eval mode, or "
+    "syncbn.SyncBatchNorm followed by the activation; torch.func.grad/vjp/jacrev are supported."
+)
+
+
+def _in_place_vmap(in_dims: Any, x: Tensor, weight: Any, bias: Any, params: Params, box: _Pending) -> Any:
+    """The in-place family under ``vmap``: in eval (constant statistics) the vmapped dim joins the batch.
+
+    ``box`` is the caller's: a transform above ``vmap`` (``grad``) reads the forward's result from it.
+    """
+    x_dim, weight_dim, bias_dim = in_dims[:3]
+    if params.family.training or weight_dim is not None or bias_dim is not None or x_dim is None:
+        got = "batch statistics (training, or eval without running statistics)"
+        if not params.family.training:
+            got = "an unbatched input" if x_dim is None else "a batched weight or bias"
+        raise NotImplementedError(IN_PLACE_VMAP.format(got=got))
+    moved = x.movedim(x_dim, 0)
+    contiguous = moved.is_contiguous()  # then a view: written over in place, else a copy written back
+    flat = moved.view(-1, *moved.shape[2:]) if contiguous else moved.reshape(-1, *moved.shape[2:]).clone()
+    TransformableSyncBatchNormFunction.apply(flat, weight, bias, params, box)
+    if not contiguous:
+        moved.copy_(flat.view(moved.shape))
+    return x, x_dim
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -328,6 +401,9 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
+        x, weight, bias, params, box = args
+        if params.family is not None and params.family.in_place:
+            return _in_place_vmap(in_dims, x, weight, bias, params, box)
         raise NotImplementedError(
             "syncbn: torch.func.vmap over a synchronised SyncBatchNorm in training is not supported "
             "(each vmapped sample would need its own collective across ranks). Use the layer in eval "
@@ -353,5 +429,13 @@ def inplace_abn_apply(
     check_call(x, weight, running_mean, running_var, training)
     family = InPlaceABN(activation, param, training)
     params = Params(running_mean, running_var, eps, momentum, group if training else None, layer, family)
-    out: Tensor = SyncBatchNormFunction.apply(x, weight, bias, params)
+    return apply(x, weight, bias, params)
+
+
+def apply(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
+    """The engine's autograd Function applied: the ``setup_context`` form under torch.func's transforms."""
+    if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
+        out: Tensor = TransformableSyncBatchNormFunction.apply(x, weight, bias, params, _Pending())
+        return out
+    out = SyncBatchNormFunction.apply(x, weight, bias, params)
     return out

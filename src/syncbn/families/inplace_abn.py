@@ -166,6 +166,8 @@ def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Ten
         dz = torch.ops.aten.elu_backward(gw, p, 1.0, 1.0, True, yw)
         # log1p(y / alpha) where y < 0, kept finite where saturated (y == -alpha).
         inner = torch.div(yw, p).clamp_(min=-1.0 + torch.finfo(acc).eps).log1p_()
+        if torch._C._are_functorch_transforms_active():  # (vmap has no rule for where's out= form)
+            return torch.where(yw < 0, inner, yw), dz, True
         return torch.where(yw < 0, inner, yw, out=inner), dz, True
     return yw, gw, widen
 
@@ -175,6 +177,9 @@ def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | N
     channels = z.shape[1]  # (z - b) / sqrt(s^2) = xhat; b 0 and s 1 when absent
     mean = z.new_zeros(channels) if bias is None else _math.cast(bias.detach(), z.dtype)
     var = z.new_ones(channels) if scale is None else _math.cast(scale, z.dtype).square()
+    if torch._C._are_functorch_transforms_active():  # (vmap has no rule for the kernel's eval form)
+        dims, shape = [0, *range(2, z.dim())], _math.broadcast_shape(z)
+        return dz.sum(dims), (dz * (z - mean.view(shape))).sum(dims) * var.rsqrt()
     _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
         dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
     )

@@ -53,9 +53,18 @@ class Renorm(NamedTuple):
             w_eff, shift = r, d
         else:
             w = weight.detach()
-            w_eff, shift = (w * r.to(w.dtype)), (w * d.to(w.dtype))
+            w_eff, shift = Renorm.scale(w, r), (w * d.to(w.dtype))
         b_eff = shift if bias is None else bias.detach() + shift.to(bias.dtype)
         return w_eff, b_eff
+
+    @staticmethod
+    def scale(weight: Tensor | None, r: Tensor) -> Tensor:
+        """The effective scale ``weight * r``, differentiable in ``weight`` (``r`` a constant of the step).
+
+        The double backward's (:mod:`syncbn.engine._double_backward`): the input gradient
+        ``weight * r * invstd * (...)`` then reaches ``weight`` (gradient penalties train it).
+        """
+        return r if weight is None else weight * r.to(weight.dtype)
 
     @staticmethod
     def parameter_grads(sum_dy: Tensor, sum_dy_xhat: Tensor, r: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
