@@ -271,6 +271,7 @@ def _functional_arguments(rank: int, world_size: int) -> dict[str, Any]:
         "momentum None": lambda: sbn(x, mean, var, training=True, momentum=None),  # type: ignore[arg-type]
         "layer eps 0": lambda: syncbn.SyncBatchNorm1d(3, eps=0.0)(x),
         "renorm eps 0": lambda: syncbn.SyncBatchRenorm1d(3, eps=0.0)(x),
+        "in-place eps 0": lambda: syncbn.InPlaceSyncBatchNorm(3, eps=0.0)(x.clone()),
     }
     out = {name: _attempt(case)["type"] for name, case in cases.items()}
     out["unchanged"] = torch.equal(mean, torch.zeros(3)) and torch.equal(var, torch.ones(3))
@@ -280,9 +281,8 @@ def _functional_arguments(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_functional_arguments_are_refused_as_f_batch_norm_refuses_them() -> None:
     # the checks run before a transport is chosen: the default one suffices
-    expected = {
-        name: "ValueError" for name in ("mean only", "var only", "eps 0", "layer eps 0", "renorm eps 0")
-    }
+    refused = ("mean only", "var only", "eps 0", "layer eps 0", "renorm eps 0", "in-place eps 0")
+    expected: dict[str, Any] = {name: "ValueError" for name in refused}
     expected.update({"momentum None": "TypeError", "unchanged": True, "usable": None})
     assert launch(_functional_arguments, 2, timeout=60) == [expected, expected]
 

@@ -17,6 +17,7 @@ from ._layer import LayerMixin
 from .engine import _rules
 from .engine._function import Params, inplace_abn_apply
 from .families.inplace_abn import InPlaceABN, check_activation, check_writable
+from .functional import check_eps
 
 try:
     from .engine import _ops
@@ -163,6 +164,8 @@ class ActivatedBatchNormBase(LayerMixin):
     def _forward(self, x: Tensor) -> Tensor:
         """Training or eval forward of the in-place layers (traced under ``torch.compile``); returns ``x``."""
         self._check_activation()
+        if self.training:
+            check_eps(self.eps)
         if _is_compiling():
             if _ops is None or (
                 not self._local
