@@ -116,6 +116,40 @@ def test_float32_and_a_large_mean() -> None:
         check_step(ours, ref, x, grad, [3, 5], tol=3e-4)
 
 
+@pytest.mark.parametrize("family", ["batchnorm", "renorm"])
+def test_double_backward_equals_the_layer_on_the_whole_batch(family: str) -> None:
+    # A gradient penalty (create_graph=True) through the replicas' joint node: first- and
+    # second-order gradients of x, weight and bias as the layer on the whole batch in one process
+    # (renorm with r and d away from 1 and 0; its eager double backward is tested on the formulas).
+    def make() -> nn.Module:
+        torch.manual_seed(3)
+        layer = syncbn.SyncBatchNorm1d(3) if family == "batchnorm" else syncbn.SyncBatchRenorm1d(3, r_max=1.5)
+        layer = layer.double()
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 1.5)
+            layer.bias.uniform_(-0.5, 0.5)
+            layer.running_mean.fill_(0.3)
+            layer.running_var.fill_(2.5)
+        return layer
+
+    x = torch.randn(7, 3, 4, dtype=torch.float64) * 2 + 1
+    g = torch.randn_like(x)
+
+    def gradients(layer: nn.Module, chunks: list[int] | None) -> list[torch.Tensor]:
+        xx = x.clone().requires_grad_(True)
+        y = layer(xx) if chunks is None else parallel.data_parallel(layer, xx, chunks=chunks)
+        (dx,) = torch.autograd.grad((y * g).sum(), xx, create_graph=True)
+        penalty = (dx**2).sum() + (dx * g).sum()
+        second = torch.autograd.grad(penalty, [xx, layer.weight, layer.bias], allow_unused=True)
+        return [dx.detach()] + [torch.zeros(3) if t is None else t for t in second]
+
+    expected = gradients(make(), None)
+    for chunks in ([3, 4], [2, 0, 5]):
+        got = gradients(make(), chunks)
+        for name, a, b in zip(("dx", "d2x", "d2weight", "d2bias"), got, expected):
+            assert (a - b).abs().max().item() < 1e-10, (family, chunks, name)
+
+
 def test_train_eval_switching() -> None:
     ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4)
     gen = torch.Generator().manual_seed(0)

@@ -10,7 +10,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["Reduce", "differentiable_backward", "differentiable_input_grads", "reduce_unwrapped"]
+__all__ = [
+    "Reduce",
+    "differentiable_backward",
+    "differentiable_input_grads",
+    "joint_input_grads",
+    "reduce_unwrapped",
+]
 
 Reduce = Callable[[Tensor, str], Tensor]
 
@@ -38,6 +44,54 @@ def reduce_unwrapped(tensor: Tensor, reduce: Reduce) -> Tensor:
     return summed
 
 
+def _moment_sums(x: Tensor) -> Tensor:
+    """``[sum x, sum x^2]`` per channel, float64, differentiable in ``x``."""
+    x64 = x.to(torch.float64)
+    dims = [0, *range(2, x.dim())]
+    return torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
+
+
+def _normalised(x: Tensor, stats: Any, summed: Tensor) -> tuple[Tensor, Tensor, float | Tensor]:
+    """``(xhat, invstd, n)``: the forward's values (``stats``) with the derivatives of ``summed``,
+    the group's differentiable ``[sum x, sum x^2]``."""
+    mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
+    stat = mean.dtype
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    n: float | Tensor = total.to(torch.float64) if isinstance(total, Tensor) else float(total)
+    s, q = summed.to(mean.device).unbind(0)
+    mean_d = s / n
+    var_d = q / n - mean_d * mean_d
+    mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
+    var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
+    invstd = (var_v + eps).rsqrt()
+    return (x.to(stat) - mean_v.view(shape)) * invstd.view(shape), invstd, n
+
+
+def _grad_sums(grad_output: Tensor, xhat: Tensor) -> Tensor:
+    """This member's ``[sum dy, sum dy * xhat]`` (float32 at least: the sum's dtype)."""
+    dims = [0, *range(2, xhat.dim())]
+    dy = grad_output.to(xhat.dtype)
+    local = torch.stack([dy.sum(dims), (dy * xhat).sum(dims)])
+    return local.float() if local.dtype in (torch.float16, torch.bfloat16) else local
+
+
+def _input_grad(
+    grad_output: Tensor,
+    x: Tensor,
+    xhat: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    reduced: Tensor,
+    n: Any,
+) -> Tensor:
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    reduced = reduced.to(device=xhat.device, dtype=xhat.dtype)
+    scale = invstd if weight is None else invstd * weight.to(xhat.dtype)
+    dy = grad_output.to(xhat.dtype)
+    grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
+    return grad_input.to(x.dtype)
+
+
 def differentiable_input_grads(
     grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any, reduce: Reduce
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -46,30 +100,36 @@ def differentiable_input_grads(
     The statistics are rebuilt from a differentiable sum of ``[sum x, sum x^2]``: the forward's
     values (``stats``, a :class:`syncbn.engine._math.Stats`) with the rebuild's derivatives.
     """
-    mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
-    stat = mean.dtype
-    dims = [0, *range(2, x.dim())]
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    n: float | Tensor = total.to(torch.float64) if isinstance(total, Tensor) else float(total)
-    x64 = x.to(torch.float64)
-    sums = torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
-    s, q = _DifferentiableSum.apply(sums, reduce, "forward (recomputed for double backward)").unbind(0)
-    mean_d = s / n
-    var_d = q / n - mean_d * mean_d
-    mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
-    var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
-    invstd = (var_v + eps).rsqrt()
-    xhat = (x.to(stat) - mean_v.view(shape)) * invstd.view(shape)
-    dy = grad_output.to(stat)
-    sum_dy = dy.sum(dims)
-    sum_dy_xhat = (dy * xhat).sum(dims)
-    local = torch.stack([sum_dy, sum_dy_xhat])
-    reduced = _DifferentiableSum.apply(
-        local.float() if local.dtype in (torch.float16, torch.bfloat16) else local, reduce, "backward"
-    ).to(stat)
-    scale = invstd if weight is None else invstd * weight.to(stat)
-    grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
-    return grad_input.to(x.dtype), sum_dy_xhat, sum_dy
+    summed = _DifferentiableSum.apply(_moment_sums(x), reduce, "forward (recomputed for double backward)")
+    xhat, invstd, n = _normalised(x, stats, summed)
+    local = _grad_sums(grad_output, xhat)
+    reduced = _DifferentiableSum.apply(local, reduce, "backward")
+    return _input_grad(grad_output, x, xhat, invstd, weight, reduced, n), local[1], local[0]
+
+
+def joint_input_grads(
+    grads: list[Tensor], xs: list[Tensor], weights: list[Tensor | None], stats: list[Any]
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """:func:`differentiable_input_grads` of ``nn.DataParallel`` replicas, all held by one thread.
+
+    The group's sums are plain sums of the replicas' tensors in replica order (on the first's
+    device): differentiable by autograd itself, whatever the order of the gradient.
+    """
+
+    def total(parts: list[Tensor]) -> Tensor:
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part.to(out.device)
+        return out
+
+    summed = total([_moment_sums(x) for x in xs])
+    normalised = [_normalised(x, st, summed) for x, st in zip(xs, stats)]
+    local = [_grad_sums(g, norm[0]) for g, norm in zip(grads, normalised)]
+    reduced = total(local)
+    return [
+        (_input_grad(g, x, xhat, invstd, w, reduced, n), part[1], part[0])
+        for g, x, w, (xhat, invstd, n), part in zip(grads, xs, weights, normalised, local)
+    ]
 
 
 def differentiable_backward(

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from .. import _accumulating
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
 from ..engine import _math
+from ..engine._double_backward import joint_input_grads
 from ..engine._function import Params, inplace_abn_apply, synchronized_forward
 from ..engine._math import finish_input_grad, local_grad_sums
 from ..engine._rules import gradient_dtype
@@ -132,8 +133,12 @@ class _JointBatchNorm(torch.autograd.Function):
         ys = [r.y for r in records]
         if family is not None and family.in_place:
             ctx.mark_dirty(*ys)
-        # the xs, the forward's weights, the biases
-        ctx.save_for_backward(*tensors[:size], *(r.effective_weight for r in records), *tensors[2 * size :])
+        # the xs, the forward's weights, the biases (a family's correction: the layers' weights too,
+        # which the double backward differentiates through)
+        own = tensors[size : 2 * size] if any(r.correction is not None for r in records) else ()
+        ctx.save_for_backward(
+            *tensors[:size], *(r.effective_weight for r in records), *tensors[2 * size : 3 * size], *own
+        )
         return tuple(ys)
 
     @staticmethod
@@ -143,15 +148,22 @@ class _JointBatchNorm(torch.autograd.Function):
         if in_place and torch.is_grad_enabled():
             raise RuntimeError(DOUBLE_BACKWARD)
         saved = ctx.saved_tensors
-        xs, weights, biases = saved[:size], saved[size : 2 * size], saved[2 * size :]
+        xs, weights, biases = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
         needs = ctx.needs_input_grad[1:]
+        if not in_place and torch.is_grad_enabled() and stats[0].total:  # create_graph=True
+            if len(saved) > 3 * size:  # the effective scale from the differentiable weight
+                weights = tuple(family.scale(w, c[0]) for w, c in zip(saved[3 * size :], ctx.corrections))
+            joint = joint_input_grads(list(grads), list(xs), list(weights), stats)
+            grad_inputs: list[Tensor | None] = [j[0] if needs[k] else None for k, j in enumerate(joint)]
+            sums = [(j[2], j[1]) for j in joint]
+            return _parameter_grads(ctx, sums, needs, grad_inputs)
         if in_place:  # the family's local reduction, recovering xhat from each output
             parts = [family.grad_sums(xs[k], grads[k], weights[k], biases[k], stats[k]) for k in range(size)]
             sums = [(p[1], p[2]) for p in parts]
         else:
             sums = [local_grad_sums(grads[k], xs[k], weights[k], stats[k]) for k in range(size)]
         reduced = ordered_sum([_math.pack_grad_sums(*s) for s in sums])  # replica order: reproducible
-        grad_inputs: list[Tensor | None] = []
+        grad_inputs = []
         for k in range(size):
             if not needs[k]:
                 grad_inputs.append(None)
@@ -161,13 +173,19 @@ class _JointBatchNorm(torch.autograd.Function):
                 )
             else:
                 grad_inputs.append(finish_input_grad(grads[k], xs[k], weights[k], stats[k], reduced))
-        for k, correction in enumerate(ctx.corrections):
-            if in_place:
-                sums[k] = family.parameter_grads(*sums[k], weights[k])[::-1]
-            elif correction is not None:
-                sums[k] = family.parameter_grads(*sums[k], *correction)[::-1]
-        grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
-        grad_biases = [
-            sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)
-        ]
-        return (None, *grad_inputs, *grad_weights, *grad_biases)
+        if in_place:
+            sums = [family.parameter_grads(*sums[k], weights[k])[::-1] for k in range(size)]
+        return _parameter_grads(ctx, sums, needs, grad_inputs)
+
+
+def _parameter_grads(
+    ctx: Any, sums: list[Any], needs: tuple[bool, ...], grad_inputs: list[Tensor | None]
+) -> tuple[Tensor | None, ...]:
+    """The node's gradients from each replica's ``(sum dy, sum dy * xhat)`` (a correction applied)."""
+    size = ctx.size
+    for k, correction in enumerate(ctx.corrections):
+        if correction is not None and not (ctx.family is not None and ctx.family.in_place):
+            sums[k] = ctx.family.parameter_grads(*sums[k], *correction)[::-1]
+    grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
+    grad_biases = [sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)]
+    return (None, *grad_inputs, *grad_weights, *grad_biases)
