@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,6 +167,74 @@ def test_verify_and_demo_under_torchrun(tmp_path: Path) -> None:
     assert "2 ranks x 2 images = global batch 4" in proc.stdout
     assert proc.stdout.count("(reference)") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+# Every numeric flag of every command, and --backend: a bad value is argparse's usage error (exit 2,
+# naming the flag and what it takes), before any rank starts. Several once ran and crashed instead.
+BAD_VALUES = [
+    ("bench", "--world-size", "0", "an int of at least 1"),  # was FileNotFoundError (result.pkl)
+    ("bench", "--iters", "0", "an int of at least 1"),  # was StatisticsError
+    ("bench", "--iters", "-3", "an int of at least 1"),
+    ("bench", "--warmup", "-1", "an int of at least 0"),
+    ("bench", "--threads", "0", "an int of at least 1"),  # was RuntimeError from set_num_threads
+    ("bench", "--e2e-steps", "-1", "an int of at least 0"),
+    ("bench", "--backend", "bogus", "a torch.distributed backend: gloo"),
+    ("verify", "--timeout", "0", "a number of seconds from 0.001 to 1e+09"),  # was gloo's RuntimeError
+    ("verify", "--timeout", "-1", "a number of seconds from 0.001 to 1e+09"),
+    ("verify", "--timeout", "nan", "a number of seconds from 0.001 to 1e+09"),
+    ("verify", "--backend", "bogus", "a torch.distributed backend: gloo"),  # was AssertionError
+    ("verify", "--backend", "fake", "a torch.distributed backend: gloo"),
+    ("verify", "--tolerance-scale", "-1", "a finite number of at least 0"),  # ran, every case failed
+    ("verify", "--tolerance-scale", "inf", "a finite number of at least 0"),
+    ("verify", "--world-size", "x", "an int of at least 1"),
+    ("demo", "--world-size", "0", "an int of at least 1"),
+    ("demo", "--steps", "0", "an int of at least 1"),
+    ("demo", "--batch", "-2", "an int of at least 1"),
+    ("demo", "--lr", "-0.1", "a finite number of at least 0"),
+    ("demo", "--lr", "nan", "a finite number of at least 0"),
+    ("demo", "--seed", str(2**64), "an int from -9223372036854775808 to 18446744073709551615"),
+]
+
+
+@pytest.mark.parametrize(("command", "flag", "value", "wanted"), BAD_VALUES)
+def test_a_bad_flag_value_is_a_usage_error(
+    command: str, flag: str, value: str, wanted: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from syncbn.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main([command, flag, value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"syncbn {command}: error: argument {flag}: expected {wanted}"), err
+    assert line.endswith(f"(got {value!r})"), err
+
+
+def test_accepted_flag_values_parse() -> None:
+    import argparse
+
+    from syncbn.cli import bench, demo, verify
+
+    def parse(module: Any, *argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        return parser.parse_args(list(argv))
+
+    args = parse(
+        verify, "--backend", "GLOO", "--tolerance-scale", "0", "--timeout", "0.001", "--world-size", "1"
+    )
+    assert (args.backend, args.tolerance_scale, args.timeout, args.world_size) == ("gloo", 0.0, 0.001, 1)
+    args = parse(bench, "--warmup", "0", "--e2e-steps", "0", "--iters", "1", "--threads", "2")
+    assert (args.warmup, args.e2e_steps, args.iters, args.threads) == (0, 0, 1, 2)
+    args = parse(demo, "--seed", "-1", "--lr", "0", "--steps", "1", "--batch", "1")
+    assert (args.seed, args.lr, args.steps, args.batch) == (-1, 0.0, 1, 1)
+
+
+def test_a_bad_flag_value_exits_2_before_any_rank_starts(tmp_path: Path) -> None:
+    proc = _syncbn("bench", "--world-size", "0", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "argument --world-size: expected an int of at least 1 (got '0')" in proc.stderr
 
 
 def test_table_and_progress_bar_helpers() -> None:

@@ -111,6 +111,72 @@ def test_debug_setting_env_and_override(monkeypatch: pytest.MonkeyPatch) -> None
         syncbn.set_debug(None)
 
 
+@pytest.mark.parametrize("variable", ["SYNCBN_DEBUG", "SYNCBN_SHM"])
+def test_switch_variables_take_a_fixed_vocabulary(variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SYNCBN_SHM=maybe meant on, SYNCBN_DEBUG=ture meant off: a typo is now a ValueError naming it."""
+    read = syncbn.debug_enabled if variable == "SYNCBN_DEBUG" else syncbn.shared_memory_enabled
+    default = variable == "SYNCBN_SHM"
+    syncbn.set_debug(None)
+    syncbn.set_shared_memory(None)
+    try:
+        accepted = {"1": True, " TRUE ": True, "Yes": True, "on": True, "0": False, "false": False}
+        accepted |= {"NO": False, "Off": False, "": default, "  ": default}
+        for value, want in accepted.items():
+            monkeypatch.setenv(variable, value)
+            syncbn.set_debug(None)  # the environment is read again
+            assert read() is want, (variable, value)
+        monkeypatch.delenv(variable)
+        syncbn.set_debug(None)
+        assert read() is default
+        for bad in ("maybe", "ture", "flase", "2", "enabled"):
+            monkeypatch.setenv(variable, bad)
+            syncbn.set_debug(None)
+            with pytest.raises(ValueError) as caught:
+                read()
+            text = str(caught.value)
+            assert text.startswith(f"{variable}: expected one of 1/0/true/false/yes/no/on/off"), text
+            assert f"(got {bad!r})" in text, text
+    finally:
+        monkeypatch.delenv(variable, raising=False)
+        syncbn.set_debug(None)
+
+
+def test_set_timeout_takes_any_real_number_and_never_a_zero_millisecond_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    np = pytest.importorskip("numpy")
+    from datetime import timedelta
+    from fractions import Fraction
+
+    from syncbn import _config
+
+    try:
+        for value, seconds in [(np.int64(5), 5.0), (np.float32(2.5), 2.5), (Fraction(1, 2), 0.5)]:
+            syncbn.set_timeout(value)
+            assert syncbn.get_timeout() == seconds and isinstance(syncbn.get_timeout(), float), value
+        before = syncbn.get_timeout()
+        with pytest.raises(ValueError, match=r"^syncbn.set_timeout: expected at most 1e\+09 seconds"):
+            syncbn.set_timeout(10**400)  # was a bare OverflowError
+        with pytest.raises(ValueError, match=r"^syncbn.set_timeout: expected a non-negative number"):
+            syncbn.set_timeout(-(10**400))
+        assert syncbn.get_timeout() == before  # nothing changed
+        with pytest.raises(TypeError, match="got complex"):
+            syncbn.set_timeout(1j)  # type: ignore[arg-type]
+        # A positive bound under 1 ms reached torch as 0 ms, its "no timeout": it is 1 ms now.
+        for tiny in (0.0004, 1e-300, Fraction(1, 10**6)):
+            syncbn.set_timeout(tiny)
+            assert syncbn.get_timeout() == _config.MIN_TIMEOUT_S == 0.001, tiny
+            assert _config.timeout_delta() == timedelta(milliseconds=1), tiny
+        syncbn.set_timeout(0.0015)
+        assert syncbn.get_timeout() == 0.0015
+        monkeypatch.setenv("SYNCBN_TIMEOUT", "0.0004")
+        syncbn.set_timeout("default")
+        assert syncbn.get_timeout() == 0.001
+    finally:
+        monkeypatch.delenv("SYNCBN_TIMEOUT", raising=False)
+        syncbn.set_timeout("default")
+
+
 def test_name_layers_looks_through_wrappers() -> None:
     net = _Net()
     assert syncbn.name_layers(nn.DataParallel(net)) == 2
@@ -156,6 +222,68 @@ def test_channel_mismatch_raises_value_error_on_every_rank(debug: bool) -> None:
         assert "channel count" in first["msg"]
         assert first["unchanged"]
         assert second["type"] is None, second
+
+
+ABSENT = 3.0  # seconds a peer stays away in the tiny-bound scenario
+
+
+def _tiny_bound_and_bad_switches(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from syncbn import _shm
+
+    out: dict[str, Any] = {}
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    # A bound under 1 ms (0 ms in torch, "no timeout") left rank 0 waiting out the group's 30 s.
+    syncbn.set_timeout(0.0004)
+    for shared in (True, False) if _shm.supported() else (False,):
+        syncbn.set_shared_memory(shared)
+        group = dist.new_group([0, 1])
+        dist.barrier()
+        if rank == 1:
+            time.sleep(ABSENT)  # absent from the group's first call
+        else:
+            bn = syncbn.SyncBatchNorm2d(3, process_group=group).double()
+            before = _snapshot(bn)
+            result = _attempt(lambda: bn(x))  # noqa: B023 - called at once
+            result["unchanged"] = _unchanged(bn, before)
+            out["tiny", shared] = _plain(result)
+        dist.barrier()
+    syncbn.set_timeout(SHORT)
+    syncbn.set_shared_memory(None)
+    # SYNCBN_SHM=maybe meant on and SYNCBN_DEBUG=ture off: a ValueError on every rank, nothing changed.
+    bn = syncbn.SyncBatchNorm2d(3, process_group=dist.new_group([0, 1])).double()
+    before = _snapshot(bn)
+    for variable in ("SYNCBN_DEBUG", "SYNCBN_SHM"):
+        os.environ[variable] = "ture"
+        syncbn.set_debug(None)
+        result = _attempt(lambda: bn(x))
+        result["unchanged"] = _unchanged(bn, before)
+        out[variable] = _plain(result)
+        del os.environ[variable]
+    syncbn.set_debug(None)
+    full = torch.randn(8, 3, 2, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    out["then"] = bn(full[rank * 4 : rank * 4 + 4]).detach()  # the layer and its group still work
+    out["expected"] = nn.BatchNorm2d(3).double()(full)[rank * 4 : rank * 4 + 4].detach()
+    return out
+
+
+def test_a_bound_under_a_millisecond_still_bounds_and_bad_switches_raise_everywhere() -> None:
+    results = launch(_tiny_bound_and_bad_switches, 2, timeout=120)
+    for key, result in results[0].items():
+        if key[0] == "tiny":
+            assert result["type"] == "CollectiveError" and result["timed_out"], (key, result)
+            assert result["s"] < ABSENT - 1.0, (key, result)  # the bound, not the peer's return
+            assert "0.001 s" in result["msg"] and result["unchanged"], (key, result)
+    for rank, out in enumerate(results):
+        for variable in ("SYNCBN_DEBUG", "SYNCBN_SHM"):
+            result = out[variable]
+            assert result["type"] == "ValueError", (rank, variable, result)
+            assert (
+                result["msg"].startswith(f"{variable}: expected one of") and "(got 'ture')" in result["msg"]
+            )
+            assert result["unchanged"], (rank, variable)
+        torch.testing.assert_close(out["then"], out["expected"], rtol=0, atol=1e-12)
 
 
 def _dtype_mismatch(rank: int, world_size: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ the first training call; ``set_timeout("default")`` and ``set_debug(None)`` read
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from datetime import timedelta
 
@@ -30,6 +31,15 @@ DEFAULT_TIMEOUT_S = 300.0
 #: Not re-exported by ``syncbn``; for no bound of syncbn's own, pass ``None``, ``0`` or ``"none"``.
 MAX_TIMEOUT_S = 1e9
 
+#: The smallest bound, in seconds: a positive one below it is taken as it. ``torch.distributed``
+#: takes its timeouts in whole milliseconds and reads 0 ms as "wait forever" (a bound of 0.4 ms once
+#: meant no bound at all).
+MIN_TIMEOUT_S = 1e-3
+
+#: What ``SYNCBN_DEBUG`` and ``SYNCBN_SHM`` accept (any case; empty or unset: the default).
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
 _UNSET = object()
 _timeout_override: object = _UNSET
 _debug_override: bool | None = None
@@ -51,20 +61,53 @@ def _parse_timeout(value: object, source: str) -> float | None:
             seconds = float(text)
         except ValueError:
             raise ValueError(f"{source}: expected a number of seconds, 0 or 'none' (got {value!r})") from None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy scalars, Fraction too
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond a float's range (10**400)
+            if value < 0:  # type: ignore[operator]
+                raise ValueError(
+                    f"{source}: expected a non-negative number of seconds (got {_shown(value)})"
+                ) from None
+            raise ValueError(_too_long(source, value)) from None
     else:
         raise TypeError(f"{source}: expected a number of seconds or None (got {type(value).__name__})")
     if math.isnan(seconds) or seconds < 0:
-        raise ValueError(f"{source}: expected a non-negative number of seconds (got {value!r})")
+        raise ValueError(f"{source}: expected a non-negative number of seconds (got {_shown(value)})")
     if seconds == 0 or math.isinf(seconds):
         return None
     if seconds > MAX_TIMEOUT_S:
-        raise ValueError(
-            f"{source}: expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {value!r}); "
-            "for no bound of syncbn's own (the process group's timeout bounds every wait) use 0 or 'none'"
-        )
-    return seconds
+        raise ValueError(_too_long(source, value))
+    return max(seconds, MIN_TIMEOUT_S)  # a positive bound never reaches torch as 0 ms ("no timeout")
+
+
+def _too_long(source: str, value: object) -> str:
+    return (
+        f"{source}: expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {_shown(value)}); "
+        "for no bound of syncbn's own (the process group's timeout bounds every wait) use 0 or 'none'"
+    )
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:12]}... ({len(text)} characters)"
+
+
+def _parse_switch(name: str, default: bool) -> bool:
+    """Environment variable ``name`` as a switch: :data:`_TRUE`, :data:`_FALSE`, or empty (``default``)."""
+    raw = os.environ.get(name, "")
+    text = raw.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    if not text:
+        return default
+    accepted = "/".join(a for pair in zip(_TRUE, _FALSE) for a in pair)
+    raise ValueError(
+        f"{name}: expected one of {accepted} (any case), or empty for the default "
+        f"({'on' if default else 'off'}) (got {raw!r})"
+    )
 
 
 def set_timeout(seconds: float | None | str = "default") -> None:
@@ -75,17 +118,20 @@ def set_timeout(seconds: float | None | str = "default") -> None:
     time waited and the likely causes.
 
     Args:
-        seconds: the bound in seconds, at most ``1e9`` (about 31 years); ``None``,
-            ``0`` or ``inf`` for no bound of syncbn's own (the process group's
-            timeout then bounds every wait, shared memory included);
-            ``"default"`` to drop the override and use ``SYNCBN_TIMEOUT`` or the
-            default again.
+        seconds: the bound in seconds (any real number: ``int``, ``float``,
+            numpy scalars, ``Fraction``), at most ``1e9`` (about 31 years); a
+            positive bound below ``0.001`` is taken as ``0.001`` (1 ms, the finest
+            timeout ``torch.distributed`` takes: it reads 0 ms as "no timeout");
+            ``None``, ``0`` or ``inf`` for no bound of syncbn's own (the
+            process group's timeout then bounds every wait, shared memory
+            included); ``"default"`` to drop the override and use
+            ``SYNCBN_TIMEOUT`` or the default again.
 
     Raises:
         ValueError: a negative or NaN number, a number above ``1e9``, or a string
             that is not a number, here; the same for ``SYNCBN_TIMEOUT`` at the
             first training call (or :func:`get_timeout`).
-        TypeError: neither a number, a string nor ``None``.
+        TypeError: neither a real number, a string nor ``None``.
 
     Example::
 
@@ -158,7 +204,14 @@ def set_debug(enabled: bool | None) -> None:
 
 
 def debug_enabled() -> bool:
-    """Whether debug mode is on: :func:`set_debug`, else ``SYNCBN_DEBUG`` (``1``, ``true``, ``yes``, ``on``).
+    """Whether debug mode is on: :func:`set_debug`, else ``SYNCBN_DEBUG``.
+
+    ``SYNCBN_DEBUG`` takes ``1``/``0``, ``true``/``false``, ``yes``/``no`` or
+    ``on``/``off`` (any case; empty or unset: off).
+
+    Raises:
+        ValueError: ``SYNCBN_DEBUG`` holds anything else (read at the first
+            training call: on every rank that has it, before any state changes).
 
     Example::
 
@@ -171,7 +224,7 @@ def debug_enabled() -> bool:
         if _debug_override is not None:
             _debug_resolved = _debug_override
         else:
-            _debug_resolved = os.environ.get("SYNCBN_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+            _debug_resolved = _parse_switch("SYNCBN_DEBUG", False)
     return _debug_resolved
 
 
@@ -187,8 +240,10 @@ def set_shared_memory(enabled: bool | None) -> None:
 
     Args:
         enabled: ``True``/``False`` to override, ``None`` to follow
-            ``SYNCBN_SHM`` again (unset means on; ``0``, ``false``, ``no``,
-            ``off`` mean off).
+            ``SYNCBN_SHM`` again: ``1``/``0``, ``true``/``false``, ``yes``/``no``
+            or ``on``/``off`` (any case; empty or unset: on). Any other value
+            of ``SYNCBN_SHM`` raises a ``ValueError`` at the group's first CPU
+            collective, before it sends anything.
 
     Example::
 
@@ -205,7 +260,12 @@ def set_shared_memory(enabled: bool | None) -> None:
 
 
 def shared_memory_enabled() -> bool:
-    """Whether this rank allows the shared-memory path (:func:`set_shared_memory`, else ``SYNCBN_SHM``)."""
+    """Whether this rank allows the shared-memory path (:func:`set_shared_memory`, else ``SYNCBN_SHM``).
+
+    Raises:
+        ValueError: ``SYNCBN_SHM`` is neither empty nor one of ``1``/``0``,
+            ``true``/``false``, ``yes``/``no``, ``on``/``off`` (any case).
+    """
     if _shm_override is not None:
         return _shm_override
-    return os.environ.get("SYNCBN_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _parse_switch("SYNCBN_SHM", True)

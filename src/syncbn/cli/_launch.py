@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import _args
+
 __all__ = [
     "add_launch_arguments",
     "launch_plan",
@@ -49,11 +51,17 @@ def default_backend(device: str) -> str:
 def add_launch_arguments(parser: argparse.ArgumentParser, device_help: str) -> None:
     """``--world-size``, ``--device`` and ``--backend``: the flags of a command run on W ranks."""
     parser.add_argument(
-        "--world-size", type=int, default=2, help="ranks to spawn (default 2; ignored under torchrun)"
+        "--world-size",
+        type=_args.integer(1),
+        default=2,
+        help="ranks to spawn, at least 1 (default 2; ignored under torchrun)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help=device_help)
     parser.add_argument(
-        "--backend", default=None, help="torch.distributed backend: gloo, nccl, ... (default: by device)"
+        "--backend",
+        type=_args.backend,
+        default=None,
+        help="torch.distributed backend built into this torch: gloo, nccl, ... (default: by device)",
     )
 
 

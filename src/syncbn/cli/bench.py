@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..modules import SyncBatchNorm2d
+from . import _args
 from ._bench_breakdown import SHORT, breakdown, format_breakdown
 from ._bench_e2e import format_e2e, slowest, time_steps
 from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchNorm
@@ -53,7 +54,10 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     """``"16x64x32x32,256x512"`` -> ``[(16, 64, 32, 32), (256, 512)]``."""
     shapes = []
     for part in text.split(","):
-        dims = tuple(int(d) for d in part.strip().lower().split("x"))
+        try:
+            dims = tuple(int(d) for d in part.strip().lower().split("x"))
+        except ValueError:
+            dims = ()
         if len(dims) < 2 or any(d <= 0 for d in dims):
             raise argparse.ArgumentTypeError(f"bad shape {part!r}: expected e.g. 16x64x32x32")
         shapes.append(dims)
@@ -67,11 +71,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SHAPES,
         help="comma-separated per-rank input shapes, e.g. 16x64x32x32,256x512 (default: 7 shapes)",
     )
-    parser.add_argument("--iters", type=int, default=40, help="timed iterations per method (default 40)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    parser.add_argument(
+        "--iters",
+        type=_args.integer(1),
+        default=40,
+        help="timed iterations per method, at least 1 (default 40)",
+    )
+    parser.add_argument(
+        "--warmup", type=_args.integer(0), default=5, help="untimed iterations first, 0 or more (default 5)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     add_launch_arguments(parser, "where the layers run (default cpu)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument(
+        "--threads", type=_args.integer(1), default=1, help="torch threads per rank, at least 1 (default 1)"
+    )
     parser.add_argument(
         "--force-sync",
         action="store_true",
@@ -79,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--e2e-steps",
-        type=int,
+        type=_args.integer(0),
         default=10,
         help="timed DDP steps of the many-small-layers net, syncbn vs nn.BatchNorm2d (default 10; 0: skip)",
     )

@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import __version__
 from ..modules import SyncBatchNorm2d
+from . import _args
 from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
 from ._output import ProgressBar, fail, format_error, format_table
 
@@ -37,10 +38,27 @@ _EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``demo``'s flags to ``parser``."""
-    parser.add_argument("--steps", type=int, default=400, help="training steps of each run (default 400)")
-    parser.add_argument("--batch", type=int, default=4, help="images per rank per step (default 4)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and data order")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument(
+        "--steps",
+        type=_args.integer(1),
+        default=400,
+        help="training steps of each run, at least 1 (default 400)",
+    )
+    parser.add_argument(
+        "--batch", type=_args.integer(1), default=4, help="images per rank per step, at least 1 (default 4)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=_args.integer(-(2**63), 2**64 - 1),
+        default=0,
+        help="seed of the initialisation and data order (torch.manual_seed's range; default 0)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=_args.real(0.0),
+        default=0.05,
+        help="SGD learning rate, 0 or more (momentum 0.9; default 0.05)",
+    )
     add_launch_arguments(parser, "where to train")
     parser.add_argument(
         "--dtype", choices=tuple(_DTYPES), default="float64", help="model and data dtype (default float64)"

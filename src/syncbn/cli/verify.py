@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__, groups
+from . import _args
 from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
 from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
 from ._output import fail, format_error, format_table
@@ -27,13 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser, "where syncbn runs")
     parser.add_argument(
         "--tolerance-scale",
-        type=float,
+        type=_args.real(0.0),
         default=1.0,
         metavar="FACTOR",
-        help="multiply every tolerance by FACTOR (below 1 is stricter; default 1)",
+        help="multiply every tolerance by FACTOR, 0 or more (below 1 is stricter; default 1)",
     )
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
-    parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    parser.add_argument(
+        "--timeout",
+        type=_args.seconds,
+        default=60.0,
+        help="collective timeout in seconds, from 0.001 to 1e9 (default 60)",
+    )
     parser.add_argument(
         "--group-size",
         type=_group_size,

@@ -128,15 +128,24 @@ def _connect(store: Any, rank: int, size: int, timeout_s: float) -> Any:
     """
     here = [f"here/{r}" for r in range(size)]
     store.set(here[rank], "1")
-    store.wait(here, timedelta(seconds=timeout_s))
-    connect_s = timeout_s / _CONNECT_WAITS if CARRIES_TIMEOUT else timeout_s
-    wire = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=connect_s))
+    store.wait(here, _delta(timeout_s))
+    connect_s = max(timeout_s / _CONNECT_WAITS, _MIN_S) if CARRIES_TIMEOUT else timeout_s
+    wire = dist.ProcessGroupGloo(store, rank, size, _delta(connect_s))
     if connect_s != timeout_s and not set_timeout(wire, timeout_s):
         raise RuntimeError(
             f"syncbn could not set the timeout of its gloo group to {timeout_s:g} s after its "
             f"connection (made with {connect_s:g} s); torch {torch.__version__}"
         )
     return wire
+
+
+# c10d and gloo take timeouts in whole milliseconds and read 0 ms as "no timeout": never hand them less.
+_MIN_S = 1e-3
+
+
+def _delta(seconds: float) -> timedelta:
+    """``seconds`` as a ``timedelta`` of at least 1 ms (a positive bound must never become 0 ms)."""
+    return timedelta(seconds=max(seconds, _MIN_S))
 
 
 def wire_ranks(group: Any) -> list[int] | None:
@@ -185,7 +194,7 @@ def set_timeout(group: Any, timeout_s: float) -> bool:
     if setter is None:
         return False
     try:
-        setter(timedelta(seconds=timeout_s))
+        setter(_delta(timeout_s))
     except Exception:  # noqa: BLE001 - a backend that refuses
         return False
     return True
@@ -218,7 +227,7 @@ def _wait_abandoned(limit_s: float) -> None:
             break
         try:
             if not _finished(work):
-                work.wait(timeout=timedelta(seconds=left))
+                work.wait(timeout=_delta(left))
         except Exception:  # noqa: BLE001 - it failed or timed out: it has ended or will not
             pass
 

@@ -1,0 +1,84 @@
+"""Flag values checked by ``argparse`` itself: a bad one is a usage error (exit 2) before a rank starts.
+
+Each function here is an ``argparse`` ``type=``: it turns the text into the value or raises
+``argparse.ArgumentTypeError`` saying what the flag accepts and what it got; ``argparse`` prints
+``syncbn <command>: error: argument --flag: expected ... (got '...')``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+import torch.distributed as dist
+
+__all__ = ["integer", "real", "seconds", "backend", "MIN_SECONDS", "MAX_SECONDS"]
+
+#: The range of a timeout flag: whole milliseconds reach torch (0 ms means "no timeout" there),
+#: and at most ``syncbn``'s own largest bound (``syncbn._config.MAX_TIMEOUT_S``).
+MIN_SECONDS = 1e-3
+MAX_SECONDS = 1e9
+
+# Backends that would not synchronise anything real: never a sensible choice here.
+_NOT_REAL = ("undefined", "fake")
+
+
+def _range_text(kind: str, low: float | None, high: float | None) -> str:
+    def shown(v: float) -> str:
+        return str(v) if isinstance(v, int) else f"{v:g}"
+
+    if low is not None and high is not None:
+        return f"{kind} from {shown(low)} to {shown(high)}"
+    if low is not None:
+        return f"{kind} of at least {shown(low)}"
+    return kind if high is None else f"{kind} of at most {shown(high)}"
+
+
+def integer(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """A ``type=`` for an int in ``[low, high]`` (either end open when ``None``)."""
+    wanted = _range_text("an int", low, high)
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted} (got {text!r})") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {wanted} (got {text!r})")
+        return value
+
+    return parse
+
+
+def real(low: float, high: float | None = None, kind: str = "a finite number") -> Callable[[str], float]:
+    """A ``type=`` for a finite number in ``[low, high]`` (no upper end when ``None``)."""
+    wanted = _range_text(kind, low, high)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted} (got {text!r})") from None
+        if not math.isfinite(value) or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {wanted} (got {text!r})")
+        return value
+
+    return parse
+
+
+#: A ``type=`` for a timeout in seconds, from :data:`MIN_SECONDS` to :data:`MAX_SECONDS`.
+seconds = real(MIN_SECONDS, MAX_SECONDS, "a number of seconds")
+
+
+def backend(text: str) -> str:
+    """A ``type=`` for a ``torch.distributed`` backend that this torch build has (``gloo``, ``nccl``, ...)."""
+    name = text.strip().lower()
+    if name not in _NOT_REAL and dist.is_available() and dist.is_backend_available(name):
+        return name
+    known = [b for b in dist.Backend.backend_list if b not in _NOT_REAL]
+    available = [b for b in known if dist.is_available() and dist.is_backend_available(b)]
+    missing = [b for b in known if b not in available]
+    note = f"; not built into this torch: {', '.join(missing)}" if missing else ""
+    listed = ", ".join(available) or "none"
+    raise argparse.ArgumentTypeError(f"expected a torch.distributed backend: {listed}{note} (got {text!r})")
