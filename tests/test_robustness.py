@@ -254,7 +254,7 @@ def _tiny_bound_and_bad_switches(rank: int, world_size: int) -> dict[str, Any]:
     # SYNCBN_SHM=maybe meant on and SYNCBN_DEBUG=ture off: a ValueError on every rank, nothing changed.
     bn = syncbn.SyncBatchNorm2d(3, process_group=dist.new_group([0, 1])).double()
     before = _snapshot(bn)
-    for variable in ("SYNCBN_DEBUG", "SYNCBN_SHM"):
+    for variable in ("SYNCBN_DEBUG", "SYNCBN_SHM", "SYNCBN_HIERARCHICAL"):
         os.environ[variable] = "ture"
         syncbn.set_debug(None)
         result = _attempt(lambda: bn(x))
@@ -276,7 +276,7 @@ def test_a_bound_under_a_millisecond_still_bounds_and_bad_switches_raise_everywh
             assert result["s"] < ABSENT - 1.0, (key, result)  # the bound, not the peer's return
             assert "0.001 s" in result["msg"] and result["unchanged"], (key, result)
     for rank, out in enumerate(results):
-        for variable in ("SYNCBN_DEBUG", "SYNCBN_SHM"):
+        for variable in ("SYNCBN_DEBUG", "SYNCBN_SHM", "SYNCBN_HIERARCHICAL"):
             result = out[variable]
             assert result["type"] == "ValueError", (rank, variable, result)
             assert (

@@ -7,7 +7,6 @@ failure reaches every rank as a failure, never as a mismatch. See docs/internals
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -40,8 +39,7 @@ def choice(explicit: bool | None) -> bool:
     """This rank's choice: ``explicit``, else ``SYNCBN_HIERARCHICAL``, else :data:`DEFAULT`."""
     if explicit is not None:
         return explicit
-    env = os.environ.get("SYNCBN_HIERARCHICAL", "").strip().lower()
-    return env in ("1", "true", "yes", "on") if env else DEFAULT
+    return _config._parse_switch("SYNCBN_HIERARCHICAL", DEFAULT)
 
 
 class Hierarchy:
