@@ -150,6 +150,61 @@ def test_double_backward_equals_the_layer_on_the_whole_batch(family: str) -> Non
             assert (a - b).abs().max().item() < 1e-10, (family, chunks, name)
 
 
+class NoGradOnFive(nn.Module):
+    """Runs its layer under ``torch.no_grad()`` on a chunk of 5 rows (a data-dependent branch)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+        self.norm = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if x.shape[0] == 5:
+            with torch.no_grad():
+                return self.norm(h)
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("family", ["batchnorm", "renorm"])
+def test_a_replica_without_grad_gives_a_constant(family: str) -> None:
+    # That replica's rows count in the statistics, but nothing it ran is differentiated: as the
+    # layer on the whole batch with those rows of its input and output detached (first- and
+    # second-order gradients).
+    torch.manual_seed(5)
+    layer = syncbn.SyncBatchNorm1d(3) if family == "batchnorm" else syncbn.SyncBatchRenorm1d(3, r_max=1.5)
+    model = NoGradOnFive(layer.double())
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+        model.norm.running_mean.fill_(0.3)
+        model.norm.running_var.fill_(2.5)
+    x = torch.randn(10, 3, dtype=torch.float64) * 2 + 1
+    g = torch.randn_like(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    params = [model.lin.weight, model.norm.weight, model.norm.bias]
+
+    def gradients(chunks: list[int] | None) -> list[torch.Tensor]:
+        model.load_state_dict(state)
+        xx = x.clone().requires_grad_(True)
+        if chunks is None:  # the reference: the rows of the 5-row chunk (3:8) detached
+            h = model.lin(xx)
+            y = model.norm(torch.cat([h[:3], h[3:8].detach(), h[8:]]))
+            y = torch.cat([y[:3], y[3:8].detach(), y[8:]])
+        else:
+            y = parallel.data_parallel(model, xx, chunks=chunks)
+        first = torch.autograd.grad((y * g).sum(), [xx, *params], create_graph=True)
+        penalty = (first[0] ** 2).sum() + (first[0] * g).sum()
+        second = torch.autograd.grad(penalty, [xx, *params], allow_unused=True)
+        return [t.detach() for t in first] + [torch.zeros(()) if t is None else t for t in second]
+
+    expected = gradients(None)
+    got = gradients([3, 5, 2])
+    assert got[0][3:8].abs().max().item() == 0.0
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert (a - b).abs().max().item() < 1e-10, (family, i)
+
+
 def test_train_eval_switching() -> None:
     ours, ref = make_pair(syncbn.SyncBatchNorm2d, nn.BatchNorm2d, 4)
     gen = torch.Generator().manual_seed(0)
