@@ -450,6 +450,27 @@ def test_torch_replicate_twice_without_a_forward_keeps_the_calls_apart(monkeypat
     assert_close(y, model(x), "output", 1e-5)
 
 
+def test_torch_replicate_never_joins_live_replicas_of_an_earlier_call(monkeypatch) -> None:
+    """One syncbn layer: replicas of a forward that failed before it (kept alive by the stored
+    exception), or of a replicate call without a forward, never join the next call's replicas."""
+    torch_replicate = _cpu_torch_replicate(monkeypatch)
+    model = Branchy(boom=4)
+    kept = []
+    with pytest.raises(KeyError) as failed:  # every replica raises before the layer
+        parallel.parallel_apply(torch_replicate(model, [0, 1]), [torch.randn(4, 3), torch.randn(4, 3)])
+    kept.append(failed.value)
+    unused = torch_replicate(model, [0, 1])
+    replicas = torch_replicate(model, [0, 1])
+    slots = [r.norm.__dict__["_syncbn_replica"] for r in replicas]
+    assert [s.index for s in slots] == [0, 1] and slots[0].replication.expected == 2
+    assert slots[0].replication is not unused[0].norm.__dict__["_syncbn_replica"].replication
+    x = torch.randn(8, 3)
+    with torch.no_grad():
+        y = torch.cat(parallel.parallel_apply(replicas, [x[:5], x[5:]]))
+        ref = nn.functional.batch_norm(model.lin(x), None, None, training=True)
+    assert_close(y, ref * model.norm.weight + model.norm.bias, "output", 1e-5)
+
+
 def test_replicas_made_without_replicate_join_until_the_first_forward() -> None:
     bn = syncbn.SyncBatchNorm1d(2)
     first = [bn._replicate_for_data_parallel() for _ in range(2)]
