@@ -534,6 +534,15 @@ def test_rendezvous_errors() -> None:
         Rendezvous(2, timeout=0)
     with pytest.raises(ValueError, match="positive number of seconds"):
         parallel.set_replica_timeout(-1)
+    for huge in (float("inf"), 1e12):  # refused before anything changes, as syncbn.set_timeout does
+        with pytest.raises(ValueError, match=r"expected at most 1e\+09 seconds, about 31 years \(got "):
+            parallel.set_replica_timeout(huge)
+    assert parallel.get_replica_timeout() == 1.0  # the fixture's
+    unbounded = Rendezvous(2, timeout=float("inf"))  # a huge wait still works (in slices)
+    late = threading.Timer(0.1, unbounded.exchange, (1, 2), {"what": "a"})
+    late.start()
+    assert unbounded.exchange(0, 1, what="a") == [1, 2]
+    late.join()
 
 
 def test_driver_argument_errors() -> None:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _checks, groups
+from .._config import MAX_TIMEOUT_S
 from .._threads import Rendezvous
 from ._joint import replica_batch_norm
 
@@ -52,10 +53,13 @@ def set_replica_timeout(seconds: float) -> float:
     naming the layer.
 
     Args:
-        seconds: a positive number of seconds. Default: 120.
+        seconds: a positive number of seconds, at most ``1e9`` (about 31 years). Default: 120.
 
     Returns:
         The previous value.
+
+    Raises:
+        ValueError: not a positive number, or above ``1e9`` (``inf`` included).
 
     Example::
 
@@ -64,6 +68,8 @@ def set_replica_timeout(seconds: float) -> float:
     global _timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"expected a positive number of seconds (got {seconds!r})")
+    if not seconds <= MAX_TIMEOUT_S:
+        raise ValueError(f"expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {seconds!r})")
     old, _timeout = _timeout, float(seconds)
     return old
 
