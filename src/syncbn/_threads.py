@@ -131,6 +131,13 @@ class Rendezvous:
                 ) from rnd.error
             return rnd.result
 
+    def abandon(self, message: str) -> None:
+        """Mark the rendezvous broken (a member will never come) and wake every waiter, who raise."""
+        with self._cond:
+            if self._broken is None:
+                self._broken = message
+            self._cond.notify_all()
+
     def _break(self, message: str) -> None:
         """Mark the rendezvous broken, wake every waiter, and raise in the caller."""
         self._broken = message

@@ -83,6 +83,7 @@ class _Replication:
         self._members: list[weakref.ref[nn.Module]] = []
         self._root = None if root is None else weakref.ref(root)
         self._rendezvous: Rendezvous | None = None
+        self._abandoned: str | None = None  # why a member will never come again
         self._lock = threading.Lock()
 
     @property
@@ -110,8 +111,22 @@ class _Replication:
         with self._lock:
             if self._rendezvous is None:
                 self._rendezvous = Rendezvous(self.expected, _timeout, label=self.describe)
+                if self._abandoned is not None:
+                    self._rendezvous.abandon(self._abandoned)
                 _warn_if_distributed(self.master)
             return self._rendezvous
+
+    def abandon(self, index: int, error: BaseException) -> None:
+        """Replica ``index``'s thread ended with ``error``: the others stop waiting for it at once."""
+        with self._lock:
+            if self._abandoned is None:
+                self._abandoned = (
+                    f"syncbn: {self.describe()}: replica {index} ended with {type(error).__name__}: "
+                    f"{error} (raised in its thread), so it will not reach this layer again"
+                )
+            rendezvous = self._rendezvous
+        if rendezvous is not None:
+            rendezvous.abandon(self._abandoned)
 
     def describe(self) -> str:
         """The layer's name in the replicated model, when known, and its shape."""
@@ -154,6 +169,14 @@ def _warn_if_distributed(layer: nn.Module) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+def abandon_replica(replica: nn.Module, error: BaseException) -> None:
+    """``replica`` (a whole replicated model) ended with ``error``: its layers' siblings stop waiting."""
+    for module in replica.modules():
+        slot = module.__dict__.get("_syncbn_replica")
+        if isinstance(slot, _ReplicaSlot):
+            slot.replication.abandon(slot.index, error)
 
 
 class _ReplicaSlot:
