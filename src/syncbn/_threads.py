@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+_WAIT_SLICE_S = 3600.0  # a wait longer than this (even an inf timeout) waits in slices
+
 __all__ = ["LOCAL", "LocalSum", "ReplicaSyncError", "Rendezvous", "ThreadSumGroup", "ordered_sum"]
 
 
@@ -119,7 +121,7 @@ class Rendezvous:
                             "same number of times per forward; one that takes another branch or "
                             "raises an exception before the layer leaves the others waiting"
                         )
-                    self._cond.wait(remaining)
+                    self._cond.wait(min(remaining, _WAIT_SLICE_S))  # never beyond what wait() accepts
             rnd.taken += 1
             if rnd.taken == self.size:
                 del self._rounds[index]
@@ -128,6 +130,13 @@ class Rendezvous:
                     f"syncbn: {self.label}: combining the replicas' '{what}' failed: {rnd.error}"
                 ) from rnd.error
             return rnd.result
+
+    def abandon(self, message: str) -> None:
+        """Mark the rendezvous broken (a member will never come) and wake every waiter, who raise."""
+        with self._cond:
+            if self._broken is None:
+                self._broken = message
+            self._cond.notify_all()
 
     def _break(self, message: str) -> None:
         """Mark the rendezvous broken, wake every waiter, and raise in the caller."""

@@ -26,7 +26,9 @@ def resolve(process_group: Any) -> SumGroup | None:
         Otherwise a :class:`SumGroup`.
 
     Raises:
-        ValueError: ``process_group`` is ``torch.distributed.GroupMember.NON_GROUP_MEMBER``,
+        ValueError: ``process_group`` was destroyed (``destroy_process_group(group)``; no longer
+            registered with ``torch.distributed``), on every rank that destroyed it, before any
+            state changes. Or it is ``torch.distributed.GroupMember.NON_GROUP_MEMBER``,
             what ``new_group`` returns to the ranks it leaves out: this rank is not a member
             (``torch.nn.SyncBatchNorm`` silently runs unsynchronised there; torch's collectives
             warn and do nothing). Raised on that rank only, before any state changes; the
@@ -46,17 +48,32 @@ def resolve(process_group: Any) -> SumGroup | None:
     live = dist.group.WORLD if process_group is None else process_group
     hit = _resolved.get(id(live))
     if hit is not None and hit[0]() is live:
-        return hit[1]
+        if live in dist.distributed_c10d._world.pg_map:  # a dict lookup: destroyed groups leave it
+            return hit[1]
+        raise _destroyed(live)
     if isinstance(live, int):  # new_group's NON_GROUP_MEMBER (-100); a miss every call: it raises
         if live == dist.GroupMember.NON_GROUP_MEMBER:
             raise _not_a_member(live)
         raise TypeError(
             f"syncbn: expected process_group to be a torch.distributed process group or None (got {live!r})"
         )
+    if live not in dist.distributed_c10d._world.pg_map:
+        raise _destroyed(live)
     forget_destroyed()
     group = ProcessGroupSum(process_group) if dist.get_world_size(process_group) > 1 else None
     _resolved[id(live)] = (weakref.ref(live), group)
     return group
+
+
+def _destroyed(process_group: Any) -> ValueError:
+    """The error for a process group no longer registered: destroyed with ``destroy_process_group(g)``."""
+    return ValueError(
+        "syncbn: expected a live torch.distributed process group for this layer or call (got "
+        f"{type(process_group).__name__} at {id(process_group):#x}, no longer registered: destroyed "
+        "with torch.distributed.destroy_process_group(group)). Give the layer a live group (its "
+        "process_group attribute, e.g. a new torch.distributed.new_group(...)) or process_group=None "
+        "for the default group; nothing was changed"
+    )
 
 
 def _not_a_member(process_group: int) -> ValueError:

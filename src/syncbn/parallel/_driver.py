@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .._threads import ordered_sum
-from ._replication import replicate_call
+from .._threads import ReplicaSyncError, ordered_sum
+from ._replication import abandon_replica, replicate_call
 
 __all__ = ["data_parallel", "parallel_apply", "replicate"]
 
@@ -95,8 +95,10 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[Any]) -> list
     """Run ``replicas[k](inputs[k])`` in thread ``k``, as ``nn.DataParallel`` does.
 
     Each thread inherits the caller's grad mode; a tuple input is unpacked into positional
-    arguments. If replicas raise, every thread is still joined (waits at synchronized layers are
-    bounded) and the first exception in replica order is re-raised.
+    arguments. If replicas raise, every thread is still joined: a replica whose thread raised
+    makes its siblings waiting at a synchronized layer raise :class:`ReplicaSyncError` at once.
+    The root cause is re-raised: the first exception in replica order that is not a
+    ``ReplicaSyncError`` (a note names the replicas that stopped waiting), else the first.
 
     Args:
         replicas: the replicas, e.g. from :func:`replicate`.
@@ -124,6 +126,7 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[Any]) -> list
                 results[k] = replicas[k](*args)
         except BaseException as exc:  # re-raised in the caller
             errors[k] = exc
+            abandon_replica(replicas[k], exc)  # its siblings waiting at a layer raise at once
 
     if len(replicas) == 1:
         work(0)
@@ -136,10 +139,24 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[Any]) -> list
             thread.start()
         for thread in threads:
             thread.join()
-    for error in errors:
-        if error is not None:
-            raise error
+    _raise_root_cause(errors)
     return results
+
+
+def _raise_root_cause(errors: list[BaseException | None]) -> None:
+    """Raise the first error that is not a :class:`ReplicaSyncError` (the root cause), else the first."""
+    raised = [(k, e) for k, e in enumerate(errors) if e is not None]
+    if not raised:
+        return
+    causes = [(k, e) for k, e in raised if not isinstance(e, ReplicaSyncError)]
+    k, error = causes[0] if causes else raised[0]
+    waited = [j for j, e in raised if isinstance(e, ReplicaSyncError)]
+    if causes and waited and hasattr(error, "add_note"):
+        error.add_note(
+            f"syncbn: raised in replica {k}; replica(s) {waited} then stopped waiting for it at a "
+            f"synchronized layer (ReplicaSyncError: {errors[waited[0]]})"
+        )
+    raise error
 
 
 def _gather(outputs: list[Any]) -> Any:

@@ -106,54 +106,78 @@ def replica_batch_norm(
 
 
 def _join(records: list[_Record]) -> list[Tensor]:
-    """Make the replicas' outputs the outputs of ONE autograd node (runs once, in one thread)."""
-    if not any(r.needs_grad for r in records):
+    """Make the replicas' outputs the outputs of ONE autograd node (runs once, in one thread).
+
+    A replica that ran without grad (``torch.no_grad()``, or nothing requiring grad) keeps its plain
+    output, a constant as ``nn.BatchNorm``'s would be: its rows count in the statistics, its upstream
+    gradient is zero.
+    """
+    active = [k for k, r in enumerate(records) if r.needs_grad]
+    if not active:
         return [r.y for r in records]
-    tensors = [r.x for r in records] + [r.weight for r in records] + [r.bias for r in records]
+    tensors = [records[k].x for k in active] + [records[k].weight for k in active]
+    tensors += [records[k].bias for k in active]
     with torch.enable_grad():
-        outputs = _JointBatchNorm.apply(records, *tensors)
-    return list(outputs)
+        outputs = _JointBatchNorm.apply(records, active, *tensors)
+    joined = [r.y for r in records]
+    for k, out in zip(active, outputs):
+        joined[k] = out
+    return joined
 
 
 class _JointBatchNorm(torch.autograd.Function):
     """Identity on the precomputed outputs in forward; joint backward of all replicas.
 
-    Inputs: every replica's ``x``, then every ``weight``, then every ``bias``.
-    Outputs: every replica's output (the in-place family: its ``x``, marked dirty).
+    Inputs: the replicas ``active`` (those that need grad): every such replica's ``x``, then every
+    ``weight``, then every ``bias``. Outputs: their outputs (the in-place family: their ``x``,
+    marked dirty). The other replicas' upstream gradient is zero.
     """
 
     @staticmethod
-    def forward(ctx: Any, records: list[_Record], *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
-        size = len(records)
+    def forward(
+        ctx: Any, records: list[_Record], active: list[int], *tensors: Tensor | None
+    ) -> tuple[Tensor, ...]:  # type: ignore[override]
+        size = len(active)
         family = records[0].family
-        ctx.size, ctx.family = size, family
-        ctx.stats = [r.stats for r in records]
-        ctx.corrections = [r.correction for r in records]
-        ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.x) for r in records]
-        ys = [r.y for r in records]
+        ctx.size, ctx.family, ctx.active = size, family, active
+        ctx.stats = [r.stats for r in records]  # every replica's (the double backward's statistics)
+        ctx.corrections = [records[k].correction for k in active]
+        ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.x) for r in (records[k] for k in active)]
+        ys = [records[k].y for k in active]
         if family is not None and family.in_place:
             ctx.mark_dirty(*ys)
         # the xs, the forward's weights, the biases (a family's correction: the layers' weights too,
-        # which the double backward differentiates through)
-        own = tensors[size : 2 * size] if any(r.correction is not None for r in records) else ()
+        # which the double backward differentiates through); then the constant xs of the replicas
+        # without grad (their rows count in the double backward's statistics)
+        own = tensors[size : 2 * size] if any(c is not None for c in ctx.corrections) else ()
+        ctx.n_own = len(own)
+        idle = [r.x.detach() for k, r in enumerate(records) if k not in active]
         ctx.save_for_backward(
-            *tensors[:size], *(r.effective_weight for r in records), *tensors[2 * size : 3 * size], *own
+            *tensors[:size],
+            *(records[k].effective_weight for k in active),
+            *tensors[2 * size : 3 * size],
+            *own,
+            *idle,
         )
         return tuple(ys)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        size, family, stats = ctx.size, ctx.family, ctx.stats
+        size, family, active = ctx.size, ctx.family, ctx.active
+        stats = [ctx.stats[k] for k in active]
         in_place = family is not None and family.in_place
         if in_place and torch.is_grad_enabled():
             raise RuntimeError(DOUBLE_BACKWARD)
         saved = ctx.saved_tensors
         xs, weights, biases = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
-        needs = ctx.needs_input_grad[1:]
+        needs = ctx.needs_input_grad[2:]
         if not in_place and torch.is_grad_enabled() and stats[0].total:  # create_graph=True
-            if len(saved) > 3 * size:  # the effective scale from the differentiable weight
-                weights = tuple(family.scale(w, c[0]) for w, c in zip(saved[3 * size :], ctx.corrections))
-            joint = joint_input_grads(list(grads), list(xs), list(weights), stats)
+            own = saved[3 * size : 3 * size + ctx.n_own]
+            if own:  # the effective scale from the differentiable weight
+                weights = tuple(family.scale(w, c[0]) for w, c in zip(own, ctx.corrections))
+            joint = _joint_input_grads(
+                ctx, list(grads), list(xs), list(weights), saved[3 * size + ctx.n_own :]
+            )
             grad_inputs: list[Tensor | None] = [j[0] if needs[k] else None for k, j in enumerate(joint)]
             sums = [(j[2], j[1]) for j in joint]
             return _parameter_grads(ctx, sums, needs, grad_inputs)
@@ -178,6 +202,30 @@ class _JointBatchNorm(torch.autograd.Function):
         return _parameter_grads(ctx, sums, needs, grad_inputs)
 
 
+def _joint_input_grads(
+    ctx: Any, grads: list[Tensor], xs: list[Tensor], weights: list[Tensor | None], idle: tuple[Tensor, ...]
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """:func:`joint_input_grads` of the active replicas, the others (constants, zero gradient) included."""
+    active = ctx.active
+    if len(idle) == 0:
+        return joint_input_grads(grads, xs, weights, ctx.stats)
+    all_grads, all_xs, all_weights = [], [], []
+    rest = iter(idle)
+    for k in range(len(ctx.stats)):
+        if k in active:
+            i = active.index(k)
+            all_grads.append(grads[i])
+            all_xs.append(xs[i])
+            all_weights.append(weights[i])
+        else:
+            x = next(rest)
+            all_grads.append(torch.zeros_like(x))
+            all_xs.append(x)
+            all_weights.append(None)
+    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats)
+    return [joint[k] for k in active]
+
+
 def _parameter_grads(
     ctx: Any, sums: list[Any], needs: tuple[bool, ...], grad_inputs: list[Tensor | None]
 ) -> tuple[Tensor | None, ...]:
@@ -188,4 +236,4 @@ def _parameter_grads(
             sums[k] = ctx.family.parameter_grads(*sums[k], *correction)[::-1]
     grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
     grad_biases = [sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)]
-    return (None, *grad_inputs, *grad_weights, *grad_biases)
+    return (None, None, *grad_inputs, *grad_weights, *grad_biases)

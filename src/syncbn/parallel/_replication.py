@@ -1,6 +1,7 @@
 """Which replicas of a layer belong together: one *replication* per ``replicate`` call.
 
-:func:`syncbn.parallel.replicate` declares the call (:func:`replicate_call`); otherwise the
+:func:`syncbn.parallel.replicate` declares the call (:func:`replicate_call`), and
+``torch.nn.parallel.replicate`` is read from its frame (:func:`_torch_replicate_call`); otherwise the
 replicas of a layer are a run of back-to-back enrolments in one thread, open until a forward, a
 dead replica or another layer's enrolment. See docs/internals/transports.md.
 """
@@ -8,16 +9,20 @@ dead replica or another layer's enrolment. See docs/internals/transports.md.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator
+from types import FrameType
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _checks, groups
+from .._config import MAX_TIMEOUT_S
 from .._threads import Rendezvous
 from ._joint import replica_batch_norm
 
@@ -48,10 +53,13 @@ def set_replica_timeout(seconds: float) -> float:
     naming the layer.
 
     Args:
-        seconds: a positive number of seconds. Default: 120.
+        seconds: a positive number of seconds, at most ``1e9`` (about 31 years). Default: 120.
 
     Returns:
         The previous value.
+
+    Raises:
+        ValueError: not a positive number, or above ``1e9`` (``inf`` included).
 
     Example::
 
@@ -60,6 +68,8 @@ def set_replica_timeout(seconds: float) -> float:
     global _timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"expected a positive number of seconds (got {seconds!r})")
+    if not seconds <= MAX_TIMEOUT_S:
+        raise ValueError(f"expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {seconds!r})")
     old, _timeout = _timeout, float(seconds)
     return old
 
@@ -73,6 +83,7 @@ class _Replication:
         self._members: list[weakref.ref[nn.Module]] = []
         self._root = None if root is None else weakref.ref(root)
         self._rendezvous: Rendezvous | None = None
+        self._abandoned: str | None = None  # why a member will never come again
         self._lock = threading.Lock()
 
     @property
@@ -100,8 +111,22 @@ class _Replication:
         with self._lock:
             if self._rendezvous is None:
                 self._rendezvous = Rendezvous(self.expected, _timeout, label=self.describe)
+                if self._abandoned is not None:
+                    self._rendezvous.abandon(self._abandoned)
                 _warn_if_distributed(self.master)
             return self._rendezvous
+
+    def abandon(self, index: int, error: BaseException) -> None:
+        """Replica ``index``'s thread ended with ``error``: the others stop waiting for it at once."""
+        with self._lock:
+            if self._abandoned is None:
+                self._abandoned = (
+                    f"syncbn: {self.describe()}: replica {index} ended with {type(error).__name__}: "
+                    f"{error} (raised in its thread), so it will not reach this layer again"
+                )
+            rendezvous = self._rendezvous
+        if rendezvous is not None:
+            rendezvous.abandon(self._abandoned)
 
     def describe(self) -> str:
         """The layer's name in the replicated model, when known, and its shape."""
@@ -146,6 +171,14 @@ def _warn_if_distributed(layer: nn.Module) -> None:
         )
 
 
+def abandon_replica(replica: nn.Module, error: BaseException) -> None:
+    """``replica`` (a whole replicated model) ended with ``error``: its layers' siblings stop waiting."""
+    for module in replica.modules():
+        slot = module.__dict__.get("_syncbn_replica")
+        if isinstance(slot, _ReplicaSlot):
+            slot.replication.abandon(slot.index, error)
+
+
 class _ReplicaSlot:
     """What a replica holds: its replication and its index in it."""
 
@@ -174,6 +207,29 @@ def replicate_call(network: nn.Module, j: int, num_replicas: int) -> Iterator[No
         _local.call = None
 
 
+def _torch_replicate_call() -> tuple[nn.Module, int, int] | None:
+    """``(network, j, num_replicas)`` when ``torch.nn.parallel.replicate`` is making replica ``j`` now.
+
+    Read from its frame (found by its code object, a few frames up), so its calls are declared as
+    :func:`syncbn.parallel.replicate`'s are: a replica ``j`` never joins another call's replicas
+    (kept alive by a stored exception, or a second call before a forward). ``None`` otherwise.
+    """
+    code = getattr(importlib.import_module("torch.nn.parallel.replicate"), "replicate", None)
+    code = getattr(code, "__code__", None)
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            local = frame.f_locals
+            network, j, n = local.get("network"), local.get("j"), local.get("num_replicas")
+            if isinstance(network, nn.Module) and isinstance(j, int) and isinstance(n, int) and 0 <= j < n:
+                return network, j, n
+            return None
+        frame = frame.f_back
+    return None
+
+
 def attach_replica(master: nn.Module, replica: nn.Module) -> None:
     """Enrol ``replica`` (a fresh replica of ``master``) in its replication.
 
@@ -191,6 +247,8 @@ def attach_replica(master: nn.Module, replica: nn.Module) -> None:
         >>> replica = bn._replicate_for_data_parallel()   # calls attach_replica(bn, replica)
     """
     call = getattr(_local, "call", None)
+    if call is None:
+        call = _torch_replicate_call()
     with _open_lock:
         current = _open.get(master)
         if call is not None:
