@@ -1,21 +1,17 @@
 """Which replicas of a layer belong together: one *replication* per ``replicate`` call.
 
-:func:`syncbn.parallel.replicate` declares the call (:func:`replicate_call`), and
-``torch.nn.parallel.replicate`` is read from its frame (:func:`_torch_replicate_call`); otherwise the
+:func:`syncbn.parallel.replicate` declares the call (:func:`replicate_call`); otherwise the
 replicas of a layer are a run of back-to-back enrolments in one thread, open until a forward, a
-dead replica or another layer's enrolment. See docs/internals/transports.md.
+dead or finished replica or another layer's enrolment. See docs/internals/transports.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator
-from types import FrameType
 
 import torch
 from torch import Tensor, nn
@@ -99,8 +95,12 @@ class _Replication:
     def started(self) -> bool:
         return self._rendezvous is not None
 
-    def all_alive(self) -> bool:
-        return all(ref() is not None for ref in self._members)
+    def being_made(self) -> bool:
+        """Whether every member is alive and still being made: torch's ``replicate`` gives a replica
+        its parameters (``None`` ones included) only after making every replica, so a member with
+        any is from a finished call (kept alive, e.g., by a stored exception)."""
+        members = [ref() for ref in self._members]
+        return all(m is not None and not m._parameters for m in members)
 
     def add(self, replica: nn.Module) -> int:
         self._members.append(weakref.ref(replica))
@@ -207,29 +207,6 @@ def replicate_call(network: nn.Module, j: int, num_replicas: int) -> Iterator[No
         _local.call = None
 
 
-def _torch_replicate_call() -> tuple[nn.Module, int, int] | None:
-    """``(network, j, num_replicas)`` when ``torch.nn.parallel.replicate`` is making replica ``j`` now.
-
-    Read from its frame (found by its code object, a few frames up), so its calls are declared as
-    :func:`syncbn.parallel.replicate`'s are: a replica ``j`` never joins another call's replicas
-    (kept alive by a stored exception, or a second call before a forward). ``None`` otherwise.
-    """
-    code = getattr(importlib.import_module("torch.nn.parallel.replicate"), "replicate", None)
-    code = getattr(code, "__code__", None)
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        if frame.f_code is code:
-            local = frame.f_locals
-            network, j, n = local.get("network"), local.get("j"), local.get("num_replicas")
-            if isinstance(network, nn.Module) and isinstance(j, int) and isinstance(n, int) and 0 <= j < n:
-                return network, j, n
-            return None
-        frame = frame.f_back
-    return None
-
-
 def attach_replica(master: nn.Module, replica: nn.Module) -> None:
     """Enrol ``replica`` (a fresh replica of ``master``) in its replication.
 
@@ -247,8 +224,6 @@ def attach_replica(master: nn.Module, replica: nn.Module) -> None:
         >>> replica = bn._replicate_for_data_parallel()   # calls attach_replica(bn, replica)
     """
     call = getattr(_local, "call", None)
-    if call is None:
-        call = _torch_replicate_call()
     with _open_lock:
         current = _open.get(master)
         if call is not None:
@@ -256,7 +231,7 @@ def attach_replica(master: nn.Module, replica: nn.Module) -> None:
             joins = current is not None and j > 0 and current.declared == n and current.count == j
         else:
             root, n = None, None
-            joins = current is not None and current.all_alive() and getattr(_local, "last", None) is current
+            joins = current is not None and current.being_made() and getattr(_local, "last", None) is current
         if current is None or current.started or not joins:
             current = _open[master] = _Replication(master, n, root)
         index = current.add(replica)
