@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["integer", "real", "seconds", "backend", "MIN_SECONDS", "MAX_SECONDS"]
+__all__ = ["add_counts", "integer", "real", "seconds", "backend", "MIN_SECONDS", "MAX_SECONDS"]
 
 #: The range of a timeout flag: whole milliseconds reach torch (0 ms means "no timeout" there),
 #: and at most ``syncbn``'s own largest bound (``syncbn._config.MAX_TIMEOUT_S``).
@@ -49,6 +49,12 @@ def integer(low: int | None = None, high: int | None = None) -> Callable[[str], 
         return value
 
     return parse
+
+
+def add_counts(parser: argparse.ArgumentParser, counts: dict[str, tuple[int, int, str]]) -> None:
+    """Add integer flags: ``{"--flag": (default, least value, help)}``, each checked by :func:`integer`."""
+    for flag, (default, low, text) in counts.items():
+        parser.add_argument(flag, type=integer(low), default=default, help=text)
 
 
 def real(low: float, high: float | None = None, kind: str = "a finite number") -> Callable[[str], float]:

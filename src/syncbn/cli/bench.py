@@ -71,30 +71,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SHAPES,
         help="comma-separated per-rank input shapes, e.g. 16x64x32x32,256x512 (default: 7 shapes)",
     )
-    parser.add_argument(
-        "--iters",
-        type=_args.integer(1),
-        default=40,
-        help="timed iterations per method, at least 1 (default 40)",
-    )
-    parser.add_argument(
-        "--warmup", type=_args.integer(0), default=5, help="untimed iterations first, 0 or more (default 5)"
+    e2e = "timed DDP steps of the many-small-layers net, syncbn vs nn.BatchNorm2d (default 10; 0: skip)"
+    _args.add_counts(
+        parser,
+        {
+            "--iters": (40, 1, "timed iterations per method, at least 1 (default 40)"),
+            "--warmup": (5, 0, "untimed iterations first, 0 or more (default 5)"),
+            "--threads": (1, 1, "torch threads per rank, at least 1 (default 1)"),
+            "--e2e-steps": (10, 0, e2e),
+        },
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     add_launch_arguments(parser, "where the layers run (default cpu)")
     parser.add_argument(
-        "--threads", type=_args.integer(1), default=1, help="torch threads per rank, at least 1 (default 1)"
-    )
-    parser.add_argument(
         "--force-sync",
         action="store_true",
         help="with --world-size 1, run the synchronised code paths anyway (group of one)",
-    )
-    parser.add_argument(
-        "--e2e-steps",
-        type=_args.integer(0),
-        default=10,
-        help="timed DDP steps of the many-small-layers net, syncbn vs nn.BatchNorm2d (default 10; 0: skip)",
     )
     parser.add_argument(
         "--breakdown",

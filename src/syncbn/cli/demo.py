@@ -38,14 +38,12 @@ _EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``demo``'s flags to ``parser``."""
-    parser.add_argument(
-        "--steps",
-        type=_args.integer(1),
-        default=400,
-        help="training steps of each run, at least 1 (default 400)",
-    )
-    parser.add_argument(
-        "--batch", type=_args.integer(1), default=4, help="images per rank per step, at least 1 (default 4)"
+    _args.add_counts(
+        parser,
+        {
+            "--steps": (400, 1, "training steps of each run, at least 1 (default 400)"),
+            "--batch": (4, 1, "images per rank per step, at least 1 (default 4)"),
+        },
     )
     parser.add_argument(
         "--seed",
