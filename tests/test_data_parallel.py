@@ -8,6 +8,7 @@ itself and are skipped without GPUs.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import threading
 import time
@@ -203,6 +204,27 @@ def test_a_replica_without_grad_gives_a_constant(family: str) -> None:
     assert got[0][3:8].abs().max().item() == 0.0
     for i, (a, b) in enumerate(zip(got, expected)):
         assert (a - b).abs().max().item() < 1e-10, (family, i)
+
+
+def test_an_in_place_replica_without_grad_gives_a_constant() -> None:
+    # The in-place family writes over its input, which still carries the Linear's graph: the
+    # replica's output must be a constant all the same (first order: no double backward there).
+    torch.manual_seed(6)
+    model = NoGradOnFive(syncbn.InPlaceSyncBatchNorm(3, activation="identity").double())
+    ref = copy.deepcopy(model.norm)  # the layer alone on the whole batch
+    x = torch.randn(10, 3, dtype=torch.float64) * 2 + 1
+    g = torch.randn_like(x)
+    xx = x.clone().requires_grad_(True)
+    y = parallel.data_parallel(model, xx, chunks=[3, 5, 2])
+    got = torch.autograd.grad((y * g).sum(), [xx, model.lin.weight])
+    yy = x.clone().requires_grad_(True)
+    h = model.lin(yy)
+    out = ref(torch.cat([h[:3], h[3:8].detach(), h[8:]]))
+    out = torch.cat([out[:3], out[3:8].detach(), out[8:]])
+    expected = torch.autograd.grad((out * g).sum(), [yy, model.lin.weight])
+    assert got[0][3:8].abs().max().item() == 0.0
+    for a, b in zip(got, expected):
+        assert (a - b).abs().max().item() < 1e-10
 
 
 def test_train_eval_switching() -> None:

@@ -97,9 +97,10 @@ def replica_batch_norm(
         replication.publish(layer)
 
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    record = _Record(
-        x, weight, bias, result.out, result.weight, family, result.correction, result.stats, needs_grad
-    )
+    y = result.out
+    if in_place and not needs_grad:  # written over x, which may still carry the graph before it
+        y = y.detach()  # a constant, as the layer alone under no_grad gives
+    record = _Record(x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad)
     outputs = rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)
     out: Tensor = outputs[rank]
     return out
