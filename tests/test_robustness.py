@@ -163,7 +163,11 @@ def test_set_timeout_takes_any_real_number_and_never_a_zero_millisecond_bound(
         with pytest.raises(TypeError, match="got complex"):
             syncbn.set_timeout(1j)  # type: ignore[arg-type]
         # A positive bound under 1 ms reached torch as 0 ms, its "no timeout": it is 1 ms now.
-        for tiny in (0.0004, 1e-300, Fraction(1, 10**6)):
+        # Below a float's range too: the exact value decides the sign (it once read as 0, no bound).
+        for negative in (Fraction(-1, 10**400), "-1e-400"):
+            with pytest.raises(ValueError, match="expected a non-negative number"):
+                syncbn.set_timeout(negative)
+        for tiny in (0.0004, 1e-300, Fraction(1, 10**6), Fraction(1, 10**400), "1e-400"):
             syncbn.set_timeout(tiny)
             assert syncbn.get_timeout() == _config.MIN_TIMEOUT_S == 0.001, tiny
             assert _config.timeout_delta() == timedelta(milliseconds=1), tiny

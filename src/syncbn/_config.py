@@ -7,6 +7,7 @@ the first training call; ``set_timeout("default")`` and ``set_debug(None)`` read
 
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 import os
@@ -72,6 +73,9 @@ def _parse_timeout(value: object, source: str) -> float | None:
             raise ValueError(_too_long(source, value)) from None
     else:
         raise TypeError(f"{source}: expected a number of seconds or None (got {type(value).__name__})")
+    if seconds == 0:  # the exact value decides: 1e-400 is a positive bound, -1e-400 a negative one
+        exact = decimal.Decimal(value.strip()) if isinstance(value, str) else value
+        seconds = MIN_TIMEOUT_S if exact > 0 else -1.0 if exact < 0 else 0.0  # type: ignore[operator]
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"{source}: expected a non-negative number of seconds (got {_shown(value)})")
     if seconds == 0 or math.isinf(seconds):
