@@ -38,10 +38,15 @@ def _batches(seed: int, sizes: list[int]) -> list[torch.Tensor]:
     return [torch.randn(n, 3, 4, 4, generator=g, dtype=F64) * 3 + 2 for n in sizes]
 
 
-def _layer_inputs(model: nn.Module, steps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every BatchNorm layer's inputs over the given forward batches (train mode), as (M, C) each."""
+def _layer_inputs(
+    model: nn.Module,
+    steps: list[torch.Tensor],
+    kind: type | tuple[type, ...] = nn.modules.batchnorm._BatchNorm,
+) -> list[torch.Tensor]:
+    """Every ``kind`` layer's inputs over the given forward batches (train mode, on a copy of the
+    model: the in-place layers write over them), as (M, C) each."""
     model = copy.deepcopy(model).train()
-    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    layers = [m for m in model.modules() if isinstance(m, kind)]
     seen: list[list[torch.Tensor]] = [[] for _ in layers]
     handles = [
         layer.register_forward_pre_hook(
@@ -125,6 +130,7 @@ def test_recompute_masked_calls_unreached_and_frozen_layers() -> None:
 
 
 def test_recompute_covers_the_in_place_layers_and_never_writes_over_the_batches() -> None:
+    from syncbn._abn_layer import ActivatedBatchNormBase
     from syncbn.compat.inplace_abn import ABN, InPlaceABN
 
     torch.manual_seed(6)
@@ -144,27 +150,12 @@ def test_recompute_covers_the_in_place_layers_and_never_writes_over_the_batches(
     batches = [(torch.randn(n, 5, 3, 3, generator=g, dtype=F64) * 2 + 1, torch.zeros(n)) for n in (4, 2, 5)]
     originals = [x.clone() for x, _ in batches]
 
-    seen: list[list[torch.Tensor]] = [[] for _ in layers]
-    reference = copy.deepcopy(model).train()
-    copies = [ref for ref in reference.modules() if hasattr(ref, "activation")]
-    handles = [
-        ref.register_forward_pre_hook(
-            lambda mod, args, i=i: seen[i].append(
-                args[0].detach().movedim(1, -1).reshape(-1, args[0].shape[1])
-            )
-        )
-        for i, ref in enumerate(copies)
-    ]
-    with torch.no_grad():
-        for x, _ in batches:
-            reference(x[:, :3].clone())
-    for handle in handles:
-        handle.remove()
+    seen = _layer_inputs(model, [x[:, :3].clone() for x, _ in batches], ActivatedBatchNormBase)
 
     model.eval()
     syncbn.recompute_running_stats(model, batches, forward=lambda m, b: m(b[0][:, :3]), progress=False)
-    for layer, values in zip(layers, seen):
-        everything = torch.cat(values)
+    assert len(seen) == len(layers)
+    for layer, everything in zip(layers, seen):
         torch.testing.assert_close(layer.running_mean, everything.mean(0), rtol=0, atol=1e-13)
         torch.testing.assert_close(layer.running_var, everything.var(0), rtol=0, atol=1e-12)
         assert int(layer.num_batches_tracked) == 7
