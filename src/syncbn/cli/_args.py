@@ -13,12 +13,14 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from .. import _config
+
 __all__ = ["add_counts", "integer", "real", "seconds", "backend", "MIN_SECONDS", "MAX_SECONDS"]
 
-#: The range of a timeout flag: whole milliseconds reach torch (0 ms means "no timeout" there),
-#: and at most ``syncbn``'s own largest bound (``syncbn._config.MAX_TIMEOUT_S``).
-MIN_SECONDS = 1e-3
-MAX_SECONDS = 1e9
+#: The range of a timeout flag: syncbn's own bounds (whole milliseconds reach torch, which reads
+#: 0 ms as "no timeout"; at most about 31 years).
+MIN_SECONDS = _config.MIN_TIMEOUT_S
+MAX_SECONDS = _config.MAX_TIMEOUT_S
 
 # Backends that would not synchronise anything real: never a sensible choice here.
 _NOT_REAL = ("undefined", "fake")

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _config
+
 __all__ = [
     "make",
     "make_sets",
@@ -129,7 +131,7 @@ def _connect(store: Any, rank: int, size: int, timeout_s: float) -> Any:
     here = [f"here/{r}" for r in range(size)]
     store.set(here[rank], "1")
     store.wait(here, _delta(timeout_s))
-    connect_s = max(timeout_s / _CONNECT_WAITS, _MIN_S) if CARRIES_TIMEOUT else timeout_s
+    connect_s = max(timeout_s / _CONNECT_WAITS, _config.MIN_TIMEOUT_S) if CARRIES_TIMEOUT else timeout_s
     wire = dist.ProcessGroupGloo(store, rank, size, _delta(connect_s))
     if connect_s != timeout_s and not set_timeout(wire, timeout_s):
         raise RuntimeError(
@@ -139,13 +141,10 @@ def _connect(store: Any, rank: int, size: int, timeout_s: float) -> Any:
     return wire
 
 
-# c10d and gloo take timeouts in whole milliseconds and read 0 ms as "no timeout": never hand them less.
-_MIN_S = 1e-3
-
-
 def _delta(seconds: float) -> timedelta:
-    """``seconds`` as a ``timedelta`` of at least 1 ms (a positive bound must never become 0 ms)."""
-    return timedelta(seconds=max(seconds, _MIN_S))
+    """``seconds`` as a ``timedelta`` of at least 1 ms: c10d and gloo take whole milliseconds and
+    read 0 ms as "no timeout", so a positive bound must never become 0 ms."""
+    return timedelta(seconds=max(seconds, _config.MIN_TIMEOUT_S))
 
 
 def wire_ranks(group: Any) -> list[int] | None:
