@@ -132,9 +132,6 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                     parameter.requires_grad_(False)
         self._init_state()
 
-    _input_dims: tuple[int, ...] | None = None
-    _input_dims_text = ""
-
     def _check_input_dim(self, input: Tensor) -> None:
         check_input(input, self.num_features, dims=self._input_dims, dims_text=self._input_dims_text)
 
@@ -170,8 +167,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             weight: Tensor | None = self.weight
             bias: Tensor | None = self.bias
             if self.freeze:
-                weight = None if weight is None else weight.detach()
-                bias = None if bias is None else bias.detach()
+                weight, bias = (None if t is None else t.detach() for t in (weight, bias))
             batch_stats = not self.freeze and self.running_mean is None
             return F.batch_norm(
                 input, self.running_mean, self.running_var, weight, bias, batch_stats, 0.0, self.eps
