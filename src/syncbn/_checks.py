@@ -55,8 +55,7 @@ class LayerState:
         self.found_name: str | None = None  # found on an error path (layer_name); never an identity
         # id -> process group, weakly: a destroyed group leaves nothing behind
         self._verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        # The identity a compiled graph carries: a 0-dim int64 CPU tensor (a plain attribute, so
-        # model.to(device) leaves it on the host); dynamo guards its dtype and shape only.
+        # The compile token, a plain attribute: model.to(device) leaves it on the host (layers.md#layer-state)
         value = next(_token_counter)
         self.token = torch.tensor(value, dtype=torch.int64)
         self.owner: weakref.ref[nn.Module] | None = None
@@ -83,11 +82,6 @@ class LayerState:
         self.index = state.get("index", -1)
         self.name = state.get("name")
         self._fresh()
-
-
-def is_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is a syncbn layer: one that carries a :class:`LayerState`."""
-    return isinstance(module.__dict__.get("_syncbn_state"), LayerState)
 
 
 def state_of(layer: nn.Module) -> LayerState:
@@ -166,7 +160,8 @@ def _assign_names(model: nn.Module, prefix: str, overwrite: bool) -> int:
         model = model.module
     count = 0
     for name, module in model.named_modules():
-        if is_layer(module) and (overwrite or state_of(module).name is None):
+        is_layer = isinstance(module.__dict__.get("_syncbn_state"), LayerState)
+        if is_layer and (overwrite or state_of(module).name is None):
             full = ".".join(p for p in (prefix, name) if p) or type(module).__name__
             state_of(module).name = full
             _known_names[_row._identity_hash(full)] = repr(full)
@@ -256,8 +251,7 @@ def _compare(
         if all(equal(row[i], rows[0][i]) for row in rows):
             continue
         if name == "identity":
-            index = FIELDS.index("index")
-            call = FIELDS.index("call")
+            index, call = FIELDS.index("index"), FIELDS.index("call")
             listing = "; ".join(
                 f"rank {r}: {identities.get(row[i], 'layer #' + _row._whole(row[index]))} "
                 f"(call {_row._whole(row[call])})"

@@ -186,8 +186,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
 
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:  # an nn.DataParallel replica (syncbn.parallel)
-            out: Tensor = replica.forward(self, input, factor)
-            return out
+            return replica.forward(self, input, factor)  # type: ignore[no-any-return]
 
         if compiling:
             if (
