@@ -54,7 +54,7 @@ class LayerState:
         self.name_id: tuple[str, int] | None = None
         self.found_name: str | None = None  # found on an error path (layer_name); never an identity
         # id -> process group, weakly: a destroyed group leaves nothing behind
-        self._verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self.verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         # The compile token, a plain attribute: model.to(device) leaves it on the host (layers.md#layer-state)
         value = next(_token_counter)
         self.token = torch.tensor(value, dtype=torch.int64)
@@ -64,12 +64,6 @@ class LayerState:
     def bind(self, layer: nn.Module) -> None:
         """Make ``layer`` the module :func:`layer_for_token` finds for this state's token."""
         self.owner = weakref.ref(layer)
-
-    def is_verified(self, process_group: Any) -> bool:
-        return self._verified.get(id(process_group)) is process_group
-
-    def mark_verified(self, process_group: Any) -> None:
-        self._verified[id(process_group)] = process_group
 
     @property
     def identity(self) -> str:
@@ -320,10 +314,10 @@ def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
         return 0
     known = layer.__dict__.get("_syncbn_state")
     key = group.key
-    if known is not None and known.is_verified(key):
+    if known is not None and known.verified.get(id(key)) is key:
         return 0
     _check(group, layer, x, 1.0, 0, False)
-    state_of(layer).mark_verified(key)
+    state_of(layer).verified[id(key)] = key
     return 0
 
 

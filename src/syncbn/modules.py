@@ -188,12 +188,14 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         if replica is not None:  # an nn.DataParallel replica (syncbn.parallel)
             return replica.forward(self, input, factor)  # type: ignore[no-any-return]
 
-        if compiling:
-            if (
-                _ops is not None
-                and _ops.group_handle(self.process_group)
-                and _ops.tracing_a_checkpointed_region()
-            ):
+        if compiling and _ops is None:
+            _warn_while_tracing(
+                f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile: torch "
+                f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
+                "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
+            )
+        elif compiling:
+            if _ops.group_handle(self.process_group) and _ops.tracing_a_checkpointed_region():
                 _warn_while_tracing(
                     f"syncbn: {type(self).__name__}({self.num_features}) inside torch.utils.checkpoint "
                     "under torch.compile: torch's AOTAutograd cannot recompute syncbn's collective "
@@ -201,13 +203,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                     "the checkpointed region eagerly (statistics synchronised and updated once)"
                 )
                 torch._dynamo.graph_break()
-            if _ops is not None:
-                return self._compiled_training_forward(input, factor, tracking)
-            _warn_while_tracing(
-                f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile: torch "
-                f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
-                "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
-            )
+            return self._compiled_training_forward(input, factor, tracking)
 
         group = groups.resolve(self._group())
         stats = self.track_running_stats
