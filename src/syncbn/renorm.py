@@ -42,8 +42,7 @@ def _limit(name: str, value: Any, least: float) -> float:
                 f"pass float(...) of it{hint}"
             )
         value = float(value)
-    # NaN fails the comparison too.
-    if not value >= least:
+    if not value >= least:  # NaN fails the comparison too
         raise ValueError(f"expected {name} >= {least:g} (got {value!r})")
     return value
 
