@@ -77,15 +77,11 @@ def _parse_timeout(value: object, source: str) -> float | None:
     if seconds == 0 or math.isinf(seconds):
         return None
     if seconds > MAX_TIMEOUT_S:
-        raise ValueError(_too_long(source, value))
+        raise ValueError(
+            f"{source}: expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {_shown(value)}); "
+            "for no bound of syncbn's own (the process group's timeout bounds every wait) use 0 or 'none'"
+        )
     return max(seconds, MIN_TIMEOUT_S)  # a positive bound never reaches torch as 0 ms ("no timeout")
-
-
-def _too_long(source: str, value: object) -> str:
-    return (
-        f"{source}: expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {_shown(value)}); "
-        "for no bound of syncbn's own (the process group's timeout bounds every wait) use 0 or 'none'"
-    )
 
 
 def _shown(value: object) -> str:
