@@ -70,13 +70,6 @@ class ActivatedBatchNormBase(LayerMixin):
     """
 
     _version = 2
-    num_features: int
-    eps: float
-    momentum: float | None
-    affine: bool
-    track_running_stats: bool
-    activation: str
-    activation_param: float
     weight: Tensor | None
     bias: Tensor | None
     running_mean: Tensor | None
@@ -85,8 +78,6 @@ class ActivatedBatchNormBase(LayerMixin):
     _in_place = True
     _group_attr: str | None = None
     _local = False  # never synchronise (the package's InPlaceABN)
-    _input_dims: tuple[int, ...] | None = None
-    _input_dims_text = ""
 
     def __init__(
         self,
@@ -260,23 +251,14 @@ class ActivatedBatchNormBase(LayerMixin):
         return replica
 
     def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
+        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], *args: Any
     ) -> None:
         version = local_metadata.get("version", None)
         key = prefix + "num_batches_tracked"
         if (version is None or version < 2) and self.track_running_stats and key not in state_dict:
             # Version-1 checkpoints (inplace-abn < 1.0, torch < 0.4.1) have no num_batches_tracked.
             state_dict[key] = torch.tensor(0, dtype=torch.long)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
 
 # What torch.compile runs for the in-place layers: the eager layer, opaque to the compiler.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import weakref
 import zlib
 from typing import Any
@@ -14,25 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _config, _names
-from ._row import (
-    _DISAGREEMENTS,
-    _PHASES,
-    FIELDS,
-    SETTINGS,
-    _class_code,
-    _config_code,
-    _describe_stats,
-    _dtype_code,
-    _equal,
-    _grouped,
-    _identity_hash,
-    _same,
-    _setting_code,
-    _stats_code,
-    _stats_fault,
-    _whole,
-)
+from . import _config, _names, _row
+from ._row import FIELDS, SETTINGS
 from .groups import CollectiveError, ProcessGroupSum
 
 __all__ = [
@@ -70,9 +54,8 @@ class LayerState:
         self.name_id: tuple[str, int] | None = None
         self.found_name: str | None = None  # found on an error path (layer_name); never an identity
         # id -> process group, weakly: a destroyed group leaves nothing behind
-        self._verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        # The identity a compiled graph carries: a 0-dim int64 CPU tensor (a plain attribute, so
-        # model.to(device) leaves it on the host); dynamo guards its dtype and shape only.
+        self.verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        # The compile token, a plain attribute: model.to(device) leaves it on the host (layers.md#layer-state)
         value = next(_token_counter)
         self.token = torch.tensor(value, dtype=torch.int64)
         self.owner: weakref.ref[nn.Module] | None = None
@@ -81,12 +64,6 @@ class LayerState:
     def bind(self, layer: nn.Module) -> None:
         """Make ``layer`` the module :func:`layer_for_token` finds for this state's token."""
         self.owner = weakref.ref(layer)
-
-    def is_verified(self, process_group: Any) -> bool:
-        return self._verified.get(id(process_group)) is process_group
-
-    def mark_verified(self, process_group: Any) -> None:
-        self._verified[id(process_group)] = process_group
 
     @property
     def identity(self) -> str:
@@ -99,11 +76,6 @@ class LayerState:
         self.index = state.get("index", -1)
         self.name = state.get("name")
         self._fresh()
-
-
-def is_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is a syncbn layer: one that carries a :class:`LayerState`."""
-    return isinstance(module.__dict__.get("_syncbn_state"), LayerState)
 
 
 def state_of(layer: nn.Module) -> LayerState:
@@ -182,10 +154,11 @@ def _assign_names(model: nn.Module, prefix: str, overwrite: bool) -> int:
         model = model.module
     count = 0
     for name, module in model.named_modules():
-        if is_layer(module) and (overwrite or state_of(module).name is None):
+        is_layer = isinstance(module.__dict__.get("_syncbn_state"), LayerState)
+        if is_layer and (overwrite or state_of(module).name is None):
             full = ".".join(p for p in (prefix, name) if p) or type(module).__name__
             state_of(module).name = full
-            _known_names[_identity_hash(full)] = repr(full)
+            _known_names[_row._identity_hash(full)] = repr(full)
             count += 1
     return count
 
@@ -254,9 +227,9 @@ def check_running_stats(layer: nn.Module, running_mean: Tensor, running_var: Ten
     Over a process group the consistency check makes the same test on every rank (field ``stats``),
     so every rank raises alike; a layer calls this only when no such check runs.
     """
-    bits = _stats_fault(running_mean, running_var)
+    bits = _row._stats_fault(running_mean, running_var)
     if bits:
-        raise _stats_error(layer, _describe_stats(float(bits)))
+        raise _stats_error(layer, _row._describe_stats(float(bits)))
 
 
 def _compare(
@@ -268,37 +241,36 @@ def _compare(
         fields = ("phase", "channels", "dtype", "class")
     for name in fields + SETTINGS:
         i = FIELDS.index(name)
-        equal = _same if name in SETTINGS else _equal
+        equal = _row._same if name in SETTINGS else operator.eq
         if all(equal(row[i], rows[0][i]) for row in rows):
             continue
         if name == "identity":
-            index = FIELDS.index("index")
-            call = FIELDS.index("call")
+            index, call = FIELDS.index("index"), FIELDS.index("call")
             listing = "; ".join(
-                f"rank {r}: {identities.get(row[i], 'layer #' + _whole(row[index]))} "
-                f"(call {_whole(row[call])})"
+                f"rank {r}: {identities.get(row[i], 'layer #' + _row._whole(row[index]))} "
+                f"(call {_row._whole(row[call])})"
                 for r, row in enumerate(rows)
             )
             raise ValueError(
                 f"syncbn: layer {layer_name(layer)}: the {len(rows)} ranks of the group are not "
                 f"calling the same SyncBatchNorm layer (the layer order differs between ranks): {listing}"
             )
-        what, show = _DISAGREEMENTS[name]
+        what, show = _row._DISAGREEMENTS[name]
         raise ValueError(
             f"syncbn: layer {layer_name(layer)}: the {len(rows)} ranks of the group disagree on "
-            f"{what}: {_grouped(rows, i, show)}"
+            f"{what}: {_row._grouped(rows, i, show)}"
         )
     if debug:
         bad = [r for r, row in enumerate(rows) if row[FIELDS.index("nonfinite")]]
         if bad:
             raise ValueError(
                 f"syncbn: layer {layer_name(layer)}: the input of rank(s) {bad} contains NaN or Inf "
-                f"({_PHASES.get(rows[0][2], '?')}); the statistics of every rank would be "
+                f"({_row._PHASES.get(rows[0][2], '?')}); the statistics of every rank would be "
                 "poisoned (detected by SYNCBN_DEBUG)"
             )
         stats = FIELDS.index("stats")
         if any(row[stats] for row in rows):
-            where = _grouped(rows, stats, _describe_stats)
+            where = _row._grouped(rows, stats, _row._describe_stats)
             raise _stats_error(layer, where)
 
 
@@ -307,19 +279,19 @@ def _check(
 ) -> None:
     state = state_of(layer) if layer is not None else None
     identity_text = state.identity if state is not None else "(functional call)"
-    identity = _identity_hash(identity_text)
+    identity = _row._identity_hash(identity_text)
     index = float(state.index) if state is not None else -1.0
     nonfinite = float(debug and x.numel() > 0 and not bool(torch.isfinite(x).all()))
-    row = [identity, float(call), phase, float(x.shape[1]), _dtype_code(x.dtype)]
-    row += [_config_code(layer, x.dim()), nonfinite, index, _class_code(layer)]
-    row += [_setting_code(layer, name) for name in SETTINGS]
-    row.append(_stats_code(layer) if debug and phase == 1.0 else 0.0)
+    row = [identity, float(call), phase, float(x.shape[1]), _row._dtype_code(x.dtype)]
+    row += [_row._config_code(layer, x.dim()), nonfinite, index, _row._class_code(layer)]
+    row += [_row._setting_code(layer, name) for name in SETTINGS]
+    row.append(_row._stats_code(layer) if debug and phase == 1.0 else 0.0)
     table = torch.zeros(group.size, len(FIELDS), dtype=torch.float64, device=x.device)
     table[group.rank] = torch.tensor(row, dtype=torch.float64, device=x.device)
     try:
         group.all_reduce_sum_bounded(table, host_wait=True)
     except CollectiveError as exc:
-        raise exc.for_layer(layer_name(layer), f"{_PHASES[phase]} consistency check") from exc.__cause__
+        raise exc.for_layer(layer_name(layer), f"{_row._PHASES[phase]} consistency check") from exc.__cause__
     _compare(table.tolist(), debug, layer, {**_known_names, identity: repr(identity_text)})
 
 
@@ -342,10 +314,10 @@ def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
         return 0
     known = layer.__dict__.get("_syncbn_state")
     key = group.key
-    if known is not None and known.is_verified(key):
+    if known is not None and known.verified.get(id(key)) is key:
         return 0
     _check(group, layer, x, 1.0, 0, False)
-    state_of(layer).mark_verified(key)
+    state_of(layer).verified[id(key)] = key
     return 0
 
 

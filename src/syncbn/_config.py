@@ -65,12 +65,8 @@ def _parse_timeout(value: object, source: str) -> float | None:
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy scalars, Fraction too
         try:
             seconds = float(value)
-        except OverflowError:  # an int beyond a float's range (10**400)
-            if value < 0:  # type: ignore[operator]
-                raise ValueError(
-                    f"{source}: expected a non-negative number of seconds (got {_shown(value)})"
-                ) from None
-            raise ValueError(_too_long(source, value)) from None
+        except OverflowError:  # an int beyond a float's range (10**400): refused below, either way
+            seconds = -1.0 if value < 0 else 2 * MAX_TIMEOUT_S  # type: ignore[operator]
     else:
         raise TypeError(f"{source}: expected a number of seconds or None (got {type(value).__name__})")
     if seconds == 0:  # the exact value decides: 1e-400 is a positive bound, -1e-400 a negative one
@@ -81,15 +77,11 @@ def _parse_timeout(value: object, source: str) -> float | None:
     if seconds == 0 or math.isinf(seconds):
         return None
     if seconds > MAX_TIMEOUT_S:
-        raise ValueError(_too_long(source, value))
+        raise ValueError(
+            f"{source}: expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {_shown(value)}); "
+            "for no bound of syncbn's own (the process group's timeout bounds every wait) use 0 or 'none'"
+        )
     return max(seconds, MIN_TIMEOUT_S)  # a positive bound never reaches torch as 0 ms ("no timeout")
-
-
-def _too_long(source: str, value: object) -> str:
-    return (
-        f"{source}: expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {_shown(value)}); "
-        "for no bound of syncbn's own (the process group's timeout bounds every wait) use 0 or 'none'"
-    )
 
 
 def _shown(value: object) -> str:
@@ -146,10 +138,8 @@ def set_timeout(seconds: float | None | str = "default") -> None:
         >>> syncbn.set_timeout("default")
     """
     global _timeout_override, _timeout_resolved
-    if isinstance(seconds, str) and seconds == "default":
-        _timeout_override = _UNSET
-    else:
-        _timeout_override = _parse_timeout(seconds, "syncbn.set_timeout")
+    default = isinstance(seconds, str) and seconds == "default"
+    _timeout_override = _UNSET if default else _parse_timeout(seconds, "syncbn.set_timeout")
     _timeout_resolved = _UNSET
 
 
@@ -168,9 +158,8 @@ def get_timeout() -> float | None:
     """
     global _timeout_resolved, _timeout_delta
     if _timeout_resolved is _UNSET:
-        if _timeout_override is not _UNSET:
-            value: float | None = _timeout_override  # type: ignore[assignment]
-        else:
+        value: float | None = _timeout_override  # type: ignore[assignment]
+        if _timeout_override is _UNSET:
             env = os.environ.get("SYNCBN_TIMEOUT")
             value = DEFAULT_TIMEOUT_S if env is None else _parse_timeout(env, "SYNCBN_TIMEOUT")
         _timeout_delta = None if value is None else timedelta(seconds=value)
@@ -225,10 +214,7 @@ def debug_enabled() -> bool:
     """
     global _debug_resolved
     if _debug_resolved is None:
-        if _debug_override is not None:
-            _debug_resolved = _debug_override
-        else:
-            _debug_resolved = _parse_switch("SYNCBN_DEBUG", False)
+        _debug_resolved = _parse_switch("SYNCBN_DEBUG", False) if _debug_override is None else _debug_override
     return _debug_resolved
 
 
@@ -270,6 +256,4 @@ def shared_memory_enabled() -> bool:
         ValueError: ``SYNCBN_SHM`` is neither empty nor one of ``1``/``0``,
             ``true``/``false``, ``yes``/``no``, ``on``/``off`` (any case).
     """
-    if _shm_override is not None:
-        return _shm_override
-    return _parse_switch("SYNCBN_SHM", True)
+    return _parse_switch("SYNCBN_SHM", True) if _shm_override is None else _shm_override

@@ -18,6 +18,8 @@ class LayerMixin(nn.Module):
     _group_attr: str | None = "process_group"  # the attribute holding the group (None: never synchronises)
     momentum: float | None
     num_batches_tracked: Tensor | None
+    _input_dims: tuple[int, ...] | None = None  # the accepted input ranks (None: any of at least 2)
+    _input_dims_text = ""  # how they read in an error, e.g. "2D or 3D"
 
     def _init_state(self) -> None:
         self._syncbn_state = _checks.LayerState()

@@ -21,7 +21,6 @@ _links: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref[nn.Module], 
     weakref.WeakKeyDictionary()
 )
 _lock = threading.Lock()
-_installed = False
 _on_wrap: Callable[[nn.Module], object] | None = None
 
 
@@ -45,11 +44,10 @@ def install(on_wrap: Callable[[nn.Module], object]) -> None:
 
     ``on_wrap(model)`` runs when a model is placed into a DDP or DataParallel wrapper.
     """
-    global _installed, _on_wrap
+    global _on_wrap
     with _lock:
-        if _installed:
+        if _on_wrap is not None:
             return
-        _installed = True
         _on_wrap = on_wrap
     nn.modules.module.register_module_module_registration_hook(_record)
 

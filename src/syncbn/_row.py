@@ -125,10 +125,6 @@ def _show_setting(name: str) -> Callable[[float], str]:
     return show
 
 
-def _equal(a: float, b: float) -> bool:
-    return a == b
-
-
 def _same(a: float, b: float) -> bool:
     """Equal, NaN (a setting of None) included."""
     return a == b or (math.isnan(a) and math.isnan(b))
@@ -143,14 +139,8 @@ def _stats_code(layer: nn.Module | None) -> float:
 
 def _stats_fault(running_mean: Tensor, running_var: Tensor) -> int:
     """Bits: 1 ``running_mean`` holds NaN/Inf, 2 ``running_var`` does, 4 ``running_var`` is negative."""
-    flags = torch.stack(
-        [
-            ~torch.isfinite(running_mean).all(),
-            ~torch.isfinite(running_var).all(),
-            (running_var < 0).any(),
-        ]
-    ).tolist()  # one host read, debug mode only
-    return sum(1 << i for i, flag in enumerate(flags) if flag)
+    flags = [~torch.isfinite(running_mean).all(), ~torch.isfinite(running_var).all(), (running_var < 0).any()]
+    return sum(1 << i for i, flag in enumerate(torch.stack(flags).tolist()) if flag)  # one host read (debug)
 
 
 def _describe_stats(code: float) -> str:

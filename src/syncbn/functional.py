@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
-from .engine._function import Params, SyncBatchNormFunction, TransformableSyncBatchNormFunction, _Pending
+from .engine._function import Params, SyncBatchNormFunction, apply
 from .engine._rules import is_compiling
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
@@ -234,32 +234,24 @@ def check_eps(eps: float) -> None:
 
 
 # SyncBatchNormFunction.apply's C entry, bound once (else ``apply``). Outside torch.func and tracing,
-# Function.apply's Python wrapper only unwraps dead functorch wrappers: _apply_eager does that, ~3 us less.
+# Function.apply's Python wrapper only unwraps dead functorch wrappers: synchronized does that, ~3 us less.
 _unwrap_if_dead: Any = getattr(torch._C._functorch, "unwrap_if_dead", None)
 _apply_entry: Any = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
-_apply_c: Any = (
-    None
-    if _unwrap_if_dead is None or _apply_entry is None
-    else _apply_entry.__get__(None, SyncBatchNormFunction)
-)
-
-
-def _apply_eager(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
-    """``SyncBatchNormFunction.apply(x, weight, bias, params)``, outside torch.func transforms."""
-    if _apply_c is None or is_compiling():
-        return SyncBatchNormFunction.apply(x, weight, bias, params)  # type: ignore[no-any-return]
-    unwrap = _unwrap_if_dead
-    return _apply_c(  # type: ignore[no-any-return]
-        unwrap(x), None if weight is None else unwrap(weight), None if bias is None else unwrap(bias), params
-    )
+_apply_c: Any = None
+if _unwrap_if_dead is not None and _apply_entry is not None:
+    _apply_c = _apply_entry.__get__(None, SyncBatchNormFunction)
 
 
 def synchronized(input: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
     """The training call of :func:`sync_batch_norm` over a resolved group, input already checked.
 
     ``SyncBatchNorm.forward`` calls this directly (a small layer's time is mostly per-call work);
-    ``params.group`` ``LOCAL`` runs the engine locally (a family without a group).
+    ``params.group`` ``LOCAL`` runs the engine locally (a family without a group). The engine's
+    ``apply`` under torch.func's transforms and tracing.
     """
-    if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
-        return TransformableSyncBatchNormFunction.apply(input, weight, bias, params, _Pending())  # type: ignore[no-any-return]
-    return _apply_eager(input, weight, bias, params)
+    if _apply_c is None or is_compiling() or torch._C._are_functorch_transforms_active():
+        return apply(input, weight, bias, params)
+    unwrap = _unwrap_if_dead
+    weight = None if weight is None else unwrap(weight)
+    bias = None if bias is None else unwrap(bias)
+    return _apply_c(unwrap(input), weight, bias, params)  # type: ignore[no-any-return]

@@ -132,9 +132,6 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                     parameter.requires_grad_(False)
         self._init_state()
 
-    _input_dims: tuple[int, ...] | None = None
-    _input_dims_text = ""
-
     def _check_input_dim(self, input: Tensor) -> None:
         check_input(input, self.num_features, dims=self._input_dims, dims_text=self._input_dims_text)
 
@@ -170,8 +167,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             weight: Tensor | None = self.weight
             bias: Tensor | None = self.bias
             if self.freeze:
-                weight = None if weight is None else weight.detach()
-                bias = None if bias is None else bias.detach()
+                weight, bias = (None if t is None else t.detach() for t in (weight, bias))
             batch_stats = not self.freeze and self.running_mean is None
             return F.batch_norm(
                 input, self.running_mean, self.running_var, weight, bias, batch_stats, 0.0, self.eps
@@ -190,15 +186,16 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
 
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:  # an nn.DataParallel replica (syncbn.parallel)
-            out: Tensor = replica.forward(self, input, factor)
-            return out
+            return replica.forward(self, input, factor)  # type: ignore[no-any-return]
 
-        if compiling:
-            if (
-                _ops is not None
-                and _ops.group_handle(self.process_group)
-                and _ops.tracing_a_checkpointed_region()
-            ):
+        if compiling and _ops is None:
+            _warn_while_tracing(
+                f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile: torch "
+                f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
+                "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
+            )
+        elif compiling:
+            if _ops.group_handle(self.process_group) and _ops.tracing_a_checkpointed_region():
                 _warn_while_tracing(
                     f"syncbn: {type(self).__name__}({self.num_features}) inside torch.utils.checkpoint "
                     "under torch.compile: torch's AOTAutograd cannot recompute syncbn's collective "
@@ -206,13 +203,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                     "the checkpointed region eagerly (statistics synchronised and updated once)"
                 )
                 torch._dynamo.graph_break()
-            if _ops is not None:
-                return self._compiled_training_forward(input, factor, tracking)
-            _warn_while_tracing(
-                f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile: torch "
-                f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
-                "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
-            )
+            return self._compiled_training_forward(input, factor, tracking)
 
         group = groups.resolve(self._group())
         stats = self.track_running_stats

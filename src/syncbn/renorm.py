@@ -42,8 +42,7 @@ def _limit(name: str, value: Any, least: float) -> float:
                 f"pass float(...) of it{hint}"
             )
         value = float(value)
-    # NaN fails the comparison too.
-    if not value >= least:
+    if not value >= least:  # NaN fails the comparison too
         raise ValueError(f"expected {name} >= {least:g} (got {value!r})")
     return value
 
@@ -131,8 +130,7 @@ class SyncBatchRenorm(SyncBatchNorm):
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
         )
-        self.r_max = r_max
-        self.d_max = d_max
+        self.r_max, self.d_max = r_max, d_max
 
     def _family_call(self, recomputing: bool = False, eager: bool = False) -> Renorm | None:
         r_max, d_max = _check_limits(self.r_max, self.d_max)
@@ -153,9 +151,8 @@ class SyncBatchRenorm(SyncBatchNorm):
 
     def _syncbn_debug_running_stats(self) -> tuple[Tensor, Tensor] | None:
         """The running statistics this training call's ``r`` and ``d`` read (debug mode's check)."""
-        if not self._reads_running_stats(self.r_max, self.d_max):
-            return None
-        return self.running_mean, self.running_var  # type: ignore[return-value]
+        reads = self._reads_running_stats(self.r_max, self.d_max)
+        return (self.running_mean, self.running_var) if reads else None  # type: ignore[return-value]
 
     def _reads_running_stats(self, r_max: float, d_max: float) -> bool:
         """Whether a training call computes ``r`` and ``d`` (else it is batch norm: ``r = 1, d = 0``)."""
