@@ -18,26 +18,13 @@ from ..modules import SyncBatchNorm2d
 from . import _args
 from ._bench_breakdown import SHORT, breakdown, format_breakdown
 from ._bench_e2e import format_e2e, slowest, time_steps
-from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchNorm
-from ._bench_report import format_table, ratios
-from ._bench_runner import bench_layers, machine_info, time_interleaved
+from ._bench_methods import LoopbackGroup, NaiveSyncBatchNorm
+from ._bench_report import format_table
+from ._bench_runner import bench_layers, machine_info
 from ._bench_targets import allocator_note, format_targets, load_average, targets
 from ._launch import DEFAULT_TIMEOUT_S, add_launch_arguments, default_backend, rank_device, run_ranks
 
-__all__ = [
-    "DEFAULT_SHAPES",
-    "LocalWithCollectives",
-    "LoopbackGroup",
-    "NaiveSyncBatchNorm",
-    "add_arguments",
-    "bench_layers",
-    "format_table",
-    "machine_info",
-    "parse_shapes",
-    "ratios",
-    "run",
-    "time_interleaved",
-]
+__all__ = ["DEFAULT_SHAPES", "LoopbackGroup", "NaiveSyncBatchNorm", "add_arguments", "parse_shapes", "run"]
 
 DEFAULT_SHAPES: list[tuple[int, ...]] = [
     (8, 32, 8, 8),
