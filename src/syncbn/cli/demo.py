@@ -131,9 +131,7 @@ def _train(
             # Newer PyTorch deprecates broadcast_buffers but advises keeping it for rank-local buffers.
             warnings.simplefilter("ignore", FutureWarning)
             model = nn.parallel.DistributedDataParallel(
-                net,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                broadcast_buffers=False,
+                net, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
             )
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
     order = schedule(len(y_train), config["steps"], config["batch"] * world_size, config["seed"])
