@@ -77,12 +77,11 @@ def run_case(
     start = sum(case.sizes[:group_rank])
     stop = start + case.sizes[group_rank]
 
-    ndim = 2 + len(case.inner) - 1
+    ndim = 1 + len(case.inner)
     ref = _REF.get(ndim, nn.BatchNorm1d)(channels, **case.kwargs).double()
     cls = SyncBatchNorm if case.generic else _OURS[ndim]
-    layer_dtype = case.layer_dtype
-    if layer_dtype is None:
-        layer_dtype = torch.float32 if case.dtype in (torch.float16, torch.bfloat16) else case.dtype
+    low_precision = case.dtype in (torch.float16, torch.bfloat16)
+    layer_dtype = case.layer_dtype or (torch.float32 if low_precision else case.dtype)
     ours = cls(channels, process_group=group, **case.kwargs).to(device=device, dtype=layer_dtype)
     with torch.no_grad():  # the same kwargs: both layers have weights, and running stats, or neither
         initial: dict[str, torch.Tensor] = {}

@@ -44,7 +44,6 @@ def is_main_process() -> bool:
 
 
 def default_backend(device: str) -> str:
-    """``nccl`` for CUDA devices, ``gloo`` otherwise."""
     return "nccl" if device == "cuda" else "gloo"
 
 
