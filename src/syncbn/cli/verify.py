@@ -68,11 +68,10 @@ def _check_rank(
     device = rank_device(device_name)
     mine: dict[str, Any] = {}
     process_group = None if group_size is None else groups.subgroup(group_size)
+    group_rank = dist.get_rank(process_group)
     for case in standard_cases(dist.get_world_size(process_group)):
         try:
-            mine[case.name] = run_case(
-                case, rank, group=process_group, group_rank=dist.get_rank(process_group), device=device
-            )
+            mine[case.name] = run_case(case, rank, group=process_group, group_rank=group_rank, device=device)
         except Exception as exc:  # noqa: BLE001 - reported per case
             mine[case.name] = f"{type(exc).__name__}: {exc}"
     mine[_GROUP] = groups.group_ranks(process_group)
