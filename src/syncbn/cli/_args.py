@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -26,53 +26,45 @@ MAX_SECONDS = _config.MAX_TIMEOUT_S
 _NOT_REAL = ("undefined", "fake")
 
 
-def _range_text(kind: str, low: float | None, high: float | None) -> str:
+def _bounded(
+    convert: Callable[[str], Any], kind: str, low: float, high: float | None
+) -> Callable[[str], Any]:
+    """A ``type=`` for ``convert(text)``, finite and in ``[low, high]`` (no upper end when ``None``)."""
+
     def shown(v: float) -> str:
         return str(v) if isinstance(v, int) else f"{v:g}"
 
-    if low is not None and high is not None:
-        return f"{kind} from {shown(low)} to {shown(high)}"
-    if low is not None:
-        return f"{kind} of at least {shown(low)}"
-    return kind if high is None else f"{kind} of at most {shown(high)}"
+    wanted = (
+        f"{kind} of at least {shown(low)}" if high is None else f"{kind} from {shown(low)} to {shown(high)}"
+    )
 
-
-def integer(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
-    """A ``type=`` for an int in ``[low, high]`` (either end open when ``None``)."""
-    wanted = _range_text("an int", low, high)
-
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {wanted} (got {text!r})") from None
-        if (low is not None and value < low) or (high is not None and value > high):
+            value = math.nan  # refused below, as a value out of range is
+        finite = not isinstance(value, float) or math.isfinite(value)  # an int never overflows here
+        if not finite or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"expected {wanted} (got {text!r})")
         return value
 
     return parse
+
+
+def integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """A ``type=`` for an int in ``[low, high]`` (no upper end when ``None``)."""
+    return _bounded(int, "an int", low, high)
+
+
+def real(low: float, high: float | None = None, kind: str = "a finite number") -> Callable[[str], float]:
+    """A ``type=`` for a finite number in ``[low, high]`` (no upper end when ``None``)."""
+    return _bounded(float, kind, low, high)
 
 
 def add_counts(parser: argparse.ArgumentParser, counts: dict[str, tuple[int, int, str]]) -> None:
     """Add integer flags: ``{"--flag": (default, least value, help)}``, each checked by :func:`integer`."""
     for flag, (default, low, text) in counts.items():
         parser.add_argument(flag, type=integer(low), default=default, help=text)
-
-
-def real(low: float, high: float | None = None, kind: str = "a finite number") -> Callable[[str], float]:
-    """A ``type=`` for a finite number in ``[low, high]`` (no upper end when ``None``)."""
-    wanted = _range_text(kind, low, high)
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {wanted} (got {text!r})") from None
-        if not math.isfinite(value) or value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"expected {wanted} (got {text!r})")
-        return value
-
-    return parse
 
 
 #: A ``type=`` for a timeout in seconds, from :data:`MIN_SECONDS` to :data:`MAX_SECONDS`.

@@ -122,15 +122,14 @@ def time_steps(
     x = torch.randn(batch, 3, size, size, generator=gen).to(device)
     y = torch.randint(10, (batch,), generator=gen).to(device)
     cuda = device.type == "cuda"
+    first_s = {} if first_s is None else first_s
     fns: dict[str, Callable[[], Any]] = {}
     for name, norm in norms.items():
         torch.manual_seed(0)
         ids = [device.index] if cuda else None
         ddp = nn.parallel.DistributedDataParallel(build(norm).to(device), device_ids=ids)
         fns[name] = sgd_step(ddp, x, y, compiled)
-        first = time_interleaved({name: fns[name]}, 1, 0, barrier=True, cuda=cuda)[name][0]
-        if first_s is not None:
-            first_s[name] = first
+        first_s[name] = time_interleaved({name: fns[name]}, 1, 0, barrier=True, cuda=cuda)[name][0]
     times = time_interleaved(fns, steps, warmup, barrier=True, cuda=cuda)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 

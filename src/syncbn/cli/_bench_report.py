@@ -8,7 +8,6 @@ __all__ = ["format_table", "ratio", "ratios"]
 
 
 def ratio(ms: dict[str, float] | None, num: str, den: str) -> float | None:
-    """``ms[num] / ms[den]``, or ``None`` where ``ms`` or either method is missing."""
     return ms[num] / ms[den] if ms and num in ms and den in ms else None
 
 

@@ -10,6 +10,7 @@ import os
 import platform
 import statistics
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -128,28 +129,6 @@ def training_step(mod: nn.Module, x_data: Tensor, dy: Tensor) -> Callable[[], No
     return step
 
 
-def _time_methods(
-    steps: dict[str, Callable[[], Any]], iters: int, warmup: int, distributed: bool, cuda: bool
-) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[int]], str | None]:
-    """Wall times, thread CPU times and page faults per call of ``steps``; without ``torch`` if it fails."""
-    cpu: dict[str, list[float]] = {}
-    faults: dict[str, list[int]] = {}
-
-    def timed() -> dict[str, list[float]]:
-        cpu.clear()
-        faults.clear()
-        return time_interleaved(
-            steps, iters, warmup, barrier=distributed, cuda=cuda, cpu_times=cpu, faults=faults
-        )
-
-    try:
-        return timed(), cpu, faults, None
-    except Exception as exc:  # e.g. a backend without the collective torch's SyncBN needs
-        steps.pop("torch", None)
-        error = f"torch.nn.SyncBatchNorm failed: {type(exc).__name__}: {exc}"
-        return timed(), cpu, faults, error
-
-
 def bench_layers(
     rank: int,
     world_size: int,
@@ -169,12 +148,21 @@ def bench_layers(
     page faults per call; empty where the platform does not count them per thread).
     """
     device = device or torch.device("cpu")
-    distributed = dist.is_initialized()
+    distributed, cuda = dist.is_initialized(), device.type == "cuda"
     records = []
     for shape in shapes:
         steps = _layer_steps(shape, dtype, device, rank, force_sync)
-        cuda = device.type == "cuda"
-        times, cpu, faults, error = _time_methods(steps, iters, warmup, distributed, cuda)
+        timed = partial(time_interleaved, steps, iters, warmup, barrier=distributed, cuda=cuda)
+        cpu: dict[str, list[float]] = {}  # thread CPU seconds and page faults per call
+        faults: dict[str, list[int]] = {}
+        error = None
+        try:
+            times = timed(cpu_times=cpu, faults=faults)
+        except Exception as exc:  # e.g. a backend without the collective torch's SyncBN needs
+            steps.pop("torch", None)
+            error = f"torch.nn.SyncBatchNorm failed: {type(exc).__name__}: {exc}"
+            cpu, faults = {}, {}
+            times = timed(cpu_times=cpu, faults=faults)
         mine = {
             "wall": {name: statistics.median(ts) * 1e3 for name, ts in times.items()},
             "cpu": {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()},

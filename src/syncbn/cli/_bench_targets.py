@@ -75,9 +75,7 @@ def allocator_note(records: list[dict[str, Any]]) -> str | None:
 
 
 def targets(
-    records: list[dict[str, Any]],
-    e2e: dict[str, float] | None,
-    compiled: dict[str, dict[str, float]] | None,
+    records: list[dict[str, Any]], e2e: dict[str, float] | None, compiled: dict[str, dict[str, float]] | None
 ) -> list[dict[str, Any]]:
     """One row per target from ``bench_layers``' records and the steps' slowest-rank medians (ms).
 

@@ -77,12 +77,11 @@ def run_case(
     start = sum(case.sizes[:group_rank])
     stop = start + case.sizes[group_rank]
 
-    ndim = 2 + len(case.inner) - 1
+    ndim = 1 + len(case.inner)
     ref = _REF.get(ndim, nn.BatchNorm1d)(channels, **case.kwargs).double()
     cls = SyncBatchNorm if case.generic else _OURS[ndim]
-    layer_dtype = case.layer_dtype
-    if layer_dtype is None:
-        layer_dtype = torch.float32 if case.dtype in (torch.float16, torch.bfloat16) else case.dtype
+    low_precision = case.dtype in (torch.float16, torch.bfloat16)
+    layer_dtype = case.layer_dtype or (torch.float32 if low_precision else case.dtype)
     ours = cls(channels, process_group=group, **case.kwargs).to(device=device, dtype=layer_dtype)
     with torch.no_grad():  # the same kwargs: both layers have weights, and running stats, or neither
         initial: dict[str, torch.Tensor] = {}
@@ -168,6 +167,7 @@ def tolerance(case: Case) -> float:
 def standard_cases(world_size: int) -> list[Case]:
     """The matrix of shapes, batch splits, options and dtypes for ``world_size`` ranks."""
     w = world_size
+    f32, f16 = torch.float32, torch.float16
     even = [3] * w
     uneven = [i + 1 for i in range(w)]
     one_empty = [0] + [3] * (w - 1)
@@ -182,32 +182,16 @@ def standard_cases(world_size: int) -> list[Case]:
         Case("momentum-none", uneven, inner=(4, 3, 3), kwargs={"momentum": None}, steps=3),
         Case("affine-false", uneven, inner=(4, 3, 3), kwargs={"affine": False}),
         Case("no-running-stats", uneven, inner=(4, 3, 3), kwargs={"track_running_stats": False}),
-        Case("float32", uneven, inner=(8, 6, 6), dtype=torch.float32),
-        Case("float16-input", uneven, inner=(8, 6, 6), dtype=torch.float16),
+        Case("float32", uneven, inner=(8, 6, 6), dtype=f32),
+        Case("float16-input", uneven, inner=(8, 6, 6), dtype=f16),
         Case("bfloat16-input", uneven, inner=(8, 6, 6), dtype=torch.bfloat16),
-        Case("float32-mean1000-4d", even, inner=(4, 16, 16), dtype=torch.float32, scale=0.01, shift=10.0),
-        Case("float32-mean1000-2d", [64] * w, inner=(4,), dtype=torch.float32, scale=0.01, shift=10.0),
+        Case("float32-mean1000-4d", even, inner=(4, 16, 16), dtype=f32, scale=0.01, shift=10.0),
+        Case("float32-mean1000-2d", [64] * w, inner=(4,), dtype=f32, scale=0.01, shift=10.0),
         Case("float64-mean1000", even, inner=(4, 5, 5), scale=0.01, shift=10.0),
         Case("channels-last", uneven, inner=(5, 4, 3), memory_format=torch.channels_last),
         Case("channels-last-3d", uneven, inner=(5, 2, 4, 3), memory_format=torch.channels_last_3d),
-        Case(
-            "channels-last-float32",
-            even,
-            inner=(6, 5, 5),
-            dtype=torch.float32,
-            memory_format=torch.channels_last,
-        ),
+        Case("channels-last-float32", even, inner=(6, 5, 5), dtype=f32, memory_format=torch.channels_last),
     ]
-    if w == 2:
-        # A .half() layer whose channels hold more than 65504 values across the ranks.
-        cases.append(
-            Case(
-                "half-layer-65536-values",
-                [2, 2],
-                inner=(2, 128, 128),
-                dtype=torch.float16,
-                layer_dtype=torch.float16,
-                steps=1,
-            )
-        )
+    if w == 2:  # a .half() layer whose channels hold more than 65504 values across the ranks
+        cases.append(Case("half-layer-65536-values", [2, 2], (2, 128, 128), f16, layer_dtype=f16, steps=1))
     return cases

@@ -44,7 +44,6 @@ def is_main_process() -> bool:
 
 
 def default_backend(device: str) -> str:
-    """``nccl`` for CUDA devices, ``gloo`` otherwise."""
     return "nccl" if device == "cuda" else "gloo"
 
 
@@ -86,14 +85,7 @@ def rank_device(device: str) -> torch.device:
 
 
 def _destroy() -> None:
-    """``destroy_process_group()``, once gloo's worker threads have freed what they hold.
-
-    Before torch 2.8 a process group is destroyed with the GIL held while gloo's worker threads are
-    joined (pytorch#56297); a worker still freeing a finished collective's tensor that Python has
-    dropped (``all_gather_object``'s, just before this) waits for the GIL: a deadlock, seen here
-    in 2 of 5 runs of ``verify --world-size 4 --group-size 2`` on torch 2.2.2. A pause with the
-    GIL released lets such a worker finish first.
-    """
+    """``destroy_process_group()`` after a pause: a deadlock in torch < 2.8 (docs/internals/cli.md)."""
     time.sleep(0.05)
     dist.destroy_process_group()
 
@@ -123,11 +115,7 @@ def _worker(
 
 
 def run_ranks(
-    fn: Callable[..., Any],
-    world_size: int,
-    backend: str,
-    *args: Any,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    fn: Callable[..., Any], world_size: int, backend: str, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
 

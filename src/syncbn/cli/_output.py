@@ -42,17 +42,15 @@ class ProgressBar:
     """A one-line progress bar of ``total`` steps after ``label`` on ``stream`` (stderr by default).
 
     On a terminal the line is redrawn in place at most ten times a second; elsewhere (a pipe,
-    a log) a line is printed at every quarter. ``width``: the bar's characters; ``enabled=False``
-    draws nothing (non-zero ranks).
+    a log) a line is printed at every quarter. ``enabled=False`` draws nothing (non-zero ranks).
     """
 
-    def __init__(
-        self, total: int, label: str, stream: TextIO | None = None, width: int = 24, enabled: bool = True
-    ) -> None:
+    width = 24  # the bar's characters
+
+    def __init__(self, total: int, label: str, stream: TextIO | None = None, enabled: bool = True) -> None:
         self.total = max(1, total)
         self.label = label
         self.stream = sys.stderr if stream is None else stream
-        self.width = width
         self.enabled = enabled
         self.start = time.perf_counter()
         self._last_draw = 0.0

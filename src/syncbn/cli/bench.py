@@ -18,26 +18,13 @@ from ..modules import SyncBatchNorm2d
 from . import _args
 from ._bench_breakdown import SHORT, breakdown, format_breakdown
 from ._bench_e2e import format_e2e, slowest, time_steps
-from ._bench_methods import LocalWithCollectives, LoopbackGroup, NaiveSyncBatchNorm
-from ._bench_report import format_table, ratios
-from ._bench_runner import bench_layers, machine_info, time_interleaved
+from ._bench_methods import LoopbackGroup, NaiveSyncBatchNorm
+from ._bench_report import format_table
+from ._bench_runner import bench_layers, machine_info
 from ._bench_targets import allocator_note, format_targets, load_average, targets
 from ._launch import DEFAULT_TIMEOUT_S, add_launch_arguments, default_backend, rank_device, run_ranks
 
-__all__ = [
-    "DEFAULT_SHAPES",
-    "LocalWithCollectives",
-    "LoopbackGroup",
-    "NaiveSyncBatchNorm",
-    "add_arguments",
-    "bench_layers",
-    "format_table",
-    "machine_info",
-    "parse_shapes",
-    "ratios",
-    "run",
-    "time_interleaved",
-]
+__all__ = ["DEFAULT_SHAPES", "LoopbackGroup", "NaiveSyncBatchNorm", "add_arguments", "parse_shapes", "run"]
 
 DEFAULT_SHAPES: list[tuple[int, ...]] = [
     (8, 32, 8, 8),
@@ -101,11 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
 
 
-def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> tuple[Any, Any]:
     """The narrow net's eager step and, with ``--compiled``, both nets' compiled steps (slowest rank)."""
-    out: dict[str, Any] = {"e2e": None, "compiled": None}
+    e2e: dict[str, Any] | None = None
+    compiled: dict[str, Any] | None = None
     if world_size == 1 or args.force_sync:
-        return out
+        return e2e, compiled
     norms: dict[str, Any] = {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
     eager_norms = dict(norms)
     if device.type == "cuda" and dist.get_backend() == "nccl":
@@ -113,23 +101,23 @@ def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.d
     if args.e2e_steps > 0:
         mine = time_steps("deep", rank, 16, args.e2e_steps, 2, eager_norms, device=device)
         ms, _ = slowest(mine, world_size)
-        out["e2e"] = {"model": "deep", "median_ms": ms, "syncbn_over_plain": ms["syncbn"] / ms["plain"]}
+        e2e = {"model": "deep", "median_ms": ms, "syncbn_over_plain": ms["syncbn"] / ms["plain"]}
         if "torch" in ms:
-            out["e2e"]["syncbn_over_torch"] = ms["syncbn"] / ms["torch"]
+            e2e["syncbn_over_torch"] = ms["syncbn"] / ms["torch"]
     if args.compiled:
-        out["compiled"] = {}
+        compiled = {}
         steps = max(args.e2e_steps, 3)
         for model in ("deep", "wide"):
             first: dict[str, float] = {}
             mine = time_steps(model, rank, 16, steps, 3, norms, compiled=True, device=device, first_s=first)
             ms, _ = slowest(mine, world_size)
             compile_s, _ = slowest(first, world_size)
-            out["compiled"][model] = {
+            compiled[model] = {
                 "median_ms": ms,
                 "first_step_s": compile_s,
                 "syncbn_over_plain": ms["syncbn"] / ms["plain"],
             }
-    return out
+    return e2e, compiled
 
 
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -146,8 +134,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         device=device,
         force_sync=args.force_sync,
     )
-    steps = _steps(args, rank, world_size, device)
-    e2e, compiled = steps["e2e"], steps["compiled"]
+    e2e, compiled = _steps(args, rank, world_size, device)
     parts: dict[str, Any] | None = None
     if args.breakdown and world_size > 1 and device.type == "cpu" and not args.force_sync:
         parts = breakdown(rank, world_size, SHORT, rounds=2, steps=2, warmup=1)

@@ -37,7 +37,6 @@ _EXTRAS = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``demo``'s flags to ``parser``."""
     _args.add_counts(
         parser,
         {
@@ -112,15 +111,10 @@ def schedule(num_train: int, steps: int, global_batch: int, seed: int) -> torch.
 
 
 def _train(
-    name: str,
-    norm: Any,
-    config: dict[str, Any],
-    data: tuple[torch.Tensor, ...],
-    rank: int,
-    world_size: int,
-    distributed: bool,
+    name: str, norm: Any, config: dict[str, Any], data: tuple[torch.Tensor, ...], rank: int, world_size: int
 ) -> tuple[nn.Module, list[float], float]:
     """Train one run; return rank 0's (or the only) net, the global-batch losses, seconds."""
+    distributed = name != "global"  # the ground truth: one process, the whole batch
     x_train, y_train = data[0], data[1]
     device = x_train.device
     torch.manual_seed(config["seed"])
@@ -131,9 +125,7 @@ def _train(
             # Newer PyTorch deprecates broadcast_buffers but advises keeping it for rank-local buffers.
             warnings.simplefilter("ignore", FutureWarning)
             model = nn.parallel.DistributedDataParallel(
-                net,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                broadcast_buffers=False,
+                net, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
             )
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
     order = schedule(len(y_train), config["steps"], config["batch"] * world_size, config["seed"])
@@ -168,7 +160,6 @@ def _evaluate(net: nn.Module, data: tuple[torch.Tensor, ...]) -> dict[str, float
 
 
 def _state(net: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``net``'s parameters and buffers, detached, on the CPU."""
     params = {k: v.detach().cpu() for k, v in net.named_parameters()}
     return params, {k: v.detach().cpu() for k, v in net.named_buffers()}
 
@@ -184,10 +175,9 @@ def _demo_rank(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, 
     nets: dict[str, nn.Module] = {}
     results: dict[str, dict[str, Any]] = {}
     for name, norm in (("local", nn.BatchNorm2d), ("syncbn", SyncBatchNorm2d), ("global", nn.BatchNorm2d)):
-        distributed = name != "global"
-        if not distributed and rank != 0:
+        if name == "global" and rank != 0:
             return None
-        net, losses, seconds = _train(name, norm, config, data, rank, world_size, distributed)
+        net, losses, seconds = _train(name, norm, config, data, rank, world_size)
         nets[name] = net
         results[name] = {"losses": losses, "seconds": seconds, **_evaluate(net, data)}
 
@@ -267,8 +257,6 @@ def run(args: argparse.Namespace) -> int:
             f"(or pip install {' '.join(missing)})",
             show=main,
         )
-    if min(args.world_size, args.steps, args.batch) < 1:
-        return fail("syncbn demo: --world-size, --steps and --batch must be at least 1", show=main)
     plan = launch_plan("demo", args)
     if isinstance(plan, str):
         return fail(plan, show=main)
