@@ -89,6 +89,13 @@ class CollectiveError(RuntimeError):
         return new
 
 
+def bound_source() -> str:
+    """Where the wait bound comes from, in words."""
+    if _config.get_timeout() is None:
+        return "the process group's timeout, SYNCBN_TIMEOUT being none"
+    return "SYNCBN_TIMEOUT/syncbn.set_timeout"
+
+
 def _pg_timeout(process_group: Any) -> float:
     """The process group's own timeout in seconds (its backend's options; 1800 if unknown)."""
     try:
@@ -169,7 +176,7 @@ class Reporting:
             or (timeout is not None and waited >= 0.95 * timeout)
         )
         if timed_out:
-            bound = "" if timeout is None else f" (bound: {timeout:g} s{self._bound_source()})"
+            bound = "" if timeout is None else f" (bound: {timeout:g} s: {bound_source()})"
             head = (
                 f"waited {waited:.1f} s{bound} for the all_reduce over {self.describe()}, "
                 f"and not every rank arrived. {_LIKELY_CAUSES}"
@@ -186,11 +193,6 @@ class Reporting:
         return CollectiveError(
             message, timed_out=timed_out, waited=waited, group_size=self._size, detail=text
         )
-
-    def _bound_source(self) -> str:
-        if _config.get_timeout() is None:
-            return ": the process group's timeout, SYNCBN_TIMEOUT being none"
-        return ": SYNCBN_TIMEOUT/syncbn.set_timeout"
 
     def _mismatch(self, text: str) -> CollectiveError:
         message = (

@@ -23,18 +23,7 @@ from torch import Tensor
 
 from .. import _config
 
-__all__ = [
-    "make",
-    "make_sets",
-    "wire_ranks",
-    "adopt",
-    "keep",
-    "owned",
-    "set_timeout",
-    "abandon",
-    "release",
-    "release_all",
-]
+__all__ = ["make", "make_sets", "wire_ranks", "adopt", "keep", "owned", "set_timeout", "abandon", "release"]
 
 # key (a serial number: an id() can recur) -> [a group syncbn made or adopted, its tensors, its pid].
 _kept: dict[int, list[Any]] = {}
@@ -81,11 +70,9 @@ def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
     Collective over the parent's members. ``None`` where the parent has no gloo CPU backend (MPI,
     NCCL only) or torch's internals differ; a ``RuntimeError`` when the members did not all meet.
     """
-    if _gloo_backend(parent) is None:
-        return None
-    size = dist.get_world_size(parent)
-    made = make_sets(parent, [list(range(size))], timeout_s)
-    return None if made is None else made.get(tuple(range(size)))
+    every = list(range(dist.get_world_size(parent)))
+    made = None if _gloo_backend(parent) is None else make_sets(parent, [every], timeout_s)
+    return None if made is None else made.get(tuple(every))
 
 
 def make_sets(
@@ -171,10 +158,7 @@ def _key(group: Any) -> int | None:
 def keep(group: Any, tensor: Tensor) -> None:
     """Keep ``tensor`` referenced for as long as ``group`` (it is handed to the group's collectives)."""
     key = _key(group)
-    if key is not None:
-        _kept[key][1].append(tensor)
-    else:
-        _forever.append(tensor)
+    (_forever if key is None else _kept[key][1]).append(tensor)
 
 
 def owned(group: Any) -> bool:
