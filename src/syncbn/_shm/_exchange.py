@@ -15,10 +15,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _futex
 from ._spin import SpinPolicy
 from ._wait import WITHDRAWN as _WITHDRAWN
-from ._wait import Waiter, WaitFailure
+from ._wait import Waiter, WaitFailure, attach
 
 _LINE = 64  # bytes per rank's flag: one cache line each
 _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (C <= 4095)
@@ -106,7 +105,7 @@ class SharedMemorySum:
         self._seq = 0
         self.spin = SpinPolicy(world_size)
         # The wait: in the kernel (futex) where it works, chosen once; else spin and sleep in steps.
-        futex = _futex.attach(segment, self._own_flag * 8)
+        futex = attach(segment, self._own_flag * 8)
         self._waiter = Waiter(self._flags, self._flag_index, rank, pids, self.spin, futex)
         self.broken = False
         self.last_participants = world_size
