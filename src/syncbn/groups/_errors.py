@@ -76,15 +76,10 @@ class CollectiveError(RuntimeError):
 
     def for_layer(self, layer: str, phase: str) -> CollectiveError:
         """The same error, its message starting with the layer and the phase."""
-        new = CollectiveError(
-            f"syncbn: layer {layer} ({phase}): {self.args[0]}",
-            timed_out=self.timed_out,
-            waited=self.waited,
-            group_size=self.group_size,
-            detail=self.detail,
-            layer=layer,
-            mismatch=self.mismatch,
-        )
+        kept = {
+            key: getattr(self, key) for key in ("timed_out", "waited", "group_size", "detail", "mismatch")
+        }
+        new = CollectiveError(f"syncbn: layer {layer} ({phase}): {self.args[0]}", layer=layer, **kept)
         new.__cause__ = self.__cause__
         return new
 

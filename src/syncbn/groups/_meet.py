@@ -112,10 +112,8 @@ def _late(
 def new_group(caller: str, ranks: list[int], timeout: timedelta | None) -> Any:
     """``torch.distributed.new_group(ranks, timeout=timeout)`` once every rank has arrived (:func:`meet`).
 
-    ``new_group`` is collective over the whole job, and a rank that never calls it leaves the
-    others in the store's wait of gloo's connection, then a bare "Wait timeout". Here a rank that
-    does not arrive within syncbn's bound is named in a :class:`CollectiveError` raised on every
-    rank that called, before any group is made.
+    A rank that does not arrive within syncbn's bound is named in a :class:`CollectiveError` on
+    every rank that called, before any group is made (torch's own leaves a bare "Wait timeout").
     """
     meet(caller, "new_group", consequence="No group was made; the process group is still usable.")
     return dist.new_group(ranks, timeout=timeout)

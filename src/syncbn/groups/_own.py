@@ -1,15 +1,15 @@
 """Process groups of syncbn's own ("wires"): made with syncbn's bound, destroyed in order.
 
-Gloo gives up on a collective only at its group's timeout, and destroying the group (so exiting)
-waits for it; a wire is a bare ``dist.ProcessGroupGloo`` over a group's members, not registered
-with ``torch.distributed``, whose timeout is syncbn's bound. Groups are held only here, with the
-tensors handed to them, and :func:`release` destroys them in order (works, group, then tensors):
-the exit deadlock this avoids, and how the members meet, are in docs/internals/groups.md.
+A wire is a bare ``dist.ProcessGroupGloo`` over a group's members, not registered with
+``torch.distributed``, whose timeout is syncbn's bound. Groups are held only here, with the
+tensors handed to them, and :func:`release` destroys them in order (works, group, then tensors).
+Why, and how the members meet: docs/internals/groups.md#bounded-waits-and-syncbns-own-wires.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import time
@@ -208,11 +208,9 @@ def _wait_abandoned(limit_s: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        try:
+        with contextlib.suppress(Exception):  # it failed or timed out: it has ended or will not
             if not _finished(work):
                 work.wait(timeout=_delta(left))
-        except Exception:  # noqa: BLE001 - it failed or timed out: it has ended or will not
-            pass
 
 
 def release(key: int, limit_s: float) -> None:
@@ -230,11 +228,9 @@ def release(key: int, limit_s: float) -> None:
         return
     if _abandoned:
         _wait_abandoned(limit_s)
-    try:
+    with contextlib.suppress(Exception):  # already gone, or torch.distributed torn down
         if group in dist.distributed_c10d._world.pg_map:  # registered with torch (not a wire)
             dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001 - already gone, or torch.distributed torn down
-        pass
     del group  # the last reference: ~ProcessGroupGloo joins the worker threads here...
     _prune()
     del frames  # ...and only then are the tensors they held freed, on this thread

@@ -195,12 +195,10 @@ class ProcessGroupSum(FramedTransport):
     def close(self) -> None:
         """Release the shared-memory mapping and the cached buffers (the group is not usable afterwards)."""
         self.closed = True
-        if self._shared is not None:
-            self._shared.close()
-            self._shared = None
-        if self._hier is not None:
-            self._hier.close()
-            self._hier = None
+        for part in (self._shared, self._hier):
+            if part is not None:
+                part.close()
+        self._shared, self._hier = None, None
         self._frame_cpu = None
         self._payload_views = {}
         if self._frame_words is not None:
