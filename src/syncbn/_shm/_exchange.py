@@ -15,7 +15,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._spin import SpinPolicy
 from ._wait import WITHDRAWN as _WITHDRAWN
 from ._wait import Waiter, WaitFailure, attach
 
@@ -103,10 +102,10 @@ class SharedMemorySum:
         self._scratch_buffer = bytearray(world_size * _CAPACITY)
         self._scratch_bytes = memoryview(self._scratch_buffer)
         self._seq = 0
-        self.spin = SpinPolicy(world_size)
         # The wait: in the kernel (futex) where it works, chosen once; else spin and sleep in steps.
         futex = attach(segment, self._own_flag * 8)
-        self._waiter = Waiter(self._flags, self._flag_index, rank, pids, self.spin, futex)
+        self._waiter = Waiter(self._flags, self._flag_index, rank, pids, futex)
+        self.spin = self._waiter.spin
         self.broken = False
         self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.

@@ -151,23 +151,17 @@ class Waiter:
     """The wait of one rank of a segment, and the wake it owes the ranks that sleep on it.
 
     ``flags`` is the segment as int64 words, ``flag_index`` every rank's flag word; ``futex``
-    ``None`` means sleeping in steps.
+    ``None`` means sleeping in steps; ``spin`` is the spin policy.
     """
 
     def __init__(
-        self,
-        flags: Any,
-        flag_index: list[int],
-        rank: int,
-        pids: list[int],
-        spin: SpinPolicy,
-        futex: SegmentFutex | None,
+        self, flags: Any, flag_index: list[int], rank: int, pids: list[int], futex: SegmentFutex | None
     ) -> None:
         self._flags = flags
         self._index = flag_index
         self._size = len(flag_index)
         self._pids = pids
-        self.spin = spin
+        self.spin = SpinPolicy(self._size)
         self.futex = futex
         self._own_offset = flag_index[rank] * 8
         self._own_hint = flag_index[rank] + _HINT_WORD
