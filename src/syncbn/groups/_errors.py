@@ -76,9 +76,7 @@ class CollectiveError(RuntimeError):
 
     def for_layer(self, layer: str, phase: str) -> CollectiveError:
         """The same error, its message starting with the layer and the phase."""
-        kept = {
-            key: getattr(self, key) for key in ("timed_out", "waited", "group_size", "detail", "mismatch")
-        }
+        kept = {k: getattr(self, k) for k in ("timed_out", "waited", "group_size", "detail", "mismatch")}
         new = CollectiveError(f"syncbn: layer {layer} ({phase}): {self.args[0]}", layer=layer, **kept)
         new.__cause__ = self.__cause__
         return new
