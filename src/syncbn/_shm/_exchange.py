@@ -129,13 +129,8 @@ class SharedMemorySum:
         self._plan_views += slots + copies
         own = torch.frombuffer(self._segment, dtype=dtype, offset=starts[self._rank], count=_CAPACITY // item)
         copy = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)[:, :m]
-        plan = _Plan(
-            own[:m],
-            slots[self._rank],
-            list(zip(copies, slots)),
-            copy,
-            (copy[0], copy[1]) if self._size == 2 else None,
-        )
+        rows = (copy[0], copy[1]) if self._size == 2 else None
+        plan = _Plan(own[:m], slots[self._rank], list(zip(copies, slots)), copy, rows)
         self._plans[(buffer, dtype, m)] = plan
         return plan
 

@@ -66,30 +66,7 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
         got = here.multi_get(keys) if hasattr(here, "multi_get") else [here.get(k) for k in keys]
         return [v.decode() for v in got]
     missing = [int(r) for r in verdict.removeprefix("missing ").split(",")]
-    raise _late(caller, rank, world, missing, time.monotonic() - start, bound, source, consequence)
-
-
-def _present(store: Any, key: str) -> bool:
-    """Whether ``key`` is set, without waiting: ``Store.check`` (torch 2.2 lacks it: a 1 ms wait)."""
-    if hasattr(store, "check"):
-        return bool(store.check([key]))
-    try:
-        store.wait([key], timedelta(milliseconds=1))
-    except Exception:  # noqa: BLE001 - a store's timeout: RuntimeError or DistStoreError
-        return False
-    return True
-
-
-def _late(
-    caller: str,
-    rank: int,
-    world: int,
-    missing: list[int],
-    waited: float,
-    bound: float,
-    source: str,
-    consequence: str,
-) -> CollectiveError:
+    waited = time.monotonic() - start
     if rank in missing:
         what = (
             f"rank {rank} arrived after the other ranks had given up waiting for it (bound: "
@@ -106,7 +83,18 @@ def _late(
         "busy elsewhere (raise the bound with SYNCBN_TIMEOUT=<seconds> or syncbn.set_timeout()) "
         f"or dead.{(' ' + consequence) if consequence else ''}"
     )
-    return CollectiveError(message, timed_out=True, waited=waited, group_size=world)
+    raise CollectiveError(message, timed_out=True, waited=waited, group_size=world)
+
+
+def _present(store: Any, key: str) -> bool:
+    """Whether ``key`` is set, without waiting: ``Store.check`` (torch 2.2 lacks it: a 1 ms wait)."""
+    if hasattr(store, "check"):
+        return bool(store.check([key]))
+    try:
+        store.wait([key], timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001 - a store's timeout: RuntimeError or DistStoreError
+        return False
+    return True
 
 
 def new_group(caller: str, ranks: list[int], timeout: timedelta | None) -> Any:

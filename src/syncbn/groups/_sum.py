@@ -239,8 +239,7 @@ class ProcessGroupSum(FramedTransport):
         hierarchical = _hier.choice(self._hierarchical_choice)  # read (a bad value raises) before sending
         self._shared = _shm.connect(self._rank, self._size, allowed, exchange)
         if self._shared is None and self._size > 2:  # every rank: they agree on the choice too
-            able = allowed and _shm.supported()
-            self._hier = _hier.connect(self, hierarchical, able, exchange)
+            self._hier = _hier.connect(self, hierarchical, allowed and _shm.supported(), exchange)
         if self._shared is None and self._hier is None:
             self._make_wire()  # collective: every member is here, just shown alive
         self._calls = calls
