@@ -80,16 +80,14 @@ def connect(
     Every rank calls this at the same point; ``exchange`` sums a float64 tensor over the group in
     place. ``enabled`` is this rank's setting: any rank saying no turns the path off for all.
     """
-    want = enabled and supported()
+    want = bool(enabled) and supported()
     fd = -1  # rank 0: the memfd, closed once every rank has mapped it (or failed)
     server: _Server | None = None  # rank 0: hands the memfd out where /proc is refused
     segment: mmap.mmap | None = None
     size = _segment_size(world_size)
     try:
         table = torch.zeros(world_size, 3, dtype=torch.float64)
-        table[rank] = torch.tensor(
-            [1.0 if want else 0.0, _host_key(), float(os.getpid())], dtype=torch.float64
-        )
+        table[rank] = torch.tensor([float(want), _host_key(), float(os.getpid())], dtype=torch.float64)
         table = exchange(table)
         if not (bool((table[:, 0] == 1).all()) and bool((table[:, 1] == table[0, 1]).all())):
             return None

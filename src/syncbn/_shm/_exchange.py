@@ -198,8 +198,7 @@ class SharedMemorySum:
         rank = self._rank
         metas = self._metas[buffer]
         meta = metas[rank]
-        m = 0
-        crc = 0
+        m = crc = 0
         plan = None
         if present:
             m = chunk.numel()

@@ -89,9 +89,7 @@ class SegmentFutex:
         got = self._call(
             self._number, self._base + offset, _FUTEX_WAIT, expected & 0xFFFFFFFF, self._timeout_ref, None, 0
         )
-        if got == 0:
-            return True
-        return ctypes.get_errno() in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR)
+        return got == 0 or ctypes.get_errno() in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR)
 
     def wake(self, offset: int) -> bool:
         """Wake every process sleeping on the word at byte ``offset``; ``False`` if the kernel refused."""

@@ -97,8 +97,7 @@ def make_sets(
         where = "-".join(map(str, members))
         prefixed = dist.PrefixStore(f"syncbn/wire/{name}/{generation}/{where}/", store)
         wire = _connect(prefixed, members.index(me), len(members), timeout_s)
-        key = adopt(wire)
-        _ranks[key] = [ranks[r] for r in members]
+        _ranks[adopt(wire)] = [ranks[r] for r in members]
         made[tuple(members)] = weakref.ref(wire)
     return made
 
