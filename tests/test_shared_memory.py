@@ -287,7 +287,7 @@ def _proc_refused(rank: int, world_size: int, socket_too: bool) -> dict[str, Any
     if rank == 1:
         _shm._open_proc = lambda *args: None  # type: ignore[assignment]
         if socket_too:
-            _shm._handoff.receive = lambda *args: None  # type: ignore[assignment]
+            _shm._receive = lambda *args: None  # type: ignore[assignment]
     layer = syncbn.SyncBatchNorm1d(3).double()
     x = torch.arange(6.0, dtype=torch.float64).view(2, 3) + 10 * rank
     layer(x)
@@ -307,9 +307,9 @@ def test_the_socket_hands_the_descriptor_to_the_same_user_only_while_open() -> N
     assert made is not None
     fd, segment = made
     name = f"syncbn-{os.getpid()}-00000000002b"
-    server = _shm._handoff.Server(name, fd)
+    server = _shm._Server(name, fd)
     try:
-        got = _shm._handoff.receive(name)
+        got = _shm._receive(name)
         assert got is not None
         assert os.fstat(got).st_ino == os.fstat(fd).st_ino  # the very segment
         os.close(got)
@@ -317,7 +317,7 @@ def test_the_socket_hands_the_descriptor_to_the_same_user_only_while_open() -> N
         server.close()
         segment.close()
         os.close(fd)
-    assert _shm._handoff.receive(name, timeout=0.5) is None  # gone with the server: no name left
+    assert _shm._receive(name, timeout=0.5) is None  # gone with the server: no name left
 
 
 # ------------------------------------------------------- a kill inside the set-up window (item 2)

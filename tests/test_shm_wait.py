@@ -25,11 +25,11 @@ import syncbn
 from _helpers.dist_harness import launch
 from _helpers.marks import needs_shm
 from syncbn import _shm, groups
-from syncbn._shm import _exchange, _futex
+from syncbn._shm import _exchange, _wait
 
 pytestmark = needs_shm
 
-needs_futex = pytest.mark.skipif(not _futex.available(), reason="no futex system call here")
+needs_futex = pytest.mark.skipif(not _wait.available(), reason="no futex system call here")
 
 FIELDS = [7, 1, 33, 5, 0, 65, 0]
 
@@ -160,7 +160,7 @@ def test_a_kernel_that_refuses_the_futex_means_the_stepped_wait_chosen_once(
         ctypes.set_errno(38)  # ENOSYS, as a seccomp filter or an old kernel answers
         return -1
 
-    monkeypatch.setattr(_futex, "_syscall", lambda: (202, refused))
+    monkeypatch.setattr(_wait, "_syscall", lambda: (202, refused))
     pair = _Pair(spin_s=0.0)
     try:
         assert not any(r._waiter.in_kernel for r in pair.ranks)
@@ -196,12 +196,12 @@ def test_the_futex_helpers_are_safe_where_ctypes_is_missing(monkeypatch: pytest.
     def no_libc(*args: Any, **kwargs: Any) -> Any:
         raise OSError("no libc")
 
-    monkeypatch.setattr(_futex, "_tried", False)
-    monkeypatch.setattr(_futex, "_loaded", None)
-    monkeypatch.setattr(_futex.ctypes, "CDLL", no_libc)
-    assert not _futex.available()
+    monkeypatch.setattr(_wait, "_tried", False)
+    monkeypatch.setattr(_wait, "_loaded", None)
+    monkeypatch.setattr(_wait.ctypes, "CDLL", no_libc)
+    assert not _wait.available()
     with mmap.mmap(-1, 4096) as segment:
-        assert _futex.attach(segment, 64) is None
+        assert _wait.attach(segment, 64) is None
 
 
 # Real ranks.
@@ -267,8 +267,8 @@ def _without_futex(rank: int, world_size: int) -> dict[str, Any]:
     def no_libc(*args: Any, **kwargs: Any) -> Any:
         raise OSError("no libc")
 
-    _futex._tried, _futex._loaded = False, None
-    _futex.ctypes.CDLL = no_libc  # type: ignore[misc]  # this forked rank only
+    _wait._tried, _wait._loaded = False, None
+    _wait.ctypes.CDLL = no_libc  # type: ignore[misc]  # this forked rank only
     syncbn.set_timeout(10.0)
     layer = syncbn.SyncBatchNorm2d(5).double()
     on_gloo = syncbn.SyncBatchNorm2d(5, process_group=groups.ProcessGroupSum(None, shared_memory=False))

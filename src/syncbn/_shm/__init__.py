@@ -15,13 +15,13 @@ import secrets
 import socket
 import struct
 import sys
+import threading
 import zlib
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from . import _handoff
 from ._exchange import DTYPE_CODES, SharedMemoryError, SharedMemorySum, _segment_size  # noqa: F401
 from ._wait import alive as _alive
 
@@ -80,16 +80,14 @@ def connect(
     Every rank calls this at the same point; ``exchange`` sums a float64 tensor over the group in
     place. ``enabled`` is this rank's setting: any rank saying no turns the path off for all.
     """
-    want = enabled and supported()
+    want = bool(enabled) and supported()
     fd = -1  # rank 0: the memfd, closed once every rank has mapped it (or failed)
-    server: _handoff.Server | None = None  # rank 0: hands the memfd out where /proc is refused
+    server: _Server | None = None  # rank 0: hands the memfd out where /proc is refused
     segment: mmap.mmap | None = None
     size = _segment_size(world_size)
     try:
         table = torch.zeros(world_size, 3, dtype=torch.float64)
-        table[rank] = torch.tensor(
-            [1.0 if want else 0.0, _host_key(), float(os.getpid())], dtype=torch.float64
-        )
+        table[rank] = torch.tensor([float(want), _host_key(), float(os.getpid())], dtype=torch.float64)
         table = exchange(table)
         if not (bool((table[:, 0] == 1).all()) and bool((table[:, 1] == table[0, 1]).all())):
             return None
@@ -104,7 +102,7 @@ def connect(
                 fd, segment = made
                 offer[0], offer[1], offer[2] = 1.0, float(token), float(fd)
                 with contextlib.suppress(OSError):  # the fallback to /proc: the descriptor over a socket
-                    server = _handoff.Server(_socket_name(pids[0], token), fd)
+                    server = _Server(_socket_name(pids[0], token), fd)
         offer = exchange(offer)
         if offer[0].item() != 1:
             return None
@@ -153,12 +151,12 @@ def _create(name: str, size: int, token: int) -> tuple[int, mmap.mmap] | None:
 def _attach(pid: int, number: int, size: int, token: int, name: str = "") -> mmap.mmap | None:
     """Map the segment that process ``pid`` holds as descriptor ``number``; ``None`` if not ours.
 
-    Opens ``/proc/<pid>/fd/<n>``, else asks the socket ``name`` (:mod:`._handoff`); the size and
+    Opens ``/proc/<pid>/fd/<n>``, else asks the socket ``name`` (:func:`_receive`); the size and
     token must match (in another PID namespace the number names another process).
     """
     fd = _open_proc(pid, number)
     if fd is None and name:
-        fd = _handoff.receive(name)
+        fd = _receive(name)
     if fd is None:
         return None
     try:
@@ -180,3 +178,68 @@ def _open_proc(pid: int, number: int) -> int | None:
         return os.open(f"/proc/{pid}/fd/{number}", os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+# Handing the segment's descriptor to peers over an abstract unix socket, where /proc/<pid>/fd/<n> is
+# refused: SCM_RIGHTS to same-user (or root) peers only, while the set-up lasts; no path.
+_CREDENTIALS = struct.Struct("3i")  # pid, uid, gid
+
+
+class _Server:
+    """Hands ``fd`` to each same-user peer that connects to the abstract socket ``name`` (no NUL).
+
+    Raises ``OSError`` when the socket cannot be made.
+    """
+
+    def __init__(self, name: str, fd: int) -> None:
+        self._fd = fd
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.bind("\0" + name)
+            self._sock.listen(64)
+            self._sock.settimeout(0.05)
+        except OSError:
+            self._sock.close()
+            raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="syncbn-shm-handoff", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        me = os.getuid()
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                try:
+                    _, uid, _ = _CREDENTIALS.unpack(
+                        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+                    )
+                    if uid in (me, 0):
+                        socket.send_fds(conn, [b"s"], [self._fd])
+                except OSError:
+                    continue
+
+    def close(self) -> None:
+        """Stop handing out the descriptor (the socket's name disappears with it)."""
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+        self._sock.close()
+
+
+def _receive(name: str, timeout: float = 2.0) -> int | None:
+    """The descriptor that the :class:`_Server` ``name`` hands out, or ``None``."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(timeout)
+            sock.connect("\0" + name)
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    except OSError:
+        return None
+    for extra in fds[1:]:
+        os.close(extra)
+    return fds[0] if fds else None

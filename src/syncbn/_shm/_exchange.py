@@ -15,10 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _futex
-from ._spin import SpinPolicy
 from ._wait import WITHDRAWN as _WITHDRAWN
-from ._wait import Waiter, WaitFailure
+from ._wait import Waiter, WaitFailure, attach
 
 _LINE = 64  # bytes per rank's flag: one cache line each
 _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (C <= 4095)
@@ -104,10 +102,10 @@ class SharedMemorySum:
         self._scratch_buffer = bytearray(world_size * _CAPACITY)
         self._scratch_bytes = memoryview(self._scratch_buffer)
         self._seq = 0
-        self.spin = SpinPolicy(world_size)
         # The wait: in the kernel (futex) where it works, chosen once; else spin and sleep in steps.
-        futex = _futex.attach(segment, self._own_flag * 8)
-        self._waiter = Waiter(self._flags, self._flag_index, rank, pids, self.spin, futex)
+        futex = attach(segment, self._own_flag * 8)
+        self._waiter = Waiter(self._flags, self._flag_index, rank, pids, futex)
+        self.spin = self._waiter.spin
         self.broken = False
         self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
@@ -131,13 +129,8 @@ class SharedMemorySum:
         self._plan_views += slots + copies
         own = torch.frombuffer(self._segment, dtype=dtype, offset=starts[self._rank], count=_CAPACITY // item)
         copy = torch.frombuffer(self._scratch_buffer, dtype=dtype).view(self._size, _CAPACITY // item)[:, :m]
-        plan = _Plan(
-            own[:m],
-            slots[self._rank],
-            list(zip(copies, slots)),
-            copy,
-            (copy[0], copy[1]) if self._size == 2 else None,
-        )
+        rows = (copy[0], copy[1]) if self._size == 2 else None
+        plan = _Plan(own[:m], slots[self._rank], list(zip(copies, slots)), copy, rows)
         self._plans[(buffer, dtype, m)] = plan
         return plan
 
@@ -205,8 +198,7 @@ class SharedMemorySum:
         rank = self._rank
         metas = self._metas[buffer]
         meta = metas[rank]
-        m = 0
-        crc = 0
+        m = crc = 0
         plan = None
         if present:
             m = chunk.numel()

@@ -21,10 +21,8 @@ def _cores() -> int:
 class SpinPolicy:
     """How long a wait spins before it sleeps, from the cores and from recent waits.
 
-    Four typical waits (a moving average), between :data:`_SPIN_MIN_S` and a cap that is lower
-    when the machine's ``ranks`` outnumber its cores (a spinning rank holds a core a peer may
-    need); only the floor once waits outlast the cap. ``fixed`` set: always :data:`_SPIN_S`
-    (the earlier policy, kept for ``benchmarks/speed/hierarchical.py``).
+    The budget and its bounds are tabled in docs/internals/transports.md#the-wait. ``fixed`` set:
+    always :data:`_SPIN_S` (the earlier policy, kept for ``benchmarks/speed/hierarchical.py``).
     """
 
     def __init__(self, ranks: int) -> None:

@@ -1,11 +1,8 @@
 """What syncbn watches in the DDP wrappers of a process: a plain ``Join([ddp])``, DDP's own bound.
 
 A ``Join([ddp])`` without :class:`syncbn.JoinableSyncBatchNorm` is refused on every rank at once
-(:class:`PlainJoinError`, at the first framed call inside it, nothing sent); not refused are
-``throw_on_early_termination=True`` (no rank shadows) and a ``Join`` that has ended (watched
-through its join hook). DDP's buffer broadcast, bounded only by the process group's timeout, is
-warned about once (:class:`UnboundedStepWarning`). See docs/internals/groups.md and
-docs/robustness.md.
+(:class:`PlainJoinError`); DDP's buffer broadcast, bounded only by the process group's timeout,
+is warned about once (:class:`UnboundedStepWarning`). See docs/internals/groups.md#join-shadowing.
 """
 
 from __future__ import annotations

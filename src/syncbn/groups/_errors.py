@@ -76,17 +76,17 @@ class CollectiveError(RuntimeError):
 
     def for_layer(self, layer: str, phase: str) -> CollectiveError:
         """The same error, its message starting with the layer and the phase."""
-        new = CollectiveError(
-            f"syncbn: layer {layer} ({phase}): {self.args[0]}",
-            timed_out=self.timed_out,
-            waited=self.waited,
-            group_size=self.group_size,
-            detail=self.detail,
-            layer=layer,
-            mismatch=self.mismatch,
-        )
+        kept = {k: getattr(self, k) for k in ("timed_out", "waited", "group_size", "detail", "mismatch")}
+        new = CollectiveError(f"syncbn: layer {layer} ({phase}): {self.args[0]}", layer=layer, **kept)
         new.__cause__ = self.__cause__
         return new
+
+
+def bound_source() -> str:
+    """Where the wait bound comes from, in words."""
+    if _config.get_timeout() is None:
+        return "the process group's timeout, SYNCBN_TIMEOUT being none"
+    return "SYNCBN_TIMEOUT/syncbn.set_timeout"
 
 
 def _pg_timeout(process_group: Any) -> float:
@@ -169,7 +169,7 @@ class Reporting:
             or (timeout is not None and waited >= 0.95 * timeout)
         )
         if timed_out:
-            bound = "" if timeout is None else f" (bound: {timeout:g} s{self._bound_source()})"
+            bound = "" if timeout is None else f" (bound: {timeout:g} s: {bound_source()})"
             head = (
                 f"waited {waited:.1f} s{bound} for the all_reduce over {self.describe()}, "
                 f"and not every rank arrived. {_LIKELY_CAUSES}"
@@ -186,11 +186,6 @@ class Reporting:
         return CollectiveError(
             message, timed_out=timed_out, waited=waited, group_size=self._size, detail=text
         )
-
-    def _bound_source(self) -> str:
-        if _config.get_timeout() is None:
-            return ": the process group's timeout, SYNCBN_TIMEOUT being none"
-        return ": SYNCBN_TIMEOUT/syncbn.set_timeout"
 
     def _mismatch(self, text: str) -> CollectiveError:
         message = (

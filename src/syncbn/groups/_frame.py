@@ -117,8 +117,7 @@ def decode_header(summed: list[float], group_size: int) -> Agreement:
     values: list[int | None] = []
     pairs: list[tuple[int, int] | None] = []
     for i in range(len(FIELDS)):
-        s1 = int(round(summed[1 + 2 * i]))
-        s2 = int(round(summed[2 + 2 * i]))
+        s1, s2 = (int(round(v)) for v in summed[1 + 2 * i : 3 + 2 * i])
         agreed = k > 0 and k * s2 == s1 * s1 and s1 % k == 0
         values.append(s1 // k if agreed else None)
         pair = None

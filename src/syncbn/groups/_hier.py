@@ -37,9 +37,7 @@ _CHECK_LOGS = "Check the other ranks' logs for the first error." + _AFTER_FAILUR
 
 def choice(explicit: bool | None) -> bool:
     """This rank's choice: ``explicit``, else ``SYNCBN_HIERARCHICAL``, else :data:`DEFAULT`."""
-    if explicit is not None:
-        return explicit
-    return _config._parse_switch("SYNCBN_HIERARCHICAL", DEFAULT)
+    return _config._parse_switch("SYNCBN_HIERARCHICAL", DEFAULT) if explicit is None else explicit
 
 
 class Hierarchy:

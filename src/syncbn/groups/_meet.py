@@ -1,22 +1,8 @@
 """Every rank of the job meets within syncbn's bound, or every rank raises: :func:`meet`.
 
-The set-up calls that are collective over the whole job (:func:`~syncbn.groups.subgroup`,
-:func:`new_group`) once waited on ``torch.distributed`` itself (an ``all_gather_object``, gloo's
-connection through the store) for the process group's timeout, 30 minutes by default, and a rank
-that never came left its peers a bare "Wait timeout". Here the ranks meet in the job's store with
-the bound (``SYNCBN_TIMEOUT``; none: the process group's timeout), in three steps:
-
-1. read the meeting's epoch (a store key, the same for every rank of the job) and publish this
-   rank's value under it;
-2. wait, with the bound, for every rank's value;
-3. settle the verdict with one ``compare_set``: the first rank to settle writes ``go`` (every value
-   was there) or the ranks missing when its wait ended, every other rank reads what it wrote, and
-   the epoch moves on. So the ranks that met agree, and a rank that arrives after its peers gave
-   up raises too (at once, if it read the old epoch; else after the bound, alone in the new one),
-   instead of proceeding into a collective that no peer joins. After a failed meeting every rank
-   may try again: they meet in the next epoch.
-
-Only the store is touched: no process group, and nothing that a failed meeting leaves to clean up.
+The job-wide set-up calls (:func:`~syncbn.groups.subgroup`, :func:`new_group`) meet in the job's
+store with syncbn's bound instead of the process group's timeout. Only the store is touched:
+nothing a failed meeting leaves to clean up. The protocol: docs/internals/groups.md#subgroups.
 """
 
 from __future__ import annotations
@@ -29,19 +15,11 @@ import torch.distributed as dist
 
 from .. import _config
 from . import _own
-from ._errors import CollectiveError, _pg_timeout
+from ._errors import CollectiveError, _pg_timeout, bound_source
 
 __all__ = ["meet", "new_group"]
 
 _GO = "go"
-
-
-def _bound() -> tuple[float, str]:
-    """The wait bound in seconds and where it comes from, in words."""
-    bound = _config.get_timeout()
-    if bound is not None:
-        return bound, "SYNCBN_TIMEOUT/syncbn.set_timeout"
-    return _pg_timeout(None), "the process group's timeout, SYNCBN_TIMEOUT being none"
 
 
 def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> list[str] | None:
@@ -73,7 +51,7 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
     epoch = store.compare_set("epoch", "", "0").decode()
     here = dist.PrefixStore(f"{epoch}/", store)
     keys = [f"value/{r}" for r in range(world)]
-    bound, source = _bound()
+    bound, source = _config.get_timeout() or _pg_timeout(None), bound_source()
     start = time.monotonic()
     here.set(keys[rank], value)
     try:
@@ -88,30 +66,7 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
         got = here.multi_get(keys) if hasattr(here, "multi_get") else [here.get(k) for k in keys]
         return [v.decode() for v in got]
     missing = [int(r) for r in verdict.removeprefix("missing ").split(",")]
-    raise _late(caller, rank, world, missing, time.monotonic() - start, bound, source, consequence)
-
-
-def _present(store: Any, key: str) -> bool:
-    """Whether ``key`` is set, without waiting: ``Store.check`` (torch 2.2 lacks it: a 1 ms wait)."""
-    if hasattr(store, "check"):
-        return bool(store.check([key]))
-    try:
-        store.wait([key], timedelta(milliseconds=1))
-    except Exception:  # noqa: BLE001 - a store's timeout: RuntimeError or DistStoreError
-        return False
-    return True
-
-
-def _late(
-    caller: str,
-    rank: int,
-    world: int,
-    missing: list[int],
-    waited: float,
-    bound: float,
-    source: str,
-    consequence: str,
-) -> CollectiveError:
+    waited = time.monotonic() - start
     if rank in missing:
         what = (
             f"rank {rank} arrived after the other ranks had given up waiting for it (bound: "
@@ -128,16 +83,25 @@ def _late(
         "busy elsewhere (raise the bound with SYNCBN_TIMEOUT=<seconds> or syncbn.set_timeout()) "
         f"or dead.{(' ' + consequence) if consequence else ''}"
     )
-    return CollectiveError(message, timed_out=True, waited=waited, group_size=world)
+    raise CollectiveError(message, timed_out=True, waited=waited, group_size=world)
+
+
+def _present(store: Any, key: str) -> bool:
+    """Whether ``key`` is set, without waiting: ``Store.check`` (torch 2.2 lacks it: a 1 ms wait)."""
+    if hasattr(store, "check"):
+        return bool(store.check([key]))
+    try:
+        store.wait([key], timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001 - a store's timeout: RuntimeError or DistStoreError
+        return False
+    return True
 
 
 def new_group(caller: str, ranks: list[int], timeout: timedelta | None) -> Any:
     """``torch.distributed.new_group(ranks, timeout=timeout)`` once every rank has arrived (:func:`meet`).
 
-    ``new_group`` is collective over the whole job, and a rank that never calls it leaves the
-    others in the store's wait of gloo's connection, then a bare "Wait timeout". Here a rank that
-    does not arrive within syncbn's bound is named in a :class:`CollectiveError` raised on every
-    rank that called, before any group is made.
+    A rank that does not arrive within syncbn's bound is named in a :class:`CollectiveError` on
+    every rank that called, before any group is made (torch's own leaves a bare "Wait timeout").
     """
     meet(caller, "new_group", consequence="No group was made; the process group is still usable.")
     return dist.new_group(ranks, timeout=timeout)

@@ -1,15 +1,15 @@
 """Process groups of syncbn's own ("wires"): made with syncbn's bound, destroyed in order.
 
-Gloo gives up on a collective only at its group's timeout, and destroying the group (so exiting)
-waits for it; a wire is a bare ``dist.ProcessGroupGloo`` over a group's members, not registered
-with ``torch.distributed``, whose timeout is syncbn's bound. Groups are held only here, with the
-tensors handed to them, and :func:`release` destroys them in order (works, group, then tensors):
-the exit deadlock this avoids, and how the members meet, are in docs/internals/groups.md.
+A wire is a bare ``dist.ProcessGroupGloo`` over a group's members, not registered with
+``torch.distributed``, whose timeout is syncbn's bound. Groups are held only here, with the
+tensors handed to them, and :func:`release` destroys them in order (works, group, then tensors).
+Why, and how the members meet: docs/internals/groups.md#bounded-waits-and-syncbns-own-wires.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import time
@@ -23,18 +23,7 @@ from torch import Tensor
 
 from .. import _config
 
-__all__ = [
-    "make",
-    "make_sets",
-    "wire_ranks",
-    "adopt",
-    "keep",
-    "owned",
-    "set_timeout",
-    "abandon",
-    "release",
-    "release_all",
-]
+__all__ = ["make", "make_sets", "wire_ranks", "adopt", "keep", "owned", "set_timeout", "abandon", "release"]
 
 # key (a serial number: an id() can recur) -> [a group syncbn made or adopted, its tensors, its pid].
 _kept: dict[int, list[Any]] = {}
@@ -81,11 +70,9 @@ def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
     Collective over the parent's members. ``None`` where the parent has no gloo CPU backend (MPI,
     NCCL only) or torch's internals differ; a ``RuntimeError`` when the members did not all meet.
     """
-    if _gloo_backend(parent) is None:
-        return None
-    size = dist.get_world_size(parent)
-    made = make_sets(parent, [list(range(size))], timeout_s)
-    return None if made is None else made.get(tuple(range(size)))
+    every = list(range(dist.get_world_size(parent)))
+    made = None if _gloo_backend(parent) is None else make_sets(parent, [every], timeout_s)
+    return None if made is None else made.get(tuple(every))
 
 
 def make_sets(
@@ -110,8 +97,7 @@ def make_sets(
         where = "-".join(map(str, members))
         prefixed = dist.PrefixStore(f"syncbn/wire/{name}/{generation}/{where}/", store)
         wire = _connect(prefixed, members.index(me), len(members), timeout_s)
-        key = adopt(wire)
-        _ranks[key] = [ranks[r] for r in members]
+        _ranks[adopt(wire)] = [ranks[r] for r in members]
         made[tuple(members)] = weakref.ref(wire)
     return made
 
@@ -171,10 +157,7 @@ def _key(group: Any) -> int | None:
 def keep(group: Any, tensor: Tensor) -> None:
     """Keep ``tensor`` referenced for as long as ``group`` (it is handed to the group's collectives)."""
     key = _key(group)
-    if key is not None:
-        _kept[key][1].append(tensor)
-    else:
-        _forever.append(tensor)
+    (_forever if key is None else _kept[key][1]).append(tensor)
 
 
 def owned(group: Any) -> bool:
@@ -224,11 +207,9 @@ def _wait_abandoned(limit_s: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        try:
+        with contextlib.suppress(Exception):  # it failed or timed out: it has ended or will not
             if not _finished(work):
                 work.wait(timeout=_delta(left))
-        except Exception:  # noqa: BLE001 - it failed or timed out: it has ended or will not
-            pass
 
 
 def release(key: int, limit_s: float) -> None:
@@ -246,11 +227,9 @@ def release(key: int, limit_s: float) -> None:
         return
     if _abandoned:
         _wait_abandoned(limit_s)
-    try:
+    with contextlib.suppress(Exception):  # already gone, or torch.distributed torn down
         if group in dist.distributed_c10d._world.pg_map:  # registered with torch (not a wire)
             dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001 - already gone, or torch.distributed torn down
-        pass
     del group  # the last reference: ~ProcessGroupGloo joins the worker threads here...
     _prune()
     del frames  # ...and only then are the tensors they held freed, on this thread

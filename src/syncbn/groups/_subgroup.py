@@ -106,7 +106,6 @@ def subgroup(size: int | str) -> Any:
             f"syncbn.groups.subgroup({size!r}) needs torch.distributed initialised "
             "(call torch.distributed.init_process_group first, on every rank)"
         )
-    world = dist.get_world_size()
     key = (NODE,) if size == NODE else ("size", repr(size))
     default = dist.group.WORLD
     cached = _made.get(key)
@@ -115,7 +114,7 @@ def subgroup(size: int | str) -> Any:
     for stale in [k for k, (ref, _) in _made.items() if ref() is not default]:
         del _made[stale]
     rank = dist.get_rank()
-    sets = _exchange(size, world)  # collective: every rank, the same sets or the same error
+    sets = _exchange(size, dist.get_world_size())  # collective: every rank, the same sets or the same error
     mine: Any = default  # when the one set is every rank
     if len(sets) > 1:
         for members in sets:  # every rank creates every group, in the same order

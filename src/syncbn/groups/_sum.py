@@ -195,12 +195,10 @@ class ProcessGroupSum(FramedTransport):
     def close(self) -> None:
         """Release the shared-memory mapping and the cached buffers (the group is not usable afterwards)."""
         self.closed = True
-        if self._shared is not None:
-            self._shared.close()
-            self._shared = None
-        if self._hier is not None:
-            self._hier.close()
-            self._hier = None
+        for part in (self._shared, self._hier):
+            if part is not None:
+                part.close()
+        self._shared, self._hier = None, None
         self._frame_cpu = None
         self._payload_views = {}
         if self._frame_words is not None:
@@ -241,8 +239,7 @@ class ProcessGroupSum(FramedTransport):
         hierarchical = _hier.choice(self._hierarchical_choice)  # read (a bad value raises) before sending
         self._shared = _shm.connect(self._rank, self._size, allowed, exchange)
         if self._shared is None and self._size > 2:  # every rank: they agree on the choice too
-            able = allowed and _shm.supported()
-            self._hier = _hier.connect(self, hierarchical, able, exchange)
+            self._hier = _hier.connect(self, hierarchical, allowed and _shm.supported(), exchange)
         if self._shared is None and self._hier is None:
             self._make_wire()  # collective: every member is here, just shown alive
         self._calls = calls

@@ -41,7 +41,6 @@ class _Pending(NamedTuple):
     summed: Tensor
     event: Any
     mine: list[int]
-    tag: Tag
 
 
 class FramedTransport(Reporting):
@@ -74,7 +73,7 @@ class FramedTransport(Reporting):
         for item in pending:
             if item.event is not None:
                 item.event.synchronize()
-            self._verify(item.summed.tolist(), item.mine, item.tag, deferred=True)
+            self._verify(item.summed.tolist(), item.mine, deferred=True)
 
     def _check_ready(self) -> None:
         pending, self._pending = self._pending, []
@@ -83,7 +82,7 @@ class FramedTransport(Reporting):
                 self._pending.append(item)
                 continue
             try:
-                self._verify(item.summed.tolist(), item.mine, item.tag, deferred=True)
+                self._verify(item.summed.tolist(), item.mine, deferred=True)
             except CollectiveError:
                 self._pending.extend(pending[i + 1 :])
                 raise
@@ -105,7 +104,7 @@ class FramedTransport(Reporting):
         summed: list[float] = words[:HEADER].tolist()
         size = self._size
         if summed != [v * size for v in head]:  # not every rank sent this very header: find out what
-            self._verify(summed, mine, tag, deferred=False)
+            self._verify(summed, mine, deferred=False)
         self.last_participants = int(summed[0])
         tensor.copy_(payload)
         return tensor
@@ -139,7 +138,7 @@ class FramedTransport(Reporting):
         frame[HEADER : HEADER + m].copy_(chunk)
         return frame
 
-    def _defer(self, summed: Tensor, mine: list[int], tag: Tag) -> None:
+    def _defer(self, summed: Tensor, mine: list[int]) -> None:
         event = None
         if summed.device.type == "cuda":
             host = torch.empty(HEADER, dtype=torch.float64).pin_memory()
@@ -148,11 +147,11 @@ class FramedTransport(Reporting):
             event.record()
         else:
             host = summed.to("cpu", copy=True)
-        self._pending.append(_Pending(host, event, mine, tag))
+        self._pending.append(_Pending(host, event, mine))
         if len(self._pending) > 64:  # never let them pile up unchecked
             self.check_pending()
 
-    def _verify(self, summed: list[float], mine: list[int], tag: Tag, *, deferred: bool) -> None:
+    def _verify(self, summed: list[float], mine: list[int], *, deferred: bool) -> None:
         agreement = decode_header(summed, self._size)
         self.last_participants = agreement.participants
         if all(v is not None for v in agreement.values):
@@ -209,9 +208,9 @@ class FramedTransport(Reporting):
             frame = self._frame(tensor.device, encode_header(mine, True), flat[lo:hi])
             self._all_reduce_process_group(frame, host_wait=host_wait)
             if deferred:
-                self._defer(frame[:HEADER], mine, tag)
+                self._defer(frame[:HEADER], mine)
             else:
-                self._verify(frame[:HEADER].tolist(), mine, tag, deferred=False)
+                self._verify(frame[:HEADER].tolist(), mine, deferred=False)
             flat[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
