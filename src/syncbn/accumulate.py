@@ -183,10 +183,8 @@ def _vote(group: groups.ProcessGroupSum, vote: Tensor) -> Tensor:
 def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> list[_Seen] | None:
     """One vote of the group's ranks at the block's end: the layers' update, or ``None`` (discard).
 
-    Every rank votes commit or discard and how many values it saw (``total``, summed over the
-    layers). Any discard: every rank discards. Ranks that saw fewer values missed calls (a rank
-    that joined early under ``Join`` shadows the others' last calls without seeing them): every
-    rank then takes the moments of the first rank that saw the most, in one more collective.
+    Any discard: every rank discards; unequal counts: every rank takes the moments of the first
+    rank that saw the most (docs/internals/tools.md, gradient accumulation).
     """
     device = seen[0].mean.device
     vote = torch.zeros(1 + group.size, dtype=torch.float64, device=device)
@@ -201,25 +199,17 @@ def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> li
     source = counts.index(max(counts))
     parts: list[Tensor] = []
     for s in seen:
-        head = torch.tensor([float(s.ran), s.total], dtype=torch.float64, device=device)
-        parts += [
-            head,
-            s.mean.reshape(-1).to(device, torch.float64),
-            s.m2.reshape(-1).to(device, torch.float64),
-        ]
+        head = torch.tensor([float(s.ran), s.total], dtype=torch.float64)
+        parts += [t.reshape(-1).to(device, torch.float64) for t in (head, s.mean, s.m2)]
     flat = torch.cat(parts)
     if group.rank != source:
         flat.zero_()
     group.all_reduce_sum_bounded(flat, host_wait=True, tag=_SHARE)
     taken: list[_Seen] = []
-    offset = 0
-    for s in seen:
-        n = s.mean.numel()
-        ran, count = flat[offset : offset + 2].tolist()
-        mean = flat[offset + 2 : offset + 2 + n].view_as(s.mean)
-        m2 = flat[offset + 2 + n : offset + 2 + 2 * n].view_as(s.m2)
-        taken.append(_Seen(ran > 0.0, count, mean, m2))
-        offset += 2 + 2 * n
+    for s, chunk in zip(seen, flat.split([2 + 2 * s.mean.numel() for s in seen])):
+        head, mean, m2 = chunk.split([2, s.mean.numel(), s.mean.numel()])
+        ran, count = head.tolist()
+        taken.append(_Seen(ran > 0.0, count, mean.view_as(s.mean), m2.view_as(s.m2)))
     return taken
 
 
@@ -228,10 +218,8 @@ def _decide(
 ) -> list[_Seen | None]:
     """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`).
 
-    Layers that synchronise vote over their group, once per group; local layers (and layers run
-    as ``nn.DataParallel`` replicas) follow this rank (and its votes). A discard agreed in any
-    group puts back every layer of this rank, whatever the layers' order. Under an active
-    ``Join`` nothing is voted (a joined rank cannot answer).
+    One vote per group; local layers (and ``nn.DataParallel`` replicas') follow this rank. A discard
+    agreed in any group puts back every layer of this rank. No vote under an active ``Join``.
     """
     if _no_vote(error):
         return [None] * len(opened)
@@ -271,15 +259,6 @@ def _decide(
     if not commit:  # every layer of this rank, the groups voted before the discard included
         return [None] * len(opened)
     return decided
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
-    found: list[nn.Module] = []
-    for layer in model.modules():
-        if isinstance(layer, (_BatchNorm, ActivatedBatchNormBase)):
-            if layer.track_running_stats and isinstance(layer.running_mean, Tensor):
-                found.append(layer)
-    return found
 
 
 class accumulation:  # noqa: N801 - used like torch.no_grad
@@ -351,8 +330,10 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
             )
         opened: list[_Layer] = []
         try:
-            for layer in _layers(self.model):
-                opened.append(_Layer(layer))
+            for layer in self.model.modules():
+                if isinstance(layer, (_BatchNorm, ActivatedBatchNormBase)) and layer.track_running_stats:
+                    if isinstance(layer.running_mean, Tensor):
+                        opened.append(_Layer(layer))
         except BaseException:
             for state in opened:
                 state.stop()
