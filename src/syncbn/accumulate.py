@@ -250,10 +250,9 @@ def _decide(
                 )
                 failed.__cause__ = exc
             # a discarding rank puts its statistics back whatever the others do
-        for j, i in enumerate(index):
-            decided[i] = None if agreed is None else agreed[j]
-        if agreed is None:
-            commit = False  # a discard agreed anywhere: this rank's later votes, and every layer
+        for i, update in zip(index, agreed or []):
+            decided[i] = update
+        commit = commit and agreed is not None  # a discard agreed anywhere: later votes, every layer
     if failed is not None:
         raise failed
     if not commit:  # every layer of this rank, the groups voted before the discard included

@@ -1,10 +1,5 @@
-"""Swap BatchNorm layers for syncbn layers in a model, and back.
-
-:func:`convert_sync_batchnorm` turns a model's BatchNorm layers into syncbn
-layers for training; :func:`revert_sync_batchnorm` turns them back into plain
-BatchNorm for inference and export. Both *move* each layer's state (the same
-``Parameter`` objects, buffers, mode, hooks, user attributes) instead of
-copying it: only the class changes.
+"""Swap a model's BatchNorm layers for syncbn layers (:func:`convert_sync_batchnorm`) and back
+(:func:`revert_sync_batchnorm`), *moving* each layer's state instead of copying it: only the class changes.
 """
 
 from __future__ import annotations
