@@ -48,8 +48,7 @@ def _group(layer: nn.Module) -> Any:
 
 
 def _varies(layer: nn.Module) -> bool:
-    """Whether the layer's path can change from call to call without a group: a family whose
-    attributes choose batch norm's local path (renorm at ``r_max=1, d_max=0``) or the engine."""
+    """Whether the layer's path can change per call (renorm without a group: local at r_max=1, d_max=0)."""
     return (
         isinstance(layer, SyncBatchNorm)
         and type(layer)._family_call is not SyncBatchNorm._family_call
@@ -146,8 +145,7 @@ class _Layer:
 
 
 class _Seen(NamedTuple):
-    """What one rank's block saw of a layer: whether it ran, and the merged moments (``total``
-    values per channel, their ``mean`` and ``m2``, the sum of squared deviations; float64)."""
+    """What one rank's block saw of a layer: whether it ran, and its merged moments (float64)."""
 
     ran: bool
     total: float
@@ -270,15 +268,14 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
     update with the mean and unbiased variance of all micro-batches of all ranks
     together, and ``num_batches_tracked`` goes up by one: exactly what one
     training forward over the concatenated ``k x W`` micro-batches would leave
-    (``momentum=None`` included). An exception inside the block, on any rank,
-    leaves the running statistics and ``num_batches_tracked`` as they were
-    before it on every rank of the group.
+    (``momentum=None`` included).
 
     No collective is added per call: the block merges the global moments the
     layers already sum (in float64, Chan's formulas). Closing it is one small
     collective over the layers' group (a vote of ``1 + W`` values, bounded by
     :func:`syncbn.set_timeout`): if any rank leaves the block with an exception
-    or calls :meth:`discard`, every rank discards; a rank that saw fewer values
+    or calls :meth:`discard`, every rank puts the running statistics and
+    ``num_batches_tracked`` back as they were; a rank that saw fewer values
     than another (it joined early under ``Join``) takes the moments of one that
     saw them all. So the ranks' statistics stay identical, and every rank of
     the group must close its block. Inside an active ``Join`` there is no vote
@@ -342,11 +339,7 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
         return self
 
     def commit(self) -> None:
-        """Apply the one update with every micro-batch seen since :meth:`begin`, and stop.
-
-        With a process group, the ranks vote first (one small collective): if any rank discards,
-        every rank discards (see the class docstring).
-        """
+        """Apply the one update with every micro-batch seen since :meth:`begin` (the ranks vote), and stop."""
         self._close(commit=True, error=None)
 
     def discard(self) -> None:

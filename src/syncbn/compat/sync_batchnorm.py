@@ -1,11 +1,8 @@
 """Drop-in for the ``sync_batchnorm`` package (Synchronized-BatchNorm-PyTorch).
 
-Change only the import line::
+Change only the import line (``from sync_batchnorm import ...`` becomes)::
 
-    # from sync_batchnorm import SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model
-    from syncbn.compat.sync_batchnorm import (
-        SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model,
-    )
+    from syncbn.compat.sync_batchnorm import SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model
 
 The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d``, whose first five constructor
 arguments are that package's. They synchronise across the replicas of a plain ``nn.DataParallel``
