@@ -75,20 +75,15 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         \\sigma^2 = \\underbrace{\\frac{\\sum_r w_r \\sigma_r^2}{\\sum_r w_r}}_{\\text{within ranks}}
           + \\underbrace{\\frac{\\sum_r w_r (\\mu_r - \\mu)^2}{\\sum_r w_r}}_{\\text{between ranks}}
 
-    (the law of total variance), applied to the stored ``running_var``. That is
-    the variance of the mixture of the ranks' distributions; it is exactly the
-    variance of all ranks' data together only for *biased* per-rank variances
-    weighted by sample counts. BatchNorm stores the *unbiased* variance and
-    counts batches, not samples, so for statistics of :math:`n` values per
-    channel on each of :math:`R` ranks (equal weights) the result differs from
-    the unbiased variance of all :math:`Rn` values by
-    :math:`(B - (R - 1) A) / (Rn - 1)`, :math:`A` and :math:`B` the within- and
-    between-rank terms above: less than :math:`1/n` of the variance (for the
-    statistics of the data themselves, use :func:`recompute_running_stats`). A
-    rank that has seen no batch carries no weight; where no rank has seen one,
-    or a layer keeps no ``num_batches_tracked``, the ranks weigh equally.
-    (Averaging the variances alone, as ``timm.utils.distribute_bn`` does, drops
-    the between-rank part, with one collective per buffer.)
+    (the law of total variance), applied to the stored ``running_var``.
+    BatchNorm stores the *unbiased* variance and counts batches, not samples,
+    so for :math:`n` values per channel on each rank the result differs from
+    the unbiased variance of all ranks' values by less than :math:`1/n` of the
+    variance (derived in docs/statistics.md; for the statistics of the data
+    themselves, use :func:`recompute_running_stats`). A rank that has seen no
+    batch carries no weight; where no rank has seen one, or a layer keeps no
+    ``num_batches_tracked``, the ranks weigh equally. (``timm.utils.distribute_bn``
+    averages the variances alone, dropping the between-rank part.)
 
     All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked``
     becomes the mean over ranks, rounded. Every rank of the group must call
