@@ -25,9 +25,8 @@ _listeners: dict[int, Moments] = {}
 class Moments:
     """The count, mean and sum of squared deviations per channel of the batches seen, in float64.
 
-    Eager batches are kept (a copy: the engine may reuse its buffers) and merged at the end in one
-    two-pass reduction; traced batches are merged on the spot (Chan). ``running_mean`` is kept
-    alive while listening, so its ``id`` cannot be reused.
+    Eager batches are kept and merged at the end, traced ones on the spot (docs/internals/tools.md).
+    ``running_mean`` is kept alive while listening, so its ``id`` cannot be reused.
     """
 
     def __init__(self, running_mean: Tensor) -> None:

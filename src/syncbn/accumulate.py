@@ -48,8 +48,7 @@ def _group(layer: nn.Module) -> Any:
 
 
 def _varies(layer: nn.Module) -> bool:
-    """Whether the layer's path can change from call to call without a group: a family whose
-    attributes choose batch norm's local path (renorm at ``r_max=1, d_max=0``) or the engine."""
+    """Whether the layer's path can change per call (renorm without a group: local at r_max=1, d_max=0)."""
     return (
         isinstance(layer, SyncBatchNorm)
         and type(layer)._family_call is not SyncBatchNorm._family_call
@@ -146,8 +145,7 @@ class _Layer:
 
 
 class _Seen(NamedTuple):
-    """What one rank's block saw of a layer: whether it ran, and the merged moments (``total``
-    values per channel, their ``mean`` and ``m2``, the sum of squared deviations; float64)."""
+    """What one rank's block saw of a layer: whether it ran, and its merged moments (float64)."""
 
     ran: bool
     total: float
@@ -183,10 +181,8 @@ def _vote(group: groups.ProcessGroupSum, vote: Tensor) -> Tensor:
 def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> list[_Seen] | None:
     """One vote of the group's ranks at the block's end: the layers' update, or ``None`` (discard).
 
-    Every rank votes commit or discard and how many values it saw (``total``, summed over the
-    layers). Any discard: every rank discards. Ranks that saw fewer values missed calls (a rank
-    that joined early under ``Join`` shadows the others' last calls without seeing them): every
-    rank then takes the moments of the first rank that saw the most, in one more collective.
+    Any discard: every rank discards; unequal counts: every rank takes the moments of the first
+    rank that saw the most (docs/internals/tools.md, gradient accumulation).
     """
     device = seen[0].mean.device
     vote = torch.zeros(1 + group.size, dtype=torch.float64, device=device)
@@ -201,25 +197,17 @@ def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> li
     source = counts.index(max(counts))
     parts: list[Tensor] = []
     for s in seen:
-        head = torch.tensor([float(s.ran), s.total], dtype=torch.float64, device=device)
-        parts += [
-            head,
-            s.mean.reshape(-1).to(device, torch.float64),
-            s.m2.reshape(-1).to(device, torch.float64),
-        ]
+        head = torch.tensor([float(s.ran), s.total], dtype=torch.float64)
+        parts += [t.reshape(-1).to(device, torch.float64) for t in (head, s.mean, s.m2)]
     flat = torch.cat(parts)
     if group.rank != source:
         flat.zero_()
     group.all_reduce_sum_bounded(flat, host_wait=True, tag=_SHARE)
     taken: list[_Seen] = []
-    offset = 0
-    for s in seen:
-        n = s.mean.numel()
-        ran, count = flat[offset : offset + 2].tolist()
-        mean = flat[offset + 2 : offset + 2 + n].view_as(s.mean)
-        m2 = flat[offset + 2 + n : offset + 2 + 2 * n].view_as(s.m2)
-        taken.append(_Seen(ran > 0.0, count, mean, m2))
-        offset += 2 + 2 * n
+    for s, chunk in zip(seen, flat.split([2 + 2 * s.mean.numel() for s in seen])):
+        head, mean, m2 = chunk.split([2, s.mean.numel(), s.mean.numel()])
+        ran, count = head.tolist()
+        taken.append(_Seen(ran > 0.0, count, mean.view_as(s.mean), m2.view_as(s.m2)))
     return taken
 
 
@@ -228,10 +216,8 @@ def _decide(
 ) -> list[_Seen | None]:
     """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`).
 
-    Layers that synchronise vote over their group, once per group; local layers (and layers run
-    as ``nn.DataParallel`` replicas) follow this rank (and its votes). A discard agreed in any
-    group puts back every layer of this rank, whatever the layers' order. Under an active
-    ``Join`` nothing is voted (a joined rank cannot answer).
+    One vote per group; local layers (and ``nn.DataParallel`` replicas') follow this rank. A discard
+    agreed in any group puts back every layer of this rank. No vote under an active ``Join``.
     """
     if _no_vote(error):
         return [None] * len(opened)
@@ -262,24 +248,14 @@ def _decide(
                 )
                 failed.__cause__ = exc
             # a discarding rank puts its statistics back whatever the others do
-        for j, i in enumerate(index):
-            decided[i] = None if agreed is None else agreed[j]
-        if agreed is None:
-            commit = False  # a discard agreed anywhere: this rank's later votes, and every layer
+        for i, update in zip(index, agreed or []):
+            decided[i] = update
+        commit = commit and agreed is not None  # a discard agreed anywhere: later votes, every layer
     if failed is not None:
         raise failed
     if not commit:  # every layer of this rank, the groups voted before the discard included
         return [None] * len(opened)
     return decided
-
-
-def _layers(model: nn.Module) -> list[nn.Module]:
-    found: list[nn.Module] = []
-    for layer in model.modules():
-        if isinstance(layer, (_BatchNorm, ActivatedBatchNormBase)):
-            if layer.track_running_stats and isinstance(layer.running_mean, Tensor):
-                found.append(layer)
-    return found
 
 
 class accumulation:  # noqa: N801 - used like torch.no_grad
@@ -292,15 +268,14 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
     update with the mean and unbiased variance of all micro-batches of all ranks
     together, and ``num_batches_tracked`` goes up by one: exactly what one
     training forward over the concatenated ``k x W`` micro-batches would leave
-    (``momentum=None`` included). An exception inside the block, on any rank,
-    leaves the running statistics and ``num_batches_tracked`` as they were
-    before it on every rank of the group.
+    (``momentum=None`` included).
 
     No collective is added per call: the block merges the global moments the
     layers already sum (in float64, Chan's formulas). Closing it is one small
     collective over the layers' group (a vote of ``1 + W`` values, bounded by
     :func:`syncbn.set_timeout`): if any rank leaves the block with an exception
-    or calls :meth:`discard`, every rank discards; a rank that saw fewer values
+    or calls :meth:`discard`, every rank puts the running statistics and
+    ``num_batches_tracked`` back as they were; a rank that saw fewer values
     than another (it joined early under ``Join``) takes the moments of one that
     saw them all. So the ranks' statistics stay identical, and every rank of
     the group must close its block. Inside an active ``Join`` there is no vote
@@ -351,8 +326,10 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
             )
         opened: list[_Layer] = []
         try:
-            for layer in _layers(self.model):
-                opened.append(_Layer(layer))
+            for layer in self.model.modules():
+                if isinstance(layer, (_BatchNorm, ActivatedBatchNormBase)) and layer.track_running_stats:
+                    if isinstance(layer.running_mean, Tensor):
+                        opened.append(_Layer(layer))
         except BaseException:
             for state in opened:
                 state.stop()
@@ -362,11 +339,7 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
         return self
 
     def commit(self) -> None:
-        """Apply the one update with every micro-batch seen since :meth:`begin`, and stop.
-
-        With a process group, the ranks vote first (one small collective): if any rank discards,
-        every rank discards (see the class docstring).
-        """
+        """Apply the one update with every micro-batch seen since :meth:`begin` (the ranks vote), and stop."""
         self._close(commit=True, error=None)
 
     def discard(self) -> None:

@@ -1,10 +1,5 @@
-"""Swap BatchNorm layers for syncbn layers in a model, and back.
-
-:func:`convert_sync_batchnorm` turns a model's BatchNorm layers into syncbn
-layers for training; :func:`revert_sync_batchnorm` turns them back into plain
-BatchNorm for inference and export. Both *move* each layer's state (the same
-``Parameter`` objects, buffers, mode, hooks, user attributes) instead of
-copying it: only the class changes.
+"""Swap a model's BatchNorm layers for syncbn layers (:func:`convert_sync_batchnorm`) and back
+(:func:`revert_sync_batchnorm`), *moving* each layer's state instead of copying it: only the class changes.
 """
 
 from __future__ import annotations
@@ -90,11 +85,8 @@ def _path(prefix: str) -> str:
 def _timm_act_classes() -> tuple[type, ...]:
     """timm's norm-plus-activation BatchNorm classes, if timm is loaded (else no layer is one)."""
     norm_act = sys.modules.get("timm.layers.norm_act")  # None: no class found
-    return tuple(
-        cls
-        for cls in (getattr(norm_act, "BatchNormAct2d", None), getattr(norm_act, "SyncBatchNormAct", None))
-        if isinstance(cls, type)
-    )
+    found = (getattr(norm_act, name, None) for name in ("BatchNormAct2d", "SyncBatchNormAct"))
+    return tuple(cls for cls in found if isinstance(cls, type))
 
 
 def _is_timm_act(layer: nn.Module) -> bool:
@@ -110,6 +102,11 @@ def _is_sync_act(layer: nn.Module) -> bool:
     module = sys.modules.get("syncbn.integrations.timm")
     cls = getattr(module, "SyncBatchNormAct2d", None)
     return cls is not None and isinstance(layer, cls) and type(layer).forward is cls.forward
+
+
+def _checks_as(layer: nn.Module, cls: type[_BatchNorm]) -> bool:
+    """Whether ``layer`` is a ``cls`` that checks its input as ``cls`` does."""
+    return isinstance(layer, cls) and type(layer)._check_input_dim is cls._check_input_dim
 
 
 def _unparametrized_class(layer: nn.Module) -> type:
@@ -150,10 +147,8 @@ def _carry_parametrizations(old: nn.Module, new: nn.Module) -> None:
 
 
 def _transplant(old: _BatchNorm, new: _BatchNorm, skip: frozenset[str]) -> None:
-    """Move every instance attribute of ``old`` but ``skip`` into ``new`` (built on the meta device).
-
-    The containers themselves move, so hook handles taken on ``old`` still remove hooks from ``new``.
-    """
+    """Move ``old``'s instance attributes but ``skip`` into ``new``: the containers themselves, so
+    hook handles taken on ``old`` still remove hooks from ``new``."""
     new.__dict__.update({key: value for key, value in old.__dict__.items() if key not in skip})
 
 
@@ -176,11 +171,7 @@ def _to_sync(layer: _BatchNorm, prefix: str, process_group: Any, classes: _Class
         template = SyncBatchNorm(1, process_group=group, device="meta")
         new.__dict__.update({key: template.__dict__[key] for key in _syncbn_only_keys()})
     else:
-        target: type[SyncBatchNorm] = SyncBatchNorm
-        for plain, sync in classes:
-            if isinstance(layer, plain) and type(layer)._check_input_dim is plain._check_input_dim:
-                target = sync
-                break
+        target = next((sync for plain, sync in classes if _checks_as(layer, plain)), SyncBatchNorm)
         new = like(target, layer, process_group=group, device="meta")
     _transplant(layer, new, _syncbn_only_keys() | {_REVERTS_TO})
     # torch's and timm's synchronised classes revert to the plain default; others to themselves.
@@ -195,11 +186,7 @@ def _plain_class_of(layer: nn.Module) -> type[_BatchNorm]:
     if _is_sync_act(layer):
         return _timm_act_classes()[0]  # type: ignore[no-any-return]
     for plain, sync in _TO_SYNC:
-        if (
-            isinstance(layer, sync)
-            and type(layer)._check_input_dim is sync._check_input_dim
-            and getattr(type(layer), "_input_dims", None) == getattr(sync, "_input_dims", None)
-        ):
+        if _checks_as(layer, sync) and getattr(type(layer), "_input_dims", None) == sync._input_dims:
             return plain
     return BatchNorm
 

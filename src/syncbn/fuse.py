@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from typing import Any
 
 import torch
@@ -27,14 +28,10 @@ def _fusable(bn: nn.Module) -> bool:
     return any(type(bn).forward is cls.forward for cls in _FUSABLE)
 
 
-def _uses(module: nn.Module) -> dict[int, int]:
+def _uses(module: nn.Module) -> Counter[int]:
     """How many places of the model (child slots of its modules, each module once) hold each module."""
-    count: dict[int, int] = {}
-    for parent in module.modules():
-        for child in parent._modules.values():
-            if child is not None:
-                count[id(child)] = count.get(id(child), 0) + 1
-    return count
+    children = (child for parent in module.modules() for child in parent._modules.values())
+    return Counter(id(child) for child in children if child is not None)
 
 
 def _pairs(module: nn.Module) -> list[_Pair]:

@@ -23,10 +23,6 @@ from .engine import _function
 __all__ = ["JoinableSyncBatchNorm"]
 
 
-def _dead() -> None:
-    """A weak reference whose object is gone: no ``Join`` holds the joinable yet."""
-
-
 _HEADER = 4
 
 
@@ -85,7 +81,7 @@ class JoinableSyncBatchNorm(Joinable):
         self._thread_error: BaseException | None = None
         model.register_forward_pre_hook(self._notify)
         self.shadowed = 0  # collectives this rank shadowed as a joined rank (for tests and logs)
-        self._hook: Callable[[], _ShadowHook | None] = _dead
+        self._hook: Callable[[], _ShadowHook | None] = lambda: None  # no Join holds the joinable yet
 
     # Set by Join when it is built: join mode starts.
     @property
@@ -127,8 +123,7 @@ class JoinableSyncBatchNorm(Joinable):
         A ``Join`` whose body raised runs no post-hooks; join mode then ends when the ``Join``
         object is gone (as the plain-``Join`` watch of ``syncbn.groups`` does).
         """
-        hook = self._hook()
-        return hook is not None
+        return self._hook() is not None
 
     @property
     def join_device(self) -> torch.device:

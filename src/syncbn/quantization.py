@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -64,6 +65,8 @@ def _check(first: nn.Module, bn: nn.Module, kind: type) -> None:
             f"affine={bn.affine}, track_running_stats={bn.track_running_stats})"  # type: ignore[attr-defined]
         )
 
+
+_Method = Callable[..., nn.Module]  # a fuser method: (is_qat, *modules) -> the fused module
 
 # ours -> (torch's float fused class, torch's QAT class of the same name)
 _QAT: dict[type, tuple[type, type]] = {}
@@ -124,32 +127,30 @@ def qat_module_mappings() -> dict[type, Any]:
     return {ours: _ToQAT(plain, qat) for ours, (plain, qat) in _QAT.items()}
 
 
-def _conv_bn(ours: type, default: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    def fuse(is_qat: bool, *modules: nn.Module) -> nn.Module:
-        return ours(*modules) if is_qat else default(is_qat, *modules)
-
-    return fuse
-
-
-def _eval_only(default: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """A renorm layer's fuser: in eval it is batch norm with its running statistics (torch folds it)."""
+def _fuser(renorm: bool, default: _Method, ours: type | None = None) -> _Method:
+    """Torch's ``default`` fuser method, but for QAT syncbn's fused class ``ours`` or, for a renorm
+    layer, a ``ValueError`` (in eval it is batch norm with its running statistics: torch folds it)."""
+    if ours is None and not renorm:
+        return default  # for QAT too (torch's own method, or its error)
 
     def fuse(is_qat: bool, *modules: nn.Module) -> nn.Module:
-        if is_qat:
-            renorm = next(m for m in modules if isinstance(m, SyncBatchRenorm))
+        if not is_qat:
+            return default(is_qat, *modules)
+        if renorm or ours is None:
+            layer = next(m for m in modules if isinstance(m, SyncBatchRenorm))
             raise ValueError(
                 "torch's QAT modules fold batch norm's training statistics, not Batch "
                 "Renormalization's r and d: a renorm layer cannot be fused for QAT (got "
                 f"{', '.join(type(m).__name__ for m in modules)}). Leave it unfused, or train "
-                f"with SyncBatchNorm (r_max=1, d_max=0 is batch norm; {type(renorm).__name__} "
+                f"with SyncBatchNorm (r_max=1, d_max=0 is batch norm; {type(layer).__name__} "
                 "folds in eval with fuse_modules)"
             )
-        return default(is_qat, *modules)
+        return ours(*modules)  # type: ignore[no-any-return]
 
     return fuse
 
 
-def _bn_relu(torch_cls: type) -> Callable[..., nn.Module]:
+def _bn_relu(torch_cls: type) -> _Method:
     def fuse(is_qat: bool, bn: nn.Module, relu: nn.Module) -> nn.Module:
         if is_qat:
             raise ValueError(
@@ -161,7 +162,7 @@ def _bn_relu(torch_cls: type) -> Callable[..., nn.Module]:
     return fuse
 
 
-def fuser_methods() -> dict[tuple[type, ...], Callable[..., nn.Module]]:
+def fuser_methods() -> dict[tuple[type, ...], _Method]:
     """The fuser methods for syncbn's layers, keyed as ``torch.ao.quantization`` keys its own.
 
     Returns:
@@ -170,31 +171,24 @@ def fuser_methods() -> dict[tuple[type, ...], Callable[..., nn.Module]]:
     """
     from torch.ao.quantization import fuser_method_mappings as fm
 
-    found: dict[tuple[type, ...], Callable[..., nn.Module]] = {}
-    for dim, sync in ((1, SyncBatchNorm1d), (2, SyncBatchNorm2d), (3, SyncBatchNorm3d)):
-        conv = getattr(nn, f"Conv{dim}d")
-        for bn in (sync, SyncBatchNorm):  # the generic class too (mmengine's "ExactSyncBN" builds it)
-            found[(conv, bn)] = _conv_bn(globals()[f"ConvSyncBn{dim}d"], fm.fuse_conv_bn)
-            found[(conv, bn, nn.ReLU)] = _conv_bn(globals()[f"ConvSyncBnReLU{dim}d"], fm.fuse_conv_bn_relu)
-            found[(getattr(nn, f"ConvTranspose{dim}d"), bn)] = fm.fuse_convtranspose_bn
-        if dim > 1:
-            found[(sync, nn.ReLU)] = _bn_relu(getattr(nni, f"BNReLU{dim}d"))
-    for bn in (SyncBatchNorm1d, SyncBatchNorm):
-        found[(nn.Linear, bn)] = _conv_bn(LinearSyncBn1d, fm.fuse_linear_bn)
-    # Renorm layers: in eval, batch norm with their running statistics; no QAT module exists.
-    renorms = ((1, SyncBatchRenorm1d), (2, SyncBatchRenorm2d), (3, SyncBatchRenorm3d))
-    for dim, renorm in renorms:
-        for renorm_bn in (renorm, SyncBatchRenorm):
-            for first, method in (
-                (getattr(nn, f"Conv{dim}d"), fm.fuse_conv_bn),
-                (getattr(nn, f"ConvTranspose{dim}d"), fm.fuse_convtranspose_bn),
-            ):
-                found[(first, renorm_bn)] = _eval_only(method)
-            found[(getattr(nn, f"Conv{dim}d"), renorm_bn, nn.ReLU)] = _eval_only(fm.fuse_conv_bn_relu)
-        if dim > 1:
-            found[(renorm, nn.ReLU)] = _eval_only(_bn_relu(getattr(nni, f"BNReLU{dim}d")))
-    for renorm_bn in (SyncBatchRenorm1d, SyncBatchRenorm):
-        found[(nn.Linear, renorm_bn)] = _eval_only(fm.fuse_linear_bn)
+    found: dict[tuple[type, ...], _Method] = {}
+    families: tuple[tuple[type, tuple[type, ...]], ...] = (
+        (SyncBatchNorm, (SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d)),
+        (SyncBatchRenorm, (SyncBatchRenorm1d, SyncBatchRenorm2d, SyncBatchRenorm3d)),
+    )
+    for generic, by_dim in families:
+        method = functools.partial(_fuser, generic is SyncBatchRenorm)
+        for dim, sized in enumerate(by_dim, 1):
+            conv = getattr(nn, f"Conv{dim}d")
+            # The generic class too (mmengine's "ExactSyncBN" builds it).
+            for bn in (sized, generic):
+                found[(conv, bn)] = method(fm.fuse_conv_bn, globals()[f"ConvSyncBn{dim}d"])
+                found[(conv, bn, nn.ReLU)] = method(fm.fuse_conv_bn_relu, globals()[f"ConvSyncBnReLU{dim}d"])
+                found[(getattr(nn, f"ConvTranspose{dim}d"), bn)] = method(fm.fuse_convtranspose_bn)
+            if dim > 1:
+                found[(sized, nn.ReLU)] = method(_bn_relu(getattr(nni, f"BNReLU{dim}d")))
+        for bn in (by_dim[0], generic):
+            found[(nn.Linear, bn)] = method(fm.fuse_linear_bn, LinearSyncBn1d)
     return found
 
 

@@ -6,6 +6,7 @@ See docs/robustness.md (Recovery) for when the buffers can differ.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,12 +21,13 @@ __all__ = ["sync_buffers"]
 _NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _norm_buffers(model: nn.Module) -> tuple[list[Tensor], Tag]:
-    """The normalisation layers' buffers, in module order, and the call's tag.
+def layout_checksum(entries: Iterable[str]) -> int:
+    """CRC-32 of the layers' names and sizes: equal on ranks whose models hold the same layers."""
+    return zlib.crc32(";".join(entries).encode())
 
-    The tag's identity is a checksum of the buffers' names and shapes: ranks whose models hold
-    different buffers (even of equal total size) make different calls, which every rank detects.
-    """
+
+def _norm_buffers(model: nn.Module) -> tuple[list[Tensor], Tag]:
+    """The normalisation layers' buffers, in module order, and the call's tag (their layout's checksum)."""
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     buffers: list[Tensor] = []
@@ -37,7 +39,7 @@ def _norm_buffers(model: nn.Module) -> tuple[list[Tensor], Tag]:
                 if isinstance(buf, Tensor):
                     buffers.append(buf)
                     layout.append(f"{name}.{key}:{tuple(buf.shape)}")
-    return buffers, Tag(zlib.crc32(";".join(layout).encode()) & 0x7FFFFFFF, PHASE_OTHER)
+    return buffers, Tag(layout_checksum(layout) & 0x7FFFFFFF, PHASE_OTHER)
 
 
 @torch.no_grad()
@@ -89,13 +91,11 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
         return 0
     if not 0 <= src < group.size:
         raise ValueError(f"sync_buffers: src must be a rank of the group, in [0, {group.size}) (got {src})")
-    if not buffers:
-        flat = torch.zeros(0, dtype=torch.float64)
-    else:
-        device = buffers[0].device
-        flat = torch.cat([b.detach().reshape(-1).to(device=device, dtype=torch.float64) for b in buffers])
-        if group.rank != src:
-            flat.zero_()
+    device = buffers[0].device if buffers else None
+    empty = torch.zeros(0, dtype=torch.float64, device=device)
+    flat = torch.cat([empty, *(b.detach().reshape(-1).to(device, torch.float64) for b in buffers)])
+    if group.rank != src:
+        flat.zero_()
     try:
         group.all_reduce_sum_bounded(flat, host_wait=True, tag=tag)
     except CollectiveError as exc:

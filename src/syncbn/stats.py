@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Union
 
 import torch
@@ -19,6 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import check_module
+from .recovery import layout_checksum
 
 __all__ = ["sync_running_stats", "recompute_running_stats"]
 
@@ -26,12 +26,12 @@ __all__ = ["sync_running_stats", "recompute_running_stats"]
 _Tracked = Union[_BatchNorm, ActivatedBatchNormBase]
 
 
-def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _Tracked]]:
-    """The model's BatchNorm layers that keep running statistics, each once, in module order.
+def _f64(device: torch.device) -> dict[str, Any]:
+    return {"dtype": torch.float64, "device": device}
 
-    The in-place activated layers (``InPlaceSyncBatchNorm*``, the compat ``ABN`` family) hold the
-    same buffers under the same names and count as BatchNorm layers here.
-    """
+
+def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _Tracked]]:
+    """The model's BatchNorm layers (the in-place activated ones too) that keep running statistics."""
     check_module(model, function)
     return [
         (name, mod)
@@ -44,8 +44,7 @@ def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _Tracked
 
 def _layout_code(layers: list[tuple[str, _Tracked]]) -> float:
     """A number in [0, 1) that identifies the layers' names and sizes (equal on ranks with equal models)."""
-    text = ";".join(f"{name}:{layer.running_mean.numel()}" for name, layer in layers)  # type: ignore[union-attr]
-    return zlib.crc32(text.encode()) / 2**32
+    return layout_checksum(f"{name}:{layer.running_mean.numel()}" for name, layer in layers) / 2**32  # type: ignore[union-attr]
 
 
 def _all_reduce_checked(group: Any, packed: Tensor, own: float, function: str) -> int:
@@ -76,20 +75,15 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         \\sigma^2 = \\underbrace{\\frac{\\sum_r w_r \\sigma_r^2}{\\sum_r w_r}}_{\\text{within ranks}}
           + \\underbrace{\\frac{\\sum_r w_r (\\mu_r - \\mu)^2}{\\sum_r w_r}}_{\\text{between ranks}}
 
-    (the law of total variance), applied to the stored ``running_var``. That is
-    the variance of the mixture of the ranks' distributions; it is exactly the
-    variance of all ranks' data together only for *biased* per-rank variances
-    weighted by sample counts. BatchNorm stores the *unbiased* variance and
-    counts batches, not samples, so for statistics of :math:`n` values per
-    channel on each of :math:`R` ranks (equal weights) the result differs from
-    the unbiased variance of all :math:`Rn` values by
-    :math:`(B - (R - 1) A) / (Rn - 1)`, :math:`A` and :math:`B` the within- and
-    between-rank terms above: less than :math:`1/n` of the variance (for the
-    statistics of the data themselves, use :func:`recompute_running_stats`). A
-    rank that has seen no batch carries no weight; where no rank has seen one,
-    or a layer keeps no ``num_batches_tracked``, the ranks weigh equally.
-    (Averaging the variances alone, as ``timm.utils.distribute_bn`` does, drops
-    the between-rank part, with one collective per buffer.)
+    (the law of total variance), applied to the stored ``running_var``.
+    BatchNorm stores the *unbiased* variance and counts batches, not samples,
+    so for :math:`n` values per channel on each rank the result differs from
+    the unbiased variance of all ranks' values by less than :math:`1/n` of the
+    variance (derived in docs/statistics.md; for the statistics of the data
+    themselves, use :func:`recompute_running_stats`). A rank that has seen no
+    batch carries no weight; where no rank has seen one, or a layer keeps no
+    ``num_batches_tracked``, the ranks weigh equally. (``timm.utils.distribute_bn``
+    averages the variances alone, dropping the between-rank part.)
 
     All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked``
     becomes the mean over ranks, rounded. Every rank of the group must call
@@ -124,18 +118,14 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         return model
     code = _layout_code(layers)
     parts: list[Tensor] = [torch.tensor([1.0, code], dtype=torch.float64)]
-    device = torch.device("cpu")
     for _, layer in layers:
         mean = layer.running_mean.detach().to(torch.float64)  # type: ignore[union-attr]
-        var = layer.running_var.detach().to(torch.float64)  # type: ignore[union-attr]
-        device = mean.device
+        second = layer.running_var.detach().to(torch.float64) + mean * mean  # type: ignore[union-attr]
         tracked = layer.num_batches_tracked
-        weight = float(tracked.item()) if tracked is not None else 1.0
-        w = torch.tensor([weight], dtype=torch.float64, device=mean.device)
-        second = var + mean * mean
+        w = torch.tensor([float(tracked.item()) if tracked is not None else 1.0], **_f64(mean.device))
         # [w, w*mean, w*(var + mean^2)], then the unweighted [mean, var + mean^2] for all-zero weights
         parts += [w, w * mean, w * second, mean, second]
-    packed = torch.cat([p.to(device) for p in parts])
+    packed = torch.cat([p.to(parts[-1].device) for p in parts])  # on the last layer's device
     size = _all_reduce_checked(group, packed, code, "sync_running_stats")
     chunks = packed[2:].split([1 + 4 * layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
     with torch.no_grad():
@@ -144,9 +134,8 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
             s1, s2, u1, u2 = chunk[1:].split(layer.running_mean.numel())  # type: ignore[union-attr]
             total = float(w.item())
             mean, second = (s1 / w, s2 / w) if total > 0 else (u1 / size, u2 / size)
-            var = (second - mean * mean).clamp_min(0.0)
             layer.running_mean.copy_(mean)  # type: ignore[union-attr]
-            layer.running_var.copy_(var)  # type: ignore[union-attr]
+            layer.running_var.copy_((second - mean * mean).clamp_min(0.0))  # type: ignore[union-attr]
             if layer.num_batches_tracked is not None:
                 layer.num_batches_tracked.fill_(int(round(total / size)))
     return model
@@ -214,32 +203,30 @@ def _storages(batch: Any) -> set[int]:
     return found
 
 
-class _Progress:
-    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+def _with_progress(batches: Iterable[Any], enabled: bool) -> Iterator[Any]:
+    """``batches``, with a one-line progress bar on stderr (``enabled``) redrawn at most 10 times a second."""
+    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    start, last, done = time.monotonic(), 0.0, 0
 
-    def __init__(self, enabled: bool, total: int | None) -> None:
-        self.enabled = enabled
-        self.total = total
-        self.last = 0.0
-        self.start = time.monotonic()
-
-    def update(self, done: int, final: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not final and now - self.last < 0.1:
-            return
-        self.last = now
-        elapsed = now - self.start
-        if self.total:
-            width = 30
-            filled = int(width * min(done, self.total) / self.total)
-            bar = "#" * filled + "-" * (width - filled)
-            text = f"\rsyncbn.recompute_running_stats [{bar}] {done}/{self.total} batches, {elapsed:.1f}s"
+    def draw(now: float, end: str) -> None:
+        if total:
+            filled = int(30 * min(done, total) / total)
+            bar = "#" * filled + "-" * (30 - filled)
+            text = f"\rsyncbn.recompute_running_stats [{bar}] {done}/{total} batches, {now - start:.1f}s"
         else:
-            text = f"\rsyncbn.recompute_running_stats: {done} batches, {elapsed:.1f}s"
-        sys.stderr.write(text + ("\n" if final else ""))
+            text = f"\rsyncbn.recompute_running_stats: {done} batches, {now - start:.1f}s"
+        sys.stderr.write(text + end)
         sys.stderr.flush()
+
+    for batch in batches:
+        yield batch
+        done += 1
+        now = time.monotonic()
+        if enabled and now - last >= 0.1:
+            last = now
+            draw(now, "")
+    if enabled:
+        draw(time.monotonic(), "\n")
 
 
 def recompute_running_stats(
@@ -322,18 +309,12 @@ def recompute_running_stats(
     ]
     handles += [layer.register_forward_pre_hook(hook, with_kwargs=True) for _, layer in layers]
     try:
-        total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
         show = sys.stderr.isatty() if progress is None else progress
-        bar = _Progress(bool(show) and (group is None or group.rank == 0), total)
         model.train()
-        done = 0
         with torch.no_grad():
-            for batch in batches:
+            for batch in _with_progress(batches, bool(show) and (group is None or group.rank == 0)):
                 feeding = _storages(batch)
                 run(model, batch)
-                done += 1
-                bar.update(done)
-        bar.update(done, final=True)
         _set_population_stats(layers, moments, group)
     except BaseException:
         with torch.no_grad():
@@ -358,14 +339,13 @@ def _set_population_stats(
     """Merge each layer's moments across ranks (two float64 all_reduces) and write its running stats."""
     # On the layers' device (NCCL needs accelerator tensors).
     device = layers[0][1].running_mean.device if layers else torch.device("cpu")  # type: ignore[union-attr]
-    f64 = {"dtype": torch.float64, "device": device}
+    f64 = _f64(device)
     code = _layout_code(layers)
-    first: list[Tensor] = [torch.tensor([1.0, code], **f64)]  # type: ignore[arg-type]
+    first: list[Tensor] = [torch.tensor([1.0, code], **f64)]
     for _, layer in layers:
         m = moments[id(layer)]
-        c = layer.running_mean.numel()  # type: ignore[union-attr]
-        mean = m.mean.to(device) if m.mean is not None else torch.zeros(c, **f64)  # type: ignore[arg-type]
-        first += [torch.tensor([m.count], **f64), m.count * mean]  # type: ignore[arg-type]
+        mean = m.mean.to(device) if m.mean is not None else torch.zeros(layer.running_mean.numel(), **f64)  # type: ignore[union-attr]
+        first += [torch.tensor([m.count], **f64), m.count * mean]
     sums = torch.cat(first)
     if group is not None:
         _all_reduce_checked(group, sums, code, "recompute_running_stats")
@@ -380,7 +360,7 @@ def _set_population_stats(
             second.append(torch.zeros_like(mean))
         else:
             second.append(m.m2.to(device) + m.count * (m.mean.to(device) - mean).square())
-    m2 = torch.cat(second) if second else torch.zeros(0, **f64)  # type: ignore[arg-type]
+    m2 = torch.cat(second) if second else torch.zeros(0, **f64)
     if group is not None and m2.numel():
         group.all_reduce_sum(m2)
     per_layer = m2.split([mean.numel() for mean in means])

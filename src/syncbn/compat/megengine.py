@@ -1,11 +1,6 @@
-"""Drop-in for MegEngine's ``SyncBatchNorm`` (``megengine.module.SyncBatchNorm``).
+"""Drop-in for MegEngine's ``SyncBatchNorm``: change only the import line, keep MegEngine's arguments::
 
-Change only the import line (and keep MegEngine's arguments)::
-
-    # from megengine.module import SyncBatchNorm
-    from syncbn.compat.megengine import SyncBatchNorm
-
-    bn = SyncBatchNorm(64, momentum=0.9, freeze=False, group=None)
+    from syncbn.compat.megengine import SyncBatchNorm   # was: from megengine.module import SyncBatchNorm
 
 It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics (momentum
 convention, ``freeze``, ``group``, ``name``, eval without running statistics); the Migration guide

@@ -1,11 +1,8 @@
 """Drop-in for the ``sync_batchnorm`` package (Synchronized-BatchNorm-PyTorch).
 
-Change only the import line::
+Change only the import line (``from sync_batchnorm import ...`` becomes)::
 
-    # from sync_batchnorm import SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model
-    from syncbn.compat.sync_batchnorm import (
-        SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model,
-    )
+    from syncbn.compat.sync_batchnorm import SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model
 
 The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d``, whose first five constructor
 arguments are that package's. They synchronise across the replicas of a plain ``nn.DataParallel``
@@ -63,36 +60,28 @@ _ARGS = """Args:
 """
 
 
+def _doc(dims: int, shape: str, example: str) -> str:
+    rank = "under the ``sync_batchnorm`` package's name"
+    return dims_doc(f"syncbn.SyncBatchNorm{dims}d", rank, shape, "same as input.", example, args=_ARGS)
+
+
 class SynchronizedBatchNorm1d(SyncBatchNorm1d):
-    __doc__ = dims_doc(
-        "syncbn.SyncBatchNorm1d",
-        "under the ``sync_batchnorm`` package's name",
+    __doc__ = _doc(
+        1,
         ":math:`(N, C)` or :math:`(N, C, L)`",
-        "same as input.",
         "bn = SynchronizedBatchNorm1d(32)\ny = bn(torch.randn(20, 32))",
-        args=_ARGS,
     )
 
 
 class SynchronizedBatchNorm2d(SyncBatchNorm2d):
-    __doc__ = dims_doc(
-        "syncbn.SyncBatchNorm2d",
-        "under the ``sync_batchnorm`` package's name",
-        ":math:`(N, C, H, W)`",
-        "same as input.",
-        "bn = SynchronizedBatchNorm2d(64)\ny = bn(torch.randn(8, 64, 32, 32))",
-        args=_ARGS,
+    __doc__ = _doc(
+        2, ":math:`(N, C, H, W)`", "bn = SynchronizedBatchNorm2d(64)\ny = bn(torch.randn(8, 64, 32, 32))"
     )
 
 
 class SynchronizedBatchNorm3d(SyncBatchNorm3d):
-    __doc__ = dims_doc(
-        "syncbn.SyncBatchNorm3d",
-        "under the ``sync_batchnorm`` package's name",
-        ":math:`(N, C, D, H, W)`",
-        "same as input.",
-        "bn = SynchronizedBatchNorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))",
-        args=_ARGS,
+    __doc__ = _doc(
+        3, ":math:`(N, C, D, H, W)`", "bn = SynchronizedBatchNorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))"
     )
 
 
