@@ -236,17 +236,11 @@ def _decide(
         except groups.CollectiveError as exc:
             agreed = None
             if commit:  # the other groups still get this rank's vote (discard): nobody waits for it
-                failed = groups.CollectiveError(
+                failed = exc._rephrased(
                     "syncbn.accumulation: the ranks' vote at the end of the block failed, so this "
                     "rank put its running statistics back as they were at begin() (every rank of "
                     f"the group must close the block alike): {exc.args[0]}",
-                    timed_out=exc.timed_out,
-                    waited=exc.waited,
-                    group_size=exc.group_size,
-                    detail=exc.detail,
-                    mismatch=exc.mismatch,
                 )
-                failed.__cause__ = exc
             # a discarding rank puts its statistics back whatever the others do
         for i, update in zip(index, agreed or []):
             decided[i] = update

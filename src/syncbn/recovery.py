@@ -101,15 +101,11 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
     except CollectiveError as exc:
         if not exc.mismatch:
             raise
-        raise CollectiveError(
+        raise exc._rephrased(
             "syncbn.sync_buffers: the ranks' calls differ (expected the same normalisation layers, "
             "buffer names and shapes on every rank of the group; this rank sent "
             f"{len(buffers)} buffers, {flat.numel()} values); no buffer changed. {exc}",
             timed_out=False,
-            waited=exc.waited,
-            group_size=exc.group_size,
-            detail=exc.detail,
-            mismatch=True,
         ) from exc
     for buf, part in zip(buffers, flat.split([buf.numel() for buf in buffers])):
         buf.copy_(part.view_as(buf))

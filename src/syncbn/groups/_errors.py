@@ -74,10 +74,16 @@ class CollectiveError(RuntimeError):
         self.layer = layer
         self.mismatch = mismatch
 
+    def _rephrased(self, message: str, **changes: Any) -> CollectiveError:
+        """The same error with another message (and ``changes`` to its fields), caused by this one."""
+        kept = {k: getattr(self, k) for k in ("timed_out", "waited", "group_size", "detail", "mismatch")}
+        new = CollectiveError(message, **{**kept, **changes})
+        new.__cause__ = self
+        return new
+
     def for_layer(self, layer: str, phase: str) -> CollectiveError:
         """The same error, its message starting with the layer and the phase."""
-        kept = {k: getattr(self, k) for k in ("timed_out", "waited", "group_size", "detail", "mismatch")}
-        new = CollectiveError(f"syncbn: layer {layer} ({phase}): {self.args[0]}", layer=layer, **kept)
+        new = self._rephrased(f"syncbn: layer {layer} ({phase}): {self.args[0]}", layer=layer)
         new.__cause__ = self.__cause__
         return new
 
