@@ -10,13 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = [
-    "Reduce",
-    "differentiable_backward",
-    "differentiable_input_grads",
-    "joint_input_grads",
-    "reduce_unwrapped",
-]
+__all__ = ["Reduce", "differentiable_backward", "joint_input_grads", "reduce_unwrapped", "replica_total"]
 
 Reduce = Callable[[Tensor, str], Tensor]
 
@@ -92,44 +86,36 @@ def _input_grad(
     return grad_input.to(x.dtype)
 
 
-def differentiable_input_grads(
-    grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any, reduce: Reduce
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
-
-    The statistics are rebuilt from a differentiable sum of ``[sum x, sum x^2]``: the forward's
-    values (``stats``, a :class:`syncbn.engine._math.Stats`) with the rebuild's derivatives.
-    """
-    summed = _DifferentiableSum.apply(_moment_sums(x), reduce, "forward (recomputed for double backward)")
-    xhat, invstd, n = _normalised(x, stats, summed)
-    local = _grad_sums(grad_output, xhat)
-    reduced = _DifferentiableSum.apply(local, reduce, "backward")
-    return _input_grad(grad_output, x, xhat, invstd, weight, reduced, n), local[1], local[0]
-
-
 def joint_input_grads(
-    grads: list[Tensor], xs: list[Tensor], weights: list[Tensor | None], stats: list[Any]
+    grads: list[Tensor],
+    xs: list[Tensor],
+    weights: list[Tensor | None],
+    stats: list[Any],
+    total: Callable[[list[Tensor], str], Tensor],
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """:func:`differentiable_input_grads` of ``nn.DataParallel`` replicas, all held by one thread.
+    """Each member's ``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight``, ``dy``.
 
-    The group's sums are plain sums of the replicas' tensors in replica order (on the first's
-    device): differentiable by autograd itself, whatever the order of the gradient.
+    ``total(parts, phase)`` sums the members' tensors over the group, differentiably. The statistics
+    are rebuilt from the summed ``[sum x, sum x^2]``: the forward's values (``stats``, each a
+    :class:`syncbn.engine._math.Stats`) with the rebuild's derivatives.
     """
-
-    def total(parts: list[Tensor]) -> Tensor:
-        out = parts[0]
-        for part in parts[1:]:
-            out = out + part.to(out.device)
-        return out
-
-    summed = total([_moment_sums(x) for x in xs])
+    summed = total([_moment_sums(x) for x in xs], "forward (recomputed for double backward)")
     normalised = [_normalised(x, st, summed) for x, st in zip(xs, stats)]
     local = [_grad_sums(g, norm[0]) for g, norm in zip(grads, normalised)]
-    reduced = total(local)
+    reduced = total(local, "backward")
     return [
         (_input_grad(g, x, xhat, invstd, w, reduced, n), part[1], part[0])
         for g, x, w, (xhat, invstd, n), part in zip(grads, xs, weights, normalised, local)
     ]
+
+
+def replica_total(parts: list[Tensor], phase: str) -> Tensor:
+    """The ``nn.DataParallel`` replicas' sum, all held by one thread: plain sums in replica order (on
+    the first's device), differentiable by autograd itself whatever the order of the gradient."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part.to(out.device)
+    return out
 
 
 def differentiable_backward(
@@ -137,7 +123,12 @@ def differentiable_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The engine's backward with ``create_graph=True`` from its ``ctx``, each gradient where needed."""
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-    gi, gw, gb = differentiable_input_grads(grad_output, x, weight, ctx.stats, reduce)
+
+    def total(parts: list[Tensor], phase: str) -> Tensor:
+        summed: Tensor = _DifferentiableSum.apply(parts[0], reduce, phase)
+        return summed
+
+    ((gi, gw, gb),) = joint_input_grads([grad_output], [x], [weight], [ctx.stats], total)
     if ctx.correction is not None:
         gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
     return (

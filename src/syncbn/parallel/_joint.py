@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .. import _accumulating
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
 from ..engine import _math
-from ..engine._double_backward import joint_input_grads
+from ..engine._double_backward import joint_input_grads, replica_total
 from ..engine._function import Params, inplace_abn_apply, synchronized_forward
 from ..engine._math import finish_input_grad, local_grad_sums
 from ..engine._rules import gradient_dtype
@@ -207,23 +207,11 @@ def _joint_input_grads(
     ctx: Any, grads: list[Tensor], xs: list[Tensor], weights: list[Tensor | None], idle: tuple[Tensor, ...]
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`joint_input_grads` of the active replicas, the others (constants, zero gradient) included."""
-    active = ctx.active
-    if len(idle) == 0:
-        return joint_input_grads(grads, xs, weights, ctx.stats)
-    all_grads, all_xs, all_weights = [], [], []
-    rest = iter(idle)
-    for k in range(len(ctx.stats)):
-        if k in active:
-            i = active.index(k)
-            all_grads.append(grads[i])
-            all_xs.append(xs[i])
-            all_weights.append(weights[i])
-        else:
-            x = next(rest)
-            all_grads.append(torch.zeros_like(x))
-            all_xs.append(x)
-            all_weights.append(None)
-    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats)
+    active, rest = ctx.active, iter(idle)
+    all_xs = [xs[active.index(k)] if k in active else next(rest) for k in range(len(ctx.stats))]
+    all_grads = [grads[active.index(k)] if k in active else torch.zeros_like(x) for k, x in enumerate(all_xs)]
+    all_weights = [weights[active.index(k)] if k in active else None for k in range(len(ctx.stats))]
+    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total)
     return [joint[k] for k in active]
 
 
