@@ -134,23 +134,21 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
     ) -> Any:  # type: ignore[override]
-        eps, group, token, family = params.eps, params.group, params.layer, params.family
-        in_place = family is not None and family.in_place
         out, mean, var, invstd, unbiased, total, weight, bias, correction = _traced_forward(
             x, weight, bias, params
         )
-        training = total is not None
+        in_place = params.family is not None and params.family.in_place
         if in_place:
             ctx.mark_dirty(x)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it); ctx.present
         # says which of the optional ones are, the family's (r, d) follow when it has a correction.
-        ctx.eps, ctx.family, ctx.group = eps, family, group
-        optional = (total if training else None, weight, bias if in_place else None, token)
+        ctx.eps, ctx.family, ctx.group = params.eps, params.family, params.group
+        optional = (total, weight, bias if in_place else None, params.layer)
         ctx.present = [t is not None for t in optional]
         extra = [t for t in (*optional, *(correction or ())) if t is not None]
         ctx.save_for_backward(out if in_place else x, mean, invstd, *extra)
         ctx.param_dtype = _rules.gradient_dtype(weight, bias, mean)
-        if not training:
+        if total is None:  # the in-place family in eval
             return out
         ctx.mark_non_differentiable(mean, unbiased, total, var)
         return out, mean, unbiased, total, var
@@ -204,7 +202,7 @@ def sync_batch_norm(
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
     _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
     traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)
-    return out  # type: ignore[no-any-return]
+    return out
 
 
 def traced_inplace_abn(
@@ -215,16 +213,14 @@ def traced_inplace_abn(
     With grad disabled (``torch.no_grad()``, inference) the traced forward runs without the
     autograd Function: dynamo traces ``ctx.mark_dirty`` only under ``Function.apply`` with grad on.
     """
-    if not torch.is_grad_enabled():  # the same operations, no autograd state
-        forward = _traced_forward(x, weight, bias, params)
-        out, mean, unbiased, total, var = x, forward.mean, forward.unbiased, forward.total, forward.var
-        if total is None or unbiased is None:  # eval
-            return out
-    elif not params.family.training:
-        out = _TracedSyncBatchNorm.apply(x, weight, bias, params)
-        return out
-    else:
-        out, mean, unbiased, total, var = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    if torch.is_grad_enabled():
+        result = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    else:  # the same operations, no autograd state
+        f = _traced_forward(x, weight, bias, params)
+        result = x if f.total is None else (x, f.mean, f.unbiased, f.total, f.var)
+    if not params.family.training:  # eval: the output alone
+        return result
+    out, mean, unbiased, total, var = result
     if params.group:  # syncbn.accumulation (local layers are seen by its forward hooks)
         _accumulating.observe(params.running_mean, total, mean, var, params.momentum)
     with torch.no_grad():

@@ -28,14 +28,12 @@ class _DifferentiableSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        summed: Tensor = _DifferentiableSum.apply(grad, ctx.reduce, ctx.phase)
-        return summed, None, None
+        return _DifferentiableSum.apply(grad, ctx.reduce, ctx.phase), None, None
 
 
 def reduce_unwrapped(tensor: Tensor, reduce: Reduce) -> Tensor:
     """``reduce(tensor, "backward")`` on the plain tensor under torch.func's wrappers (a Function unwraps)."""
-    summed: Tensor = _DifferentiableSum.apply(tensor, reduce, "backward")
-    return summed
+    return _DifferentiableSum.apply(tensor, reduce, "backward")
 
 
 def _moment_sums(x: Tensor) -> Tensor:
@@ -125,8 +123,7 @@ def differentiable_backward(
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
 
     def total(parts: list[Tensor], phase: str) -> Tensor:
-        summed: Tensor = _DifferentiableSum.apply(parts[0], reduce, phase)
-        return summed
+        return _DifferentiableSum.apply(parts[0], reduce, phase)
 
     ((gi, gw, gb),) = joint_input_grads([grad_output], [x], [weight], [ctx.stats], total)
     if ctx.correction is not None:

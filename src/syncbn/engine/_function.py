@@ -136,8 +136,7 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
     """Sum ``tensor`` over ``group``, framed with the layer's identity and ``phase``: every collective."""
     try:
         if through_join(group):
-            result: Tensor = _joining.all_reduce(tensor)
-            return result
+            return _joining.all_reduce(tensor)
         if type(group) is ProcessGroupSum:
             tag = Tag(_checks.layer_identity(layer, group), _PHASE_CODES.get(phase, PHASE_OTHER))
             deferred = not _host_side(tensor) and not _config.debug_enabled()
@@ -387,8 +386,7 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
         x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params, box: _Pending
     ) -> Tensor:  # type: ignore[override]
         box.result, box.call = run_forward(x, weight, bias, params)
-        out: Tensor = box.result.out
-        return out
+        return box.result.out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -435,7 +433,5 @@ def inplace_abn_apply(
 def apply(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
     """The engine's autograd Function applied: the ``setup_context`` form under torch.func's transforms."""
     if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
-        out: Tensor = TransformableSyncBatchNormFunction.apply(x, weight, bias, params, _Pending())
-        return out
-    out = SyncBatchNormFunction.apply(x, weight, bias, params)
-    return out
+        return TransformableSyncBatchNormFunction.apply(x, weight, bias, params, _Pending())
+    return SyncBatchNormFunction.apply(x, weight, bias, params)
