@@ -69,19 +69,6 @@ def check_activation(activation: str, param: float, *, in_place: bool = True) ->
         raise ValueError(f"expected activation one of {names} (got {activation!r})")
 
 
-def _kernel_layout(x: Tensor) -> bool:
-    """Whether torch's CPU batch norm kernel may write its output over ``x``: contiguous or channels-last.
-
-    On any other layout (a channel-strided view ``t[:, ::2]``, a permutation) it reads values it
-    already overwrote: a wrong output and wrong running statistics.
-    """
-    return (
-        x.is_contiguous()
-        or x.is_contiguous(memory_format=torch.channels_last)
-        or x.is_contiguous(memory_format=torch.channels_last_3d)
-    )
-
-
 def check_writable(x: Tensor, what: str) -> None:
     """Raise before anything changes when ``x`` cannot be overwritten (under autograd, or at all)."""
     if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
@@ -253,13 +240,14 @@ class InPlaceABN(NamedTuple):
         """Without a group: ``nn.BatchNorm``'s own training kernel over ``x``, then the activation."""
         scale = abs_scale(weight, eps)
         b = None if bias is None else bias.detach()
-        if x.device.type == "cpu" and _kernel_layout(x):  # the CPU kernel reads x before writing over it
+        # On a contiguous or channels-last x the CPU kernel reads each value before writing over it.
+        if x.device.type == "cpu" and _math.memory_format(x) is not None:
             invstd = torch.empty(x.shape[1], dtype=stat)
             torch.ops.aten.native_batch_norm.out(
                 x, scale, b, running_mean, running_var, True, momentum, eps,
                 out=x, save_mean=torch.empty_like(invstd), save_invstd=invstd,
             )  # fmt: skip
-        else:  # (any other layout: the CPU kernel written over x would read values it already wrote)
+        else:  # (any other layout, e.g. t[:, ::2]: it would read values it already wrote)
             out, _, invstd = torch.native_batch_norm(
                 x, scale, b, running_mean, running_var, True, momentum, eps
             )
