@@ -172,6 +172,8 @@ class _JointBatchNorm(torch.autograd.Function):
         saved = ctx.saved_tensors
         xs, weights, biases = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
         needs = ctx.needs_input_grad[2:]
+        extras = [(w,) for w in weights] if in_place else ctx.corrections  # family.parameter_grads' args
+        grad_inputs: list[Tensor | None] = [None] * size
         if not in_place and torch.is_grad_enabled() and stats[0].total:  # create_graph=True
             own = saved[3 * size : 3 * size + ctx.n_own]
             if own:  # the effective scale from the differentiable weight
@@ -179,28 +181,32 @@ class _JointBatchNorm(torch.autograd.Function):
             joint = _joint_input_grads(
                 ctx, list(grads), list(xs), list(weights), saved[3 * size + ctx.n_own :]
             )
-            grad_inputs: list[Tensor | None] = [j[0] if needs[k] else None for k, j in enumerate(joint)]
-            sums = [(j[2], j[1]) for j in joint]
-            return _parameter_grads(ctx, sums, needs, grad_inputs)
-        if in_place:  # the family's local reduction, recovering xhat from each output
-            parts = [family.grad_sums(xs[k], grads[k], weights[k], biases[k], stats[k]) for k in range(size)]
-            sums = [(p[1], p[2]) for p in parts]
+            grad_inputs = [j[0] if needs[k] else None for k, j in enumerate(joint)]
+            sums: list[Any] = [(j[2], j[1]) for j in joint]
         else:
-            sums = [local_grad_sums(grads[k], xs[k], weights[k], stats[k]) for k in range(size)]
-        reduced = ordered_sum([_math.pack_grad_sums(*s) for s in sums])  # replica order: reproducible
-        grad_inputs = []
-        for k in range(size):
-            if not needs[k]:
-                grad_inputs.append(None)
-            elif in_place:
-                grad_inputs.append(
-                    family.input_grad(xs[k], weights[k], biases[k], stats[k], parts[k][0], reduced)
-                )
+            if in_place:  # the family's local reduction, recovering xhat from each output
+                parts = [
+                    family.grad_sums(xs[k], grads[k], weights[k], biases[k], stats[k]) for k in range(size)
+                ]
             else:
-                grad_inputs.append(finish_input_grad(grads[k], xs[k], weights[k], stats[k], reduced))
-        if in_place:
-            sums = [family.parameter_grads(*sums[k], weights[k])[::-1] for k in range(size)]
-        return _parameter_grads(ctx, sums, needs, grad_inputs)
+                parts = [(None, *local_grad_sums(grads[k], xs[k], weights[k], stats[k])) for k in range(size)]
+            sums = [p[1:] for p in parts]
+            reduced = ordered_sum([_math.pack_grad_sums(*s) for s in sums])  # replica order: reproducible
+            for k in range(size):
+                if needs[k] and in_place:
+                    grad_inputs[k] = family.input_grad(
+                        xs[k], weights[k], biases[k], stats[k], parts[k][0], reduced
+                    )
+                elif needs[k]:
+                    grad_inputs[k] = finish_input_grad(grads[k], xs[k], weights[k], stats[k], reduced)
+        for k, extra in enumerate(extras):  # (sum dy, sum dy * xhat) -> the family's (dbias, dweight)
+            if extra is not None:
+                sums[k] = family.parameter_grads(*sums[k], *extra)[::-1]
+        grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
+        grad_biases = [
+            sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)
+        ]
+        return (None, None, *grad_inputs, *grad_weights, *grad_biases)
 
 
 def _joint_input_grads(
@@ -213,16 +219,3 @@ def _joint_input_grads(
     all_weights = [weights[active.index(k)] if k in active else None for k in range(len(ctx.stats))]
     joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total)
     return [joint[k] for k in active]
-
-
-def _parameter_grads(
-    ctx: Any, sums: list[Any], needs: tuple[bool, ...], grad_inputs: list[Tensor | None]
-) -> tuple[Tensor | None, ...]:
-    """The node's gradients from each replica's ``(sum dy, sum dy * xhat)`` (a correction applied)."""
-    size = ctx.size
-    for k, correction in enumerate(ctx.corrections):
-        if correction is not None and not (ctx.family is not None and ctx.family.in_place):
-            sums[k] = ctx.family.parameter_grads(*sums[k], *correction)[::-1]
-    grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
-    grad_biases = [sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)]
-    return (None, None, *grad_inputs, *grad_weights, *grad_biases)
