@@ -109,7 +109,7 @@ def _traced_forward(
         family.traced_forward_(x, weight, bias, mean, invstd, eps)
         out = x
     else:
-        dims, shape = _layout(x)
+        shape = _math.broadcast_shape(x)
         comp = _compute_dtype(x, stat)
         correction = None if family is None else family.correction(mean, var, eps)
         if correction is not None:  # the family's effective affine map; (r, d) constants

@@ -49,10 +49,8 @@ class Params(NamedTuple):
 
 
 def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any, family: Any = None) -> ValueError:
-    in_place = family is not None and family.in_place
-    return one_value_error(
-        x, group.size, "member(s) of the group" if in_place else "ranks of the group", layer
-    )
+    members = "member(s) of the group" if family is not None and family.in_place else "ranks of the group"
+    return one_value_error(x, group.size, members, layer)
 
 
 class Moments(NamedTuple):
