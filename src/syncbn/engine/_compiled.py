@@ -18,8 +18,6 @@ from .. import _accumulating
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
 
-__all__ = ["sync_batch_norm", "traced_inplace_abn", "traced_moments", "traced_update_running"]
-
 
 def _layout(x: Tensor) -> tuple[list[int], list[int]]:
     return [0, *range(2, x.dim())], [1, x.shape[1]] + [1] * (x.dim() - 2)

@@ -10,8 +10,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = ["Reduce", "differentiable_backward", "joint_input_grads", "reduce_unwrapped", "replica_total"]
-
 Reduce = Callable[[Tensor, str], Tensor]
 
 

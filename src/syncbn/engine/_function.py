@@ -29,8 +29,6 @@ from ._double_backward import differentiable_backward, reduce_unwrapped
 from ._math import Stats, finish_input_grad, local_grad_sums
 from ._rules import gradient_dtype, one_value_error, statistics_dtype
 
-__all__ = ["LOCAL", "Params", "SyncBatchNormFunction", "inplace_abn_apply", "synchronized_forward"]
-
 
 class Params(NamedTuple):
     """A training call's arguments besides ``x``, ``weight`` and ``bias``, built once at the entry.

@@ -14,26 +14,6 @@ from torch import Tensor
 from . import _packing
 from ._packing import _ONES, MomentBuffer, moment_buffer, pack_grad_sums, pack_moments, unpack_moments  # noqa: F401
 
-__all__ = [
-    "accumulation_dtype",
-    "broadcast_shape",
-    "cast",
-    "local_moments",
-    "memory_format",
-    "uses_native_statistics",
-    "MomentBuffer",
-    "moment_buffer",
-    "pack_moments",
-    "unpack_moments",
-    "update_running",
-    "Stats",
-    "backward_sums",
-    "pack_grad_sums",
-    "input_grad",
-    "local_grad_sums",
-    "finish_input_grad",
-]
-
 _LOW_PRECISION = _packing._LOW_PRECISION
 
 

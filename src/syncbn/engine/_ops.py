@@ -38,15 +38,6 @@ from .. import _checks, groups
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_NAMES, PHASE_OTHER
 from . import _function, _rules
 
-__all__ = [
-    "CHECK_ONE_VALUE",
-    "all_reduce_sum",
-    "group_handle",
-    "layer_token",
-    "snapshot",
-    "tracing_a_checkpointed_region",
-]
-
 CHECK_ONE_VALUE = 1  # flags bit: raise the one-value error when the summed count (element 0) is 1
 
 # handle -> a weak reference to its SumGroup (0: no group; handles are never reused), so a

@@ -15,18 +15,6 @@ from torch import Tensor
 
 from ..engine import _math
 
-__all__ = [
-    "ABNStats",
-    "ACTIVATIONS",
-    "DOUBLE_BACKWARD",
-    "InPlaceABN",
-    "activate_",
-    "check_activation",
-    "check_call",
-    "check_writable",
-    "recover",
-]
-
 DOUBLE_BACKWARD = (
     "syncbn: double backward (create_graph=True) through an in-place activated batch norm "
     "(InPlaceABN/InPlaceABNSync/InPlaceSyncBatchNorm) is not supported: its backward recovers its "

@@ -22,8 +22,6 @@ from ..engine._rules import gradient_dtype
 from ..engine._rules import one_value_error as engine_one_value_error
 from ..families.inplace_abn import DOUBLE_BACKWARD, check_writable
 
-__all__ = ["replica_batch_norm"]
-
 
 class Replication(Protocol):
     """What a replica's forward needs from its replication."""

@@ -22,8 +22,6 @@ from .._config import MAX_TIMEOUT_S
 from .._threads import Rendezvous
 from ._joint import replica_batch_norm
 
-__all__ = ["attach_replica", "get_replica_timeout", "replicate_call", "set_replica_timeout"]
-
 _timeout = 120.0
 
 
