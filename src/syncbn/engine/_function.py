@@ -173,8 +173,11 @@ def synchronized_forward(
     stat_dtype = statistics_dtype(x, weight, params.running_mean)
     if family is not None and family.in_place:  # written over x: eval, nn.BatchNorm's kernel alone, or synced
         running_mean, running_var = params.running_mean, params.running_var
-        if not family.training:
-            stats = family.eval_forward_(x, weight, bias, running_mean, running_var, eps, stat_dtype)
+        if not family.training:  # the running statistics (total 0: no update)
+            assert running_mean is not None and running_var is not None  # (checked by check_call)
+            count = x.numel() // x.shape[1] if x.shape[1] else 0
+            mean, var = _math.cast(running_mean, stat_dtype), _math.cast(running_var, stat_dtype)
+            stats = family.forward_(x, weight, bias, Moments(mean, var, var, 0.0, count, 0.0), eps)
         elif reduce is None and x.shape[1] and x.numel() // x.shape[1] > 1:
             stats = family.native_forward_(
                 x, weight, bias, running_mean, running_var, params.momentum, eps, stat_dtype

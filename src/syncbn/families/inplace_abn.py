@@ -183,36 +183,15 @@ class InPlaceABN(NamedTuple):
         """The output is written over the input (the engine marks it dirty and saves the output)."""
         return True
 
-    def _write_(
-        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
-    ) -> None:
-        a, c = affine_coefficients(abs_scale(weight, eps), bias, mean, var, eps)
-        activate_(x, a, c, self.activation, self.param)
-
     def forward_(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, moments: Any, eps: float
     ) -> ABNStats:
-        """``x <- act(x * a + c)`` with the global ``moments`` (see :func:`affine_coefficients`)."""
+        """``x <- act(x * a + c)`` with ``moments``' mean and biased variance, the global batch's in
+        training, the running ones in eval (see :func:`affine_coefficients`)."""
         if moments.local_count > 0:
-            self._write_(x, weight, bias, moments.mean, moments.var, eps)
-        return ABNStats((moments.var + eps).rsqrt(), eps, moments.total, moments.local_count, True)
-
-    def eval_forward_(
-        self,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor,
-        running_var: Tensor,
-        eps: float,
-        stat: torch.dtype,
-    ) -> ABNStats:
-        """Eval: the elementwise forward with the running statistics (in ``stat``); no update."""
-        count = x.numel() // x.shape[1] if x.shape[1] else 0
-        mean, var = _math.cast(running_mean, stat), _math.cast(running_var, stat)
-        if count > 0:
-            self._write_(x, weight, bias, mean, var, eps)
-        return ABNStats((var + eps).rsqrt(), eps, 0.0, count, False)
+            a, c = affine_coefficients(abs_scale(weight, eps), bias, moments.mean, moments.var, eps)
+            activate_(x, a, c, self.activation, self.param)
+        return ABNStats((moments.var + eps).rsqrt(), eps, moments.total, moments.local_count, self.training)
 
     def native_forward_(
         self,
