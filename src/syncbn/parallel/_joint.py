@@ -57,10 +57,10 @@ def replica_batch_norm(
     """
     rendezvous = replication.rendezvous()
     tracking = bool(layer.track_running_stats)
-    running_mean = layer.running_mean if tracking else None
-    running_var = layer.running_var if tracking else None
+    running_mean, running_var, batches = (
+        (layer.running_mean, layer.running_var, layer.num_batches_tracked) if tracking else (None, None, None)
+    )
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
-    batches = layer.num_batches_tracked if tracking else None
     if family is None:
         family_call = getattr(layer, "_family_call", None)
         family = None if family_call is None else family_call()
@@ -99,9 +99,7 @@ def replica_batch_norm(
     if in_place and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
     record = _Record(x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad)
-    outputs = rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)
-    out: Tensor = outputs[rank]
-    return out
+    return rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)[rank]
 
 
 def _join(records: list[_Record]) -> list[Tensor]:
@@ -112,13 +110,13 @@ def _join(records: list[_Record]) -> list[Tensor]:
     gradient is zero.
     """
     active = [k for k, r in enumerate(records) if r.needs_grad]
+    joined = [r.y for r in records]
     if not active:
-        return [r.y for r in records]
+        return joined
     tensors = [records[k].x for k in active] + [records[k].weight for k in active]
     tensors += [records[k].bias for k in active]
     with torch.enable_grad():
         outputs = _JointBatchNorm.apply(records, active, *tensors)
-    joined = [r.y for r in records]
     for k, out in zip(active, outputs):
         joined[k] = out
     return joined
