@@ -90,17 +90,16 @@ def _traced_forward(
     """The forward of :class:`_TracedSyncBatchNorm`, traced operations only (no autograd state)."""
     eps, group, token, family = params.eps, params.group, params.layer, params.family
     in_place = family is not None and family.in_place
-    running = None
-    if in_place and params.running_mean is not None and params.running_var is not None:
-        running = (params.running_mean, params.running_var)
+    running_mean, running_var = params.running_mean, params.running_var
+    tracked = in_place and running_mean is not None and running_var is not None
     # (the running statistics' dtype counts for the in-place family only)
-    stat = _rules.statistics_dtype(x, weight, None if running is None else running[0])
+    stat = _rules.statistics_dtype(x, weight, running_mean if tracked else None)
     total = unbiased = None
     if not in_place or family.training:
         total, mean, var, unbiased = traced_moments(x, group, token, stat)
-    else:
-        assert running is not None
-        mean, var = running[0].to(stat), running[1].to(stat)
+    else:  # eval: the running statistics (the layer has them)
+        assert running_mean is not None and running_var is not None
+        mean, var = running_mean.to(stat), running_var.to(stat)
     invstd = torch.rsqrt(var + eps)
     correction = None
     if in_place:  # the family's elementwise forward, written over x

@@ -256,8 +256,7 @@ class InPlaceABN(NamedTuple):
         a = s * _math.cast(stats.invstd, acc)
         if reduced is None:
             return torch.mul(dz, a.view(shape)).to(dtype)
-        count = stats.total
-        n = count if isinstance(count, float) else count.to(acc)
+        n = stats.total if isinstance(stats.total, float) else stats.total.to(acc)
         sums = _math.cast(reduced.to(z.device), acc)
         b_coef = -a / s * sums[1] / n
         c_coef = -a * sums[0] / n
