@@ -133,8 +133,7 @@ class _Replication:
         """Copy the replica's running statistics into the layer the user holds."""
         with torch.no_grad():
             for key in ("running_mean", "running_var", "num_batches_tracked"):
-                mine = replica._buffers.get(key)
-                theirs = self.master._buffers.get(key)
+                mine, theirs = replica._buffers.get(key), self.master._buffers.get(key)
                 if mine is None or theirs is None:
                     continue
                 if mine.device != theirs.device or mine.data_ptr() != theirs.data_ptr():  # not shared
