@@ -18,8 +18,6 @@ from .. import _accumulating
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
 
-__all__ = ["sync_batch_norm", "traced_inplace_abn", "traced_moments", "traced_update_running"]
-
 
 def _layout(x: Tensor) -> tuple[list[int], list[int]]:
     return [0, *range(2, x.dim())], [1, x.shape[1]] + [1] * (x.dim() - 2)
@@ -92,24 +90,23 @@ def _traced_forward(
     """The forward of :class:`_TracedSyncBatchNorm`, traced operations only (no autograd state)."""
     eps, group, token, family = params.eps, params.group, params.layer, params.family
     in_place = family is not None and family.in_place
-    running = None
-    if in_place and params.running_mean is not None and params.running_var is not None:
-        running = (params.running_mean, params.running_var)
+    running_mean, running_var = params.running_mean, params.running_var
+    tracked = in_place and running_mean is not None and running_var is not None
     # (the running statistics' dtype counts for the in-place family only)
-    stat = _rules.statistics_dtype(x, weight, None if running is None else running[0])
+    stat = _rules.statistics_dtype(x, weight, running_mean if tracked else None)
     total = unbiased = None
     if not in_place or family.training:
         total, mean, var, unbiased = traced_moments(x, group, token, stat)
-    else:
-        assert running is not None
-        mean, var = running[0].to(stat), running[1].to(stat)
+    else:  # eval: the running statistics (the layer has them)
+        assert running_mean is not None and running_var is not None
+        mean, var = running_mean.to(stat), running_var.to(stat)
     invstd = torch.rsqrt(var + eps)
     correction = None
     if in_place:  # the family's elementwise forward, written over x
         family.traced_forward_(x, weight, bias, mean, invstd, eps)
         out = x
     else:
-        dims, shape = _layout(x)
+        shape = _math.broadcast_shape(x)
         comp = _compute_dtype(x, stat)
         correction = None if family is None else family.correction(mean, var, eps)
         if correction is not None:  # the family's effective affine map; (r, d) constants
@@ -134,23 +131,21 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
     ) -> Any:  # type: ignore[override]
-        eps, group, token, family = params.eps, params.group, params.layer, params.family
-        in_place = family is not None and family.in_place
         out, mean, var, invstd, unbiased, total, weight, bias, correction = _traced_forward(
             x, weight, bias, params
         )
-        training = total is not None
+        in_place = params.family is not None and params.family.in_place
         if in_place:
             ctx.mark_dirty(x)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it); ctx.present
         # says which of the optional ones are, the family's (r, d) follow when it has a correction.
-        ctx.eps, ctx.family, ctx.group = eps, family, group
-        optional = (total if training else None, weight, bias if in_place else None, token)
+        ctx.eps, ctx.family, ctx.group = params.eps, params.family, params.group
+        optional = (total, weight, bias if in_place else None, params.layer)
         ctx.present = [t is not None for t in optional]
         extra = [t for t in (*optional, *(correction or ())) if t is not None]
         ctx.save_for_backward(out if in_place else x, mean, invstd, *extra)
         ctx.param_dtype = _rules.gradient_dtype(weight, bias, mean)
-        if not training:
+        if total is None:  # the in-place family in eval
             return out
         ctx.mark_non_differentiable(mean, unbiased, total, var)
         return out, mean, unbiased, total, var
@@ -204,7 +199,7 @@ def sync_batch_norm(
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
     _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
     traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)
-    return out  # type: ignore[no-any-return]
+    return out
 
 
 def traced_inplace_abn(
@@ -215,16 +210,14 @@ def traced_inplace_abn(
     With grad disabled (``torch.no_grad()``, inference) the traced forward runs without the
     autograd Function: dynamo traces ``ctx.mark_dirty`` only under ``Function.apply`` with grad on.
     """
-    if not torch.is_grad_enabled():  # the same operations, no autograd state
-        forward = _traced_forward(x, weight, bias, params)
-        out, mean, unbiased, total, var = x, forward.mean, forward.unbiased, forward.total, forward.var
-        if total is None or unbiased is None:  # eval
-            return out
-    elif not params.family.training:
-        out = _TracedSyncBatchNorm.apply(x, weight, bias, params)
-        return out
-    else:
-        out, mean, unbiased, total, var = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    if torch.is_grad_enabled():
+        result = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    else:  # the same operations, no autograd state
+        f = _traced_forward(x, weight, bias, params)
+        result = x if f.total is None else (x, f.mean, f.unbiased, f.total, f.var)
+    if not params.family.training:  # eval: the output alone
+        return result
+    out, mean, unbiased, total, var = result
     if params.group:  # syncbn.accumulation (local layers are seen by its forward hooks)
         _accumulating.observe(params.running_mean, total, mean, var, params.momentum)
     with torch.no_grad():

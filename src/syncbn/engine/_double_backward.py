@@ -10,14 +10,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-__all__ = [
-    "Reduce",
-    "differentiable_backward",
-    "differentiable_input_grads",
-    "joint_input_grads",
-    "reduce_unwrapped",
-]
-
 Reduce = Callable[[Tensor, str], Tensor]
 
 
@@ -34,21 +26,17 @@ class _DifferentiableSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        summed: Tensor = _DifferentiableSum.apply(grad, ctx.reduce, ctx.phase)
-        return summed, None, None
+        return _DifferentiableSum.apply(grad, ctx.reduce, ctx.phase), None, None
 
 
 def reduce_unwrapped(tensor: Tensor, reduce: Reduce) -> Tensor:
     """``reduce(tensor, "backward")`` on the plain tensor under torch.func's wrappers (a Function unwraps)."""
-    summed: Tensor = _DifferentiableSum.apply(tensor, reduce, "backward")
-    return summed
+    return _DifferentiableSum.apply(tensor, reduce, "backward")
 
 
-def _moment_sums(x: Tensor) -> Tensor:
-    """``[sum x, sum x^2]`` per channel, float64, differentiable in ``x``."""
-    x64 = x.to(torch.float64)
-    dims = [0, *range(2, x.dim())]
-    return torch.stack([x64.sum(dims), (x64 * x64).sum(dims)])
+def _layout(x: Tensor) -> tuple[list[int], list[int]]:
+    """The dimensions a per-channel sum of ``x`` reduces, and the shape a per-channel vector takes."""
+    return [0, *range(2, x.dim())], [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
 def _normalised(x: Tensor, stats: Any, summed: Tensor) -> tuple[Tensor, Tensor, float | Tensor]:
@@ -56,7 +44,6 @@ def _normalised(x: Tensor, stats: Any, summed: Tensor) -> tuple[Tensor, Tensor, 
     the group's differentiable ``[sum x, sum x^2]``."""
     mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
     stat = mean.dtype
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     n: float | Tensor = total.to(torch.float64) if isinstance(total, Tensor) else float(total)
     s, q = summed.to(mean.device).unbind(0)
     mean_d = s / n
@@ -64,72 +51,53 @@ def _normalised(x: Tensor, stats: Any, summed: Tensor) -> tuple[Tensor, Tensor, 
     mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
     var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
     invstd = (var_v + eps).rsqrt()
+    shape = _layout(x)[1]
     return (x.to(stat) - mean_v.view(shape)) * invstd.view(shape), invstd, n
 
 
-def _grad_sums(grad_output: Tensor, xhat: Tensor) -> Tensor:
-    """This member's ``[sum dy, sum dy * xhat]`` (float32 at least: the sum's dtype)."""
-    dims = [0, *range(2, xhat.dim())]
-    dy = grad_output.to(xhat.dtype)
-    local = torch.stack([dy.sum(dims), (dy * xhat).sum(dims)])
-    return local.float() if local.dtype in (torch.float16, torch.bfloat16) else local
-
-
-def _input_grad(
-    grad_output: Tensor,
-    x: Tensor,
-    xhat: Tensor,
-    invstd: Tensor,
-    weight: Tensor | None,
-    reduced: Tensor,
-    n: Any,
-) -> Tensor:
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    reduced = reduced.to(device=xhat.device, dtype=xhat.dtype)
-    scale = invstd if weight is None else invstd * weight.to(xhat.dtype)
-    dy = grad_output.to(xhat.dtype)
-    grad_input = scale.view(shape) * (dy - reduced[0].view(shape) / n - xhat * (reduced[1].view(shape) / n))
-    return grad_input.to(x.dtype)
-
-
-def differentiable_input_grads(
-    grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any, reduce: Reduce
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight`` and ``grad_output``.
-
-    The statistics are rebuilt from a differentiable sum of ``[sum x, sum x^2]``: the forward's
-    values (``stats``, a :class:`syncbn.engine._math.Stats`) with the rebuild's derivatives.
-    """
-    summed = _DifferentiableSum.apply(_moment_sums(x), reduce, "forward (recomputed for double backward)")
-    xhat, invstd, n = _normalised(x, stats, summed)
-    local = _grad_sums(grad_output, xhat)
-    reduced = _DifferentiableSum.apply(local, reduce, "backward")
-    return _input_grad(grad_output, x, xhat, invstd, weight, reduced, n), local[1], local[0]
-
-
 def joint_input_grads(
-    grads: list[Tensor], xs: list[Tensor], weights: list[Tensor | None], stats: list[Any]
+    grads: list[Tensor],
+    xs: list[Tensor],
+    weights: list[Tensor | None],
+    stats: list[Any],
+    total: Callable[[list[Tensor], str], Tensor],
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """:func:`differentiable_input_grads` of ``nn.DataParallel`` replicas, all held by one thread.
+    """Each member's ``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight``, ``dy``.
 
-    The group's sums are plain sums of the replicas' tensors in replica order (on the first's
-    device): differentiable by autograd itself, whatever the order of the gradient.
+    ``total(parts, phase)`` sums the members' tensors over the group, differentiably. The statistics
+    are rebuilt from the summed ``[sum x, sum x^2]``: the forward's values (``stats``, each a
+    :class:`syncbn.engine._math.Stats`) with the rebuild's derivatives.
     """
+    moments = []  # [sum x, sum x^2] per channel, float64, differentiable in x
+    for x in xs:
+        x64, dims = x.to(torch.float64), _layout(x)[0]
+        moments.append(torch.stack([x64.sum(dims), (x64 * x64).sum(dims)]))
+    summed = total(moments, "forward (recomputed for double backward)")
+    terms, local = [], []  # local: each member's [sum dy, sum dy * xhat] (float32 at least)
+    for g, x, st in zip(grads, xs, stats):
+        xhat, invstd, n = _normalised(x, st, summed)
+        dy, dims = g.to(xhat.dtype), _layout(x)[0]
+        sums = torch.stack([dy.sum(dims), (dy * xhat).sum(dims)])
+        local.append(sums.float() if sums.dtype in (torch.float16, torch.bfloat16) else sums)
+        terms.append((dy, xhat, invstd, n))
+    reduced = total(local, "backward")
+    grads_out = []
+    for x, weight, (dy, xhat, invstd, n), part in zip(xs, weights, terms, local):
+        shape = _layout(x)[1]
+        r = reduced.to(device=xhat.device, dtype=xhat.dtype)
+        scale = invstd if weight is None else invstd * weight.to(xhat.dtype)
+        grad_input = scale.view(shape) * (dy - r[0].view(shape) / n - xhat * (r[1].view(shape) / n))
+        grads_out.append((grad_input.to(x.dtype), part[1], part[0]))
+    return grads_out
 
-    def total(parts: list[Tensor]) -> Tensor:
-        out = parts[0]
-        for part in parts[1:]:
-            out = out + part.to(out.device)
-        return out
 
-    summed = total([_moment_sums(x) for x in xs])
-    normalised = [_normalised(x, st, summed) for x, st in zip(xs, stats)]
-    local = [_grad_sums(g, norm[0]) for g, norm in zip(grads, normalised)]
-    reduced = total(local)
-    return [
-        (_input_grad(g, x, xhat, invstd, w, reduced, n), part[1], part[0])
-        for g, x, w, (xhat, invstd, n), part in zip(grads, xs, weights, normalised, local)
-    ]
+def replica_total(parts: list[Tensor], phase: str) -> Tensor:
+    """The ``nn.DataParallel`` replicas' sum, all held by one thread: plain sums in replica order (on
+    the first's device), differentiable by autograd itself whatever the order of the gradient."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part.to(out.device)
+    return out
 
 
 def differentiable_backward(
@@ -137,7 +105,11 @@ def differentiable_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The engine's backward with ``create_graph=True`` from its ``ctx``, each gradient where needed."""
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-    gi, gw, gb = differentiable_input_grads(grad_output, x, weight, ctx.stats, reduce)
+
+    def total(parts: list[Tensor], phase: str) -> Tensor:
+        return _DifferentiableSum.apply(parts[0], reduce, phase)
+
+    ((gi, gw, gb),) = joint_input_grads([grad_output], [x], [weight], [ctx.stats], total)
     if ctx.correction is not None:
         gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
     return (

@@ -29,8 +29,6 @@ from ._double_backward import differentiable_backward, reduce_unwrapped
 from ._math import Stats, finish_input_grad, local_grad_sums
 from ._rules import gradient_dtype, one_value_error, statistics_dtype
 
-__all__ = ["LOCAL", "Params", "SyncBatchNormFunction", "inplace_abn_apply", "synchronized_forward"]
-
 
 class Params(NamedTuple):
     """A training call's arguments besides ``x``, ``weight`` and ``bias``, built once at the entry.
@@ -49,10 +47,8 @@ class Params(NamedTuple):
 
 
 def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any, family: Any = None) -> ValueError:
-    in_place = family is not None and family.in_place
-    return one_value_error(
-        x, group.size, "member(s) of the group" if in_place else "ranks of the group", layer
-    )
+    members = "member(s) of the group" if family is not None and family.in_place else "ranks of the group"
+    return one_value_error(x, group.size, members, layer)
 
 
 class Moments(NamedTuple):
@@ -136,8 +132,7 @@ def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tens
     """Sum ``tensor`` over ``group``, framed with the layer's identity and ``phase``: every collective."""
     try:
         if through_join(group):
-            result: Tensor = _joining.all_reduce(tensor)
-            return result
+            return _joining.all_reduce(tensor)
         if type(group) is ProcessGroupSum:
             tag = Tag(_checks.layer_identity(layer, group), _PHASE_CODES.get(phase, PHASE_OTHER))
             deferred = not _host_side(tensor) and not _config.debug_enabled()
@@ -178,8 +173,11 @@ def synchronized_forward(
     stat_dtype = statistics_dtype(x, weight, params.running_mean)
     if family is not None and family.in_place:  # written over x: eval, nn.BatchNorm's kernel alone, or synced
         running_mean, running_var = params.running_mean, params.running_var
-        if not family.training:
-            stats = family.eval_forward_(x, weight, bias, running_mean, running_var, eps, stat_dtype)
+        if not family.training:  # the running statistics (total 0: no update)
+            assert running_mean is not None and running_var is not None  # (checked by check_call)
+            count = x.numel() // x.shape[1] if x.shape[1] else 0
+            mean, var = _math.cast(running_mean, stat_dtype), _math.cast(running_var, stat_dtype)
+            stats = family.forward_(x, weight, bias, Moments(mean, var, var, 0.0, count, 0.0), eps)
         elif reduce is None and x.shape[1] and x.numel() // x.shape[1] > 1:
             stats = family.native_forward_(
                 x, weight, bias, running_mean, running_var, params.momentum, eps, stat_dtype
@@ -387,8 +385,7 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
         x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params, box: _Pending
     ) -> Tensor:  # type: ignore[override]
         box.result, box.call = run_forward(x, weight, bias, params)
-        out: Tensor = box.result.out
-        return out
+        return box.result.out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -435,7 +432,5 @@ def inplace_abn_apply(
 def apply(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
     """The engine's autograd Function applied: the ``setup_context`` form under torch.func's transforms."""
     if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
-        out: Tensor = TransformableSyncBatchNormFunction.apply(x, weight, bias, params, _Pending())
-        return out
-    out = SyncBatchNormFunction.apply(x, weight, bias, params)
-    return out
+        return TransformableSyncBatchNormFunction.apply(x, weight, bias, params, _Pending())
+    return SyncBatchNormFunction.apply(x, weight, bias, params)

@@ -14,25 +14,6 @@ from torch import Tensor
 from . import _packing
 from ._packing import _ONES, MomentBuffer, moment_buffer, pack_grad_sums, pack_moments, unpack_moments  # noqa: F401
 
-__all__ = [
-    "accumulation_dtype",
-    "broadcast_shape",
-    "cast",
-    "local_moments",
-    "uses_native_statistics",
-    "MomentBuffer",
-    "moment_buffer",
-    "pack_moments",
-    "unpack_moments",
-    "update_running",
-    "Stats",
-    "backward_sums",
-    "pack_grad_sums",
-    "input_grad",
-    "local_grad_sums",
-    "finish_input_grad",
-]
-
 _LOW_PRECISION = _packing._LOW_PRECISION
 
 
@@ -187,7 +168,7 @@ def backward_sums(
 ) -> tuple[Tensor, Tensor]:
     """Local per-channel ``(sum(g), sum(g * xhat))`` in one native pass, in the statistics dtype."""
     if grad_output.dtype in _LOW_PRECISION:
-        layout = _memory_format(x)
+        layout = memory_format(x)
         if layout is not None and not grad_output.is_contiguous(memory_format=layout):
             # The CPU kernel sums 16-bit ``g`` in 16 bits when the formats differ (bfloat16 on torch 2.13).
             grad_output = grad_output.contiguous(memory_format=layout)
@@ -197,7 +178,7 @@ def backward_sums(
     return sum_dy, sum_dy_xhat
 
 
-def _memory_format(x: Tensor) -> torch.memory_format | None:
+def memory_format(x: Tensor) -> torch.memory_format | None:
     """``x``'s dense memory format (contiguous or channels-last), ``None`` for other strides."""
     if _is_channels_last(x):
         return _CHANNELS_LAST[x.dim()]

@@ -38,15 +38,6 @@ from .. import _checks, groups
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_NAMES, PHASE_OTHER
 from . import _function, _rules
 
-__all__ = [
-    "CHECK_ONE_VALUE",
-    "all_reduce_sum",
-    "group_handle",
-    "layer_token",
-    "snapshot",
-    "tracing_a_checkpointed_region",
-]
-
 CHECK_ONE_VALUE = 1  # flags bit: raise the one-value error when the summed count (element 0) is 1
 
 # handle -> a weak reference to its SumGroup (0: no group; handles are never reused), so a
@@ -209,8 +200,7 @@ class _Adjoint(torch.autograd.Function):
         """``args``: the operator's ``(tensor, group, layer, phase, source, flags)``."""
         ctx.group, ctx.layer = args[1], args[2]
         with _BelowAutograd():
-            result: Tensor = _redispatch(keyset & _AFTER_AUTOGRAD, *args)
-        return result
+            return _redispatch(keyset & _AFTER_AUTOGRAD, *args)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -236,16 +226,14 @@ def _all_reduce_autograd(
     :func:`_all_reduce_impl` directly, saving a redispatch; anything else (fake, modes) redispatches.
     """
     if _grad_enabled() and (tensor.requires_grad or (source is not None and source.requires_grad)):
-        out: Tensor = _Adjoint.apply(keyset, tensor, group, layer, phase, source, flags)
-        return out
+        return _Adjoint.apply(keyset, tensor, group, layer, phase, source, flags)
     raw = keyset.raw_repr()
     direct = _direct.get(raw)
     if direct is None:
         direct = _direct[raw] = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _DEVICE_KEYS
     if direct:
         return _all_reduce_impl(tensor, group, layer, phase, source, flags)
-    result: Tensor = _redispatch(keyset & _AFTER_AUTOGRAD, tensor, group, layer, phase, source, flags)
-    return result
+    return _redispatch(keyset & _AFTER_AUTOGRAD, tensor, group, layer, phase, source, flags)
 
 
 _lib.impl("all_reduce_sum", _all_reduce_impl, "CompositeExplicitAutograd")
@@ -256,18 +244,10 @@ _register_fake("syncbn::all_reduce_sum", _all_reduce_fake, lib=_lib)
 _register_effectful_op("syncbn::all_reduce_sum", EffectType.ORDERED)
 
 
-def _snapshot_impl(tensor: Tensor) -> Tensor:
-    """A copy a compiled backward keeps rather than recomputes from a buffer updated in place since."""
-    return tensor.clone()
-
-
-def _snapshot_fake(tensor: Tensor) -> Tensor:
-    return torch.empty_like(tensor)
-
-
+# A copy a compiled backward keeps rather than recomputes from a buffer updated in place since.
 _lib.define("snapshot(Tensor tensor) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
-_lib.impl("snapshot", _snapshot_impl, "CompositeExplicitAutograd")
-_register_fake("syncbn::snapshot", _snapshot_fake, lib=_lib)
+_lib.impl("snapshot", lambda tensor: tensor.clone(), "CompositeExplicitAutograd")
+_register_fake("syncbn::snapshot", lambda tensor: torch.empty_like(tensor), lib=_lib)
 snapshot = torch.ops.syncbn.snapshot.default
 
 
@@ -308,7 +288,7 @@ def all_reduce_sum(
         handle = group_handle(group)
         if not handle:
             return tensor.clone()
-        return _all_reduce_op(tensor, handle, layer_token(layer), code, source, flags)  # type: ignore[no-any-return]
+        return _all_reduce_op(tensor, handle, layer_token(layer), code, source, flags)
     sum_group = groups.resolve(group)
     if sum_group is None:
         return tensor.clone()

@@ -10,16 +10,6 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = [
-    "GradBuffer",
-    "MomentBuffer",
-    "grad_buffer",
-    "moment_buffer",
-    "pack_moments",
-    "unpack_moments",
-    "pack_grad_sums",
-]
-
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Read-only one-element tensors for the head of the packed vector (each saves a call per layer).
 _ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.float64)}

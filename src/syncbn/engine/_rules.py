@@ -11,15 +11,6 @@ from torch import Tensor
 from .. import _checks
 from . import _math
 
-__all__ = [
-    "gradient_dtype",
-    "in_backward",
-    "is_compiling",
-    "one_value_error",
-    "statistics_dtype",
-    "warn_while_tracing",
-]
-
 # torch.compiler.is_compiling exists from torch 2.3 on; torch 2.2 has the dynamo spelling.
 is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id  # torch 2.2 has it (checked)

@@ -15,18 +15,6 @@ from torch import Tensor
 
 from ..engine import _math
 
-__all__ = [
-    "ABNStats",
-    "ACTIVATIONS",
-    "DOUBLE_BACKWARD",
-    "InPlaceABN",
-    "activate_",
-    "check_activation",
-    "check_call",
-    "check_writable",
-    "recover",
-]
-
 DOUBLE_BACKWARD = (
     "syncbn: double backward (create_graph=True) through an in-place activated batch norm "
     "(InPlaceABN/InPlaceABNSync/InPlaceSyncBatchNorm) is not supported: its backward recovers its "
@@ -67,19 +55,6 @@ def check_activation(activation: str, param: float, *, in_place: bool = True) ->
         )
     if activation not in allowed:
         raise ValueError(f"expected activation one of {names} (got {activation!r})")
-
-
-def _kernel_layout(x: Tensor) -> bool:
-    """Whether torch's CPU batch norm kernel may write its output over ``x``: contiguous or channels-last.
-
-    On any other layout (a channel-strided view ``t[:, ::2]``, a permutation) it reads values it
-    already overwrote: a wrong output and wrong running statistics.
-    """
-    return (
-        x.is_contiguous()
-        or x.is_contiguous(memory_format=torch.channels_last)
-        or x.is_contiguous(memory_format=torch.channels_last_3d)
-    )
 
 
 def check_writable(x: Tensor, what: str) -> None:
@@ -208,36 +183,15 @@ class InPlaceABN(NamedTuple):
         """The output is written over the input (the engine marks it dirty and saves the output)."""
         return True
 
-    def _write_(
-        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
-    ) -> None:
-        a, c = affine_coefficients(abs_scale(weight, eps), bias, mean, var, eps)
-        activate_(x, a, c, self.activation, self.param)
-
     def forward_(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, moments: Any, eps: float
     ) -> ABNStats:
-        """``x <- act(x * a + c)`` with the global ``moments`` (see :func:`affine_coefficients`)."""
+        """``x <- act(x * a + c)`` with ``moments``' mean and biased variance, the global batch's in
+        training, the running ones in eval (see :func:`affine_coefficients`)."""
         if moments.local_count > 0:
-            self._write_(x, weight, bias, moments.mean, moments.var, eps)
-        return ABNStats((moments.var + eps).rsqrt(), eps, moments.total, moments.local_count, True)
-
-    def eval_forward_(
-        self,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor,
-        running_var: Tensor,
-        eps: float,
-        stat: torch.dtype,
-    ) -> ABNStats:
-        """Eval: the elementwise forward with the running statistics (in ``stat``); no update."""
-        count = x.numel() // x.shape[1] if x.shape[1] else 0
-        mean, var = _math.cast(running_mean, stat), _math.cast(running_var, stat)
-        if count > 0:
-            self._write_(x, weight, bias, mean, var, eps)
-        return ABNStats((var + eps).rsqrt(), eps, 0.0, count, False)
+            a, c = affine_coefficients(abs_scale(weight, eps), bias, moments.mean, moments.var, eps)
+            activate_(x, a, c, self.activation, self.param)
+        return ABNStats((moments.var + eps).rsqrt(), eps, moments.total, moments.local_count, self.training)
 
     def native_forward_(
         self,
@@ -253,13 +207,14 @@ class InPlaceABN(NamedTuple):
         """Without a group: ``nn.BatchNorm``'s own training kernel over ``x``, then the activation."""
         scale = abs_scale(weight, eps)
         b = None if bias is None else bias.detach()
-        if x.device.type == "cpu" and _kernel_layout(x):  # the CPU kernel reads x before writing over it
+        # On a contiguous or channels-last x the CPU kernel reads each value before writing over it.
+        if x.device.type == "cpu" and _math.memory_format(x) is not None:
             invstd = torch.empty(x.shape[1], dtype=stat)
             torch.ops.aten.native_batch_norm.out(
                 x, scale, b, running_mean, running_var, True, momentum, eps,
                 out=x, save_mean=torch.empty_like(invstd), save_invstd=invstd,
             )  # fmt: skip
-        else:  # (any other layout: the CPU kernel written over x would read values it already wrote)
+        else:  # (any other layout, e.g. t[:, ::2]: it would read values it already wrote)
             out, _, invstd = torch.native_batch_norm(
                 x, scale, b, running_mean, running_var, True, momentum, eps
             )
@@ -301,8 +256,7 @@ class InPlaceABN(NamedTuple):
         a = s * _math.cast(stats.invstd, acc)
         if reduced is None:
             return torch.mul(dz, a.view(shape)).to(dtype)
-        count = stats.total
-        n = count if isinstance(count, float) else count.to(acc)
+        n = stats.total if isinstance(stats.total, float) else stats.total.to(acc)
         sums = _math.cast(reduced.to(z.device), acc)
         b_coef = -a / s * sums[1] / n
         c_coef = -a * sums[0] / n

@@ -11,8 +11,6 @@ from typing import Callable, NamedTuple
 
 from torch import Tensor
 
-__all__ = ["Renorm"]
-
 
 class Renorm(NamedTuple):
     """One training call's renorm parameters: the clamps and the running statistics before the update."""

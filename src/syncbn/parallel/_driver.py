@@ -12,8 +12,6 @@ from torch import Tensor, nn
 from .._threads import ReplicaSyncError, ordered_sum
 from ._replication import abandon_replica, replicate_call
 
-__all__ = ["data_parallel", "parallel_apply", "replicate"]
-
 M = TypeVar("M", bound=nn.Module)
 
 

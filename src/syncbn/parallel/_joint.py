@@ -15,14 +15,12 @@ from torch import Tensor, nn
 from .. import _accumulating
 from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
 from ..engine import _math
-from ..engine._double_backward import joint_input_grads
+from ..engine._double_backward import joint_input_grads, replica_total
 from ..engine._function import Params, inplace_abn_apply, synchronized_forward
 from ..engine._math import finish_input_grad, local_grad_sums
 from ..engine._rules import gradient_dtype
 from ..engine._rules import one_value_error as engine_one_value_error
 from ..families.inplace_abn import DOUBLE_BACKWARD, check_writable
-
-__all__ = ["replica_batch_norm"]
 
 
 class Replication(Protocol):
@@ -59,10 +57,10 @@ def replica_batch_norm(
     """
     rendezvous = replication.rendezvous()
     tracking = bool(layer.track_running_stats)
-    running_mean = layer.running_mean if tracking else None
-    running_var = layer.running_var if tracking else None
+    running_mean, running_var, batches = (
+        (layer.running_mean, layer.running_var, layer.num_batches_tracked) if tracking else (None, None, None)
+    )
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
-    batches = layer.num_batches_tracked if tracking else None
     if family is None:
         family_call = getattr(layer, "_family_call", None)
         family = None if family_call is None else family_call()
@@ -101,9 +99,7 @@ def replica_batch_norm(
     if in_place and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
     record = _Record(x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad)
-    outputs = rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)
-    out: Tensor = outputs[rank]
-    return out
+    return rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)[rank]
 
 
 def _join(records: list[_Record]) -> list[Tensor]:
@@ -114,13 +110,13 @@ def _join(records: list[_Record]) -> list[Tensor]:
     gradient is zero.
     """
     active = [k for k, r in enumerate(records) if r.needs_grad]
+    joined = [r.y for r in records]
     if not active:
-        return [r.y for r in records]
+        return joined
     tensors = [records[k].x for k in active] + [records[k].weight for k in active]
     tensors += [records[k].bias for k in active]
     with torch.enable_grad():
         outputs = _JointBatchNorm.apply(records, active, *tensors)
-    joined = [r.y for r in records]
     for k, out in zip(active, outputs):
         joined[k] = out
     return joined
@@ -172,6 +168,8 @@ class _JointBatchNorm(torch.autograd.Function):
         saved = ctx.saved_tensors
         xs, weights, biases = saved[:size], saved[size : 2 * size], saved[2 * size : 3 * size]
         needs = ctx.needs_input_grad[2:]
+        extras = [(w,) for w in weights] if in_place else ctx.corrections  # family.parameter_grads' args
+        grad_inputs: list[Tensor | None] = [None] * size
         if not in_place and torch.is_grad_enabled() and stats[0].total:  # create_graph=True
             own = saved[3 * size : 3 * size + ctx.n_own]
             if own:  # the effective scale from the differentiable weight
@@ -179,62 +177,41 @@ class _JointBatchNorm(torch.autograd.Function):
             joint = _joint_input_grads(
                 ctx, list(grads), list(xs), list(weights), saved[3 * size + ctx.n_own :]
             )
-            grad_inputs: list[Tensor | None] = [j[0] if needs[k] else None for k, j in enumerate(joint)]
-            sums = [(j[2], j[1]) for j in joint]
-            return _parameter_grads(ctx, sums, needs, grad_inputs)
-        if in_place:  # the family's local reduction, recovering xhat from each output
-            parts = [family.grad_sums(xs[k], grads[k], weights[k], biases[k], stats[k]) for k in range(size)]
-            sums = [(p[1], p[2]) for p in parts]
+            grad_inputs = [j[0] if needs[k] else None for k, j in enumerate(joint)]
+            sums: list[Any] = [(j[2], j[1]) for j in joint]
         else:
-            sums = [local_grad_sums(grads[k], xs[k], weights[k], stats[k]) for k in range(size)]
-        reduced = ordered_sum([_math.pack_grad_sums(*s) for s in sums])  # replica order: reproducible
-        grad_inputs = []
-        for k in range(size):
-            if not needs[k]:
-                grad_inputs.append(None)
-            elif in_place:
-                grad_inputs.append(
-                    family.input_grad(xs[k], weights[k], biases[k], stats[k], parts[k][0], reduced)
-                )
+            if in_place:  # the family's local reduction, recovering xhat from each output
+                parts = [
+                    family.grad_sums(xs[k], grads[k], weights[k], biases[k], stats[k]) for k in range(size)
+                ]
             else:
-                grad_inputs.append(finish_input_grad(grads[k], xs[k], weights[k], stats[k], reduced))
-        if in_place:
-            sums = [family.parameter_grads(*sums[k], weights[k])[::-1] for k in range(size)]
-        return _parameter_grads(ctx, sums, needs, grad_inputs)
+                parts = [(None, *local_grad_sums(grads[k], xs[k], weights[k], stats[k])) for k in range(size)]
+            sums = [p[1:] for p in parts]
+            reduced = ordered_sum([_math.pack_grad_sums(*s) for s in sums])  # replica order: reproducible
+            for k in range(size):
+                if needs[k] and in_place:
+                    grad_inputs[k] = family.input_grad(
+                        xs[k], weights[k], biases[k], stats[k], parts[k][0], reduced
+                    )
+                elif needs[k]:
+                    grad_inputs[k] = finish_input_grad(grads[k], xs[k], weights[k], stats[k], reduced)
+        for k, extra in enumerate(extras):  # (sum dy, sum dy * xhat) -> the family's (dbias, dweight)
+            if extra is not None:
+                sums[k] = family.parameter_grads(*sums[k], *extra)[::-1]
+        grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
+        grad_biases = [
+            sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)
+        ]
+        return (None, None, *grad_inputs, *grad_weights, *grad_biases)
 
 
 def _joint_input_grads(
     ctx: Any, grads: list[Tensor], xs: list[Tensor], weights: list[Tensor | None], idle: tuple[Tensor, ...]
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`joint_input_grads` of the active replicas, the others (constants, zero gradient) included."""
-    active = ctx.active
-    if len(idle) == 0:
-        return joint_input_grads(grads, xs, weights, ctx.stats)
-    all_grads, all_xs, all_weights = [], [], []
-    rest = iter(idle)
-    for k in range(len(ctx.stats)):
-        if k in active:
-            i = active.index(k)
-            all_grads.append(grads[i])
-            all_xs.append(xs[i])
-            all_weights.append(weights[i])
-        else:
-            x = next(rest)
-            all_grads.append(torch.zeros_like(x))
-            all_xs.append(x)
-            all_weights.append(None)
-    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats)
+    active, rest = ctx.active, iter(idle)
+    all_xs = [xs[active.index(k)] if k in active else next(rest) for k in range(len(ctx.stats))]
+    all_grads = [grads[active.index(k)] if k in active else torch.zeros_like(x) for k, x in enumerate(all_xs)]
+    all_weights = [weights[active.index(k)] if k in active else None for k in range(len(ctx.stats))]
+    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total)
     return [joint[k] for k in active]
-
-
-def _parameter_grads(
-    ctx: Any, sums: list[Any], needs: tuple[bool, ...], grad_inputs: list[Tensor | None]
-) -> tuple[Tensor | None, ...]:
-    """The node's gradients from each replica's ``(sum dy, sum dy * xhat)`` (a correction applied)."""
-    size = ctx.size
-    for k, correction in enumerate(ctx.corrections):
-        if correction is not None and not (ctx.family is not None and ctx.family.in_place):
-            sums[k] = ctx.family.parameter_grads(*sums[k], *correction)[::-1]
-    grad_weights = [sums[k][1].to(ctx.param_dtype[k]) if needs[size + k] else None for k in range(size)]
-    grad_biases = [sums[k][0].to(ctx.param_dtype[k]) if needs[2 * size + k] else None for k in range(size)]
-    return (None, None, *grad_inputs, *grad_weights, *grad_biases)

@@ -22,8 +22,6 @@ from .._config import MAX_TIMEOUT_S
 from .._threads import Rendezvous
 from ._joint import replica_batch_norm
 
-__all__ = ["attach_replica", "get_replica_timeout", "replicate_call", "set_replica_timeout"]
-
 _timeout = 120.0
 
 
@@ -87,14 +85,6 @@ class _Replication:
         """Number of replicas: as declared by :func:`syncbn.parallel.replicate`, else enrolled so far."""
         return self.declared if self.declared is not None else len(self._members)
 
-    @property
-    def count(self) -> int:
-        return len(self._members)
-
-    @property
-    def started(self) -> bool:
-        return self._rendezvous is not None
-
     def being_made(self) -> bool:
         """Whether every member is alive and still being made: torch's ``replicate`` gives a replica
         its parameters (``None`` ones included) only after making every replica, so a member with
@@ -143,8 +133,7 @@ class _Replication:
         """Copy the replica's running statistics into the layer the user holds."""
         with torch.no_grad():
             for key in ("running_mean", "running_var", "num_batches_tracked"):
-                mine = replica._buffers.get(key)
-                theirs = self.master._buffers.get(key)
+                mine, theirs = replica._buffers.get(key), self.master._buffers.get(key)
                 if mine is None or theirs is None:
                     continue
                 if mine.device != theirs.device or mine.data_ptr() != theirs.data_ptr():  # not shared
@@ -228,11 +217,11 @@ def attach_replica(master: nn.Module, replica: nn.Module) -> None:
         current = _open.get(master)
         if call is not None:
             root, j, n = call
-            joins = current is not None and j > 0 and current.declared == n and current.count == j
+            joins = current is not None and j > 0 and current.declared == n and len(current._members) == j
         else:
             root, n = None, None
             joins = current is not None and current.being_made() and getattr(_local, "last", None) is current
-        if current is None or current.started or not joins:
+        if current is None or current._rendezvous is not None or not joins:
             current = _open[master] = _Replication(master, n, root)
         index = current.add(replica)
         _local.last = current
