@@ -1,6 +1,6 @@
 """The eager hot path's shortcuts give the same bits as the general path they stand in for.
 
-The engine's training entry (``functional.synchronized``) calls ``SyncBatchNormFunction``'s C
+The engine's training entry (``engine._function.apply``) calls ``SyncBatchNormFunction``'s C
 ``apply`` (bound once) and the host's input gradient writes its per-channel
 temporaries into this thread's ``GradBuffer``: both must change nothing but time.
 """
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import syncbn
-from syncbn import functional
-from syncbn.engine import _packing
+from syncbn.engine import _function, _packing
 
 
 class TwoCopies:
@@ -40,14 +39,14 @@ def _step(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def test_c_apply_is_bound() -> None:
-    assert functional._apply_c is not None  # the shortcut is taken on this torch
+    assert _function._apply_c is not None  # the shortcut is taken on this torch
 
 
 @pytest.mark.parametrize("shape", [(16, 32, 8, 8), (64, 128), (4, 3, 5), (3, 4, 2, 3, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_shortcuts_are_bit_identical(shape: tuple[int, ...], dtype: torch.dtype, monkeypatch) -> None:
     fast = _step(shape, dtype)
-    monkeypatch.setattr(functional, "_apply_c", None)  # Function.apply's Python wrapper
+    monkeypatch.setattr(_function, "_apply_c", None)  # Function.apply's Python wrapper
     monkeypatch.setattr(_packing, "grad_buffer", lambda *args: None)  # the input gradient without it
     slow = _step(shape, dtype)
     for a, b in zip(fast, slow):

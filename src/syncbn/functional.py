@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
-from .engine._function import Params, SyncBatchNormFunction, apply
-from .engine._rules import is_compiling
+from .engine._function import Params, apply
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
 
@@ -224,34 +223,10 @@ def sync_batch_norm(
     group = groups.resolve(process_group)
     if group is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
-    return synchronized(input, weight, bias, Params(running_mean, running_var, eps, momentum, group, layer))
+    return apply(input, weight, bias, Params(running_mean, running_var, eps, momentum, group, layer))
 
 
 def check_eps(eps: float) -> None:
     """Raise torch's ``ValueError`` for an ``eps`` that is not positive (training divides by it)."""
     if not eps > 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
-
-
-# SyncBatchNormFunction.apply's C entry, bound once (else ``apply``). Outside torch.func and tracing,
-# Function.apply's Python wrapper only unwraps dead functorch wrappers: synchronized does that, ~3 us less.
-_unwrap_if_dead: Any = getattr(torch._C._functorch, "unwrap_if_dead", None)
-_apply_entry: Any = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
-_apply_c: Any = None
-if _unwrap_if_dead is not None and _apply_entry is not None:
-    _apply_c = _apply_entry.__get__(None, SyncBatchNormFunction)
-
-
-def synchronized(input: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
-    """The training call of :func:`sync_batch_norm` over a resolved group, input already checked.
-
-    ``SyncBatchNorm.forward`` calls this directly (a small layer's time is mostly per-call work);
-    ``params.group`` ``LOCAL`` runs the engine locally (a family without a group). The engine's
-    ``apply`` under torch.func's transforms and tracing.
-    """
-    if _apply_c is None or is_compiling() or torch._C._are_functorch_transforms_active():
-        return apply(input, weight, bias, params)
-    unwrap = _unwrap_if_dead
-    weight = None if weight is None else unwrap(weight)
-    bias = None if bias is None else unwrap(bias)
-    return _apply_c(unwrap(input), weight, bias, params)  # type: ignore[no-any-return]

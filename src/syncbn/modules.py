@@ -14,14 +14,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _fx, groups, parallel
 from ._layer import LayerMixin, dims_doc
 from .engine import _rules
-from .engine._function import LOCAL, Params
+from .engine._function import LOCAL, Params, apply
 
 try:
     from .engine import _compiled, _ops
 except ImportError:  # torch without custom operators: compiled models run the eager layer (graph breaks)
     _ops = None  # type: ignore[assignment]
     _compiled = None  # type: ignore[assignment]
-from .functional import apply_masked, check_eps, check_input, synchronized
+from .functional import apply_masked, check_eps, check_input
 
 # torch >= 2.13 BatchNorm layers take a keyword-only ``bias``.
 _BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
@@ -217,7 +217,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             params = Params(
                 running_mean, running_var, eps, factor, LOCAL if group is None else group, self, family
             )
-            out = synchronized(input, weight, bias, params)
+            out = apply(input, weight, bias, params)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
