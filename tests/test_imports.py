@@ -19,6 +19,7 @@ PACKAGE = "syncbn"
 LAYERS: dict[str, int] = {
     # the shared arithmetic's leaves, the family math, configuration and transports' leaves
     "syncbn._config": 0,
+    "syncbn._errors": 0,  # the channel-count error every check raises
     "syncbn.engine._packing": 0,
     "syncbn.engine._double_backward": 0,
     "syncbn._shm": 0,

@@ -302,3 +302,25 @@ def test_accelerator_flow_on_cpu_matches_batchnorm(monkeypatch: pytest.MonkeyPat
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         ours(torch.randn(1, 3, dtype=torch.float64))
+
+
+def test_a_wrong_channel_count_is_the_runtime_error_torch_raises_and_a_value_error() -> None:
+    """Code written against ``nn.BatchNorm``/``F.batch_norm`` catches ``RuntimeError`` for it."""
+    from syncbn.compat.inplace_abn import inplace_abn
+
+    with pytest.raises(RuntimeError):  # torch's own type, which syncbn's error must also be
+        nn.BatchNorm2d(3)(torch.randn(2, 4, 2, 2))
+    x, three = torch.randn(2, 4, 2, 2), torch.ones(3)
+    calls = {
+        "functional input": lambda: syncbn.functional.sync_batch_norm(x, three, three, training=True),
+        "functional weight": lambda: syncbn.functional.sync_batch_norm(x, None, None, torch.ones(4), three),
+        "layer, training": lambda: syncbn.SyncBatchNorm2d(3)(x),
+        "layer, eval": lambda: syncbn.SyncBatchNorm2d(3).eval()(x),
+        "renorm layer": lambda: syncbn.SyncBatchRenorm2d(3)(x),
+        "in-place layer": lambda: syncbn.InPlaceSyncBatchNorm(3)(x.clone()),
+        "in-place functional": lambda: inplace_abn(x.clone(), three, three, three, three, True),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="channel|elements") as caught:
+            call()
+        assert isinstance(caught.value, ValueError), name

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _fx, groups, parallel
+from ._errors import ChannelCountError
 from ._layer import LayerMixin
 from .engine import _rules
 from .engine._function import Params, inplace_abn_apply
@@ -143,7 +144,7 @@ class ActivatedBatchNormBase(LayerMixin):
             expected = self._input_dims_text or "at least 2D"
             raise ValueError(f"expected {expected} input (got {x.dim()}D input)")
         if x.shape[1] != self.num_features:
-            raise ValueError(
+            raise ChannelCountError(
                 f"expected input with {self.num_features} channels in dimension 1 "
                 f"(got input of size {list(x.shape)})"
             )

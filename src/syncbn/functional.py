@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import groups
+from ._errors import ChannelCountError
 from .engine._function import Params, apply
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
@@ -36,7 +37,8 @@ def check_input(
 
     Raises:
         TypeError: ``input`` is not a floating-point tensor.
-        ValueError: ``input`` has fewer than 2 dimensions or the wrong channel count.
+        ValueError: ``input`` has fewer than 2 dimensions or the wrong channel count (the
+            latter also a ``RuntimeError``, as ``F.batch_norm`` raises).
     """
     if not isinstance(input, Tensor):
         raise TypeError(f"expected a torch.Tensor input (got {type(input).__name__})")
@@ -47,7 +49,7 @@ def check_input(
     if input.dim() < 2:
         raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
     if num_features is not None and input.shape[1] != num_features:
-        raise ValueError(
+        raise ChannelCountError(
             f"expected input with {num_features} channels in dimension 1 "
             f"(got {input.shape[1]} channels, input size {list(input.shape)})"
         )
@@ -182,7 +184,8 @@ def sync_batch_norm(
             shape or device, only one of ``running_mean`` and ``running_var``
             given or an ``eps`` that is not positive in training (as
             ``F.batch_norm``), or (in training, on every rank alike) only one
-            value per channel over the whole group.
+            value per channel over the whole group. A channel count that does not match
+            is also a ``RuntimeError``, the type ``F.batch_norm`` raises for it.
 
     Example::
 
@@ -200,7 +203,7 @@ def sync_batch_norm(
     check_input(input, channels)
     for name, tensor in per_channel.items():  # all of them before any is read or written
         if tensor is not None and tensor.numel() != channels:
-            raise ValueError(
+            raise ChannelCountError(
                 f"expected {name} with {channels} elements, one per channel of the input "
                 f"(got {tensor.numel()} elements)"
             )

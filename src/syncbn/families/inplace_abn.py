@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._errors import ChannelCountError
 from ..engine import _math
 
 DOUBLE_BACKWARD = (
@@ -81,7 +82,7 @@ def check_call(
     if x.dim() < 2:
         raise ValueError(f"expected an input of at least 2 dimensions (N, C, *) (got {x.dim()}D input)")
     if weight is not None and weight.shape[0] != x.shape[1]:
-        raise ValueError(
+        raise ChannelCountError(
             f"expected input with {weight.shape[0]} channels in dimension 1 "
             f"(got input of size {list(x.shape)})"
         )
