@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _accumulating
-from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
-from ..engine import _math
+from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
+from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
 from ..engine._function import Params, inplace_abn_apply, synchronized_forward
 from ..engine._math import finish_input_grad, local_grad_sums
@@ -78,6 +78,14 @@ def replica_batch_norm(
             batches.add_(1)
         replication.publish(layer)
         return single
+
+    if x.is_cpu and _rules.in_backward():  # a checkpoint's recomputation, in the one backward thread
+        raise ReplicaSyncError(
+            f"syncbn: {replication.describe()}: activation checkpointing recomputes replica {rank}'s "
+            "synchronised layer during backward, where the replicas on CPU run their backward in one "
+            "thread and cannot meet to synchronise it again: checkpoint around the whole "
+            "DataParallel model, or leave the synchronised layers out of the checkpointed regions"
+        )
 
     def one_value_error() -> ValueError:
         members = f"replicas of {replication.describe()}"
