@@ -445,6 +445,49 @@ def test_checkpointing_inside_the_replicas_is_a_prompt_clear_error(reentrant: bo
     assert int(layer.num_batches_tracked) == 1
 
 
+class Times(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x * 1.0)  # (an in-place layer must not write over the scattered chunks)
+
+
+@pytest.mark.parametrize("family", ["batchnorm", "renorm", "inplace"])
+def test_a_reentrant_checkpoint_around_the_model_updates_statistics_once(family: str) -> None:
+    # The recomputation runs in the replicas' threads, which cannot see the backward: the
+    # replication made during a backward is one (statistics updated twice before, and renorm's
+    # recomputation read the updated ones: wrong gradients). As the layer checkpointed alone.
+    from torch.utils.checkpoint import checkpoint
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        layer = {
+            "batchnorm": lambda: syncbn.SyncBatchNorm1d(3),
+            "renorm": lambda: syncbn.SyncBatchRenorm1d(3, r_max=1.5, d_max=0.5),
+            "inplace": lambda: syncbn.InPlaceSyncBatchNorm(3, activation="elu", activation_param=0.5),
+        }[family]().double()
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 1.5)
+            layer.running_mean.uniform_(-1.0, 1.0)
+            layer.running_var.uniform_(0.5, 2.0)
+        return layer
+
+    x = torch.randn(8, 3, 2, dtype=torch.float64) * 2 + 1
+    g = torch.randn_like(x)
+    results = []
+    for chunks in (None, [3, 5]):
+        layer = make()
+        model = Times(layer)
+        xx = x.clone().requires_grad_()
+        run = model if chunks is None else (lambda t, m=model, c=chunks: parallel.data_parallel(m, t, c))
+        checkpoint(run, xx, use_reentrant=True).backward(g)
+        results.append([xx.grad, layer.weight.grad, *layer.buffers()])
+    for name, a, b in zip(("dx", "dweight", "running_mean", "running_var", "batches"), *results):
+        assert_close(a, b, name)
+
+
 def test_eval_never_waits() -> None:
     model = Branchy(min_rows=2).eval()
     start = time.monotonic()
