@@ -402,6 +402,92 @@ def test_replica_that_raises_gives_its_error_at_once(failing_chunk) -> None:
         assert any(f"raised in replica {failing_chunk}; replica(s) [{1 - failing_chunk}]" in n for n in notes)
 
 
+class Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_inside_the_replicas_is_a_prompt_clear_error(reentrant: bool) -> None:
+    # On CPU every replica's backward runs in one thread, where the replicas' recomputations can
+    # never meet: syncbn's error at once (the replica timeout and "never reached this layer"
+    # before). A checkpoint around the whole model works (non-reentrant: statistics updated once).
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = syncbn.SyncBatchNorm1d(3).double()
+    model = Checkpointed(nn.Sequential(Scale(3).double(), layer), reentrant)
+    x = torch.randn(8, 3, 2, dtype=torch.float64, requires_grad=True)
+    y = parallel.data_parallel(model, x, [3, 5])
+    start = time.monotonic()
+    with pytest.raises(ReplicaSyncError, match="activation checkpointing recomputes replica"):
+        y.backward(torch.randn_like(y))
+    assert time.monotonic() - start < 0.5
+    if reentrant:
+        return
+    ref = nn.BatchNorm1d(3).double()
+    ref.load_state_dict(layer.state_dict())
+    layer.reset_running_stats()
+    ref.reset_running_stats()
+    g = torch.randn_like(x)
+    x.grad = None
+    checkpoint(lambda t: parallel.data_parallel(layer, t * 1.0, [3, 5]), x, use_reentrant=False).backward(g)
+    xr = x.detach().clone().requires_grad_()
+    ref(xr * 1.0).backward(g)
+    assert_close(x.grad, xr.grad, "input grad")
+    assert_close(layer.running_var, ref.running_var, "running_var")
+    assert int(layer.num_batches_tracked) == 1
+
+
+class Times(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x * 1.0)  # (an in-place layer must not write over the scattered chunks)
+
+
+@pytest.mark.parametrize("family", ["batchnorm", "renorm", "inplace"])
+def test_a_reentrant_checkpoint_around_the_model_updates_statistics_once(family: str) -> None:
+    # The recomputation runs in the replicas' threads, which cannot see the backward: the
+    # replication made during a backward is one (statistics updated twice before, and renorm's
+    # recomputation read the updated ones: wrong gradients). As the layer checkpointed alone.
+    from torch.utils.checkpoint import checkpoint
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        layer = {
+            "batchnorm": lambda: syncbn.SyncBatchNorm1d(3),
+            "renorm": lambda: syncbn.SyncBatchRenorm1d(3, r_max=1.5, d_max=0.5),
+            "inplace": lambda: syncbn.InPlaceSyncBatchNorm(3, activation="elu", activation_param=0.5),
+        }[family]().double()
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 1.5)
+            layer.running_mean.uniform_(-1.0, 1.0)
+            layer.running_var.uniform_(0.5, 2.0)
+        return layer
+
+    x = torch.randn(8, 3, 2, dtype=torch.float64) * 2 + 1
+    g = torch.randn_like(x)
+    results = []
+    for chunks in (None, [3, 5]):
+        layer = make()
+        model = Times(layer)
+        xx = x.clone().requires_grad_()
+        run = model if chunks is None else (lambda t, m=model, c=chunks: parallel.data_parallel(m, t, c))
+        checkpoint(run, xx, use_reentrant=True).backward(g)
+        results.append([xx.grad, layer.weight.grad, *layer.buffers()])
+    for name, a, b in zip(("dx", "dweight", "running_mean", "running_var", "batches"), *results):
+        assert_close(a, b, name)
+
+
 def test_eval_never_waits() -> None:
     model = Branchy(min_rows=2).eval()
     start = time.monotonic()

@@ -721,7 +721,7 @@ def _func_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _func_cases(rank: int, world_size: int, sizes: tuple[int, ...] = (7,)) -> dict[str, object]:
     """``torch.func`` over the layer on this rank's shard of one global batch; errors and messages."""
-    from torch.func import functional_call, grad, vmap
+    from torch.func import functional_call, grad, vjp, vmap
 
     out: dict[str, object] = {}
     layer = _func_layer()
@@ -749,6 +749,27 @@ def _func_cases(rank: int, world_size: int, sizes: tuple[int, ...] = (7,)) -> di
         max_error(buffers["running_mean"], want["rm"]),
         max_error(buffers["running_var"], want["rv"]),
     )
+    # vjp: its function runs backward in grad mode after the transform exited. Training without
+    # running statistics (its collective there), and eval with them.
+    for training in (True, False):
+        fresh = _func_layer().train(training)
+        fresh.track_running_stats = not training
+        running = None if training else (fresh.running_mean, fresh.running_var)
+        want = reference(
+            x, g, fresh.weight, fresh.bias, running, training=training, activation="elu", param=0.5
+        )
+        y, fn = vjp(lambda p, t, m=fresh: functional_call(m, p, (t.clone(),)), params, xs)
+        gp, gx = fn(gs)
+        dw, db = gp["weight"].clone(), gp["bias"].clone()
+        if world_size > 1:
+            torch.distributed.all_reduce(dw)
+            torch.distributed.all_reduce(db)
+        out[f"vjp training={training}"] = max(
+            max_error(y, want["y"][lo : lo + sizes[rank]]),
+            max_error(gx, want["dx"][lo : lo + sizes[rank]]),
+            max_error(dw, want["dw"]),
+            max_error(db, want["db"]),
+        )
     # vmap over batch statistics: syncbn's error, before any state changes.
     before = [t.clone() for t in layer.buffers()]
     try:
@@ -763,6 +784,7 @@ def _func_cases(rank: int, world_size: int, sizes: tuple[int, ...] = (7,)) -> di
 def test_func_grad_vmap_in_training_one_process() -> None:
     result = _func_cases(0, 1)
     assert result["grad"] <= 1e-12
+    assert result["vjp training=True"] <= 1e-12 and result["vjp training=False"] <= 1e-12, result
     assert "torch.func.vmap over an in-place activated batch norm" in str(result["vmap train"])
     assert "(got batch statistics" in str(result["vmap train"]) and result["vmap train state"] == 0.0
 
@@ -772,6 +794,7 @@ def test_func_grad_and_vmap_in_training_on_two_ranks() -> None:
 
     for rank, result in enumerate(launch(_func_cases, 2, (3, 5), timeout=120)):
         assert result["grad"] <= 1e-12, f"rank {rank}: {result}"
+        assert result["vjp training=True"] <= 1e-12 and result["vjp training=False"] <= 1e-12, result
         assert "torch.func.vmap over an in-place activated batch norm" in str(result["vmap train"]), rank
         assert result["vmap train state"] == 0.0
 

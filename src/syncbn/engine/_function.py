@@ -301,13 +301,10 @@ def _in_place_backward(
 def _in_place_backward_under_func(
     ctx: Any, grad_output: Tensor
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """The in-place family's backward with grad on: refused, except under torch.func's transforms.
-
-    ``torch.func.grad``/``vjp`` always build the backward's graph: there the gradients are computed
-    without it, each behind a node whose own backward raises, so only a second differentiation
-    (a nested transform) is refused, never answered with a silently wrong value.
-    """
-    if not torch._C._are_functorch_transforms_active():
+    """The in-place family's backward with grad on: refused, except after a forward under torch.func,
+    whose ``grad``/``vjp`` build the backward's graph (``vjp``'s function after the transform exited):
+    each gradient computed without it, behind a node that refuses a second differentiation."""
+    if not (torch._C._are_functorch_transforms_active() or getattr(ctx, "transformed", False)):
         raise RuntimeError(DOUBLE_BACKWARD)
     with torch.no_grad():
         grads = _backward(ctx, grad_output)
@@ -391,6 +388,7 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         x, weight, bias, params, box = inputs
         _save(ctx, x, weight, bias, box.result, params, box.call)
+        ctx.transformed = True  # (vjp's function runs its backward after the transform exited)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _accumulating
-from .._threads import Rendezvous, ThreadSumGroup, ordered_sum
-from ..engine import _math
+from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
+from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
 from ..engine._function import Params, inplace_abn_apply, synchronized_forward
 from ..engine._math import finish_input_grad, local_grad_sums
@@ -25,6 +25,9 @@ from ..families.inplace_abn import DOUBLE_BACKWARD, check_writable
 
 class Replication(Protocol):
     """What a replica's forward needs from its replication."""
+
+    master: Any  # the layer the user holds
+    recomputing: bool  # made by a checkpoint's recomputation (in a backward): no running update
 
     def rendezvous(self) -> Rendezvous: ...
 
@@ -54,16 +57,24 @@ def replica_batch_norm(
 
     ``momentum`` is this call's running-statistics factor; ``family`` ``None`` means the layer's
     own (``_family_call``) or batch norm. The in-place family overwrites ``x`` with the output.
+    A recomputation (a reentrant checkpoint around the model) leaves the running statistics and
+    ``num_batches_tracked`` as the forward left them, and renorm reads the forward's statistics.
     """
     rendezvous = replication.rendezvous()
-    tracking = bool(layer.track_running_stats)
+    tracking = bool(layer.track_running_stats) and not replication.recomputing
     running_mean, running_var, batches = (
         (layer.running_mean, layer.running_var, layer.num_batches_tracked) if tracking else (None, None, None)
     )
+    if replication.recomputing and layer.track_running_stats:  # updated with factor 0 (the same saves)
+        running_mean, running_var, momentum = layer.running_mean, layer.running_var, 0.0
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
     if family is None:
         family_call = getattr(layer, "_family_call", None)
-        family = None if family_call is None else family_call()
+        family = None if family_call is None else family_call(replication.recomputing)
+        if family is not None and replication.recomputing:  # (the forward's statistics, on x's device)
+            family = family.snapshot(lambda t: t.to(x.device))
+        elif family is not None and rank == 0:  # the user's layer keeps what a recomputation reads
+            replication.master._family_call(False, True)
     in_place = family is not None and family.in_place
 
     # one replica: torch's kernel, unless syncbn.accumulation listens (the engine reports moments)
@@ -78,6 +89,14 @@ def replica_batch_norm(
             batches.add_(1)
         replication.publish(layer)
         return single
+
+    if x.is_cpu and _rules.in_backward():  # a checkpoint's recomputation, in the one backward thread
+        raise ReplicaSyncError(
+            f"syncbn: {replication.describe()}: activation checkpointing recomputes replica {rank}'s "
+            "synchronised layer during backward, where the replicas on CPU run their backward in one "
+            "thread and cannot meet to synchronise it again: checkpoint around the whole "
+            "DataParallel model, or leave the synchronised layers out of the checkpointed regions"
+        )
 
     def one_value_error() -> ValueError:
         members = f"replicas of {replication.describe()}"

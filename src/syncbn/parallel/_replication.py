@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import _checks, groups
 from .._config import MAX_TIMEOUT_S
 from .._threads import Rendezvous
+from ..engine import _rules
 from ._joint import replica_batch_norm
 
 _timeout = 120.0
@@ -79,6 +80,9 @@ class _Replication:
         self._rendezvous: Rendezvous | None = None
         self._abandoned: str | None = None  # why a member will never come again
         self._lock = threading.Lock()
+        # Made while autograd runs a backward on this thread: a reentrant checkpoint recomputing a
+        # forward around the DataParallel model (its replicas run in threads that cannot tell).
+        self.recomputing = _rules.in_backward()
 
     @property
     def expected(self) -> int:
