@@ -89,6 +89,18 @@ def test_recompute_single_process_gives_population_statistics_and_restores_the_r
     syncbn.recompute_running_stats(model, iter(batches), progress=False)  # no len(): fine
     assert capsys.readouterr().err == ""
 
+    # a DataLoader of an IterableDataset: its __len__ raises TypeError; the bar counts without a total
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return iter(torch.cat(batches))
+
+    for progress in (False, True):
+        loader = torch.utils.data.DataLoader(Stream(), batch_size=6)
+        syncbn.recompute_running_stats(model, loader, progress=progress)
+        first = _bn(model)[0]  # the first layer's inputs do not depend on how the data are batched
+        torch.testing.assert_close(first.running_var, expected[0].var(0), rtol=0, atol=1e-12)
+    assert "syncbn.recompute_running_stats: 3 batches" in capsys.readouterr().err
+
 
 def test_recompute_differs_from_averaging_batch_variances() -> None:
     model = _net()

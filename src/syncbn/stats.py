@@ -205,7 +205,10 @@ def _storages(batch: Any) -> set[int]:
 
 def _with_progress(batches: Iterable[Any], enabled: bool) -> Iterator[Any]:
     """``batches``, with a one-line progress bar on stderr (``enabled``) redrawn at most 10 times a second."""
-    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    try:  # a DataLoader of an IterableDataset has a __len__ that raises TypeError
+        total = len(batches) if enabled else None  # type: ignore[arg-type]
+    except TypeError:
+        total = None
     start, last, done = time.monotonic(), 0.0, 0
 
     def draw(now: float, end: str) -> None:
