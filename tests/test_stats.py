@@ -252,6 +252,20 @@ def _stats_ranks(rank: int, world_size: int) -> dict[str, Any]:
         out["mismatch"] = "no error"
     except ValueError as exc:
         out["mismatch"] = str(exc)
+    # ... of different total sizes: the transport's mismatch, named for the tool, on every rank
+    odd_sizes = nn.Sequential(nn.BatchNorm1d(2 + rank)).double()
+    before = [b.clone() for b in odd_sizes.buffers()]
+    out["size_mismatch"] = []
+    for tool in ("sync", "recompute"):
+        try:
+            if tool == "sync":
+                syncbn.sync_running_stats(odd_sizes)
+            else:
+                syncbn.recompute_running_stats(odd_sizes, [torch.randn(4, 2 + rank, dtype=F64)])
+            out["size_mismatch"].append(("no error",))
+        except syncbn.CollectiveError as exc:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, odd_sizes.buffers()))
+            out["size_mismatch"].append((exc.mismatch, unchanged, str(exc)))
 
     # 4. recompute with plain BatchNorm: uneven batch counts and sizes per rank
     sizes = ([5, 3, 6], [2, 7])
@@ -337,6 +351,10 @@ def test_stats_tools_across_ranks_are_exact_and_identical_on_every_rank() -> Non
         assert out["sync_err"] < 1e-12
         assert out["equal_weights"] == ([0.5, 0.5], [1.25, 1.25])  # within 1 + between 0.25
         assert "hold different BatchNorm layers" in out["mismatch"]
+        for name, (mismatch, unchanged, message) in zip(("sync", "recompute"), out["size_mismatch"]):
+            assert mismatch and unchanged, message
+            assert message.startswith(f"syncbn.{name}_running_stats: the ranks' calls differ"), message
+            assert "expected the same BatchNorm layers, names and channel counts" in message
         assert out["recompute_calls"] == 2
         assert out["plain_err"] < 1e-12 and out["sync_bn_err"] < 1e-12
         # in-place layers: weights 1 and 3, means 0 and 1, variances 1 and 2
