@@ -156,6 +156,17 @@ def test_plain_batchnorm_and_masked_input() -> None:
     assert torch.allclose(ours.running_var, ref.running_var, atol=TOL, rtol=0)
     assert int(ours.num_batches_tracked) == 1
 
+    # momentum=None without a num_batches_tracked: nn.BatchNorm's factor is 0, nothing changes
+    for layer in (nn.BatchNorm1d(3, momentum=None), syncbn.SyncBatchNorm1d(3, momentum=None)):
+        layer.num_batches_tracked = None
+        ref = copy.deepcopy(layer)
+        with syncbn.accumulation(layer):
+            for x in xs:
+                layer(x.float())
+        ref(torch.cat(xs).float())
+        assert torch.equal(layer.running_mean, ref.running_mean), type(layer)
+        assert torch.equal(layer.running_var, ref.running_var), type(layer)
+
 
 @needs_compiled_ops
 def test_compiled_single_process() -> None:

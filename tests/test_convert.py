@@ -178,6 +178,13 @@ def test_explicit_group_and_existing_syncbn_layers() -> None:
     conv = syncbn.convert_sync_batchnorm(model, process_group=group)
     assert conv[0].process_group is group
     assert conv[1] is keep and keep.process_group is None
+    # the in-place synchronised layers take the group, the compat InPlaceABNSync in its ``group``
+    from syncbn.compat.inplace_abn import ABN, InPlaceABN, InPlaceABNSync
+
+    in_place = nn.Sequential(syncbn.InPlaceSyncBatchNorm2d(3), InPlaceABNSync(3), InPlaceABN(3), ABN(3))
+    syncbn.convert_sync_batchnorm(in_place, process_group=group)
+    assert in_place[0].process_group is group and in_place[1].group is group
+    assert all(m._group() is None for m in in_place[2:])  # local layers: no group
 
 
 def test_shared_layers_stay_shared() -> None:

@@ -92,3 +92,27 @@ def test_a_batchnorm_also_used_outside_its_pair_is_left_unfused(where: str) -> N
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(dx, dx_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(shared.weight.grad, reference[0][0].weight.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["renorm", "frozen"])
+def test_renorm_and_frozen_layers_are_left_unfused(kind: str) -> None:
+    # Renorm trains with r and d, a frozen layer with its running statistics: an in-place batch
+    # norm would compute something else.
+    torch.manual_seed(3)
+    if kind == "renorm":
+        layer: nn.Module = syncbn.SyncBatchRenorm2d(3, r_max=1.5, d_max=0.5)
+    else:
+        layer = syncbn.SyncBatchNorm2d(3, freeze=True)
+    model = nn.Sequential(layer, nn.LeakyReLU(0.1), nn.BatchNorm2d(3), nn.ELU()).double()
+    with torch.no_grad():
+        layer.running_mean.fill_(3.0)  # renorm: r and d clip, so it differs from batch norm here
+        layer.running_var.fill_(0.1)
+        model[2].weight.uniform_(0.5, 2.0)
+    reference = copy.deepcopy(model)
+    syncbn.fuse_batchnorm_activation(model)
+    assert model[0] is layer and isinstance(model[1], nn.LeakyReLU)
+    assert isinstance(model[2], syncbn.InPlaceSyncBatchNorm2d) and isinstance(model[3], nn.Identity)
+    x, grad = _input(4), torch.randn(4, 3, 3, 3, dtype=F64)
+    for got, want in zip(_train_step(model, x, grad), _train_step(reference, x, grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(layer.running_mean, reference[0].running_mean, rtol=0, atol=0)

@@ -74,6 +74,12 @@ def test_fuse_modules_in_eval_folds_the_batch_norm() -> None:
     pair = nn.Sequential(syncbn.SyncBatchNorm2d(3), nn.ReLU()).eval()
     bn_relu = fuse_modules(pair, [["0", "1"]])[0]
     assert type(bn_relu) is nni.BNReLU2d and type(bn_relu[0]) is nn.BatchNorm2d  # eval: a plain copy
+    # in training the plain copy would train unsynchronised: refused, the model unchanged
+    for layer in (syncbn.SyncBatchNorm2d(3), syncbn.SyncBatchRenorm3d(3)):
+        pair = nn.Sequential(layer, nn.ReLU()).train()
+        with pytest.raises(ValueError, match="expected the model in eval, got a SyncBatch"):
+            fuse_modules(pair, [["0", "1"]], inplace=True)
+        assert pair[0] is layer and type(pair[1]) is nn.ReLU
 
     for dim in (1, 3):
         conv = getattr(nn, f"ConvTranspose{dim}d")(3, 3, 1)

@@ -89,6 +89,18 @@ def test_recompute_single_process_gives_population_statistics_and_restores_the_r
     syncbn.recompute_running_stats(model, iter(batches), progress=False)  # no len(): fine
     assert capsys.readouterr().err == ""
 
+    # a DataLoader of an IterableDataset: its __len__ raises TypeError; the bar counts without a total
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return iter(torch.cat(batches))
+
+    for progress in (False, True):
+        loader = torch.utils.data.DataLoader(Stream(), batch_size=6)
+        syncbn.recompute_running_stats(model, loader, progress=progress)
+        first = _bn(model)[0]  # the first layer's inputs do not depend on how the data are batched
+        torch.testing.assert_close(first.running_var, expected[0].var(0), rtol=0, atol=1e-12)
+    assert "syncbn.recompute_running_stats: 3 batches" in capsys.readouterr().err
+
 
 def test_recompute_differs_from_averaging_batch_variances() -> None:
     model = _net()
@@ -240,6 +252,20 @@ def _stats_ranks(rank: int, world_size: int) -> dict[str, Any]:
         out["mismatch"] = "no error"
     except ValueError as exc:
         out["mismatch"] = str(exc)
+    # ... of different total sizes: the transport's mismatch, named for the tool, on every rank
+    odd_sizes = nn.Sequential(nn.BatchNorm1d(2 + rank)).double()
+    before = [b.clone() for b in odd_sizes.buffers()]
+    out["size_mismatch"] = []
+    for tool in ("sync", "recompute"):
+        try:
+            if tool == "sync":
+                syncbn.sync_running_stats(odd_sizes)
+            else:
+                syncbn.recompute_running_stats(odd_sizes, [torch.randn(4, 2 + rank, dtype=F64)])
+            out["size_mismatch"].append(("no error",))
+        except syncbn.CollectiveError as exc:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, odd_sizes.buffers()))
+            out["size_mismatch"].append((exc.mismatch, unchanged, str(exc)))
 
     # 4. recompute with plain BatchNorm: uneven batch counts and sizes per rank
     sizes = ([5, 3, 6], [2, 7])
@@ -325,6 +351,10 @@ def test_stats_tools_across_ranks_are_exact_and_identical_on_every_rank() -> Non
         assert out["sync_err"] < 1e-12
         assert out["equal_weights"] == ([0.5, 0.5], [1.25, 1.25])  # within 1 + between 0.25
         assert "hold different BatchNorm layers" in out["mismatch"]
+        for name, (mismatch, unchanged, message) in zip(("sync", "recompute"), out["size_mismatch"]):
+            assert mismatch and unchanged, message
+            assert message.startswith(f"syncbn.{name}_running_stats: the ranks' calls differ"), message
+            assert "expected the same BatchNorm layers, names and channel counts" in message
         assert out["recompute_calls"] == 2
         assert out["plain_err"] < 1e-12 and out["sync_bn_err"] < 1e-12
         # in-place layers: weights 1 and 3, means 0 and 1, variances 1 and 2

@@ -135,8 +135,9 @@ class _Layer:
                 return
             momentum: Any = self.layer.momentum
             if momentum is None:  # cumulative moving average, this update included
-                batches = float(self.batches[0].item()) if self.batches is not None else 1.0
-                factor = 1.0 / max(batches, 1.0)
+                if self.batches is None:
+                    return  # no counter: nn.BatchNorm's factor is 0 (no update)
+                factor = 1.0 / max(float(self.batches[0].item()), 1.0)
             else:
                 factor = float(momentum)
             unbiased = seen.m2 / max(seen.total - 1.0, 1.0)

@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 from torch.nn.utils import parametrize
 
 from . import groups
+from ._abn_layer import ActivatedBatchNormBase
 from ._checks import name_layers
 from ._layer import check_module, like
 from .activated import InPlaceSyncBatchNorm, plain_equivalent
@@ -249,8 +250,8 @@ def convert_sync_batchnorm(
         process_group: ``torch.distributed`` group the new layers synchronise
             over; ``None`` is the default group, looked up at call time. A
             ``torch.nn.SyncBatchNorm`` keeps the group it was built with when
-            this is ``None``. :class:`~syncbn.InPlaceSyncBatchNorm` layers stay
-            as they are, taking ``process_group`` when it is given.
+            this is ``None``. :class:`~syncbn.InPlaceSyncBatchNorm` layers (and the
+            compat ``InPlaceABNSync``) stay as they are, taking ``process_group`` when it is given.
         group_size: ``k`` (groups of k consecutive ranks) or ``"node"``: the same as
             ``process_group=syncbn.groups.subgroup(group_size)``, whose rules apply
             (every rank calls it, after ``init_process_group``; not with ``process_group``).
@@ -294,8 +295,9 @@ def _convert(module: nn.Module, process_group: Any, classes: _ClassTable) -> nn.
     def swap(mod: nn.Module, prefix: str) -> nn.Module:
         if isinstance(mod, _BatchNorm):
             return _to_sync(mod, prefix, process_group, classes)
-        if isinstance(mod, InPlaceSyncBatchNorm) and process_group is not None:
-            mod.process_group = process_group  # already synchronised: only the group is set
+        if isinstance(mod, ActivatedBatchNormBase) and mod._group_attr and process_group is not None:
+            # already synchronised (InPlaceSyncBatchNorm, compat InPlaceABNSync): only the group is set
+            setattr(mod, mod._group_attr, process_group)
         return mod
 
     converted = _replace(module, swap)

@@ -24,6 +24,10 @@ _FUSABLE = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, SyncBatchNorm, nn.Sy
 def _fusable(bn: nn.Module) -> bool:
     if not isinstance(bn, _FUSABLE):
         return False
+    if isinstance(bn, SyncBatchNorm) and type(bn)._family_call is not SyncBatchNorm._family_call:
+        return False  # a family of its own (renorm's r and d): its training is not batch norm's
+    if getattr(bn, "freeze", False):
+        return False  # normalises with its running statistics: the in-place layers have no freeze
     # A subclass with a forward of its own does more than batch norm: leave it.
     return any(type(bn).forward is cls.forward for cls in _FUSABLE)
 
@@ -58,7 +62,8 @@ def fuse_batchnorm_activation(
     ``nn.BatchNorm2d`` becomes :class:`~syncbn.InPlaceSyncBatchNorm2d`, the
     others the generic :class:`~syncbn.InPlaceSyncBatchNorm`. Only
     ``nn.LeakyReLU`` with a positive slope and ``nn.ELU`` qualify (``ReLU`` is
-    not invertible).
+    not invertible). Batch Renormalization layers (``SyncBatchRenorm*``) and frozen
+    layers (``freeze=True``) are left as they are: their training is not batch norm's.
 
     The in-place scale is :math:`|w| + \\epsilon`, so the fused weight is
     :math:`w - \\epsilon`: exact when :math:`w \\ge \\epsilon`. Channels below

@@ -4,7 +4,8 @@ Importing :mod:`syncbn` adds syncbn's layer types (only those) to ``torch.ao.qua
 fuser and QAT tables. On a converted model, ``fuse_modules`` folds the batch norm in eval, as for
 ``nn.BatchNorm``; ``fuse_modules_qat`` gives :class:`ConvSyncBn2d` and its siblings, which
 ``prepare_qat`` turns into torch's QAT modules whose ``bn`` is the synchronised layer itself, so
-their batch statistics span every rank. ``[bn, relu]`` pairs are not fused for QAT (``ValueError``).
+their batch statistics span every rank. ``[bn, relu]`` pairs fuse in eval only, never for QAT
+(``ValueError``: torch's ``BNReLU`` holds a plain batch norm, which does not synchronise).
 Renorm layers (:class:`~syncbn.SyncBatchRenorm` and its 1d/2d/3d classes) fold in eval, where they
 are batch norm with their running statistics; QAT fusion refuses them (``ValueError``).
 The recipes page (FX, quantization and export) has the details and limits.
@@ -156,6 +157,12 @@ def _bn_relu(torch_cls: type) -> _Method:
             raise ValueError(
                 f"torch has no QAT module for {torch_cls.__name__}: leave this [batch norm, ReLU] pair "
                 f"unfused for QAT (got a {type(bn).__name__} and a {type(relu).__name__})"
+            )
+        if bn.training:  # the plain copy would train without synchronising (renorm: as batch norm)
+            raise ValueError(
+                f"fuse_modules makes {torch_cls.__name__} of a [batch norm, ReLU] pair around a plain "
+                f"nn.BatchNorm that never synchronises: exact in eval only (expected the model in eval, "
+                f"got a {type(bn).__name__} in training mode); call model.eval() first, or leave it unfused"
             )
         return torch_cls(revert_sync_batchnorm(bn), relu)  # type: ignore[no-any-return]
 

@@ -52,7 +52,19 @@ def _all_reduce_checked(group: Any, packed: Tensor, own: float, function: str) -
 
     Raises on every rank when the ranks' models do not hold the same BatchNorm layers.
     """
-    group.all_reduce_sum(packed)
+    try:
+        group.all_reduce_sum(packed)
+    except groups.CollectiveError as exc:
+        if not exc.mismatch:
+            raise
+        batches = (
+            ", and with syncbn layers the same number of batches" if function.startswith("recompute") else ""
+        )
+        raise exc._rephrased(  # unequal sizes, or a rank still in a layer's collective
+            f"syncbn.{function}: the ranks' calls differ (expected the same BatchNorm layers, names "
+            f"and channel counts, on every rank of the group{batches}; this rank sent "
+            f"{packed.numel()} values); no running statistics changed. {exc}"
+        ) from exc
     size = int(round(packed[0].item()))
     if abs(packed[1].item() - size * own) > 1e-9 * size:
         raise ValueError(
@@ -102,8 +114,9 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: the ranks' models hold different BatchNorm layers.
-        syncbn.CollectiveError: the collective failed or timed out.
+        ValueError: the ranks' models hold different BatchNorm layers of equal total size.
+        syncbn.CollectiveError: the collective failed or timed out, or (``mismatch``) the
+            ranks' layers differ in total size; nothing changed.
 
     Example::
 
@@ -205,7 +218,10 @@ def _storages(batch: Any) -> set[int]:
 
 def _with_progress(batches: Iterable[Any], enabled: bool) -> Iterator[Any]:
     """``batches``, with a one-line progress bar on stderr (``enabled``) redrawn at most 10 times a second."""
-    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    try:  # a DataLoader of an IterableDataset has a __len__ that raises TypeError
+        total = len(batches) if enabled else None  # type: ignore[arg-type]
+    except TypeError:
+        total = None
     start, last, done = time.monotonic(), 0.0, 0
 
     def draw(now: float, end: str) -> None:
@@ -271,8 +287,9 @@ def recompute_running_stats(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: the ranks' models hold different BatchNorm layers.
-        syncbn.CollectiveError: a collective failed or timed out.
+        ValueError: the ranks' models hold different BatchNorm layers of equal total size.
+        syncbn.CollectiveError: a collective failed or timed out, or (``mismatch``) the ranks'
+            layers differ in total size; the running statistics are as before.
 
     Example::
 
