@@ -60,8 +60,8 @@ def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
         fn()
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         out: dict[str, Any] = {"type": type(exc).__name__, "msg": str(exc), "s": time.monotonic() - start}
-        if isinstance(exc, syncbn.CollectiveError):
-            out.update(timed_out=exc.timed_out, mismatch=exc.mismatch)
+        if isinstance(exc, syncbn.CollectiveError):  # the error itself too: it must cross in a pickle
+            out.update(timed_out=exc.timed_out, mismatch=exc.mismatch, error=exc)
         return out
     return {"type": None, "msg": "", "s": time.monotonic() - start}
 
@@ -211,6 +211,9 @@ def test_forward_meeting_backward_is_an_error_on_every_rank_not_an_abort(shared:
         assert result["s"] < 1.5, result
         assert "did not make the same collective" in result["msg"]
         assert "forward of float64" in result["msg"] and "backward of float64" in result["msg"], result["msg"]
+        error = result["error"]  # pickled by the rank, unpickled here: message and fields kept
+        assert type(error) is syncbn.CollectiveError and str(error) == result["msg"], error
+        assert error.mismatch and not error.timed_out and error.group_size == 2 and error.layer, vars(error)
         assert result["unchanged"], rank
         assert result["synced"] == 3 and result["exact"], result
     assert _same(results[0]["buffers"], results[1]["buffers"])

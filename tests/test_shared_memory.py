@@ -309,6 +309,7 @@ def test_the_socket_hands_the_descriptor_to_the_same_user_only_while_open() -> N
     name = f"syncbn-{os.getpid()}-00000000002b"
     server = _shm._Server(name, fd)
     try:
+        time.sleep(0.2)  # past the server's first idle accept timeout (Python 3.9: socket.timeout)
         got = _shm._receive(name)
         assert got is not None
         assert os.fstat(got).st_ino == os.fstat(fd).st_ino  # the very segment

@@ -188,6 +188,18 @@ def test_a_wait_the_kernel_refuses_later_continues_in_steps() -> None:
         thread.join(5.0)
         assert "error" not in out and a.tolist() == [2.0] * 3
         assert not waiter.in_kernel
+        # It still wakes a peer asleep in the kernel on its flag: no oversleep to the 0.1 s tick.
+        lags = []
+        for _ in range(3):
+            a, b = torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+            thread, out = _in_thread(lambda b=b: pair.ranks[1].all_reduce_sum(b, 5.0, FIELDS))
+            time.sleep(0.02)
+            arrived = time.monotonic()
+            pair.ranks[0].all_reduce_sum(a, 5.0, FIELDS)
+            thread.join(5.0)
+            assert "error" not in out and a.tolist() == b.tolist() == [2.0] * 3
+            lags.append(out["end"] - arrived)
+        assert pair.ranks[1]._waiter.in_kernel and min(lags) < 0.04, lags
     finally:
         pair.close()
 

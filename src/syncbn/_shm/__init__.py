@@ -210,7 +210,7 @@ class _Server:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
+            except socket.timeout:  # TimeoutError from Python 3.10 on; an OSError apart before
                 continue
             except OSError:
                 return

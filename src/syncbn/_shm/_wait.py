@@ -149,7 +149,8 @@ class Waiter:
     """The wait of one rank of a segment, and the wake it owes the ranks that sleep on it.
 
     ``flags`` is the segment as int64 words, ``flag_index`` every rank's flag word; ``futex``
-    ``None`` means sleeping in steps; ``spin`` is the spin policy.
+    ``None`` means sleeping in steps; ``spin`` is the spin policy. A rank whose futex waits the
+    kernel refuses sleeps in steps from then on but still wakes the peers asleep in the kernel.
     """
 
     def __init__(
@@ -161,6 +162,7 @@ class Waiter:
         self._pids = pids
         self.spin = SpinPolicy(self._size)
         self.futex = futex
+        self._sleeps = futex is not None  # whether this rank's own wait sleeps in the kernel
         self._own_offset = flag_index[rank] * 8
         self._own_hint = flag_index[rank] + _HINT_WORD
         self._peer_hints = [i + _HINT_WORD for r, i in enumerate(flag_index) if r != rank]
@@ -170,7 +172,7 @@ class Waiter:
     @property
     def in_kernel(self) -> bool:
         """Whether the wait sleeps in the kernel (futex) rather than in steps."""
-        return self.futex is not None
+        return self._sleeps
 
     def arrived(self) -> None:
         """After this rank raised its flag: wake the ranks whose sleep hint names it."""
@@ -236,7 +238,7 @@ class Waiter:
             for r in range(size):  # any rank that withdrew (not only the one slept on): fail now
                 if flags[index[r]] == WITHDRAWN:
                     raise WaitFailure("withdrawn", [r], now - start)
-            if self.futex is not None:
+            if self._sleeps:
                 self._sleep(seq, pending, min(next_check, start + timeout) - now)
             else:
                 time.sleep(step)
@@ -250,6 +252,6 @@ class Waiter:
         try:
             value = flags[word]  # read again after the hint: an arrival before it is seen here
             if WITHDRAWN < value < seq and not self.futex.wait(word * 8, value, seconds):
-                self.futex = None  # the kernel refused the call: steps from now on
+                self._sleeps = False  # the kernel refused the wait: steps from now on (wakes still owed)
         finally:
             flags[self._own_hint] = 0

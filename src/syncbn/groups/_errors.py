@@ -33,7 +33,9 @@ _AFTER_FAILURE = (
 class CollectiveError(RuntimeError):
     """A SyncBatchNorm collective timed out, failed, or the ranks made different calls.
 
-    Every argument but ``message`` is kept as the attribute of the same name.
+    Every argument but ``message`` is kept as the attribute of the same name; pickling and
+    ``copy`` keep the message and every attribute (an error raised in a worker process reaches
+    its parent whole).
 
     Args:
         message: the full explanation (layer, group, time waited, likely causes).
@@ -74,6 +76,11 @@ class CollectiveError(RuntimeError):
         self.layer = layer
         self.mismatch = mismatch
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled and copied with its message and fields, as built-in exceptions are (a worker's
+        error reaches its parent through pickle); the keyword-only ``__init__`` is not re-run."""
+        return (_restore, (type(self), self.args), self.__dict__)
+
     def _rephrased(self, message: str, **changes: Any) -> CollectiveError:
         """The same error with another message (and ``changes`` to its fields), caused by this one."""
         kept = {k: getattr(self, k) for k in ("timed_out", "waited", "group_size", "detail", "mismatch")}
@@ -86,6 +93,13 @@ class CollectiveError(RuntimeError):
         new = self._rephrased(f"syncbn: layer {layer} ({phase}): {self.args[0]}", layer=layer)
         new.__cause__ = self.__cause__
         return new
+
+
+def _restore(cls: type[CollectiveError], args: tuple[Any, ...]) -> CollectiveError:
+    """A :class:`CollectiveError` from its pickled message (its fields follow as state)."""
+    new = cls.__new__(cls)
+    new.args = args
+    return new
 
 
 def bound_source() -> str:
