@@ -159,6 +159,13 @@ def test_set_timeout_takes_any_real_number_and_never_a_zero_millisecond_bound(
             syncbn.set_timeout(10**400)  # was a bare OverflowError
         with pytest.raises(ValueError, match=r"^syncbn.set_timeout: expected a non-negative number"):
             syncbn.set_timeout(-(10**400))
+        # Finite, beyond a float's range: too long (float() made them inf, read as "no bound").
+        for huge in ("1e400", " 1E400 ", np.longdouble("1e400")):
+            with pytest.raises(ValueError, match=r"^syncbn.set_timeout: expected at most 1e\+09 seconds"):
+                syncbn.set_timeout(huge)
+        for negative in ("-1e400", np.longdouble("-1e400")):
+            with pytest.raises(ValueError, match=r"^syncbn.set_timeout: expected a non-negative number"):
+                syncbn.set_timeout(negative)
         assert syncbn.get_timeout() == before  # nothing changed
         with pytest.raises(TypeError, match="got complex"):
             syncbn.set_timeout(1j)  # type: ignore[arg-type]
@@ -176,6 +183,13 @@ def test_set_timeout_takes_any_real_number_and_never_a_zero_millisecond_bound(
         monkeypatch.setenv("SYNCBN_TIMEOUT", "0.0004")
         syncbn.set_timeout("default")
         assert syncbn.get_timeout() == 0.001
+        monkeypatch.setenv("SYNCBN_TIMEOUT", "1e400")
+        syncbn.set_timeout("default")
+        with pytest.raises(ValueError, match=r"^SYNCBN_TIMEOUT: expected at most 1e\+09 seconds"):
+            syncbn.get_timeout()
+        for infinite in ("inf", "+Infinity", float("inf")):  # an explicit infinity: still no bound
+            syncbn.set_timeout(infinite)
+            assert syncbn.get_timeout() is None, infinite
     finally:
         monkeypatch.delenv("SYNCBN_TIMEOUT", raising=False)
         syncbn.set_timeout("default")
