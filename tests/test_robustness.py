@@ -457,7 +457,8 @@ def _bad_inputs(rank: int, world_size: int) -> list[dict[str, Any]]:
 def test_bad_dtypes_and_shapes_are_rejected_before_any_collective() -> None:
     for results in launch(_bad_inputs, 2, timeout=60):
         *rejected, good = results
-        assert [r["type"] for r in rejected] == ["TypeError", "ValueError", "ValueError", "ValueError"]
+        # The channel count: ChannelCountError, a ValueError (and the RuntimeError torch raises).
+        assert [r["type"] for r in rejected] == ["TypeError", "ValueError", "ChannelCountError", "ValueError"]
         assert "got dtype torch.int64" in rejected[0]["msg"]
         assert "expected 4D input (got 3D input)" in rejected[1]["msg"]
         assert "expected input with 4 channels" in rejected[2]["msg"] and "got 5" in rejected[2]["msg"]
