@@ -193,6 +193,10 @@ BAD_VALUES = [
     ("demo", "--lr", "-0.1", "a finite number of at least 0"),
     ("demo", "--lr", "nan", "a finite number of at least 0"),
     ("demo", "--seed", str(2**64), "an int from -9223372036854775808 to 18446744073709551615"),
+    # Output paths: once a traceback after the whole run (verify's cases, minutes of bench).
+    ("verify", "--json", "/nonexistent-syncbn/x.json", "a file in an existing, writable folder"),
+    ("verify", "--json", os.sep, "a file to write, not a folder"),
+    ("bench", "--json", "/nonexistent-syncbn/x.json", "a file in an existing, writable folder"),
 ]
 
 
@@ -209,6 +213,22 @@ def test_a_bad_flag_value_is_a_usage_error(
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"syncbn {command}: error: argument {flag}: expected {wanted}"), err
     assert line.endswith(f"(got {value!r})"), err
+
+
+def test_a_demo_output_folder_in_the_way_of_a_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from syncbn.cli import main
+
+    (tmp_path / "taken").write_text("")
+    for out in ("taken", os.path.join("taken", "sub")):  # was NotADirectoryError/FileExistsError at the end
+        path = str(tmp_path / out)
+        assert main(["demo", "--steps", "1", "--out", path]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"syncbn demo: error: argument --out: expected a folder to write into "
+            f"({tmp_path / 'taken'} is a file) (got {path!r})"
+        ], err
 
 
 def test_accepted_flag_values_parse() -> None:

@@ -27,6 +27,7 @@ import time
 import weakref
 import zlib
 from datetime import timedelta
+from fractions import Fraction
 from typing import Any, Callable
 
 import pytest
@@ -279,6 +280,14 @@ def _functional_arguments(rank: int, world_size: int) -> dict[str, Any]:
     out = {name: _attempt(case)["type"] for name, case in cases.items()}
     out["unchanged"] = torch.equal(mean, torch.zeros(3)) and torch.equal(var, torch.ones(3))
     out["usable"] = _attempt(lambda: sbn(x, mean, var, training=True))["type"]
+    # A real momentum the check lets through updates as its float (a Fraction once raised a bare
+    # TypeError inside the engine's update, after the collective).
+    xd = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    runs = []
+    for momentum in (0.25, Fraction(1, 4)):
+        stats = [torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]
+        runs.append([sbn(xd, *stats, training=True, momentum=momentum), *stats])  # type: ignore[arg-type]
+    out["real momentum"] = all(torch.equal(a, b) for a, b in zip(*runs))
     return out
 
 
@@ -286,7 +295,7 @@ def test_functional_arguments_are_refused_as_f_batch_norm_refuses_them() -> None
     # the checks run before a transport is chosen: the default one suffices
     refused = ("mean only", "var only", "eps 0", "layer eps 0", "renorm eps 0", "in-place eps 0")
     expected: dict[str, Any] = {name: "ValueError" for name in refused}
-    expected.update({"momentum None": "TypeError", "unchanged": True, "usable": None})
+    expected.update({"momentum None": "TypeError", "unchanged": True, "usable": None, "real momentum": True})
     assert launch(_functional_arguments, 2, timeout=60) == [expected, expected]
 
 

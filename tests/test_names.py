@@ -34,6 +34,18 @@ def test_names_read_as_in_the_bare_model_inside_a_wrapper() -> None:
     assert _checks.layer_name(wrapped.module[0][0].bn1).startswith("'0.0.bn1'")
 
 
+def test_name_layers_reads_through_torch_compile() -> None:
+    # Once '_orig_mod.0.0.bn1': compile's wrapper attribute, where error messages said '0.0.bn1'.
+    net = make_net()
+    outer = nn.Sequential(torch.compile(nn.Sequential(syncbn.SyncBatchNorm1d(2))))
+    assert syncbn.name_layers(torch.compile(net)) == 2 and syncbn.name_layers(outer) == 1
+    assert _checks.state_of(net[0][0].bn1).name == "0.0.bn1" == _names.qualified_name(net[0][0].bn1)
+    assert _checks.state_of(outer[0]._orig_mod[0]).name == "0.0"
+    single = syncbn.SyncBatchNorm1d(2)
+    syncbn.name_layers(torch.compile(single))
+    assert _checks.state_of(single).name == "SyncBatchNorm1d"  # as the bare layer is named
+
+
 def test_a_moved_layer_is_named_where_it_is_now() -> None:
     bn = syncbn.SyncBatchNorm1d(2)
     old, new = nn.Sequential(bn), nn.ModuleDict()

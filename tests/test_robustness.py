@@ -159,6 +159,13 @@ def test_set_timeout_takes_any_real_number_and_never_a_zero_millisecond_bound(
             syncbn.set_timeout(10**400)  # was a bare OverflowError
         with pytest.raises(ValueError, match=r"^syncbn.set_timeout: expected a non-negative number"):
             syncbn.set_timeout(-(10**400))
+        # Finite, beyond a float's range: too long (float() made them inf, read as "no bound").
+        for huge in ("1e400", " 1E400 ", np.longdouble("1e400")):
+            with pytest.raises(ValueError, match=r"^syncbn.set_timeout: expected at most 1e\+09 seconds"):
+                syncbn.set_timeout(huge)
+        for negative in ("-1e400", np.longdouble("-1e400")):
+            with pytest.raises(ValueError, match=r"^syncbn.set_timeout: expected a non-negative number"):
+                syncbn.set_timeout(negative)
         assert syncbn.get_timeout() == before  # nothing changed
         with pytest.raises(TypeError, match="got complex"):
             syncbn.set_timeout(1j)  # type: ignore[arg-type]
@@ -176,6 +183,13 @@ def test_set_timeout_takes_any_real_number_and_never_a_zero_millisecond_bound(
         monkeypatch.setenv("SYNCBN_TIMEOUT", "0.0004")
         syncbn.set_timeout("default")
         assert syncbn.get_timeout() == 0.001
+        monkeypatch.setenv("SYNCBN_TIMEOUT", "1e400")
+        syncbn.set_timeout("default")
+        with pytest.raises(ValueError, match=r"^SYNCBN_TIMEOUT: expected at most 1e\+09 seconds"):
+            syncbn.get_timeout()
+        for infinite in ("inf", "+Infinity", float("inf")):  # an explicit infinity: still no bound
+            syncbn.set_timeout(infinite)
+            assert syncbn.get_timeout() is None, infinite
     finally:
         monkeypatch.delenv("SYNCBN_TIMEOUT", raising=False)
         syncbn.set_timeout("default")
@@ -443,7 +457,8 @@ def _bad_inputs(rank: int, world_size: int) -> list[dict[str, Any]]:
 def test_bad_dtypes_and_shapes_are_rejected_before_any_collective() -> None:
     for results in launch(_bad_inputs, 2, timeout=60):
         *rejected, good = results
-        assert [r["type"] for r in rejected] == ["TypeError", "ValueError", "ValueError", "ValueError"]
+        # The channel count: ChannelCountError, a ValueError (and the RuntimeError torch raises).
+        assert [r["type"] for r in rejected] == ["TypeError", "ValueError", "ChannelCountError", "ValueError"]
         assert "got dtype torch.int64" in rejected[0]["msg"]
         assert "expected 4D input (got 3D input)" in rejected[1]["msg"]
         assert "expected input with 4 channels" in rejected[2]["msg"] and "got 5" in rejected[2]["msg"]

@@ -156,7 +156,9 @@ def _assign_names(model: nn.Module, prefix: str, overwrite: bool) -> int:
     for name, module in model.named_modules():
         is_layer = isinstance(module.__dict__.get("_syncbn_state"), LayerState)
         if is_layer and (overwrite or state_of(module).name is None):
-            full = ".".join(p for p in (prefix, name) if p) or type(module).__name__
+            # torch.compile's wrapper holds the model as ``_orig_mod``: not a place in the model.
+            parts = (prefix, *(p for p in name.split(".") if p != "_orig_mod"))
+            full = ".".join(p for p in parts if p) or type(module).__name__
             state_of(module).name = full
             _known_names[_row._identity_hash(full)] = repr(full)
             count += 1

@@ -12,6 +12,7 @@ import math
 import numbers
 import os
 from datetime import timedelta
+from typing import Any
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -69,9 +70,12 @@ def _parse_timeout(value: object, source: str) -> float | None:
             seconds = -1.0 if value < 0 else 2 * MAX_TIMEOUT_S  # type: ignore[operator]
     else:
         raise TypeError(f"{source}: expected a number of seconds or None (got {type(value).__name__})")
-    if seconds == 0:  # the exact value decides: 1e-400 is a positive bound, -1e-400 a negative one
-        exact = decimal.Decimal(value.strip()) if isinstance(value, str) else value
-        seconds = MIN_TIMEOUT_S if exact > 0 else -1.0 if exact < 0 else 0.0  # type: ignore[operator]
+    if seconds == 0 or math.isinf(seconds):  # beyond a float's range the exact value decides:
+        exact: Any = decimal.Decimal(value.strip()) if isinstance(value, str) else value
+        if seconds == 0:  # 1e-400 is a positive bound, -1e-400 a negative one
+            seconds = MIN_TIMEOUT_S if exact > 0 else -1.0 if exact < 0 else 0.0
+        elif exact not in (math.inf, -math.inf):  # "1e400" is finite: too long, not inf's "no bound"
+            seconds = -1.0 if exact < 0 else 2 * MAX_TIMEOUT_S
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"{source}: expected a non-negative number of seconds (got {_shown(value)})")
     if seconds == 0 or math.isinf(seconds):
@@ -118,7 +122,7 @@ def set_timeout(seconds: float | None | str = "default") -> None:
             numpy scalars, ``Fraction``), at most ``1e9`` (about 31 years); a
             positive bound below ``0.001`` is taken as ``0.001`` (1 ms, the finest
             timeout ``torch.distributed`` takes: it reads 0 ms as "no timeout");
-            ``None``, ``0`` or ``inf`` for no bound of syncbn's own (the
+            ``None``, ``0`` or ``inf`` (not a finite ``"1e400"``) for no bound of syncbn's own (the
             process group's timeout then bounds every wait, shared memory
             included); ``"default"`` to drop the override and use
             ``SYNCBN_TIMEOUT`` or the default again.

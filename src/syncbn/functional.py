@@ -153,7 +153,8 @@ def sync_batch_norm(
         weight: ``(C,)`` affine scale or ``None``.
         bias: ``(C,)`` affine shift or ``None``.
         training: use (and synchronise) batch statistics; else use the running ones.
-        momentum: running-statistics update factor.
+        momentum: running-statistics update factor, any real number (numpy scalars and
+            ``Fraction`` too, taken as their ``float``).
         eps: added to the variance for numerical stability.
         process_group: ``torch.distributed`` group to synchronise over; ``None``
             is the default group, looked up at call time.
@@ -210,13 +211,15 @@ def sync_batch_norm(
     if training:
         if (running_mean is None) != (running_var is None):
             raise ValueError("running_mean and running_var must either both be None or neither be None")
-        if running_mean is not None and (
-            isinstance(momentum, bool) or not isinstance(momentum, numbers.Real)
-        ):
-            raise TypeError(
-                "sync_batch_norm(): expected momentum to be a float when running statistics are "
-                f"given (got {type(momentum).__name__})"
-            )
+        if running_mean is not None:
+            if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+                raise TypeError(
+                    "sync_batch_norm(): expected momentum to be a float when running statistics are "
+                    f"given (got {type(momentum).__name__})"
+                )
+            momentum = float(
+                momentum
+            )  # a Fraction reached the engine's update (TypeError, after the collective)
         check_eps(eps)
     if mask is not None:
         args = (running_mean, running_var, weight, bias, training, momentum, eps, process_group)

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from .. import _config
 
-__all__ = ["add_counts", "integer", "real", "seconds", "backend", "MIN_SECONDS", "MAX_SECONDS"]
+__all__ = [
+    "add_counts",
+    "integer",
+    "real",
+    "seconds",
+    "backend",
+    "output_file",
+    "output_dir",
+    "MIN_SECONDS",
+    "MAX_SECONDS",
+]
 
 #: The range of a timeout flag: syncbn's own bounds (whole milliseconds reach torch, which reads
 #: 0 ms as "no timeout"; at most about 31 years).
@@ -82,3 +93,32 @@ def backend(text: str) -> str:
     note = f"; not built into this torch: {', '.join(missing)}" if missing else ""
     listed = ", ".join(available) or "none"
     raise argparse.ArgumentTypeError(f"expected a torch.distributed backend: {listed}{note} (got {text!r})")
+
+
+def output_file(text: str) -> str:
+    """A ``type=`` for a file the command writes at its end: not a folder, in a writable folder.
+
+    Checked before any rank starts, so a long run never ends in a traceback. ``""``: no file.
+    """
+    folder = os.path.dirname(os.path.abspath(text))
+    if text and os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file to write, not a folder (got {text!r})")
+    if text and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise argparse.ArgumentTypeError(
+            f"expected a file in an existing, writable folder ({folder} is not one) (got {text!r})"
+        )
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A ``type=`` for a folder the command writes into, created if missing: no file in its way."""
+    path = os.path.abspath(text)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)  # the part that exists: it must be a writable folder
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"expected a folder to write into ({path} is a file) (got {text!r})")
+    if not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(
+            f"expected a folder to write into ({path} is not writable) (got {text!r})"
+        )
+    return text

@@ -85,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time the narrow and the wide net's compiled DDP step (--e2e-steps, at least 3; W > 1)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    parser.add_argument(
+        "--json", metavar="PATH", type=_args.output_file, help="write every number to this JSON file"
+    )
 
 
 def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> tuple[Any, Any]:

@@ -257,6 +257,11 @@ def run(args: argparse.Namespace) -> int:
             f"(or pip install {' '.join(missing)})",
             show=main,
         )
+    if write:  # here, not a type=: --no-out needs no folder, the default's included
+        try:
+            _args.output_dir(args.out)
+        except argparse.ArgumentTypeError as exc:
+            return fail(f"syncbn demo: error: argument --out: {exc}", show=main)
     plan = launch_plan("demo", args)
     if isinstance(plan, str):
         return fail(plan, show=main)

@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FACTOR",
         help="multiply every tolerance by FACTOR, 0 or more (below 1 is stricter; default 1)",
     )
-    parser.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    parser.add_argument(
+        "--json", metavar="FILE", type=_args.output_file, default=None, help="also write the results as JSON"
+    )
     parser.add_argument(
         "--timeout",
         type=_args.seconds,
