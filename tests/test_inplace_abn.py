@@ -840,3 +840,30 @@ def test_func_vmap_in_eval_equals_the_reference(strided: bool) -> None:
 
     dx = vmap(grad(per_sample))(batched(x), batched(g))  # per-sample input gradients
     assert max_error(unbatched(dx), want["dx"]) <= 1e-12
+
+
+def test_training_under_inference_mode_and_functional_sizes() -> None:
+    """Training under ``torch.inference_mode`` works as ``no_grad`` does; the functional forms
+    refuse a bias or running statistic without one element per channel before writing anything."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 2, 2, dtype=torch.float64)
+    layers = [syncbn.InPlaceSyncBatchNorm(3, activation="identity").double() for _ in range(2)]
+    with torch.no_grad():
+        expected = layers[0](x.clone())
+    with torch.inference_mode():
+        got = layers[1](x.clone())
+    assert torch.equal(got, expected)
+    assert torch.equal(layers[1].running_var, layers[0].running_var)
+    assert int(layers[1].num_batches_tracked) == 1
+    three, four = torch.ones(3, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    for bad in ("bias", "running_mean", "running_var"):
+        args = {"bias": three.clone(), "running_mean": three.clone(), "running_var": three.clone(), bad: four}
+        for function in (inplace_abn, inplace_abn_sync):
+            h = x.clone()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # inplace_abn_sync without a group
+                with pytest.raises(ValueError, match=f"expected {bad} with 3 elements.*got 4"):
+                    function(h, three, args["bias"], args["running_mean"], args["running_var"], True)
+            assert torch.equal(h, x) and torch.equal(
+                args["running_mean"] if bad != "running_mean" else three, three
+            )

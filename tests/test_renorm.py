@@ -379,3 +379,28 @@ def test_func_grad_equals_the_formulas() -> None:
     grads = torch.func.grad(loss)(params, buffers)
     assert float((grads["weight"] - want["dw"]).abs().max()) <= 1e-12
     assert float((grads["bias"] - want["db"]).abs().max()) <= 1e-12
+
+
+def test_bias_false_and_a_layer_used_under_torch_func_stays_copyable() -> None:
+    """``bias=False`` as SyncBatchNorm's (the repr shows it); after ``torch.func.grad`` over
+    ``functional_call`` the layer keeps no torch.func wrapper (deepcopy and pickling work)."""
+    layer = syncbn.SyncBatchRenorm2d(3, bias=False, r_max=1.5, d_max=0.5).double()
+    assert layer.bias is None and layer.weight is not None
+    assert repr(syncbn.SyncBatchNorm2d(3, bias=False))[len("SyncBatchNorm2d") : -1] in repr(layer)
+    assert set(layer.state_dict()) == set(syncbn.SyncBatchNorm2d(3, bias=False).state_dict())
+    converted = syncbn.convert_to_renorm(syncbn.SyncBatchNorm2d(3, bias=False))
+    assert isinstance(converted, syncbn.SyncBatchRenorm2d) and converted.bias is None
+    layer = syncbn.SyncBatchRenorm1d(3, r_max=1.5, d_max=0.5).double()
+    x, g = torch.randn(4, 3, 2, dtype=torch.float64), torch.randn(4, 3, 2, dtype=torch.float64)
+    params = {k: v.detach().clone() for k, v in layer.named_parameters()}
+    buffers = dict(layer.named_buffers())
+
+    def loss(p: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
+        return (torch.func.functional_call(layer, (p, b), (x,)) * g).sum()
+
+    torch.func.grad(loss)(params, buffers)
+    before = layer.__dict__["_renorm_before"]
+    assert all(
+        type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in before
+    )
+    copy.deepcopy(layer)

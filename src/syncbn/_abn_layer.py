@@ -38,6 +38,8 @@ _written: dict[int, tuple[weakref.ref[Tensor], int]] = {}
 
 
 def _remember(y: Tensor) -> None:
+    if y.is_inference():  # no version counter, and never recomputed by a checkpoint
+        return
     key = id(y)
 
     def forget(_: Any, key: int = key) -> None:

@@ -202,12 +202,7 @@ def sync_batch_norm(
     per_channel = {"running_mean": running_mean, "running_var": running_var, "weight": weight, "bias": bias}
     channels = next((t.numel() for t in per_channel.values() if t is not None), None)
     check_input(input, channels)
-    for name, tensor in per_channel.items():  # all of them before any is read or written
-        if tensor is not None and tensor.numel() != channels:
-            raise ChannelCountError(
-                f"expected {name} with {channels} elements, one per channel of the input "
-                f"(got {tensor.numel()} elements)"
-            )
+    check_per_channel(channels, per_channel)
     if training:
         if (running_mean is None) != (running_var is None):
             raise ValueError("running_mean and running_var must either both be None or neither be None")
@@ -230,6 +225,17 @@ def sync_batch_norm(
     if group is None:
         return F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
     return apply(input, weight, bias, Params(running_mean, running_var, eps, momentum, group, layer))
+
+
+def check_per_channel(channels: int | None, tensors: dict[str, Tensor | None]) -> None:
+    """Raise :class:`ChannelCountError` for a tensor of ``tensors`` (name -> tensor or ``None``)
+    without one element per channel; all of them before any is read or written."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.numel() != channels:
+            raise ChannelCountError(
+                f"expected {name} with {channels} elements, one per channel of the input "
+                f"(got {tensor.numel()} elements)"
+            )
 
 
 def check_eps(eps: float) -> None:

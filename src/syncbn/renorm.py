@@ -98,6 +98,8 @@ class SyncBatchRenorm(SyncBatchNorm):
         dtype: dtype of the parameters and buffers.
         r_max: the clamp of :math:`r`, a real number at least 1. Default: 3.0.
         d_max: the clamp of :math:`d`, a real number at least 0. Default: 5.0.
+        bias: with ``affine``, a learnable :math:`\\beta` (``False``: none, as
+            :class:`~syncbn.SyncBatchNorm`'s ``bias``). Default: ``True``.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions.
@@ -125,10 +127,11 @@ class SyncBatchRenorm(SyncBatchNorm):
         *,
         r_max: float = 3.0,
         d_max: float = 5.0,
+        bias: bool = True,
     ) -> None:
         r_max, d_max = _check_limits(r_max, d_max)
         super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
+            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype, bias=bias
         )
         self.r_max, self.d_max = r_max, d_max
 
@@ -146,7 +149,7 @@ class SyncBatchRenorm(SyncBatchNorm):
                 groups.resolve(self._group()), groups.ProcessGroupSum
             ):  # over a process group the consistency check tests them on every rank
                 _checks.check_running_stats(self, running_mean, running_var)
-            self.__dict__["_renorm_before"] = (running_mean.detach().clone(), running_var.detach().clone())
+            self.__dict__["_renorm_before"] = (_plain(running_mean), _plain(running_var))
         return Renorm(r_max, d_max, running_mean, running_var)
 
     def _syncbn_debug_running_stats(self) -> tuple[Tensor, Tensor] | None:
@@ -190,6 +193,14 @@ class SyncBatchRenorm3d(SyncBatchRenorm, SyncBatchNorm3d):
         "same as input.",
         "bn = syncbn.SyncBatchRenorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))",
     )
+
+
+def _plain(tensor: Tensor) -> Tensor:
+    """A copy of ``tensor`` outside autograd and every torch.func wrapper (the layer outlives them)."""
+    tensor = tensor.detach().clone()  # under a transform the copy is wrapped too: unwrap it after
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
 
 
 _RENORM_OF: dict[type, type] = {

@@ -31,6 +31,7 @@ from .. import _fx, groups
 from .._abn_layer import ActivatedBatchNormBase
 from ..engine._function import inplace_abn_apply
 from ..families.inplace_abn import activate_, check_activation
+from ..functional import check_per_channel
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]
 
@@ -177,6 +178,12 @@ def _samples(x: Tensor, name: str, training: bool) -> None:
         )
 
 
+def _check_sizes(x: Tensor, *tensors: Tensor | None) -> None:
+    """Bias and running statistics with one element per channel (the weight: the engine's check)."""
+    if x.dim() >= 2:  # else the engine's check names the dimensions
+        check_per_channel(x.shape[1], dict(zip(("bias", "running_mean", "running_var"), tensors)))
+
+
 # The arguments both functions take, put at the top of their Args sections.
 _ARGS = """    Args:
         x: input ``(N, C, *)``, overwritten.
@@ -230,6 +237,7 @@ def inplace_abn(
     """
     check_activation(activation, activation_param)
     _samples(x, "inplace_abn", training)
+    _check_sizes(x, bias, running_mean, running_var)
     stats = (running_mean, running_var, training, momentum, eps)
     return inplace_abn_apply(x, weight, bias, *stats, activation, activation_param, None)
 
@@ -265,6 +273,7 @@ def inplace_abn_sync(
         >>> y = inplace_abn_sync(h, w, b, rm, rv, group=None)   # on every rank of the default group
     """
     check_activation(activation, activation_param)
+    _check_sizes(x, bias, running_mean, running_var)
     if not groups.is_initialized():
         warnings.warn(
             "inplace_abn_sync is being called, but torch.distributed is not initialized: running the "
