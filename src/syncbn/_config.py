@@ -66,8 +66,8 @@ def _parse_timeout(value: object, source: str) -> float | None:
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy scalars, Fraction too
         try:
             seconds = float(value)
-        except OverflowError:  # an int beyond a float's range (10**400): refused below, either way
-            seconds = -1.0 if value < 0 else 2 * MAX_TIMEOUT_S  # type: ignore[operator]
+        except OverflowError:  # an int beyond a float's range (10**400): its exact value decides below
+            seconds = -math.inf if value < 0 else math.inf  # type: ignore[operator]
     else:
         raise TypeError(f"{source}: expected a number of seconds or None (got {type(value).__name__})")
     if seconds == 0 or math.isinf(seconds):  # beyond a float's range the exact value decides:

@@ -212,9 +212,8 @@ def sync_batch_norm(
                     "sync_batch_norm(): expected momentum to be a float when running statistics are "
                     f"given (got {type(momentum).__name__})"
                 )
-            momentum = float(
-                momentum
-            )  # a Fraction reached the engine's update (TypeError, after the collective)
+            # As the layers take it: a Fraction reached the engine's update (TypeError, after the collective).
+            momentum = float(momentum)
         check_eps(eps)
     if mask is not None:
         args = (running_mean, running_var, weight, bias, training, momentum, eps, process_group)
