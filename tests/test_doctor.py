@@ -23,9 +23,10 @@ from syncbn.engine import _math
 pytest.importorskip("torchvision")
 
 MODELS = "_helpers.doctor_models"
+Capture = pytest.CaptureFixture[str]
 
 
-def doctor(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, dict[str, Any]]:
+def doctor(tmp_path: Path, capsys: Capture, *argv: str) -> tuple[int, str, dict[str, Any]]:
     """Run ``syncbn doctor *argv --json``; (exit code, stdout, the JSON report)."""
     report = tmp_path / "doctor.json"
     code = main(["doctor", *argv, "--json", str(report)])
@@ -46,9 +47,7 @@ def engine_bytes(channels: int, dtype: torch.dtype = torch.float32) -> tuple[int
     return packed.numel() * packed.element_size(), grads.numel() * grads.element_size()
 
 
-def test_resnet50_is_clean_and_every_layer_is_counted(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_resnet50_is_clean_and_every_layer_is_counted(tmp_path: Path, capsys: Capture) -> None:
     import torchvision
 
     code, out, report = doctor(
@@ -85,9 +84,7 @@ def test_resnet50_is_clean_and_every_layer_is_counted(
     assert "106 all_reduce calls" in out and "layer4.0.bn2" in out
 
 
-def test_timm_model_maps_batchnormact_and_finds_a_one_value_layer(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_timm_model_maps_batchnormact_and_finds_a_one_value_layer(tmp_path: Path, capsys: Capture) -> None:
     pytest.importorskip("timm")
     spec = "timm.models.efficientnet:efficientnet_b0"
     code, out, report = doctor(tmp_path, capsys, spec, "--input-shape", "1,3,64,64", "--world-size", "2")
@@ -106,9 +103,7 @@ def test_timm_model_maps_batchnormact_and_finds_a_one_value_layer(
     assert two["fewest_values_per_channel"] == 2 and not two["chosen"]
 
 
-def test_mmcv_norm_eval_backbone_is_noted_not_failed(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_mmcv_norm_eval_backbone_is_noted_not_failed(tmp_path: Path, capsys: Capture) -> None:
     pytest.importorskip("mmcv")
     code, out, report = doctor(tmp_path, capsys, f"{MODELS}:mmcv_norm_eval", "--input-shape", "2,3,8,8")
     assert code == 0, out
@@ -127,9 +122,7 @@ def test_mmcv_norm_eval_backbone_is_noted_not_failed(
     assert report["totals"]["collectives"] == 2  # the neck only
 
 
-def test_subclass_with_its_own_forward_is_one_problem_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_subclass_with_its_own_forward_is_one_problem_line(tmp_path: Path, capsys: Capture) -> None:
     code, out, report = doctor(tmp_path, capsys, f"{MODELS}:custom_forward")
     assert code == 1
     (line,) = problem_lines(out)
@@ -139,9 +132,7 @@ def test_subclass_with_its_own_forward_is_one_problem_line(
     assert report["totals"]["collectives"] == 2
 
 
-def test_subclass_with_extra_state_names_what_conversion_drops(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_subclass_with_extra_state_names_what_conversion_drops(tmp_path: Path, capsys: Capture) -> None:
     code, out, _ = doctor(tmp_path, capsys, f"{MODELS}:extra_state")
     assert code == 1
     (line,) = problem_lines(out)
@@ -149,9 +140,7 @@ def test_subclass_with_extra_state_names_what_conversion_drops(
     assert "get_extra_state, set_extra_state, describe" in line
 
 
-def test_a_forward_that_does_not_fit_the_shape_is_a_problem(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_forward_that_does_not_fit_the_shape_is_a_problem(tmp_path: Path, capsys: Capture) -> None:
     code, out, _ = doctor(tmp_path, capsys, f"{MODELS}:clean", "--input-shape", "2,5,8,8")
     assert code == 1
     (line,) = problem_lines(out)
@@ -170,7 +159,7 @@ def test_a_forward_that_does_not_fit_the_shape_is_a_problem(
         (["torch.nn:Identity", "--world-size", "4", "--group-size", "3"], "must divide"),
     ],
 )
-def test_usage_errors_exit_2(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_exit_2(argv: list[str], expected: str, capsys: Capture) -> None:
     try:
         code = main(["doctor", *argv])
     except SystemExit as exc:  # argparse's own usage error
