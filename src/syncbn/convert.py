@@ -233,7 +233,11 @@ def _replace(module: nn.Module, swap: Callable[[nn.Module, str], nn.Module]) -> 
 
 
 def convert_sync_batchnorm(
-    module: nn.Module, process_group: Any = None, *, group_size: int | str | None = None
+    module: nn.Module,
+    process_group: Any = None,
+    *,
+    group_size: int | str | None = None,
+    device_mesh: Any = None,
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` by a syncbn layer.
 
@@ -258,18 +262,26 @@ def convert_sync_batchnorm(
             ``torch.nn.SyncBatchNorm`` keeps the group it was built with when
             this is ``None``. :class:`~syncbn.InPlaceSyncBatchNorm` layers (and the
             compat ``InPlaceABNSync``) stay as they are, taking ``process_group`` when it is given.
+            A ``torch.distributed.device_mesh.DeviceMesh`` is taken as ``device_mesh``.
         group_size: ``k`` (groups of k consecutive ranks) or ``"node"``: the same as
             ``process_group=syncbn.groups.subgroup(group_size)``, whose rules apply
             (every rank calls it, after ``init_process_group``; not with ``process_group``).
+        device_mesh: a ``DeviceMesh`` of the data-parallel ranks: a 1-D mesh or submesh
+            (``mesh["dp"]``) synchronises over its group, a multi-dimensional one
+            (HSDP's ``mesh["dp_replicate", "dp_shard"]``) over all its ranks (one
+            flattened group, made at the first training call on every rank of the job
+            and cached). The layers keep the mesh, resolved when they run, so they
+            pickle and deep-copy. Not with ``process_group`` or ``group_size``.
 
     Returns:
         ``module`` with its BatchNorm layers swapped, or the new layer when
         ``module`` is itself a BatchNorm layer.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: ``module`` is not an ``nn.Module``, or ``device_mesh`` is not a ``DeviceMesh``.
         ValueError: the model holds an uninitialised ``nn.LazyBatchNorm*d``
-            (run one forward pass first).
+            (run one forward pass first), or more than one of ``process_group``,
+            ``group_size`` and ``device_mesh`` is given.
 
     Example::
 
@@ -277,8 +289,13 @@ def convert_sync_batchnorm(
         >>> model = syncbn.convert_sync_batchnorm(model)
         >>> type(model[1]).__name__
         'SyncBatchNorm2d'
+        >>> # 2-D parallelism: statistics over the data-parallel ranks only
+        >>> mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp"))
+        >>> model = syncbn.convert_sync_batchnorm(model, device_mesh=mesh["dp"])
     """
     check_module(module, "convert_sync_batchnorm")
+    if device_mesh is not None:
+        process_group = groups.mesh_argument(device_mesh, process_group, group_size, "convert_sync_batchnorm")
     process_group = groups.group_for(process_group, group_size, "convert_sync_batchnorm")
     return _convert(module, process_group, _TO_SYNC)
 
