@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _fx, groups, parallel
+from . import _cmbn, _fx, groups, parallel
 from ._errors import ChannelCountError
 from ._layer import LayerMixin
 from .engine import _rules
@@ -209,9 +209,9 @@ class ActivatedBatchNormBase(LayerMixin):
         mean, var = (self.running_mean, self.running_var) if (tracking or running) else (None, None)
         token = _ops.layer_token(self) if handle else None
         family = InPlaceABN(self.activation, float(self.activation_param), not running)
-        out = traced_inplace_abn(
-            x, self.weight, self.bias, Params(mean, var, self.eps, factor, handle, token, family)
-        )
+        statistics = _cmbn.statistics(self) if self.training else None
+        params = Params(mean, var, self.eps, factor, handle, token, family, statistics)
+        out = traced_inplace_abn(x, self.weight, self.bias, params)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
@@ -238,8 +238,9 @@ class ActivatedBatchNormBase(LayerMixin):
             group = None if self._local else groups.resolve(self._group())
             mean = self.running_mean if self.track_running_stats else None
             var = self.running_var if self.track_running_stats else None
+            stats, statistics = (mean, var, True, factor), _cmbn.statistics(self, recomputing)
             out = inplace_abn_apply(
-                x, self.weight, self.bias, mean, var, True, factor, self.eps, act, param, group, self
+                x, self.weight, self.bias, *stats, self.eps, act, param, group, self, statistics
             )
             if tracking and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)

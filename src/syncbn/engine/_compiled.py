@@ -29,9 +29,10 @@ def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
 
 
 def traced_moments(
-    x: Tensor, group: int, token: Tensor | None, stat: torch.dtype
+    x: Tensor, group: int, token: Tensor | None, stat: torch.dtype, statistics: Any = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), traced.
+    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), traced;
+    ``statistics.pool`` (if given) turns the summed moments into those to normalise with.
 
     Only a member holding fewer than two values asks the operator for the one-value check; alone,
     a count of one raises while tracing.
@@ -50,6 +51,8 @@ def traced_moments(
         raise _function._expected_more_than_one(x, _function.LOCAL, None)
     flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
     summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags) if group else packed
+    if statistics is not None:
+        summed = statistics.pool(summed)
     total = summed[0]
     n = total.clamp(min=1.0)
     sums = summed[1:].view(2, channels) / n
@@ -96,7 +99,7 @@ def _traced_forward(
     stat = _rules.statistics_dtype(x, weight, running_mean if tracked else None)
     total = unbiased = None
     if not in_place or family.training:
-        total, mean, var, unbiased = traced_moments(x, group, token, stat)
+        total, mean, var, unbiased = traced_moments(x, group, token, stat, params.statistics)
     else:  # eval: the running statistics (the layer has them)
         assert running_mean is not None and running_var is not None
         mean, var = running_mean.to(stat), running_var.to(stat)
@@ -197,8 +200,9 @@ def sync_batch_norm(
     if params.family is not None:  # (r, d) from the statistics before the update below
         params = params._replace(family=params.family.snapshot(_ops.snapshot))
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
-    _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
-    traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)
+    if params.statistics is None:  # (a pooled call's update is its CmBN block's, at the end)
+        _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
+        traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)
     return out
 
 
@@ -218,6 +222,8 @@ def traced_inplace_abn(
     if not params.family.training:  # eval: the output alone
         return result
     out, mean, unbiased, total, var = result
+    if params.statistics is not None:  # the update is its CmBN block's, at the end
+        return out
     if params.group:  # syncbn.accumulation (local layers are seen by its forward hooks)
         _accumulating.observe(params.running_mean, total, mean, var, params.momentum)
     with torch.no_grad():

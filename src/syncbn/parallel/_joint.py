@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _accumulating
+from .. import _accumulating, _cmbn
 from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
@@ -105,7 +105,8 @@ def replica_batch_norm(
     if in_place:
         check_writable(x, "in-place activated batch norm")
     group = ThreadSumGroup(rendezvous, rank)
-    params = Params(running_mean, running_var, eps, momentum, group, layer, family)
+    statistics = _cmbn.statistics(layer, replication.recomputing)
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
     with torch.no_grad():
         result = synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
         if batches is not None:
