@@ -17,7 +17,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Carry", "Pool", "statistics", "attach", "detach"]
+from .families._protocol import THIS_CALL, ThisCall
+
+__all__ = ["THIS_CALL", "Carry", "Pool", "statistics", "attach", "detach"]
 
 # As syncbn.engine._rules.is_compiling (above this layer-0 module).
 _is_compiling: Callable[[], bool] = (
@@ -90,14 +92,14 @@ class Pool(NamedTuple):
         return pooled if started else packed
 
 
-def statistics(layer: Any, recomputing: bool = False) -> Pool | None:
-    """The statistics hook of ``layer``'s training call, or ``None`` outside a cumulative block.
+def statistics(layer: Any, recomputing: bool = False) -> Pool | ThisCall:
+    """The statistics hook of ``layer``'s training call (outside a cumulative block: ``THIS_CALL``).
 
     ``recomputing``: activation checkpointing's second forward (in backward).
     """
     carry: Carry | None = layer.__dict__.get(_ATTR)
     if carry is None:
-        return None
+        return THIS_CALL
     if _is_compiling():  # the count tells the first micro-batch (a bool would be guarded on)
         return Pool(carry, (carry.count, carry.mean, carry.m2, True), False)
     if recomputing:

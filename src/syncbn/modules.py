@@ -212,7 +212,9 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         weight, bias, eps = self.weight, self.bias, self.eps
         family = self._family_call(recomputing, True)
         statistics = _cmbn.statistics(self, recomputing)  # inside a CmBN block (syncbn.accumulation)
-        if group is None and family is None and statistics is None:  # exactly nn.BatchNorm
+        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
+            running_mean = running_var = None
+        if group is None and family is None and statistics is _cmbn.THIS_CALL:  # exactly nn.BatchNorm
             out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
         else:  # the input was checked above; without a group, a family's math alone (LOCAL)
             group = LOCAL if group is None else group
@@ -229,13 +231,15 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         handle = _ops.group_handle(self.process_group)
         family = self._family_call()
         statistics = _cmbn.statistics(self)
+        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
+            running_mean = running_var = None
         seen = self.num_batches_tracked
         if factor < 0.0:  # momentum=None: 1 / (batches seen, this one included)
             if not tracking or seen is None:
                 factor = 0.0
             elif not handle:
                 factor = 1.0 / (float(seen.item()) + 1.0)  # what nn.BatchNorm does (a host read)
-        if handle or family is not None or statistics is not None:
+        if handle or family is not None or statistics is not _cmbn.THIS_CALL:
             momentum: float | Tensor = (
                 factor if factor >= 0.0 or seen is None else 1.0 / (seen.to(torch.float64) + 1.0)
             )

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _accumulating
+from ..families._protocol import THIS_CALL
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
 
@@ -29,10 +30,10 @@ def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
 
 
 def traced_moments(
-    x: Tensor, group: int, token: Tensor | None, stat: torch.dtype, statistics: Any = None
+    x: Tensor, group: int, token: Tensor | None, stat: torch.dtype, statistics: Any = THIS_CALL
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), traced;
-    ``statistics.pool`` (if given) turns the summed moments into those to normalise with.
+    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone) as
+    ``statistics.pool`` gives them, traced.
 
     Only a member holding fewer than two values asks the operator for the one-value check; alone,
     a count of one raises while tracing.
@@ -51,8 +52,7 @@ def traced_moments(
         raise _function._expected_more_than_one(x, _function.LOCAL, None)
     flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
     summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags) if group else packed
-    if statistics is not None:
-        summed = statistics.pool(summed)
+    summed = statistics.pool(summed)
     total = summed[0]
     n = total.clamp(min=1.0)
     sums = summed[1:].view(2, channels) / n
@@ -200,9 +200,8 @@ def sync_batch_norm(
     if params.family is not None:  # (r, d) from the statistics before the update below
         params = params._replace(family=params.family.snapshot(_ops.snapshot))
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
-    if params.statistics is None:  # (a pooled call's update is its CmBN block's, at the end)
-        _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
-        traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)
+    _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
+    traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)
     return out
 
 
@@ -222,8 +221,6 @@ def traced_inplace_abn(
     if not params.family.training:  # eval: the output alone
         return result
     out, mean, unbiased, total, var = result
-    if params.statistics is not None:  # the update is its CmBN block's, at the end
-        return out
     if params.group:  # syncbn.accumulation (local layers are seen by its forward hooks)
         _accumulating.observe(params.running_mean, total, mean, var, params.momentum)
     with torch.no_grad():

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .. import _accumulating, _checks, _config
 from .._threads import LOCAL, ThreadSumGroup
+from ..families._protocol import THIS_CALL
 from ..families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
 from ..groups import (
     PHASE_BACKWARD,
@@ -31,11 +32,8 @@ from ._rules import gradient_dtype, is_compiling, one_value_error, statistics_dt
 
 
 class Params(NamedTuple):
-    """A training call's arguments besides ``x``, ``weight`` and ``bias``, built once at the entry.
-
-    Carried through the engine eager and traced alike; the tensors autograd tracks stay direct
-    arguments of ``Function.apply``.
-    """
+    """A training call's arguments besides the tensors autograd tracks (direct arguments of
+    ``Function.apply``), built once at the entry; carried through the engine eager and traced alike."""
 
     running_mean: Tensor | None  # updated in place (None: not tracked)
     running_var: Tensor | None  # updated in place, with the unbiased variance
@@ -44,7 +42,7 @@ class Params(NamedTuple):
     group: Any = None  # eager: a SumGroup (None: no collective); traced: a group handle (0: none)
     layer: Any = None  # eager: the calling layer (errors, handshake state); traced: its token
     family: Any = None  # the family's per-call object (syncbn.families); None: batch norm
-    statistics: Any = None  # the statistics hook: ``pool(packed)`` after the sum (syncbn._cmbn.Pool)
+    statistics: Any = THIS_CALL  # what it normalises with (syncbn.families._protocol.Statistics)
 
 
 def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any, family: Any = None) -> ValueError:
@@ -64,8 +62,7 @@ class Moments(NamedTuple):
 
     def update_running(self, params: Params) -> None:
         """The update of ``params``' running statistics (none for an empty global batch)."""
-        # (syncbn.accumulation sees every update here; a pooled call's is its CmBN block's, at the end)
-        if self.global_count > 0 and params.statistics is None:
+        if self.global_count > 0:  # (syncbn.accumulation sees every update here)
             running_mean, momentum = params.running_mean, params.momentum
             replicas = isinstance(params.group, ThreadSumGroup)
             _accumulating.observe(running_mean, self.total, self.mean, self.var, momentum, local=replicas)
@@ -78,13 +75,10 @@ def synchronized_moments(
     reduce: Callable[[Tensor], Tensor] | None,
     one_value_error: Callable[[], Exception],
     scratch: Tensor | None = None,
-    statistics: Any = None,
+    statistics: Any = THIS_CALL,
 ) -> Moments:
-    """Local moments, packed; ONE ``reduce`` (``None``: this member alone); the global statistics.
-
-    ``statistics.pool`` (if given) turns the summed moments into those to normalise with.
-    A global count of one raises ``one_value_error()`` before anything changes.
-    """
+    """Local moments, packed; ONE ``reduce`` (``None``: this member alone); ``statistics.pool``; the
+    statistics to normalise with. A global count of one raises ``one_value_error()`` first."""
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     host = _host_side(x)
@@ -93,8 +87,7 @@ def synchronized_moments(
     packed = _math.pack_moments(count, mean_l, var_l, channels=channels, device=x.device, buffer=buffer)
     if reduce is not None:
         packed = reduce(packed)
-    if statistics is not None:
-        packed = statistics.pool(packed)
+    packed = statistics.pool(packed)
     total, (mean, var, unbiased) = _math.unpack_moments(
         packed, channels, read_count=host, dtype=stat_dtype, buffer=buffer
     )
@@ -184,7 +177,7 @@ def synchronized_forward(
             count = x.numel() // x.shape[1] if x.shape[1] else 0
             mean, var = _math.cast(running_mean, stat_dtype), _math.cast(running_var, stat_dtype)
             stats = family.forward_(x, weight, bias, Moments(mean, var, var, 0.0, count, 0.0), eps)
-        elif reduce is None and params.statistics is None and x.shape[1] and x.numel() // x.shape[1] > 1:
+        elif reduce is None and params.statistics is THIS_CALL and x.shape[1] and x.numel() // x.shape[1] > 1:
             stats = family.native_forward_(
                 x, weight, bias, running_mean, running_var, params.momentum, eps, stat_dtype
             )
@@ -288,7 +281,7 @@ def _in_place_backward(
     y, weight, bias = ctx.saved_tensors
     group, layer = ctx.params.group, ctx.params.layer
     # this process alone, its own statistics: one native call
-    if group is None and stats.training and stats.local_count > 1 and ctx.params.statistics is None:
+    if group is None and stats.training and stats.local_count > 1 and ctx.params.statistics is THIS_CALL:
         grad_input, sum_dz, sum_dz_xhat = family.native_backward(y, grad, weight, bias, stats, need_input)
     else:
         carry, sum_dz, sum_dz_xhat = family.grad_sums(y, grad, weight, bias, stats)
@@ -426,7 +419,7 @@ def inplace_abn_apply(
     param: float,
     group: SumGroup | None,
     layer: Any = None,
-    statistics: Any = None,
+    statistics: Any = THIS_CALL,
 ) -> Tensor:
     """In-place activated batch norm on the engine, over ``group`` in training; returns ``x``, overwritten."""
     check_call(x, weight, running_mean, running_var, training)

@@ -76,6 +76,7 @@ def replica_batch_norm(
         elif family is not None and rank == 0:  # the user's layer keeps what a recomputation reads
             replication.master._family_call(False, True)
     in_place = family is not None and family.in_place
+    statistics = _cmbn.statistics(layer, replication.recomputing)  # pooled: updated at the block's end
 
     # one replica: torch's kernel, unless syncbn.accumulation listens (the engine reports moments)
     listened = running_mean is not None and _accumulating.listening(running_mean) is not None
@@ -105,7 +106,8 @@ def replica_batch_norm(
     if in_place:
         check_writable(x, "in-place activated batch norm")
     group = ThreadSumGroup(rendezvous, rank)
-    statistics = _cmbn.statistics(layer, replication.recomputing)
+    if statistics is not _cmbn.THIS_CALL:
+        running_mean = running_var = None
     params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
     with torch.no_grad():
         result = synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
