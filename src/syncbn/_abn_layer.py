@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _fx, groups, parallel
+from . import _cmbn, _fx, groups, parallel
 from ._errors import ChannelCountError
 from ._layer import LayerMixin
 from .engine import _rules
@@ -209,9 +209,11 @@ class ActivatedBatchNormBase(LayerMixin):
         mean, var = (self.running_mean, self.running_var) if (tracking or running) else (None, None)
         token = _ops.layer_token(self) if handle else None
         family = InPlaceABN(self.activation, float(self.activation_param), not running)
-        out = traced_inplace_abn(
-            x, self.weight, self.bias, Params(mean, var, self.eps, factor, handle, token, family)
-        )
+        statistics = _cmbn.statistics(self) if self.training else _cmbn.THIS_CALL
+        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
+            mean = var = None
+        params = Params(mean, var, self.eps, factor, handle, token, family, statistics)
+        out = traced_inplace_abn(x, self.weight, self.bias, params)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
@@ -236,10 +238,12 @@ class ActivatedBatchNormBase(LayerMixin):
             out = replica_batch_norm(self, x, factor, replica.replication, replica.index, family)
         else:
             group = None if self._local else groups.resolve(self._group())
-            mean = self.running_mean if self.track_running_stats else None
-            var = self.running_var if self.track_running_stats else None
+            statistics = _cmbn.statistics(self, recomputing)  # pooled: the block updates the buffers
+            keep = self.track_running_stats and statistics is _cmbn.THIS_CALL
+            mean, var = (self.running_mean, self.running_var) if keep else (None, None)
+            stats = (mean, var, True, factor)
             out = inplace_abn_apply(
-                x, self.weight, self.bias, mean, var, True, factor, self.eps, act, param, group, self
+                x, self.weight, self.bias, *stats, self.eps, act, param, group, self, statistics
             )
             if tracking and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _accumulating
+from .. import _accumulating, _cmbn
 from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
@@ -76,6 +76,7 @@ def replica_batch_norm(
         elif family is not None and rank == 0:  # the user's layer keeps what a recomputation reads
             replication.master._family_call(False, True)
     in_place = family is not None and family.in_place
+    statistics = _cmbn.statistics(layer, replication.recomputing)  # pooled: updated at the block's end
 
     # one replica: torch's kernel, unless syncbn.accumulation listens (the engine reports moments)
     listened = running_mean is not None and _accumulating.listening(running_mean) is not None
@@ -105,7 +106,9 @@ def replica_batch_norm(
     if in_place:
         check_writable(x, "in-place activated batch norm")
     group = ThreadSumGroup(rendezvous, rank)
-    params = Params(running_mean, running_var, eps, momentum, group, layer, family)
+    if statistics is not _cmbn.THIS_CALL:
+        running_mean = running_var = None
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
     with torch.no_grad():
         result = synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
         if batches is not None:
