@@ -10,15 +10,17 @@ after the block (``nn.BatchNorm`` once on every micro-batch together).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import syncbn
+from _helpers.marks import needs_compiled_ops
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -98,10 +100,12 @@ def run_block(
     call: Callable[[nn.Module, Tensor], Tensor] | None = None,
     momentum: float | None = 0.1,
     module: Callable[[nn.Module], nn.Module] | None = None,
+    averaged: int = 0,
 ) -> dict[str, float]:
     """One cumulative block over ``shards[t][r]`` on this rank: the worst error of each quantity.
 
-    ``call(model, x)`` runs the model (default: a plain call); ``module`` wraps the layer (DDP).
+    ``call(model, x)`` runs the model (default: a plain call); ``module`` wraps the layer (DDP);
+    ``averaged``: the world size when the weight and bias gradients are averaged over the ranks (DDP).
     """
     layer = make_layer(family, momentum)
     before = make_layer(family, momentum)  # its state before the block (the reference's)
@@ -121,6 +125,9 @@ def run_block(
             y = run(model, leaf.clone())  # (a clone: the in-place family writes over its input)
             y.backward(grads[rows])
             ry, rdx, rdw, rdb = reference(family, before, micro[:t], micro[t], grads, rows)
+            if averaged:  # every rank's rows, averaged
+                _, _, rdw, rdb = reference(family, before, micro[:t], micro[t], grads, slice(None))
+                rdw, rdb = rdw / averaged, rdb / averaged
             worst["y"] = max(worst["y"], _err(y, ry))
             worst["dx"] = max(worst["dx"], _err(leaf.grad, rdx))
             dw += rdw
@@ -149,3 +156,124 @@ SIZES_1 = [[2], [3], [1], [0], [2]]  # uneven, an empty micro-batch, micro-batch
 def test_single_process_eager(family: str, momentum: float | None) -> None:
     worst = run_block(family, data(1, SIZES_1), 0, momentum=momentum)
     assert max(worst.values()) < TOL, worst
+
+
+def _region(model: nn.Module, x: Tensor, reentrant: bool) -> Tensor:
+    # (x * 1.0 inside the region: the in-place family writes over the region's own tensor)
+    return torch.utils.checkpoint.checkpoint(lambda t: model(t * 1.0), x, use_reentrant=reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_recomputation_reuses_the_carry(family: str, reentrant: bool) -> None:
+    worst = run_block(family, data(2, SIZES_1), 0, call=lambda m, x: _region(m, x, reentrant))
+    assert max(worst.values()) < TOL, worst
+
+
+class Through(nn.Module):
+    """``x * 1``: the in-place family's input is then an intermediate, as after a convolution."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 1.0
+
+
+def _after_through(layer: nn.Module) -> nn.Module:
+    return nn.Sequential(Through(), layer)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_data_parallel_replicas(family: str) -> None:
+    # syncbn.parallel.data_parallel: nn.DataParallel's code path on CPU threads; a micro-batch of
+    # one sample leaves one replica empty.
+    call = lambda m, x: syncbn.parallel.data_parallel(m, x, chunks=2)  # noqa: E731
+    worst = run_block(family, data(3, [[4], [3], [1], [2]]), 0, call=call, module=_after_through)
+    assert max(worst.values()) < TOL, worst
+
+
+@needs_compiled_ops
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_fullgraph_once(family: str) -> None:
+    counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd, as inductor sees it
+    compiled: dict[int, Any] = {}
+
+    frames: list[int] = []
+
+    def call(model: nn.Module, x: Tensor) -> Tensor:
+        first = id(model) not in compiled
+        run = compiled.setdefault(id(model), torch.compile(model, backend=counter, fullgraph=True))
+        out = run(x)
+        if not first:  # no recompilation per micro-batch (the carry's state is tensors)
+            assert counter.frame_count == frames[-1]
+        frames.append(counter.frame_count)
+        return out  # type: ignore[no-any-return]
+
+    for seed in (4, 5):  # two blocks, each a new model
+        worst = run_block(family, data(seed, [[3]] * 4), 0, call=call, module=_after_through)
+        assert max(worst.values()) < TOL, worst
+    assert 1 <= counter.frame_count <= 2 and len(frames) == 8
+
+
+def test_masked_input() -> None:
+    # The statistics are those of the valid positions of micro-batches 1..t.
+    layer, before = make_layer("bn"), make_layer("bn")
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(n, C, 2, 2, generator=gen, dtype=torch.float64) + 1 for n in (2, 3, 2)]
+    masks = [torch.rand(n, 2, 2, generator=gen) > 0.4 for n in (2, 3, 2)]
+    valid = [x.movedim(1, -1)[m].reshape(-1, C, 1, 1) for x, m in zip(xs, masks)]
+    with syncbn.accumulation(layer, normalize="cumulative"):
+        for t, (x, mask) in enumerate(zip(xs, masks)):
+            leaf = x.clone().requires_grad_()
+            y = layer(leaf, mask)
+            grad = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+            y.backward(grad)
+            g = grad.movedim(1, -1)[mask].reshape(-1, C, 1, 1)
+            ry, rdx, _, _ = reference("bn", before, valid[:t], valid[t], g, slice(None))
+            assert _err(y.movedim(1, -1)[mask].reshape(-1, C, 1, 1), ry) < TOL
+            assert _err(leaf.grad.movedim(1, -1)[mask].reshape(-1, C, 1, 1), rdx) < TOL
+            assert torch.all(leaf.grad.movedim(1, -1)[~mask] == 0)
+    state = expected_running(before, valid)
+    assert _err(layer.running_var, state["running_var"]) < TOL
+
+
+def test_exception_leaves_the_statistics_and_the_next_block_starts_afresh() -> None:
+    layer = make_layer("renorm")
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(KeyError):
+        with syncbn.accumulation(layer, normalize="cumulative"):
+            for x in data(7, [[3], [2]]):
+                layer(x[0])
+            raise KeyError("stop")
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert "_syncbn_cmbn" not in layer.__dict__
+    worst = run_block("renorm", data(8, [[2], [3]]), 0)  # (a new layer with the same state)
+    assert max(worst.values()) < TOL, worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eval_and_frozen_layers_never_accumulate(family: str) -> None:
+    layer = make_layer(family)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    ref = make_layer(family).eval()
+    x = data(9, [[4]])[0][0]
+    with syncbn.accumulation(layer, normalize="cumulative"):
+        layer.eval()
+        assert torch.equal(layer(x.clone()), ref(x.clone()))
+        if family != "inplace":
+            layer.train()
+            layer.freeze = True
+            assert torch.allclose(layer(x.clone()), ref(x.clone()), rtol=0, atol=1e-12)
+        assert float(layer.__dict__["_syncbn_cmbn"].count) == 0.0
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_refusals_change_nothing() -> None:
+    with pytest.raises(ValueError, match="expected normalize one of"):
+        syncbn.accumulation(nn.Sequential(), normalize="cumulative-ish")
+    model = nn.Sequential(make_layer("bn"), nn.BatchNorm2d(C).double())
+    with pytest.raises(TypeError, match=r"normalize='cumulative'.*torch.nn.modules.batchnorm.BatchNorm2d"):
+        syncbn.accumulation(model, normalize="cumulative").begin()
+    assert "_syncbn_cmbn" not in model[0].__dict__
+    with syncbn.accumulation(model):  # micro-batch normalisation covers plain BatchNorm (no layer left open)
+        model(data(11, [[3]])[0][0])
