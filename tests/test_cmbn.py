@@ -277,3 +277,36 @@ def test_refusals_change_nothing() -> None:
     assert "_syncbn_cmbn" not in model[0].__dict__
     with syncbn.accumulation(model):  # micro-batch normalisation covers plain BatchNorm (no layer left open)
         model(data(11, [[3]])[0][0])
+
+
+@pytest.mark.timeout(600)
+def test_lightning_callback_takes_the_option(tmp_path: Any) -> None:
+    # A real Trainer, 2 CPU processes, accumulate_grad_batches=3: after each micro-batch the first
+    # layer's carry holds the count and mean of the step's inputs of both ranks so far; after each
+    # step its running statistics hold one nn.BatchNorm2d update over them.
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+    from _helpers.integration_models import run_script
+
+    with pytest.raises(ValueError, match="expected normalize one of"):
+        syncbn.accumulate.check_normalize("per-step")
+    run_script("run_lightning_accumulation.py", str(tmp_path), "cumulative", timeout=480)
+    for rank in (0, 1):
+        result = torch.load(os.path.join(tmp_path, f"lightning_accumulation_rank{rank}.pt"))
+        assert len(result["errors"]) == 2 + 6 and result["batches"] == 2, result
+        assert max(result["errors"]) < TOL, result["errors"]
+
+
+def test_double_backward_is_refused() -> None:
+    # The differentiable backward rebuilds the statistics from the micro-batch alone: refused,
+    # eager and across DataParallel replicas, rather than a silently different second derivative.
+    layer = make_layer("bn")
+    x = data(12, [[4]])[0][0].requires_grad_()
+    for run in (lambda t: layer(t * 1.0), lambda t: syncbn.parallel.data_parallel(_after_through(layer), t)):
+        with syncbn.accumulation(layer, normalize="cumulative"):
+            y = run(x)
+            with pytest.raises(NotImplementedError, match="double backward"):
+                torch.autograd.grad(y.square().sum(), x, create_graph=True)

@@ -48,6 +48,7 @@ class _Record(NamedTuple):
     correction: tuple[Tensor, Tensor] | None  # the family's (r, d), or None
     stats: Any  # the backward's statistics (syncbn.engine._math.Stats, or the family's)
     needs_grad: bool
+    pooled: bool  # normalised with statistics pooled by a hook (CmBN): no double backward
 
 
 def replica_batch_norm(
@@ -120,7 +121,10 @@ def replica_batch_norm(
     y = result.out
     if in_place and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
-    record = _Record(x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad)
+    pooled = statistics is not _cmbn.THIS_CALL
+    record = _Record(
+        x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad, pooled
+    )
     return rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)[rank]
 
 
@@ -159,6 +163,7 @@ class _JointBatchNorm(torch.autograd.Function):
         size = len(active)
         family = records[0].family
         ctx.size, ctx.family, ctx.active = size, family, active
+        ctx.pooled = records[0].pooled
         ctx.stats = [r.stats for r in records]  # every replica's (the double backward's statistics)
         ctx.corrections = [records[k].correction for k in active]
         ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.x) for r in (records[k] for k in active)]
@@ -193,6 +198,8 @@ class _JointBatchNorm(torch.autograd.Function):
         extras = [(w,) for w in weights] if in_place else ctx.corrections  # family.parameter_grads' args
         grad_inputs: list[Tensor | None] = [None] * size
         if not in_place and torch.is_grad_enabled() and stats[0].total:  # create_graph=True
+            if ctx.pooled:
+                raise NotImplementedError(_cmbn.DOUBLE_BACKWARD)
             own = saved[3 * size : 3 * size + ctx.n_own]
             if own:  # the effective scale from the differentiable weight
                 weights = tuple(family.scale(w, c[0]) for w, c in zip(own, ctx.corrections))
