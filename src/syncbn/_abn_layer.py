@@ -209,9 +209,8 @@ class ActivatedBatchNormBase(LayerMixin):
         mean, var = (self.running_mean, self.running_var) if (tracking or running) else (None, None)
         token = _ops.layer_token(self) if handle else None
         family = InPlaceABN(self.activation, float(self.activation_param), not running)
-        out = traced_inplace_abn(
-            x, self.weight, self.bias, Params(mean, var, self.eps, factor, handle, token, family)
-        )
+        weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
+        out = traced_inplace_abn(x, weight, bias, Params(mean, var, self.eps, factor, handle, token, family))
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
@@ -225,10 +224,11 @@ class ActivatedBatchNormBase(LayerMixin):
             # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         act, param = self.activation, float(self.activation_param)
+        weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
         if not self.training:  # no communication: the running statistics, or without them the batch's
             mean, var = self.running_mean, self.running_var
             return inplace_abn_apply(
-                x, self.weight, self.bias, mean, var, mean is None, 0.0, self.eps, act, param, None
+                x, weight, bias, mean, var, mean is None, 0.0, self.eps, act, param, None
             )
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:
@@ -239,7 +239,7 @@ class ActivatedBatchNormBase(LayerMixin):
             mean = self.running_mean if self.track_running_stats else None
             var = self.running_var if self.track_running_stats else None
             out = inplace_abn_apply(
-                x, self.weight, self.bias, mean, var, True, factor, self.eps, act, param, group, self
+                x, weight, bias, mean, var, True, factor, self.eps, act, param, group, self
             )
             if tracking and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)
