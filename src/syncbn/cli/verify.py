@@ -43,24 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--group-size",
-        type=_group_size,
+        type=_args.group_size,
         default=None,
         metavar="K",
         help="synchronise over syncbn.groups.subgroup(K): groups of K consecutive ranks, or 'node' "
         "(the ranks of each machine); each group is checked against its own batch",
     )
-
-
-def _group_size(text: str) -> int | str:
-    if text == groups.NODE:
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int or {groups.NODE!r} (got {text!r})")
-    return value
 
 
 def _check_rank(
