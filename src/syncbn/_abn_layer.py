@@ -212,8 +212,9 @@ class ActivatedBatchNormBase(LayerMixin):
         statistics = _cmbn.statistics(self) if self.training else _cmbn.THIS_CALL
         if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
             mean = var = None
+        weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
         params = Params(mean, var, self.eps, factor, handle, token, family, statistics)
-        out = traced_inplace_abn(x, self.weight, self.bias, params)
+        out = traced_inplace_abn(x, weight, bias, params)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
@@ -227,10 +228,11 @@ class ActivatedBatchNormBase(LayerMixin):
             # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         act, param = self.activation, float(self.activation_param)
+        weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
         if not self.training:  # no communication: the running statistics, or without them the batch's
             mean, var = self.running_mean, self.running_var
             return inplace_abn_apply(
-                x, self.weight, self.bias, mean, var, mean is None, 0.0, self.eps, act, param, None
+                x, weight, bias, mean, var, mean is None, 0.0, self.eps, act, param, None
             )
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:
@@ -242,9 +244,7 @@ class ActivatedBatchNormBase(LayerMixin):
             keep = self.track_running_stats and statistics is _cmbn.THIS_CALL
             mean, var = (self.running_mean, self.running_var) if keep else (None, None)
             stats = (mean, var, True, factor)
-            out = inplace_abn_apply(
-                x, self.weight, self.bias, *stats, self.eps, act, param, group, self, statistics
-            )
+            out = inplace_abn_apply(x, weight, bias, *stats, self.eps, act, param, group, self, statistics)
             if tracking and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)
         if not recomputing:

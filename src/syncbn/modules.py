@@ -169,6 +169,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             if self.freeze:
                 weight, bias = (None if t is None else t.detach() for t in (weight, bias))
             batch_stats = not self.freeze and self.running_mean is None
+            weight, bias = _rules.affine_for_statistics(self.running_mean, weight, bias)
             return F.batch_norm(
                 input, self.running_mean, self.running_var, weight, bias, batch_stats, 0.0, self.eps
             )
@@ -209,7 +210,8 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         stats = self.track_running_stats
         running_mean = self.running_mean if stats else None
         running_var = self.running_var if stats else None
-        weight, bias, eps = self.weight, self.bias, self.eps
+        weight, bias = _rules.affine_for_statistics(running_mean, self.weight, self.bias)
+        eps = self.eps
         family = self._family_call(recomputing, True)
         statistics = _cmbn.statistics(self, recomputing)  # inside a CmBN block (syncbn.accumulation)
         if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
@@ -229,6 +231,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         # on which layer this is (it travels as its token), so one compiled frame serves them all.
         running_mean, running_var = (self.running_mean, self.running_var) if tracking else (None, None)
         handle = _ops.group_handle(self.process_group)
+        weight, bias = _rules.affine_for_statistics(running_mean, self.weight, self.bias)
         family = self._family_call()
         statistics = _cmbn.statistics(self)
         if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
@@ -245,11 +248,9 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             )
             token = _ops.layer_token(self) if handle else None
             params = Params(running_mean, running_var, self.eps, momentum, handle, token, family, statistics)
-            out = _compiled.sync_batch_norm(input, self.weight, self.bias, params)
+            out = _compiled.sync_batch_norm(input, weight, bias, params)
         else:
-            out = F.batch_norm(
-                input, running_mean, running_var, self.weight, self.bias, True, factor, self.eps
-            )
+            out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, self.eps)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
