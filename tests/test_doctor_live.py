@@ -26,11 +26,15 @@ def live(tmp_path: Path, capsys: Capture, factory: str, *argv: str) -> tuple[int
     )
 
 
-def test_live_clean_model_passes_and_names_the_transport(tmp_path: Path, capsys: Capture) -> None:
+def test_live_resnet50_passes_and_names_the_transport(tmp_path: Path, capsys: Capture) -> None:
     from syncbn import _shm
 
-    code, out, report = live(tmp_path, capsys, "clean", "--input-shape", "2,3,8,8")
+    pytest.importorskip("torchvision")
+    argv = ("torchvision.models:resnet50", "--live", "--world-size", "2", "--timeout", "60")
+    code, out, report = doctor(tmp_path, capsys, *argv, "--input-shape", "2,3,64,64")
     assert code == 0, out
+    assert report["findings"] == [] and report["totals"]["synchronised"] == 53
+    assert all(layer["calls"] == 1 for layer in report["layers"])  # the forward ran, synchronised
     expected = "shared memory (same machine)" if _shm.supported() else "the gloo process group"
     assert report["live"]["groups"] == [{"ranks": [0, 1], "transport": expected}]
     assert f"group [0, 1]: {expected}" in out
