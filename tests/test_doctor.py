@@ -40,6 +40,10 @@ def test_resnet50_is_clean_and_every_layer_is_counted(tmp_path: Path, capsys: Ca
     )
     assert code == 0, out
     assert problem_lines(out) == [] and report["problems"] == 0
+    assert set(report) == {  # the keys docs/doctor.md documents
+        "syncbn_version", "torch_version", "model", "input_shape", "batch_size", "world_size",
+        "group_size", "layers", "totals", "group_sizes", "live", "findings", "problems",
+    }  # fmt: skip
     plain = {n: m for n, m in torchvision.models.resnet50().named_modules() if isinstance(m, nn.BatchNorm2d)}
     layers = report["layers"]
     assert [layer["name"] for layer in layers] == list(plain)  # the model's order
@@ -151,3 +155,12 @@ def test_usage_errors_exit_2(argv: list[str], expected: str, capsys: Capture) ->
         code = int(exc.code or 0)
     assert code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_factory_kwargs_and_a_model_that_is_one_layer(tmp_path: Path, capsys: Capture) -> None:
+    argv = ("torch.nn:BatchNorm2d", "--kwargs", '{"num_features": 4, "momentum": null}')
+    code, out, report = doctor(tmp_path, capsys, *argv, "--input-shape", "3,4,5,5")
+    assert code == 0, out
+    (layer,) = report["layers"]
+    assert (layer["name"], layer["converts_to"], layer["channels"]) == ("(root)", "SyncBatchNorm2d", 4)
+    assert layer["input_shape"] == [3, 4, 5, 5] and layer["forward_bytes"] == 8 * 9
