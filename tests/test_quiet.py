@@ -169,14 +169,30 @@ class _OwnForward(nn.BatchNorm2d):
         return super().forward(input) * 2
 
 
-def test_a_conversion_warning_names_the_users_line() -> None:
-    model = nn.Sequential(nn.Conv2d(3, 4, 1), _OwnForward(4))
+class _SyncOwnForward(syncbn.SyncBatchNorm2d):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2
+
+
+def _marked(marker: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, text in enumerate(lines, 1) if text.endswith(marker))
+
+
+def test_conversion_warnings_name_the_users_line_whatever_the_nesting() -> None:
+    def model() -> nn.Module:  # the layer left alone sits three modules deep
+        return nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Sequential(_OwnForward(4))))
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        syncbn.convert_sync_batchnorm(model)  # CONVERT LINE
+        syncbn.convert_sync_batchnorm(model())  # CONVERT LINE
+        syncbn.SyncBatchNorm.convert_sync_batchnorm(model())  # CLASSMETHOD LINE
+        syncbn.revert_sync_batchnorm(nn.Sequential(_SyncOwnForward(4)))  # REVERT LINE
     found = [w for w in caught if issubclass(w.category, syncbn.convert.ConversionWarning)]
-    assert len(found) == 1, [str(w.message) for w in caught]
-    lines = Path(__file__).read_text().splitlines()
-    line = next(i for i, text in enumerate(lines, 1) if text.endswith("# CONVERT LINE"))
-    assert (found[0].filename, found[0].lineno) == (__file__, line)
-    assert "'1'" in str(found[0].message) and "docs/" not in str(found[0].message)
+    assert [(w.filename, w.lineno) for w in found] == [
+        (__file__, _marked("# CONVERT LINE")),
+        (__file__, _marked("# CLASSMETHOD LINE")),
+        (__file__, _marked("# REVERT LINE")),
+    ], [str(w.message) for w in caught]
+    assert "'1.0.0'" in str(found[0].message) and "'0'" in str(found[2].message)
+    assert not any("docs/" in str(w.message) for w in found)
