@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from .. import _accumulating, _checks, _config
+from .. import _accumulating, _checks, _cmbn, _config
 from .._threads import LOCAL, ThreadSumGroup
 from ..families._protocol import THIS_CALL
 from ..families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
@@ -254,6 +254,8 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
         saved = ctx.saved_tensors
         x, weight = saved[0], saved[1]
         if torch.is_grad_enabled() and stats.total:
+            if ctx.params.statistics is not THIS_CALL:
+                raise NotImplementedError(_cmbn.DOUBLE_BACKWARD)
             # create_graph=True: every rank takes this branch alike (same create_graph and count).
             checks_before_backward(group, layer, grad_output, ctx.call)
             if ctx.correction is not None:  # the effective scale from the differentiable weight
@@ -280,7 +282,8 @@ def _in_place_backward(
     """``(grad_input, dweight, dbias)`` of the in-place family: from its saved output, ONE framed sum."""
     y, weight, bias = ctx.saved_tensors
     group, layer = ctx.params.group, ctx.params.layer
-    if group is None and stats.training and stats.local_count > 1:  # this process alone: one native call
+    # this process alone, its own statistics: one native call
+    if group is None and stats.training and stats.local_count > 1 and ctx.params.statistics is THIS_CALL:
         grad_input, sum_dz, sum_dz_xhat = family.native_backward(y, grad, weight, bias, stats, need_input)
     else:
         carry, sum_dz, sum_dz_xhat = family.grad_sums(y, grad, weight, bias, stats)
@@ -418,11 +421,13 @@ def inplace_abn_apply(
     param: float,
     group: SumGroup | None,
     layer: Any = None,
+    statistics: Any = THIS_CALL,
 ) -> Tensor:
     """In-place activated batch norm on the engine, over ``group`` in training; returns ``x``, overwritten."""
     check_call(x, weight, running_mean, running_var, training)
     family = InPlaceABN(activation, param, training)
-    params = Params(running_mean, running_var, eps, momentum, group if training else None, layer, family)
+    group = group if training else None
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
     return apply(x, weight, bias, params)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ..accumulate import accumulation
+from ..accumulate import accumulation, check_normalize
 from ..convert import convert_sync_batchnorm, revert_sync_batchnorm
 
 try:
@@ -108,6 +108,11 @@ class AccumulatedStatistics(Callback):  # type: ignore[misc]
     Lightning skips leaves its micro-batches to the next update; the block is
     committed at the end of each training epoch, and discarded when training raises.
 
+    Args:
+        normalize: the blocks' ``normalize`` (:class:`syncbn.accumulation`):
+            ``"micro-batch"`` (default) or ``"cumulative"`` (CmBN: micro-batch ``t``
+            normalised with the pooled statistics of micro-batches ``1..t`` of all ranks).
+
     Example::
 
         >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=4,
@@ -115,13 +120,15 @@ class AccumulatedStatistics(Callback):  # type: ignore[misc]
         ...                     callbacks=[syncbn.lightning.AccumulatedStatistics()])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, normalize: str = "micro-batch") -> None:
+        check_normalize(normalize)
+        self.normalize = normalize
         self.block: accumulation | None = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
         """Open the block at the first micro-batch of an optimizer step."""
         if self.block is None or not self.block.active:
-            self.block = accumulation(pl_module).begin()
+            self.block = accumulation(pl_module, self.normalize).begin()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: nn.Module, optimizer: Any) -> None:
         """Apply the one update, after the step's last backward pass."""
