@@ -196,3 +196,25 @@ def test_conversion_warnings_name_the_users_line_whatever_the_nesting() -> None:
     ], [str(w.message) for w in caught]
     assert "'1.0.0'" in str(found[0].message) and "'0'" in str(found[2].message)
     assert not any("docs/" in str(w.message) for w in found)
+
+
+def test_no_message_names_a_file_a_pip_install_lacks() -> None:
+    """String constants of library code, docstrings aside, name no docs file or README (pip has none)."""
+    import ast
+
+    found = []
+    for path in sorted(Path(PACKAGE).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if re.search(r"docs/|\.md\b|README", node.value):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value[:80]!r}")
+    assert found == []
