@@ -331,3 +331,27 @@ def test_double_backward(family: str) -> None:
                 assert _err(dx, rdx) < TOL, (parallel, t)
                 for a, b in zip(got, want):
                     assert _err(a, b) < TOL, (parallel, t, _err(a, b))
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_inplace_abn_compat_layers(sync: bool) -> None:
+    # The inplace-abn drop-ins run the in-place family (local InPlaceABN: the one-process kernel
+    # is left for the pooled path; InPlaceABNSync without a group: the same).
+    from syncbn.compat.inplace_abn import InPlaceABN, InPlaceABNSync
+
+    cls = InPlaceABNSync if sync else InPlaceABN
+    layer = cls(C, activation="leaky_relu", activation_param=SLOPE).double()
+    before = make_layer("inplace")
+    layer.load_state_dict(before.state_dict())
+    micro = [x[0] for x in data(14, [[3], [2], [4]])]
+    gen = torch.Generator().manual_seed(15)
+    with syncbn.accumulation(layer, normalize="cumulative"):
+        for t, x in enumerate(micro):
+            g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+            leaf = x.clone().requires_grad_()
+            y = layer(leaf * 1.0)
+            y.backward(g)
+            ry, rdx, _, _ = reference("inplace", before, micro[:t], x, g, slice(None))
+            assert _err(y, ry) < TOL and _err(leaf.grad, rdx) < TOL, t
+    state = expected_running(before, micro)
+    assert _err(layer.running_var, state["running_var"]) < TOL
