@@ -51,14 +51,10 @@ def make_layer(family: str, momentum: float | None = 0.1, seed: int = 0) -> nn.M
     return layer
 
 
-def reference(
-    family: str, layer: nn.Module, earlier: list[Tensor], x: Tensor, grad: Tensor, rows: slice
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(y, dx, dweight, dbias)`` of this rank's ``rows`` of the global micro-batch ``x``, by the
-    definition; ``grad``: every rank's upstream gradient (the weight and bias ones stay local)."""
-    x = x.detach().clone().requires_grad_()
-    weight = layer.weight.detach().clone().requires_grad_()
-    bias = layer.bias.detach().clone().requires_grad_()
+def definition(
+    family: str, layer: nn.Module, earlier: list[Tensor], x: Tensor, weight: Tensor, bias: Tensor
+) -> Tensor:
+    """Micro-batch ``x`` normalised with ``earlier`` (constants) and itself, by the definition."""
     pooled = torch.cat([*(e.detach() for e in earlier), x])
     dims, shape = [0, 2, 3], [1, -1, 1, 1]
     mean, var = pooled.mean(dims), pooled.var(dims, unbiased=False)
@@ -70,8 +66,18 @@ def reference(
         xhat = xhat * r.view(shape) + d.view(shape)
     scale = weight.abs() + EPS if family == "inplace" else weight
     y = xhat * scale.view(shape) + bias.view(shape)
-    if family == "inplace":
-        y = F.leaky_relu(y, SLOPE)
+    return F.leaky_relu(y, SLOPE) if family == "inplace" else y
+
+
+def reference(
+    family: str, layer: nn.Module, earlier: list[Tensor], x: Tensor, grad: Tensor, rows: slice
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y, dx, dweight, dbias)`` of this rank's ``rows`` of the global micro-batch ``x``, by the
+    definition; ``grad``: every rank's upstream gradient (the weight and bias ones stay local)."""
+    x = x.detach().clone().requires_grad_()
+    weight = layer.weight.detach().clone().requires_grad_()
+    bias = layer.bias.detach().clone().requires_grad_()
+    y = definition(family, layer, earlier, x, weight, bias)
     (dx,) = torch.autograd.grad(y, x, grad, retain_graph=True)
     dw, db = torch.autograd.grad(y[rows], (weight, bias), grad[rows])
     return y[rows].detach(), dx[rows], dw, db
@@ -300,13 +306,52 @@ def test_lightning_callback_takes_the_option(tmp_path: Any) -> None:
         assert max(result["errors"]) < TOL, result["errors"]
 
 
-def test_double_backward_is_refused() -> None:
-    # The differentiable backward rebuilds the statistics from the micro-batch alone: refused,
-    # eager and across DataParallel replicas, rather than a silently different second derivative.
-    layer = make_layer("bn")
-    x = data(12, [[4]])[0][0].requires_grad_()
-    for run in (lambda t: layer(t * 1.0), lambda t: syncbn.parallel.data_parallel(_after_through(layer), t)):
+@pytest.mark.parametrize("family", ["bn", "renorm"])
+def test_double_backward(family: str) -> None:
+    # create_graph=True (gradient penalties): the second derivative of the definition, the earlier
+    # micro-batches constants; eager and across DataParallel replicas.
+    micro = [x[0] for x in data(12, [[4], [3], [2]])]
+    before = make_layer(family)
+    w = before.weight.detach().clone().requires_grad_()
+    gen = torch.Generator().manual_seed(13)
+    for parallel in (False, True):
+        layer = make_layer(family)
+        model = _after_through(layer)
         with syncbn.accumulation(layer, normalize="cumulative"):
-            y = run(x)
-            with pytest.raises(NotImplementedError, match="double backward"):
-                torch.autograd.grad(y.square().sum(), x, create_graph=True)
+            for t, x in enumerate(micro):
+                g, h = (torch.randn(x.shape, generator=gen, dtype=torch.float64) for _ in range(2))
+                leaf = x.clone().requires_grad_()
+                y = syncbn.parallel.data_parallel(model, leaf) if parallel else model(leaf)
+                (dx,) = torch.autograd.grad(y, leaf, g, create_graph=True)
+                got = torch.autograd.grad(dx, (leaf, layer.weight), h)
+                ref_x = x.clone().requires_grad_()
+                ry = definition(family, before, micro[:t], ref_x, w, before.bias.detach())
+                (rdx,) = torch.autograd.grad(ry, ref_x, g, create_graph=True)
+                want = torch.autograd.grad(rdx, (ref_x, w), h)
+                assert _err(dx, rdx) < TOL, (parallel, t)
+                for a, b in zip(got, want):
+                    assert _err(a, b) < TOL, (parallel, t, _err(a, b))
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_inplace_abn_compat_layers(sync: bool) -> None:
+    # The inplace-abn drop-ins run the in-place family (local InPlaceABN: the one-process kernel
+    # is left for the pooled path; InPlaceABNSync without a group: the same).
+    from syncbn.compat.inplace_abn import InPlaceABN, InPlaceABNSync
+
+    cls = InPlaceABNSync if sync else InPlaceABN
+    layer = cls(C, activation="leaky_relu", activation_param=SLOPE).double()
+    before = make_layer("inplace")
+    layer.load_state_dict(before.state_dict())
+    micro = [x[0] for x in data(14, [[3], [2], [4]])]
+    gen = torch.Generator().manual_seed(15)
+    with syncbn.accumulation(layer, normalize="cumulative"):
+        for t, x in enumerate(micro):
+            g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+            leaf = x.clone().requires_grad_()
+            y = layer(leaf * 1.0)
+            y.backward(g)
+            ry, rdx, _, _ = reference("inplace", before, micro[:t], x, g, slice(None))
+            assert _err(y, ry) < TOL and _err(leaf.grad, rdx) < TOL, t
+    state = expected_running(before, micro)
+    assert _err(layer.running_var, state["running_var"]) < TOL

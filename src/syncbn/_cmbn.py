@@ -28,12 +28,6 @@ _is_compiling: Callable[[], bool] = (
 
 _ATTR = "_syncbn_cmbn"  # the layer's __dict__ entry while a cumulative block is open
 
-DOUBLE_BACKWARD = (
-    "syncbn: double backward (create_graph=True) inside syncbn.accumulation(normalize='cumulative') "
-    "is not supported: the differentiable backward rebuilds the statistics from this micro-batch "
-    "alone. Use normalize='micro-batch' where second derivatives are needed"
-)
-
 State = tuple[Tensor, Tensor, Tensor, bool]  # (count (1,), mean (C,), m2 (C,), any micro-batch pooled)
 
 

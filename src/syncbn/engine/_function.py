@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from .. import _accumulating, _checks, _cmbn, _config
+from .. import _accumulating, _checks, _config
 from .._threads import LOCAL, ThreadSumGroup
 from ..families._protocol import THIS_CALL
 from ..families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
@@ -254,14 +254,13 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
         saved = ctx.saved_tensors
         x, weight = saved[0], saved[1]
         if torch.is_grad_enabled() and stats.total:
-            if ctx.params.statistics is not THIS_CALL:
-                raise NotImplementedError(_cmbn.DOUBLE_BACKWARD)
             # create_graph=True: every rank takes this branch alike (same create_graph and count).
             checks_before_backward(group, layer, grad_output, ctx.call)
             if ctx.correction is not None:  # the effective scale from the differentiable weight
                 weight = family.scale(saved[2], ctx.correction[0])
+            reduce = lambda t, phase: _all_reduce(group, t, layer, phase)  # noqa: E731
             return differentiable_backward(
-                ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, layer, phase)
+                ctx, grad_output, x, weight, reduce, ctx.params.statistics is not THIS_CALL
             )
         sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
         grad_input = None

@@ -48,7 +48,7 @@ class _Record(NamedTuple):
     correction: tuple[Tensor, Tensor] | None  # the family's (r, d), or None
     stats: Any  # the backward's statistics (syncbn.engine._math.Stats, or the family's)
     needs_grad: bool
-    pooled: bool  # normalised with statistics pooled by a hook (CmBN): no double backward
+    pooled: bool  # normalised with statistics pooled by a hook (CmBN): see joint_input_grads
 
 
 def replica_batch_norm(
@@ -198,8 +198,6 @@ class _JointBatchNorm(torch.autograd.Function):
         extras = [(w,) for w in weights] if in_place else ctx.corrections  # family.parameter_grads' args
         grad_inputs: list[Tensor | None] = [None] * size
         if not in_place and torch.is_grad_enabled() and stats[0].total:  # create_graph=True
-            if ctx.pooled:
-                raise NotImplementedError(_cmbn.DOUBLE_BACKWARD)
             own = saved[3 * size : 3 * size + ctx.n_own]
             if own:  # the effective scale from the differentiable weight
                 weights = tuple(family.scale(w, c[0]) for w, c in zip(own, ctx.corrections))
@@ -242,5 +240,5 @@ def _joint_input_grads(
     all_xs = [xs[active.index(k)] if k in active else next(rest) for k in range(len(ctx.stats))]
     all_grads = [grads[active.index(k)] if k in active else torch.zeros_like(x) for k, x in enumerate(all_xs)]
     all_weights = [weights[active.index(k)] if k in active else None for k in range(len(ctx.stats))]
-    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total)
+    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total, ctx.pooled)
     return [joint[k] for k in active]
