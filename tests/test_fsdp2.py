@@ -352,8 +352,8 @@ def test_no_group_path_with_bf16_parameters_trains_and_evaluates(family: str, co
         layer.weight.copy_(torch.rand(C, generator=gen) + 0.5)
         layer.bias.copy_(torch.randn(C, generator=gen))
     w64, b64 = layer.weight.detach().double(), layer.bias.detach().double()
-    # The input made inside the compiled graph, as in a model (a compiled in-place layer whose input
-    # is the graph's own input gets a wrong input gradient, in any dtype: reported, not this test's).
+    # The input made inside the compiled graph, as in a model (a graph input:
+    # tests/test_compile_graph_input.py).
     unit = nn.Sequential(_Copy(), layer)
     run = torch.compile(unit, backend="aot_eager", fullgraph=True) if compiled else unit
     x = (torch.randn(6, C, H, W, generator=gen) * 1.5 + 3.0).bfloat16()
@@ -372,3 +372,4 @@ def test_no_group_path_with_bf16_parameters_trains_and_evaluates(family: str, co
     assert _units(layer.running_var, rv64, torch.float32) <= K_STATS
     layer.eval()
     assert _units(run(x), _eval_reference(family, x.double(), layer, w64, b64), torch.bfloat16) <= K
+    torch._dynamo.reset()  # (its compiled frames count towards later tests' recompile limit)

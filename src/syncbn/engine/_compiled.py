@@ -76,7 +76,7 @@ def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tens
 class _TracedForward(NamedTuple):
     """What :func:`_traced_forward` computed: the output and what the Function saves or returns."""
 
-    out: Tensor  # the in-place family: x, overwritten
+    out: Tensor  # the in-place family: its input, overwritten
     mean: Tensor
     var: Tensor  # biased (eval: the running variance)
     invstd: Tensor
@@ -126,20 +126,21 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm of any family over a group, in traceable operations.
 
     Returns ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; the in-place
-    family in eval returns ``out`` alone. ``params`` in traced form (``group`` a handle, 0: none;
-    ``layer`` a token). The running statistics are not updated here.
+    family in eval returns ``out`` alone. ``out`` is a new tensor (the in-place family's caller
+    writes it over ``x``). ``params`` in traced form (``group`` a handle, 0: none; ``layer`` a
+    token). The running statistics are not updated here.
     """
 
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
     ) -> Any:  # type: ignore[override]
+        in_place = params.family is not None and params.family.in_place
+        if in_place:  # written over a copy, which traced_inplace_abn writes over x (see there)
+            x = x.clone()
         out, mean, var, invstd, unbiased, total, weight, bias, correction = _traced_forward(
             x, weight, bias, params
         )
-        in_place = params.family is not None and params.family.in_place
-        if in_place:
-            ctx.mark_dirty(x)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it); ctx.present
         # says which of the optional ones are, the family's (r, d) follow when it has a correction.
         ctx.eps, ctx.family, ctx.group = params.eps, params.family, params.group
@@ -210,11 +211,16 @@ def traced_inplace_abn(
 ) -> Tensor:
     """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten.
 
-    With grad disabled (``torch.no_grad()``, inference) the traced forward runs without the
-    autograd Function: dynamo traces ``ctx.mark_dirty`` only under ``Function.apply`` with grad on.
+    With grad on, the Function returns a new tensor and an ``x.copy_`` that autograd records writes
+    it over ``x`` (no ``ctx.mark_dirty``: on torch 2.13, a compiled graph whose INPUT a Function
+    marks dirty passes the upstream gradient through unchanged as that input's gradient,
+    pytorch/pytorch#184113; functionalisation carries the copy back into a graph input). With grad
+    disabled (``torch.no_grad()``, inference) the traced forward writes over ``x`` directly.
     """
     if torch.is_grad_enabled():
         result = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+        x.copy_(result if isinstance(result, Tensor) else result[0])
+        result = x if isinstance(result, Tensor) else (x, *result[1:])
     else:  # the same operations, no autograd state
         f = _traced_forward(x, weight, bias, params)
         result = x if f.total is None else (x, f.mean, f.unbiased, f.total, f.var)
