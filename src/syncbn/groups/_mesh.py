@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _meet
+from . import _meet, _subgroup
 
 __all__ = ["is_mesh", "group_of", "mesh_argument"]
 
@@ -88,20 +88,8 @@ def _flattened(mesh: Any) -> Any:
         dist.all_gather_object(gathered, mine)
         everyone = gathered
     key = tuple(tuple(members) for members in _partition(everyone, caller))
-    default = dist.group.WORLD
-    cached = _made.get(key)
-    if cached is not None and cached[0]() is default and _alive(cached[1]):
-        return cached[1]
-    for stale in [k for k, (ref, _) in _made.items() if ref() is not default]:
-        del _made[stale]
-    group: Any = default  # one group of every rank: the default group
-    if key != (tuple(range(world)),):
-        for members in key:  # every rank creates every group, in the same order
-            made = dist.new_group(list(members))
-            if members == tuple(mine):
-                group = made
-    _made[key] = (weakref.ref(default), group)
-    return group
+    hit = _subgroup.cached(_made, key)
+    return hit if hit is not None else _subgroup.make_sets(_made, key, key)
 
 
 def _partition(everyone: list[list[int]], caller: str) -> list[list[int]]:
@@ -115,10 +103,6 @@ def _partition(everyone: list[list[int]], caller: str) -> list[list[int]]:
                 f"rank; got {listed}). {_CONSEQUENCE}"
             )
     return sorted({tuple(members): list(members) for members in everyone}.values())
-
-
-def _alive(group: Any) -> bool:
-    return group is dist.group.WORLD or group in dist.distributed_c10d._world.pg_map
 
 
 def mesh_argument(device_mesh: Any, process_group: Any, group_size: Any, caller: str) -> Any:
