@@ -11,12 +11,9 @@ at call time like ``process_group=None``: a layer pickles and deep-copies as the
 
 from __future__ import annotations
 
-import json
 import sys
 import weakref
 from typing import Any
-
-import torch.distributed as dist
 
 from . import _meet, _subgroup
 
@@ -31,7 +28,7 @@ _made: dict[tuple[tuple[int, ...], ...], tuple[weakref.ref[Any], Any]] = {}
 # Classes whose instances were found to be DeviceMesh objects.
 _mesh_types: set[type] = set()
 
-_CONSEQUENCE = "No group was made; the process group is still usable."
+_CONSEQUENCE = _meet.NO_GROUP
 
 
 def is_mesh(value: Any) -> bool:
@@ -77,16 +74,9 @@ def _describe(mesh: Any) -> str:
 
 def _flattened(mesh: Any) -> Any:
     """The group of all ranks of a multi-dimensional ``mesh`` (collective: see :func:`group_of`)."""
-    world = dist.get_world_size()
     mine = sorted(int(r) for r in mesh.mesh.flatten().tolist())
     caller = f"syncbn: synchronising over the {_describe(mesh)}"
-    met = _meet.meet(caller, "mesh", json.dumps(mine), consequence=_CONSEQUENCE)
-    if met is not None:
-        everyone: list[list[int]] = [json.loads(text) for text in met]
-    else:  # torch's internals moved: the collective of torch.distributed, bounded by the group's timeout
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        everyone = gathered
+    everyone: list[list[int]] = _meet.gather(caller, "mesh", mine)
     key = tuple(tuple(members) for members in _partition(everyone, caller))
     hit = _subgroup.cached(_made, key)
     return hit if hit is not None else _subgroup.make_sets(_made, key, key)

@@ -6,7 +6,6 @@ life of the default group. See docs/internals/groups.md.
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -31,18 +30,7 @@ def _exchange(size: Any, world: int) -> list[list[int]]:
     Raises on every rank alike when the ranks asked for different sizes, or for an invalid one,
     or (:class:`~syncbn.groups.CollectiveError`) when a rank did not call within syncbn's bound.
     """
-    mine = (repr(size), _shm._host_key())
-    met = _meet.meet(
-        f"syncbn.groups.subgroup({size!r})",
-        "subgroup",
-        json.dumps(mine),
-        consequence="No group was made; the process group is still usable.",
-    )
-    if met is not None:
-        everyone: list[Any] = [tuple(json.loads(text)) for text in met]
-    else:  # torch's internals moved: the collective of torch.distributed, bounded by the group's timeout
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
+    everyone = _meet.gather(f"syncbn.groups.subgroup({size!r})", "subgroup", [repr(size), _shm._host_key()])
     asked = [request for request, _ in everyone]
     if len(set(asked)) > 1:
         listed = ", ".join(f"rank {r}: {request}" for r, request in enumerate(asked))
