@@ -199,22 +199,24 @@ class ActivatedBatchNormBase(LayerMixin):
         check_writable(x, "in-place activated batch norm")  # (while tracing: the eager path's error)
         handle = 0 if self._local or not self.training else _ops.group_handle(self._group())
         if self.training:
-            call = self._training_call(traced=True)
+            call = self._training_call(False, traced=True)
         else:  # the running statistics, never updated, or without them the batch's
             call = TrainingCall(self.running_mean, self.running_var, 0.0, None, False)
         token = _ops.layer_token(self) if handle else None
         batch = self.training or call.running_mean is None
         family = InPlaceABN(self.activation, float(self.activation_param), batch)
-        out = traced_inplace_abn(x, self.weight, self.bias, call.params(self.eps, handle, token, family))
+        weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
+        out = traced_inplace_abn(x, weight, bias, call.params(self.eps, handle, token, family))
         return call.counted(out)
 
     def _eager_forward(self, x: Tensor) -> Tensor:
         self._check_input_dim(x)
         act, param = self.activation, float(self.activation_param)
+        weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
         if not self.training:  # no communication: the running statistics, or without them the batch's
             mean, var = self.running_mean, self.running_var
             return inplace_abn_apply(
-                x, self.weight, self.bias, mean, var, mean is None, 0.0, self.eps, act, param, None
+                x, weight, bias, mean, var, mean is None, 0.0, self.eps, act, param, None
             )
         call = self._training_call()
         if call.recomputing and (_was_overwritten(x) or (x.is_leaf and x.requires_grad)):
@@ -226,8 +228,8 @@ class ActivatedBatchNormBase(LayerMixin):
             out = replica_batch_norm(self, x, call, replica.replication, replica.index, family)
         else:
             group = None if self._local else groups.resolve(self._group())
-            mean, var, args = call.running_mean, call.running_var, (True, call.momentum, self.eps, act, param)
-            out = call.counted(inplace_abn_apply(x, self.weight, self.bias, mean, var, *args, group, self))
+            stats = (*call.updated(), True, call.momentum, self.eps, act, param, group, self, call.statistics)
+            out = call.counted(inplace_abn_apply(x, weight, bias, *stats))
         if not call.recomputing:
             _remember(out)
         return out

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks, groups
+from . import _checks, _cmbn, groups
 from .engine import _rules
 from .engine._function import Params
 
@@ -26,19 +26,29 @@ class TrainingCall(NamedTuple):
     count its batch.
     """
 
-    running_mean: Tensor | None  # updated in place (None: the layer tracks none)
+    running_mean: Tensor | None  # the layer's, updated in place unless pooled (None: tracks none)
     running_var: Tensor | None
     momentum: Any  # the update factor, a float (traced, momentum=None: a 0-dim float64 tensor)
     counter: Tensor | None  # num_batches_tracked, when this call counts its batch
     recomputing: bool  # a checkpoint's recomputation (activation checkpointing, in backward)
+    statistics: Any = _cmbn.THIS_CALL  # what it normalises with (a CmBN block's: syncbn._cmbn.Pool)
+
+    @property
+    def pooled(self) -> bool:
+        """Whether a CmBN block pools this call (the block updates the running statistics at its end)."""
+        return self.statistics is not _cmbn.THIS_CALL
+
+    def updated(self) -> tuple[Tensor | None, Tensor | None]:
+        """The running statistics this call updates: none when pooled."""
+        return (self.running_mean, self.running_var) if self.statistics is _cmbn.THIS_CALL else (None, None)
 
     def params(self, eps: float, group: Any, layer: Any, family: Any = None) -> Params:
         """The engine's per-call parameters of this call (:class:`syncbn.engine._function.Params`)."""
-        return Params(self.running_mean, self.running_var, eps, self.momentum, group, layer, family)
+        return Params(*self.updated(), eps, self.momentum, group, layer, family, self.statistics)
 
     def batch_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
         """``nn.BatchNorm``'s own training kernel on this call (nothing synchronised), its batch counted."""
-        mean, var = self.running_mean, self.running_var
+        mean, var = self.updated()
         return self.counted(F.batch_norm(x, mean, var, weight, bias, True, self.momentum, eps))
 
     def counted(self, out: _T) -> _T:
@@ -48,20 +58,27 @@ class TrainingCall(NamedTuple):
         return out
 
 
-def training_call(layer: Any, recomputing: bool = False, traced: bool = False) -> TrainingCall:
+def training_call(layer: Any, recomputing: bool | None = None, traced: bool = False) -> TrainingCall:
     """The bookkeeping of a training call of ``layer`` (any layer with ``nn.BatchNorm``'s attributes).
 
-    The factor is ``momentum``, 0 when ``recomputing``; ``momentum=None`` is nn.BatchNorm's
-    cumulative average, 1 / (batches seen, this one included): read on the host, or with
-    ``traced`` a tensor (no host read, no recompilation per step); 0 without a counter.
+    ``recomputing`` ``None``: detected, a forward while autograd runs a backward on this thread
+    (eager), or an ``nn.DataParallel`` replica made by one (its thread cannot tell). The factor is
+    ``momentum``, 0 when recomputing; ``momentum=None`` is nn.BatchNorm's cumulative average,
+    1 / (batches seen, this one included): read on the host, or with ``traced`` a tensor (no host
+    read, no recompilation per step); 0 without a counter.
     """
+    if recomputing is None:
+        replica = layer.__dict__.get("_syncbn_replica")
+        recomputing = (replica is not None and replica.replication.recomputing) or (
+            not _rules.is_compiling() and _rules.in_backward()
+        )
     tracked = bool(layer.track_running_stats)
     counter = layer.num_batches_tracked if tracked and not recomputing else None
     momentum: Any = 0.0 if recomputing or layer.momentum is None else float(layer.momentum)
     if layer.momentum is None and counter is not None:
         momentum = 1.0 / ((counter.to(torch.float64) if traced else float(counter.item())) + 1.0)
     mean, var = (layer.running_mean, layer.running_var) if tracked else (None, None)
-    return TrainingCall(mean, var, momentum, counter, recomputing)
+    return TrainingCall(mean, var, momentum, counter, recomputing, _cmbn.statistics(layer, recomputing))
 
 
 class LayerMixin(nn.Module):
@@ -72,6 +89,7 @@ class LayerMixin(nn.Module):
     num_batches_tracked: Tensor | None
     _input_dims: tuple[int, ...] | None = None  # the accepted input ranks (None: any of at least 2)
     _input_dims_text = ""  # how they read in an error, e.g. "2D or 3D"
+    _training_call = training_call  # this training call's bookkeeping, made once per call
 
     def _init_state(self) -> None:
         self._syncbn_state = _checks.LayerState()
@@ -86,18 +104,6 @@ class LayerMixin(nn.Module):
             group = group.lookup()
             setattr(self, self._group_attr, group)
         return group
-
-    def _training_call(self, traced: bool = False) -> TrainingCall:
-        """This training call's bookkeeping (:func:`training_call`); ``traced``: a tensor factor.
-
-        A recomputation: a forward while autograd runs a backward on this thread (eager), or an
-        ``nn.DataParallel`` replica made by one (its thread cannot tell).
-        """
-        replica = self.__dict__.get("_syncbn_replica")
-        recomputing = (replica is not None and replica.replication.recomputing) or (
-            not _rules.is_compiling() and _rules.in_backward()
-        )
-        return training_call(self, recomputing, traced)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

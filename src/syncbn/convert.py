@@ -17,6 +17,7 @@ from . import groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._checks import name_layers
 from ._layer import check_module, like
+from ._warn import user_stacklevel
 from .activated import InPlaceSyncBatchNorm, plain_equivalent
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d, set_converter
 
@@ -132,7 +133,7 @@ def _keeps_behaviour(layer: _BatchNorm, prefix: str) -> bool:
         f"{type(layer).__qualname__} defines its own forward; swapping its class would drop that "
         "behaviour. Convert it by hand if needed.",
         ConversionWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
     return False
 
@@ -241,7 +242,7 @@ def convert_sync_batchnorm(
     are named for error messages (:func:`syncbn.name_layers`) and remember
     their class for :func:`revert_sync_batchnorm`. A BatchNorm subclass with its
     own ``forward`` is left alone, with a :class:`ConversionWarning`. The
-    Migration guide (docs/migration.md) lists every case.
+    Migration guide page of the documentation lists every case.
 
     Args:
         module: the model (or a single BatchNorm layer, which is converted and

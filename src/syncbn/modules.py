@@ -171,28 +171,31 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             mean = self.running_mean
             if self.freeze:
                 weight, bias = (None if t is None else t.detach() for t in (weight, bias))
+            weight, bias = _rules.affine_for_statistics(mean, weight, bias)
             batch = not self.freeze and mean is None
             return F.batch_norm(input, mean, self.running_var, weight, bias, batch, 0.0, self.eps)
         check_eps(self.eps)
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:  # an nn.DataParallel replica (syncbn.parallel)
             return replica.forward(self, input, self._training_call())  # type: ignore[no-any-return]
-        if _is_compiling() and _ops is not None:
+        compiling = _is_compiling()
+        if compiling and _ops is not None:
             return self._compiled_training_forward(input)
-        if _is_compiling():
+        if compiling:
             _warn_while_tracing(
                 f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile: torch "
                 f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
                 "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
             )
-        call = self._training_call()  # (checkpointing: synchronised again, updated with factor 0)
+        call = self._training_call(not compiling and _rules.in_backward())  # (checkpointing: factor 0)
         group = groups.resolve(self._group())
         family = self._family_call(call.recomputing, True)
-        if group is None and family is None:  # not distributed, or a group of one: exactly nn.BatchNorm
-            return call.batch_norm(input, self.weight, self.bias, self.eps)
+        weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)
+        if group is None and family is None and not call.pooled:  # exactly nn.BatchNorm
+            return call.batch_norm(input, weight, bias, self.eps)
         # the input was checked above; without a group, a family's math alone (LOCAL)
         params = call.params(self.eps, LOCAL if group is None else group, self, family)
-        return call.counted(apply(input, self.weight, self.bias, params))
+        return call.counted(apply(input, weight, bias, params))
 
     def _compiled_training_forward(self, input: Tensor) -> Tensor:
         # Traced arithmetic around the opaque collective (syncbn.engine._compiled). Nothing guards
@@ -206,12 +209,13 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                 "the checkpointed region eagerly (statistics synchronised and updated once)"
             )
             torch._dynamo.graph_break()
-        call = self._training_call(traced=bool(handle))  # over a group: momentum=None as a tensor
+        call = self._training_call(False, traced=bool(handle))  # over a group: momentum=None a tensor
+        weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)
         family = self._family_call()
-        if not handle and family is None:
-            return call.batch_norm(input, self.weight, self.bias, self.eps)
+        if not handle and family is None and not call.pooled:
+            return call.batch_norm(input, weight, bias, self.eps)
         params = call.params(self.eps, handle, _ops.layer_token(self) if handle else None, family)
-        return call.counted(_compiled.sync_batch_norm(input, self.weight, self.bias, params))
+        return call.counted(_compiled.sync_batch_norm(input, weight, bias, params))
 
     def _family_call(self, recomputing: bool = False, eager: bool = False) -> Any:
         """This training call's family object (:mod:`syncbn.families`); ``None``: batch norm.

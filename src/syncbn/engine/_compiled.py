@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _accumulating
+from ..families._protocol import THIS_CALL
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
 
@@ -29,9 +30,10 @@ def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
 
 
 def traced_moments(
-    x: Tensor, group: int, token: Tensor | None, stat: torch.dtype
+    x: Tensor, group: int, token: Tensor | None, stat: torch.dtype, statistics: Any = THIS_CALL
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), traced.
+    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone) as
+    ``statistics.pool`` gives them, traced.
 
     Only a member holding fewer than two values asks the operator for the one-value check; alone,
     a count of one raises while tracing.
@@ -50,6 +52,7 @@ def traced_moments(
         raise _function._expected_more_than_one(x, _function.LOCAL, None)
     flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
     summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags) if group else packed
+    summed = statistics.pool(summed)
     total = summed[0]
     n = total.clamp(min=1.0)
     sums = summed[1:].view(2, channels) / n
@@ -96,7 +99,7 @@ def _traced_forward(
     stat = _rules.statistics_dtype(x, weight, running_mean if tracked else None)
     total = unbiased = None
     if not in_place or family.training:
-        total, mean, var, unbiased = traced_moments(x, group, token, stat)
+        total, mean, var, unbiased = traced_moments(x, group, token, stat, params.statistics)
     else:  # eval: the running statistics (the layer has them)
         assert running_mean is not None and running_var is not None
         mean, var = running_mean.to(stat), running_var.to(stat)
