@@ -25,6 +25,12 @@ __all__ = ["accumulation"]
 _NORMALIZE = ("micro-batch", "cumulative")
 
 
+def check_normalize(normalize: object) -> None:
+    """``ValueError`` unless ``normalize`` is ``"micro-batch"`` or ``"cumulative"``."""
+    if normalize not in _NORMALIZE:
+        raise ValueError(f"syncbn.accumulation: expected normalize one of {_NORMALIZE} (got {normalize!r})")
+
+
 def _check_poolable(layer: nn.Module) -> None:
     """``TypeError`` for a layer that ``normalize="cumulative"`` cannot pool (it never runs the engine)."""
     if isinstance(layer, SyncBatchNorm) or (isinstance(layer, ActivatedBatchNormBase) and layer._in_place):
@@ -325,10 +331,7 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
     def __init__(self, model: nn.Module, normalize: str = "micro-batch") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"syncbn.accumulation: expected an nn.Module (got {type(model).__name__})")
-        if normalize not in _NORMALIZE:
-            raise ValueError(
-                f"syncbn.accumulation: expected normalize one of {_NORMALIZE} (got {normalize!r})"
-            )
+        check_normalize(normalize)
         self.model = model
         self.cumulative = normalize == "cumulative"
         self._open: list[_Layer] | None = None

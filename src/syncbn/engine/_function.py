@@ -258,8 +258,9 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
             checks_before_backward(group, layer, grad_output, ctx.call)
             if ctx.correction is not None:  # the effective scale from the differentiable weight
                 weight = family.scale(saved[2], ctx.correction[0])
+            reduce = lambda t, phase: _all_reduce(group, t, layer, phase)  # noqa: E731
             return differentiable_backward(
-                ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, layer, phase)
+                ctx, grad_output, x, weight, reduce, ctx.params.statistics is not THIS_CALL
             )
         sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
         grad_input = None

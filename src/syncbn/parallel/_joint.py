@@ -47,6 +47,7 @@ class _Record(NamedTuple):
     correction: tuple[Tensor, Tensor] | None  # the family's (r, d), or None
     stats: Any  # the backward's statistics (syncbn.engine._math.Stats, or the family's)
     needs_grad: bool
+    pooled: bool  # normalised with statistics pooled by a hook (CmBN): see joint_input_grads
 
 
 def replica_batch_norm(
@@ -109,7 +110,10 @@ def replica_batch_norm(
     y = result.out
     if in_place and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
-    record = _Record(x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad)
+    pooled = statistics is not _cmbn.THIS_CALL
+    record = _Record(
+        x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad, pooled
+    )
     return rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)[rank]
 
 
@@ -148,6 +152,7 @@ class _JointBatchNorm(torch.autograd.Function):
         size = len(active)
         family = records[0].family
         ctx.size, ctx.family, ctx.active = size, family, active
+        ctx.pooled = records[0].pooled
         ctx.stats = [r.stats for r in records]  # every replica's (the double backward's statistics)
         ctx.corrections = [records[k].correction for k in active]
         ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.x) for r in (records[k] for k in active)]
@@ -224,5 +229,5 @@ def _joint_input_grads(
     all_xs = [xs[active.index(k)] if k in active else next(rest) for k in range(len(ctx.stats))]
     all_grads = [grads[active.index(k)] if k in active else torch.zeros_like(x) for k, x in enumerate(all_xs)]
     all_weights = [weights[active.index(k)] if k in active else None for k in range(len(ctx.stats))]
-    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total)
+    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total, ctx.pooled)
     return [joint[k] for k in active]
