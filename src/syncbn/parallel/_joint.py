@@ -110,9 +110,8 @@ def replica_batch_norm(
     y = result.out
     if in_place and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
-    pooled = statistics is not _cmbn.THIS_CALL
     record = _Record(
-        x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad, pooled
+        x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad, call.pooled
     )
     return rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)[rank]
 
