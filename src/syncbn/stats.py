@@ -26,10 +26,6 @@ __all__ = ["sync_running_stats", "recompute_running_stats"]
 _Tracked = Union[_BatchNorm, ActivatedBatchNormBase]
 
 
-def _f64(device: torch.device) -> dict[str, Any]:
-    return {"dtype": torch.float64, "device": device}
-
-
 def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _Tracked]]:
     """The model's BatchNorm layers (the in-place activated ones too) that keep running statistics."""
     check_module(model, function)
@@ -139,7 +135,9 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         mean = layer.running_mean.detach().to(torch.float64)  # type: ignore[union-attr]
         second = layer.running_var.detach().to(torch.float64) + mean * mean  # type: ignore[union-attr]
         tracked = layer.num_batches_tracked
-        w = torch.tensor([float(tracked.item()) if tracked is not None else 1.0], **_f64(mean.device))
+        w = torch.tensor(
+            [float(tracked.item()) if tracked is not None else 1.0], dtype=torch.float64, device=mean.device
+        )
         # [w, w*mean, w*(var + mean^2)], then the unweighted [mean, var + mean^2] for all-zero weights
         parts += [w, w * mean, w * second, mean, second]
     size, packed = _sum_checked(group, layers, parts, "sync_running_stats")
@@ -359,7 +357,7 @@ def _set_population_stats(
     """Merge each layer's moments across ranks (two float64 all_reduces) and write its running stats."""
     # On the layers' device (NCCL needs accelerator tensors).
     device = layers[0][1].running_mean.device if layers else torch.device("cpu")  # type: ignore[union-attr]
-    f64 = _f64(device)
+    f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
     first: list[Tensor] = []
     for _, layer in layers:
         m = moments[id(layer)]
