@@ -76,18 +76,25 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         ms = rec["median_ms"]
         assert ratios["syncbn_over_local"] == pytest.approx(ms["syncbn"] / ms["local"])
         assert ratios["alone_over_local"] == pytest.approx(ms["alone"] / ms["local"])
-    e2e = data["e2e"]
-    assert e2e["model"] == "deep" and set(e2e["median_ms"]) == {"syncbn", "plain"}
-    assert e2e["syncbn_over_plain"] == pytest.approx(e2e["median_ms"]["syncbn"] / e2e["median_ms"]["plain"])
-    assert "24 conv3x3(32)-BN-ReLU blocks" in proc.stdout
+    assert data["config"]["nets"] == ["deep"]
+    e2e = data["e2e"]["deep"]  # with the fused floor, in the same loop
+    assert set(data["e2e"]) == {"deep"} and set(e2e["median_ms"]) == {"syncbn", "plain", "fused"}
+    ms = e2e["median_ms"]
+    assert e2e["syncbn_over_plain"] == pytest.approx(ms["syncbn"] / ms["plain"])
+    assert e2e["syncbn_over_fused"] == pytest.approx(ms["syncbn"] / ms["fused"])
+    assert e2e["fused_over_plain"] == pytest.approx(ms["fused"] / ms["plain"])
+    assert "24 conv3x3(32)-BN-ReLU blocks" in proc.stdout and "syncbn / fused" in proc.stdout
     # The closing targets table: every target, measured where this run could, and the load.
     assert "targets (ratio <= goal" in proc.stdout and "load average (1, 5, 15 min)" in proc.stdout
     targets = data["targets"]
     rows = {r["key"]: r for r in targets["rows"]}
     assert set(rows) == set(TARGETS)
     assert rows["eager_step"]["measured"] == pytest.approx(e2e["syncbn_over_plain"])
+    assert rows["floor_deep"]["measured"] == pytest.approx(e2e["syncbn_over_fused"])
     assert rows["small_layers"]["measured"] == max(r["ratios"]["syncbn_over_local"] for r in data["results"])
-    for key in ("compiled_narrow", "compiled_wide", "large_layers", "torch_step"):  # no --compiled, CPU
+    assert rows["small_alone"]["measured"] == max(r["ratios"]["alone_over_local"] for r in data["results"])
+    not_run = ("compiled_narrow", "compiled_wide", "large_layers", "torch_step", "floor_wide", "floor_resnet")
+    for key in not_run:  # no --compiled, CPU, the narrow net only
         assert rows[key]["measured"] is None and rows[key]["met"] is None
     assert len(targets["load_start"]) == 3 and len(targets["load_end"]) == 3
     assert data["compiled"] is None
@@ -100,11 +107,16 @@ def _record(shape: tuple[int, ...], ratio: float) -> dict[str, Any]:
 def test_targets_table_from_given_numbers() -> None:
     # The --compiled and CUDA rows without compiling or a GPU: the table from given medians.
     records = [_record((32, 64, 56, 56), 0.95), _record((16, 64, 32, 32), 1.2), _record((8, 32, 8, 8), 1.9)]
-    e2e = {"syncbn": 11.0, "plain": 10.0, "torch": 20.0}
+    records[2]["ratios"]["alone_over_local"] = 1.4
+    e2e = {"deep": {"syncbn": 11.0, "plain": 10.0, "fused": 10.0, "torch": 20.0}}
+    e2e["wide"] = {"syncbn": 9.0, "plain": 8.0, "fused": 10.0}
     compiled = {"deep": {"syncbn": 12.0, "plain": 10.0}, "wide": {"syncbn": 10.0, "plain": 10.0}}
     rows = {r["key"]: r for r in targets(records, e2e, compiled)}
     expect = {
         "eager_step": (1.1, True),  # at the goal counts as met
+        "floor_deep": (1.1, False),  # against the fused floor, measured in the same loop
+        "floor_wide": (0.9, True),
+        "small_alone": (1.4, False),
         "compiled_narrow": (1.2, False),
         "compiled_wide": (1.0, True),
         "large_layers": (1.2, False),  # the worst large layer
@@ -114,11 +126,14 @@ def test_targets_table_from_given_numbers() -> None:
     for key, (value, met) in expect.items():
         assert rows[key]["measured"] == pytest.approx(value) and rows[key]["met"] is met, key
     assert rows["large_layers"]["detail"] == "32x64x56x56 0.95, 16x64x32x32 1.20"
+    assert rows["floor_wide"]["detail"] == "x plain: syncbn 1.125, floor 1.250"
+    assert rows["floor_resnet"]["measured"] is None and "--nets resnet" in rows["floor_resnet"]["needs"]
     text = format_targets(list(rows.values()), [0.5, 0.25, 0.125], [1.0, 0.5, 0.25])
     lines = text.splitlines()
     assert lines[0].split() == ["target", "ratio", "goal", "detail"]
     assert len(lines) == 2 + len(TARGETS) + 1
-    assert "NOT met" in lines[3] and "1.200" in lines[3]  # compiled narrow
+    compiled_line = next(line for line in lines if line.startswith("compiled DDP step, narrow"))
+    assert "NOT met" in compiled_line and "1.200" in compiled_line
     assert lines[-1] == "load average (1, 5, 15 min): 0.50 0.25 0.12 at start, 1.00 0.50 0.25 at end"
     # Nothing measured: every row says what it needs.
     empty = format_targets(targets([], None, None), None, None)
@@ -329,11 +344,8 @@ class _CountingSum:
 def test_fused_bound_is_a_batch_norm_with_the_layers_two_collectives() -> None:
     # The emulated compiled-kernel bound must do a real batch norm's work (its timing stands
     # for one), and hand the group a layer's two buffers: 2C + 1 values forward, 2C backward.
-    sys.path.insert(0, SPEED)
-    try:
-        from fused_bound import FusedBoundBatchNorm2d
-    finally:
-        sys.path.remove(SPEED)
+    from syncbn.cli._bench_floor import FusedBoundBatchNorm2d
+
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 5, 3, 4, generator=gen) * 3 + 2
     dy = torch.randn(6, 5, 3, 4, generator=gen)
@@ -387,18 +399,3 @@ def test_breakdown_script_splits_each_collective(tmp_path) -> None:
             assert row["release_us"] > 0 and row["frame_us"] > 0
     assert res["own_work_per_collective_us"] is not None
     assert res["bare_sum"]["wall_us"] > 0
-
-
-@pytest.mark.timeout(200)
-def test_bench_breakdown_flag(tmp_path) -> None:
-    out = tmp_path / "bench.json"
-    proc = _run(
-        ["-m", "syncbn", "bench", "--shapes", "4x3", "--iters", "1", "--warmup", "0", "--e2e-steps", "0"]
-        + ["--breakdown", "--json", str(out)],
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "per-collective breakdown" in proc.stdout and "bare framed sum" in proc.stdout
-    parts = json.loads(out.read_text())["breakdown"]
-    assert set(parts["rows"]) == {"syncbn", "syncbn-noddp"}
-    assert parts["rows"]["syncbn"]["calls"] == 48

@@ -37,6 +37,7 @@ from torch import nn
 
 import syncbn
 from _helpers.dist_harness import launch
+from _helpers.load import Load
 from _helpers.marks import needs_shm
 from syncbn import _checks, _shm, groups
 from syncbn.engine import _function
@@ -209,7 +210,7 @@ def test_forward_meeting_backward_is_an_error_on_every_rank_not_an_abort(shared:
     results = _run(_caught_after_forward, shared)
     for rank, result in enumerate(results):
         assert result["type"] == "CollectiveError" and result["mismatch"], result
-        assert result["s"] < 1.5, result
+        assert result["s"] < SHORT, result  # at once: before the bound, which a wait would reach
         assert "did not make the same collective" in result["msg"]
         assert "forward of float64" in result["msg"] and "backward of float64" in result["msg"], result["msg"]
         error = result["error"]  # pickled by the rank, unpickled here: message and fields kept
@@ -409,14 +410,16 @@ def _absent_peer(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
 
 @TRANSPORTS
 def test_no_bound_of_syncbns_own_means_the_process_groups_timeout(shared: bool) -> None:
-    waiting, late = _run(_absent_peer, shared)
+    with Load() as load:
+        waiting, late = _run(_absent_peer, shared)
     assert waiting["type"] == "CollectiveError" and waiting["timed_out"], waiting
-    assert 2.5 < waiting["s"] < 5.5, waiting
+    # At the group's 3 s timeout, not syncbn's; then 2.5 s of quiet-machine work at the load measured.
+    assert 2.5 < waiting["s"] < 3.0 + load.margin(2.5), (waiting, load)
     if shared:
         assert "the process group's timeout" in waiting["msg"], waiting["msg"]
         # The late rank must not complete the abandoned call with rank 0's data.
         assert late["type"] == "CollectiveError" and "gave up" in late["msg"], late
-        assert late["s"] < 1.5
+        assert late["s"] < 3.0, late  # at once: before the group's timeout, which a wait would reach
         assert waiting["unchanged"] and late["unchanged"]
     else:
         # gloo completes the abandoned all_reduce for the late rank (documented); it then fails at
@@ -456,7 +459,7 @@ def test_after_an_abandoned_collective_sync_buffers_realigns_every_rank(shared: 
     # The late rank does not complete the abandoned call with the data its peer left behind: on
     # shared memory the peer withdrew its slot; on gloo, gloo itself gave up at the bound on
     # syncbn's own group (issue 23) and closed the connection. It fails at once, unchanged.
-    assert second["s"] < 1.5 and not second["mismatch"], second
+    assert second["s"] < SHORT and not second["mismatch"], second  # before the bound a wait would reach
     assert _same(first["diverged"], second["diverged"])
     assert first["synced"] == second["synced"] == 3
     assert _same(first["buffers"], second["buffers"])

@@ -17,6 +17,7 @@ from torch import nn
 
 import syncbn
 from _helpers.dist_harness import launch
+from _helpers.load import Load
 from _helpers.marks import needs_shm
 from syncbn import _shm, groups
 
@@ -175,13 +176,15 @@ def _peer_killed(rank: int, world_size: int, victim: int) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("victim", [2, 3], ids=["leader-of-machine-1", "member-of-machine-1"])
 def test_a_dead_rank_is_a_failure_on_every_rank_never_a_mismatch(victim: int) -> None:
-    results = launch(_peer_killed, WORLD, victim, timeout=90, allow_failures=True, finish_wait=0.5)
+    with Load() as load:
+        results = launch(_peer_killed, WORLD, victim, timeout=90, allow_failures=True, finish_wait=0.5)
     assert results[victim][0] == "error" and "exit code -9" in results[victim][1]
     for rank, result in enumerate(results):
         if rank == victim:
             continue
         assert isinstance(result, dict) and result["mismatch"] is False, (rank, result)
-        assert result["s"] < 5.0 + 2.0, (rank, result)  # at the latest at the bound
+        # At the latest at the 5 s bound, then 2 s of quiet-machine work at the load measured.
+        assert result["s"] < 5.0 + load.margin(2.0), (rank, result, load)
         assert "phase 1" not in result["msg"] and "did not make the same collective" not in result["msg"]
 
 

@@ -60,3 +60,37 @@ def test_grad_buffer_views_are_made_once() -> None:
     assert first.scale_view.shape == (1, 5, 1, 1)
     assert first.scale_view.data_ptr() == first.scale.data_ptr()
     assert first.slope.data_ptr() == first.corrections[1].data_ptr()
+
+
+def _prepared_headers(rank: int, world_size: int) -> dict[str, object]:
+    from syncbn import groups
+
+    group = groups.ProcessGroupSum(None, shared_memory=False)  # the process group's frames
+    a, b = groups.Tag(5, groups.PHASE_FORWARD), groups.Tag(6, groups.PHASE_BACKWARD)
+    sums = []
+    for step in range(3):  # each call site's header made once, its sequence field written per call
+        for tag, n in ((a, 7), (b, 4)):
+            t = torch.arange(n, dtype=torch.float64) * (rank + 1) + step
+            general = t.clone().requires_grad_(False)
+            group.all_reduce_sum(t, tag, deferred=False)
+            group._frames(general, tag, host_wait=False, deferred=False)  # the general path, every field made
+            sums.append(torch.equal(t, general))
+    prepared = len(group._headers)
+    try:  # the ranks make different calls: every rank raises, and the group stays usable
+        group.all_reduce_sum(torch.ones(4, dtype=torch.float64), a if rank == 0 else b, deferred=False)
+        error = None
+    except groups.CollectiveError as exc:
+        error = str(exc)
+    after = group.all_reduce_sum(torch.ones(3, dtype=torch.float64), a, deferred=False)
+    group.close()
+    return {"equal": sums, "prepared": prepared, "error": error, "after": after.tolist()}
+
+
+def test_the_prepared_frame_header_sums_and_checks_as_the_general_path() -> None:
+    from _helpers.dist_harness import launch
+
+    for result in launch(_prepared_headers, 2, timeout=60):
+        assert all(result["equal"]) and len(result["equal"]) == 6
+        assert result["prepared"] == 2  # one header per call site
+        assert "disagree on the layer, the phase or the dtype" in (result["error"] or "")
+        assert result["after"] == [2.0, 2.0, 2.0]

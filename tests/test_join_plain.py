@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import syncbn
-from _helpers.dist_harness import launch
+from _helpers.dist_harness import COLLECTIVE_TIMEOUT_S, launch
 from _helpers.marks import needs_shm
 from syncbn.groups import UnboundedStepWarning
 
@@ -127,7 +127,7 @@ def test_plain_join_raises_on_every_rank_at_once_naming_the_joinable(shared: boo
         assert kind == "PlainJoinError", r["plain"]
         assert "syncbn.JoinableSyncBatchNorm" in text
         assert "Join([syncbn.JoinableSyncBatchNorm(ddp), ddp])" in text
-        assert r["plain_s"] < 4.0, r["plain_s"]  # at once: not after the 5 s bound
+        assert r["plain_s"] < 5.0, r["plain_s"]  # at once: before the 5 s bound a wait would reach
         assert r["unchanged"], "the refused step changed the model"
         assert r["later"] is None and r["refused_again"]
         assert glob.glob(f"/dev/shm/syncbn-{r['pid']}-*") == []
@@ -147,7 +147,7 @@ def _plain_batchnorm_control(rank: int, world_size: int) -> float:
 
 def test_the_plain_join_with_plain_batchnorm_is_untouched() -> None:
     for seconds in launch(_plain_batchnorm_control, 2, timeout=60):
-        assert seconds < 10.0
+        assert seconds < COLLECTIVE_TIMEOUT_S  # no wait for the process group's timeout
 
 
 # ----------------------------------------- torch's pattern: Join(..., throw_on_early_termination=True)
@@ -192,7 +192,7 @@ def test_torchs_throw_on_early_termination_pattern_behaves_as_with_batchnorm(sha
     for mine, theirs in zip(got, control):
         assert mine["error"] == theirs["error"], (mine["error"], theirs["error"])
         assert mine["steps"] == theirs["steps"]
-        assert mine["s"] < 4.0, mine["s"]  # at once, not after the 5 s bound
+        assert mine["s"] < 5.0, mine["s"]  # at once: before the 5 s bound a wait would reach
         assert mine["copy"]
     assert got[0]["error"][0] == "RuntimeError" and "Detected at least one rank" in got[0]["error"][1]
     assert got[1]["error"][0] == "RuntimeError" and "exhausted all inputs" in got[1]["error"][1]

@@ -18,6 +18,7 @@ from torch import nn
 
 import syncbn
 from _helpers.dist_harness import launch
+from _helpers.load import Load
 from syncbn import groups
 
 SHORT = 2.0  # seconds: the syncbn timeout in scenarios that expect one
@@ -291,7 +292,8 @@ def test_a_bound_under_a_millisecond_still_bounds_and_bad_switches_raise_everywh
     for key, result in results[0].items():
         if key[0] == "tiny":
             assert result["type"] == "CollectiveError" and result["timed_out"], (key, result)
-            assert result["s"] < ABSENT - 1.0, (key, result)  # the bound, not the peer's return
+            # The bound: before the peer even returns (the group's own 30 s once bounded it).
+            assert result["s"] < ABSENT, (key, result)
             assert "0.001 s" in result["msg"] and result["unchanged"], (key, result)
     for rank, out in enumerate(results):
         for variable in ("SYNCBN_DEBUG", "SYNCBN_SHM", "SYNCBN_HIERARCHICAL"):
@@ -359,10 +361,12 @@ def _eval_while_training(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 
 def test_one_rank_in_eval_gives_a_timeout_error_on_the_training_rank() -> None:
-    (train,), (evaluating,) = launch(_eval_while_training, 2, timeout=60)
+    with Load() as load:
+        (train,), (evaluating,) = launch(_eval_while_training, 2, timeout=60)
     assert evaluating["type"] is None
     assert train["type"] == "CollectiveError" and train["timed_out"], train
-    assert SHORT * 0.9 <= train["s"] < SHORT + 3
+    # At the bound; then 3 s of quiet-machine work at the load measured.
+    assert SHORT * 0.9 <= train["s"] < SHORT + load.margin(3.0), (train, load)
     msg = train["msg"]
     for text in ("'layer1.0.bn1'", "2 ranks", "waited 2.0 s", "eval mode", "skipped", "forward"):
         assert text in msg, (text, msg)
@@ -382,10 +386,11 @@ def _backward_skipped(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_timeout_bounds_the_backward_collective() -> None:
-    result, _ = launch(_backward_skipped, 2, timeout=60)
+    with Load() as load:
+        result, _ = launch(_backward_skipped, 2, timeout=60)
     assert result["type"] == "CollectiveError" and result["timed_out"], result
     assert "'head.bn'" in result["msg"] and "backward" in result["msg"]
-    assert result["s"] < SHORT + 3
+    assert result["s"] < SHORT + load.margin(3.0), (result, load)
 
 
 def _peer_exits(rank: int, world_size: int) -> dict[str, Any]:
@@ -409,7 +414,7 @@ def test_a_peer_that_exits_gives_a_prompt_error_naming_group_and_layer() -> None
     survivor, dead = launch(_peer_exits, 2, timeout=60, allow_failures=True, finish_wait=0.5)
     assert dead[0] == "error" and "exit code 17" in dead[1]
     assert survivor["type"] == "CollectiveError" and not survivor["timed_out"], survivor
-    assert survivor["step"] == 2 and survivor["s"] < 5.0
+    assert survivor["step"] == 2 and survivor["s"] < 20.0  # found, not waited for: before the 20 s bound
     msg = survivor["msg"]
     assert "'layer1.0.bn1'" in msg and "default group of 2 ranks" in msg and "died" in msg, msg
 

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 import syncbn
+from _helpers.load import Load
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "src")
 BOUND = 2.0
@@ -182,17 +183,20 @@ def _frozen_peer(rank: int, world_size: int, tmp: str, shared: bool) -> dict[str
 def test_a_frozen_peer_ends_in_an_error_at_the_bound_and_the_others_end_within_seconds(zygote: Any) -> None:
     # On gloo (shared memory off), where the abandoned all_reduce used to hold destroy and exit
     # for the group's timeout (measured without syncbn's own group: 58 s here).
-    reports = _launch(zygote, "_frozen_peer", 4, False, frozen=3)
+    with Load() as load:
+        reports = _launch(zygote, "_frozen_peer", 4, False, frozen=3)
     for r in reports[:3]:
         assert "error" not in r, r
         assert r["failed"] is not None, r
         assert r["timed_out"] and not r["mismatch"], r
-        assert 0.5 * BOUND < r["waited"] < BOUND + 4.0, r
-        # Recovery, or exit, within seconds of the error (interpreter exit itself takes seconds on a
-        # loaded 2-core machine); without syncbn's own group, 58 s: the group's own timeout is 60 s.
-        assert r["exited"] is not None and r["exited"] - r["raised"] < 25.0, r
+        # At the bound; then 4 s of quiet-machine work at the load measured.
+        assert 0.5 * BOUND < r["waited"] < BOUND + load.margin(4.0), (r, load)
+        # Recovery, or exit, within seconds of the error; without syncbn's own group, 58 s: the
+        # group's own timeout. The ordering a loaded machine cannot break: well before it.
+        assert r["exited"] is not None and r["exited"] - r["raised"] < GROUP_TIMEOUT / 2, r
     for r in reports[:2]:
-        assert r["synced"] == 3 and r["recover_s"] < 8.0, r
+        # Destroy, re-initialise, sync and one step: 8 s of quiet-machine work at most, at the load measured.
+        assert r["synced"] == 3 and r["recover_s"] < min(load.margin(8.0), GROUP_TIMEOUT / 2), (r, load)
     first, second = (r["buffers"] for r in reports[:2])
     assert all(torch.equal(first[k], second[k]) for k in first)
 
@@ -225,7 +229,8 @@ def test_a_process_that_used_syncbn_exits_promptly(zygote: Any) -> None:
     # Rank 0 destroys the process group before it exits; rank 1 leaves everything to the exit.
     for r in _launch(zygote, "_busy", 2):
         assert "error" not in r, r
-        assert r["exited"] is not None and r["exited"] - r["leaving"] < 25.0, r
+        # Promptly: well before the process group's own timeout, which an exit once waited for.
+        assert r["exited"] is not None and r["exited"] - r["leaving"] < GROUP_TIMEOUT / 2, r
 
 
 if __name__ == "__main__":

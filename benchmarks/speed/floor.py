@@ -17,7 +17,8 @@ synchronised methods), interleaved block by block:
   with no compute between them: their latency between real processes;
 * ``fused``: what a compiled (fused-kernel) syncbn could cost from Python, with
   the lockstep: one native kernel either side of each of the layer's two
-  collectives, in a minimal autograd function (:mod:`fused_bound`);
+  collectives, in a minimal autograd function (:mod:`syncbn.cli._bench_floor`, the floor ``syncbn bench``
+  measures for its nets);
 * ``syncbn``: ``syncbn.SyncBatchNorm`` forward + backward over the group.
 
 ``fused / bn`` is the best a compiled kernel could do here. ``floor = (py-floor +
@@ -43,11 +44,11 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from fused_bound import TAGS, FusedBound, collective_buffers
 from torch import Tensor, nn
 
 import syncbn
 from syncbn import groups
+from syncbn.cli._bench_floor import TAGS, FusedBound, collective_buffers
 from syncbn.cli._launch import run_ranks
 
 

@@ -122,7 +122,7 @@ def _steps_wait(shared: Any) -> Any:
 
 
 def _step_breakdown(rank: int, world_size: int, args: argparse.Namespace) -> Any:
-    from syncbn.cli import _bench_breakdown as bd
+    import breakdown as bd  # this folder's breakdown.py
 
     bd.VARIANTS["syncbn-steps"] = {"wait": "steps"}
     bd.VARIANTS["syncbn-steps-spin0"] = {"wait": "steps", "spin_s": 0.0}

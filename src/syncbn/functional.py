@@ -16,6 +16,7 @@ from torch import Tensor
 from . import groups
 from ._errors import ChannelCountError
 from .engine._function import Params, apply
+from .families._protocol import THIS_CALL
 from .families.inplace_abn import InPlaceABN, check_call
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
@@ -257,9 +258,11 @@ def inplace_abn_apply(
     param: float,
     group: Any,
     layer: Any = None,
+    statistics: Any = THIS_CALL,
 ) -> Tensor:
     """In-place activated batch norm on the engine, over ``group`` in training; returns ``x``, overwritten."""
     check_call(x, weight, running_mean, running_var, training)
     family = InPlaceABN(activation, param, training)
-    params = Params(running_mean, running_var, eps, momentum, group if training else None, layer, family)
+    group = group if training else None
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
     return apply(x, weight, bias, params)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ._wait import WITHDRAWN as _WITHDRAWN
 from ._wait import Waiter, WaitFailure, attach
+from ._wait import alive as _alive
 
 _LINE = 64  # bytes per rank's flag: one cache line each
 _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (C <= 4095)
@@ -282,11 +283,24 @@ class SharedMemorySum:
         return SharedMemoryError(message, timed_out=timed_out, waited=waited)
 
     def _withdrawn(self, rank: int, waited: float) -> SharedMemoryError:
+        # A peer that withdrew because a process died: name the dead process, as the rank that
+        # found it does (the liveness check runs every 0.1 s; a withdrawal is seen at once).
+        dead = [r for r, pid in enumerate(self._pids) if r != self._rank and not _alive(pid)]
+        if dead:
+            return self._died(
+                dead, waited, f"; rank {rank} of the group found it first and gave up on this collective"
+            )
         why = _REASONS.get(self._flags[self._flag_index[rank] + 1], "it failed")
         return self._fail(
             f"rank {rank} of the group gave up on this collective ({why}); this rank does not complete "
             "it with the data left behind",
             waited=waited,
+        )
+
+    def _died(self, ranks: list[int], waited: float, found: str = "") -> SharedMemoryError:
+        pids = [self._pids[r] for r in ranks]
+        return self._fail(
+            f"the process of rank(s) {ranks} of the group died (pid {pids}){found}", waited=waited, reason=2
         )
 
     def _failed_wait(self, failure: WaitFailure) -> SharedMemoryError:
@@ -297,10 +311,7 @@ class SharedMemorySum:
             return self._fail(
                 f"rank {ranks[0]} of the group did not arrive", timed_out=True, waited=waited, reason=1
             )
-        pids = [self._pids[r] for r in ranks]
-        return self._fail(
-            f"the process of rank(s) {ranks} of the group died (pid {pids})", waited=waited, reason=2
-        )
+        return self._died(ranks, waited)
 
     def close(self) -> None:
         """Release the mapping (views made from it must no longer be used)."""

@@ -14,6 +14,7 @@ COMMANDS = {
     "demo": "Train a small conv net three ways (per-rank BatchNorm, syncbn, one process) on real digits.",
     "verify": "Check syncbn against nn.BatchNorm on the global batch on this machine's ranks and backend.",
     "bench": "Time SyncBatchNorm forward+backward against local BatchNorm, naive sync and torch.",
+    "doctor": "Audit a model's batch norm before a job (and, with --live, the ranks against each other).",
 }
 
 

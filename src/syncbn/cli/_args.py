@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .. import _config
+from .. import _config, groups
 
 __all__ = [
     "add_counts",
@@ -24,6 +24,7 @@ __all__ = [
     "backend",
     "output_file",
     "output_dir",
+    "group_size",
     "MIN_SECONDS",
     "MAX_SECONDS",
 ]
@@ -122,3 +123,16 @@ def output_dir(text: str) -> str:
             f"expected a folder to write into ({path} is not writable) (got {text!r})"
         )
     return text
+
+
+def group_size(text: str) -> int | str:
+    """A ``type=`` for a ``group_size``: a positive int, or ``'node'`` (the ranks of each machine)."""
+    if text == groups.NODE:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or {groups.NODE!r} (got {text!r})")
+    return value

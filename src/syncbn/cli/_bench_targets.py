@@ -19,11 +19,15 @@ LARGE = 256 * 1024
 
 #: key -> (quantity, target: the ratio must be at most this, what the run needs to measure it)
 TARGETS: dict[str, tuple[str, float, str]] = {
-    "eager_step": ("eager DDP step, narrow net: syncbn / nn.BatchNorm2d", 1.10, "--e2e-steps > 0, W > 1"),
+    "eager_step": ("eager DDP step, narrow net: syncbn / nn.BatchNorm2d", 1.10, "--nets deep, W > 1"),
+    "floor_deep": ("eager DDP step, narrow net: syncbn / fused floor", 1.05, "--nets deep, W > 1"),
+    "floor_wide": ("eager DDP step, wide net: syncbn / fused floor", 1.0, "--nets wide, W > 1"),
+    "floor_resnet": ("eager DDP step, ResNet-style net: syncbn / fused floor", 1.0, "--nets resnet, W > 1"),
     "compiled_narrow": ("compiled DDP step, narrow net: syncbn / nn.BatchNorm2d", 1.10, "--compiled, W > 1"),
     "compiled_wide": ("compiled DDP step, wide net: syncbn / nn.BatchNorm2d", 1.05, "--compiled, W > 1"),
     "large_layers": ("eager layer fwd+bwd, >= 256K values: syncbn / local BN, worst", 1.0, "a large shape"),
     "small_layers": ("eager layer fwd+bwd, < 256K values: syncbn / local BN, worst", 2.0, "a small shape"),
+    "small_alone": ("the same, no peer (alone: syncbn's own work) / local BN, worst", 1.3, "a small shape"),
     "torch_step": ("eager DDP step, narrow net: syncbn / torch.nn.SyncBatchNorm", 0.8, "CUDA with NCCL"),
 }
 
@@ -33,11 +37,21 @@ def load_average() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
-def _worst(records: list[dict[str, Any]], large: bool) -> tuple[float | None, str]:
-    picked = [r for r in records if (math.prod(r["shape"]) >= LARGE) == large]
+def _worst(
+    records: list[dict[str, Any]], large: bool, key: str = "syncbn_over_local"
+) -> tuple[float | None, str]:
+    picked = [r for r in records if (math.prod(r["shape"]) >= LARGE) == large and r["ratios"].get(key)]
     if not picked:
         return None, ""
-    return max(r["ratios"]["syncbn_over_local"] for r in picked), ", ".join(_shape_detail(r) for r in picked)
+    return max(r["ratios"][key] for r in picked), ", ".join(_shape_detail(r) for r in picked)
+
+
+def _floor(ms: dict[str, float] | None) -> tuple[float | None, str]:
+    """A net's syncbn / fused floor, with both against nn.BatchNorm2d as the detail."""
+    value = ratio(ms, "syncbn", "fused")
+    if value is None or ms is None:
+        return None, ""
+    return value, f"x plain: syncbn {ms['syncbn'] / ms['plain']:.3f}, floor {ms['fused'] / ms['plain']:.3f}"
 
 
 def _shape_detail(record: dict[str, Any]) -> str:
@@ -75,22 +89,30 @@ def allocator_note(records: list[dict[str, Any]]) -> str | None:
 
 
 def targets(
-    records: list[dict[str, Any]], e2e: dict[str, float] | None, compiled: dict[str, dict[str, float]] | None
+    records: list[dict[str, Any]],
+    e2e: dict[str, dict[str, float]] | None,
+    compiled: dict[str, dict[str, float]] | None,
 ) -> list[dict[str, Any]]:
     """One row per target from ``bench_layers``' records and the steps' slowest-rank medians (ms).
 
-    ``e2e``: the narrow net's eager step per variant; ``compiled``: per net (``deep``, ``wide``),
+    ``e2e``: per net (``deep``, ``wide``, ``resnet``), the eager step per variant (``syncbn``,
+    ``plain``, ``fused``: the fused floor, ``torch``); ``compiled``: per net (``deep``, ``wide``),
     the compiled step per variant. Rows have ``key``, ``quantity``, ``measured``, ``target``,
     ``met`` (both ``None`` when not measured), ``detail`` and ``needs``.
     """
-    compiled = compiled or {}
+    compiled, e2e = compiled or {}, e2e or {}
+    deep = e2e.get("deep")
     measured: dict[str, tuple[float | None, str]] = {
-        "eager_step": (ratio(e2e, "syncbn", "plain"), ""),
+        "eager_step": (ratio(deep, "syncbn", "plain"), ""),
+        "floor_deep": _floor(deep),
+        "floor_wide": _floor(e2e.get("wide")),
+        "floor_resnet": _floor(e2e.get("resnet")),
         "compiled_narrow": (ratio(compiled.get("deep"), "syncbn", "plain"), ""),
         "compiled_wide": (ratio(compiled.get("wide"), "syncbn", "plain"), ""),
         "large_layers": _worst(records, True),
         "small_layers": _worst(records, False),
-        "torch_step": (ratio(e2e, "syncbn", "torch"), ""),
+        "small_alone": _worst(records, False, "alone_over_local"),
+        "torch_step": (ratio(deep, "syncbn", "torch"), ""),
     }
     rows = []
     for key, (quantity, target, needs) in TARGETS.items():

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..groups import ProcessGroupSum
 from ..modules import SyncBatchNorm2d
 from . import _args
-from ._bench_breakdown import SHORT, breakdown, format_breakdown
-from ._bench_e2e import format_e2e, slowest, time_steps
+from ._bench_e2e import MODELS, format_e2e, slowest, time_steps
+from ._bench_floor import FusedBoundBatchNorm2d
 from ._bench_methods import LoopbackGroup, NaiveSyncBatchNorm
 from ._bench_report import format_table
 from ._bench_runner import bench_layers, machine_info
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SHAPES,
         help="comma-separated per-rank input shapes, e.g. 16x64x32x32,256x512 (default: 7 shapes)",
     )
-    e2e = "timed DDP steps of the many-small-layers net, syncbn vs nn.BatchNorm2d (default 10; 0: skip)"
+    e2e = "timed DDP steps of each --nets net: syncbn, nn.BatchNorm2d, the fused floor (default 10; 0: skip)"
     _args.add_counts(
         parser,
         {
@@ -76,9 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --world-size 1, run the synchronised code paths anyway (group of one)",
     )
     parser.add_argument(
-        "--breakdown",
-        action="store_true",
-        help="also break the many-small-layers net's step down per collective (CPU, W > 1; about 20 s)",
+        "--nets",
+        type=parse_nets,
+        default=["deep"],
+        help=f"comma-separated nets of the eager DDP step, of {','.join(MODELS)} (default: deep)",
     )
     parser.add_argument(
         "--compiled",
@@ -90,22 +92,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_nets(text: str) -> list[str]:
+    """``"deep,wide"`` -> ``["deep", "wide"]``, each a net of :data:`~._bench_e2e.MODELS`."""
+    nets = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [net for net in nets if net not in MODELS]
+    if bad or not nets:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(MODELS)} (got {text!r})")
+    return nets
+
+
+def _eager_net(model: str, rank: int, world_size: int, steps: int, norms: dict[str, Any], device: Any) -> Any:
+    """One net's eager DDP step per variant (slowest rank's medians) and its ratios."""
+    ms, _ = slowest(time_steps(model, rank, 16, steps, 2, norms, device=device), world_size)
+    out = {"median_ms": ms, "syncbn_over_plain": ms["syncbn"] / ms["plain"]}
+    out["syncbn_over_fused"] = ms["syncbn"] / ms["fused"]
+    out["fused_over_plain"] = ms["fused"] / ms["plain"]
+    if "torch" in ms:
+        out["syncbn_over_torch"] = ms["syncbn"] / ms["torch"]
+    return out
+
+
 def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> tuple[Any, Any]:
-    """The narrow net's eager step and, with ``--compiled``, both nets' compiled steps (slowest rank)."""
+    """The nets' eager steps (the fused floor in the same loop); with ``--compiled``, the compiled ones."""
     e2e: dict[str, Any] | None = None
     compiled: dict[str, Any] | None = None
     if world_size == 1 or args.force_sync:
         return e2e, compiled
     norms: dict[str, Any] = {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
-    eager_norms = dict(norms)
+    floor_group = ProcessGroupSum(None)  # the floor's two sums: syncbn's transport, a group of its own
+    eager_norms = {**norms, "fused": lambda c: FusedBoundBatchNorm2d(c, floor_group)}
     if device.type == "cuda" and dist.get_backend() == "nccl":
         eager_norms["torch"] = nn.SyncBatchNorm
     if args.e2e_steps > 0:
-        mine = time_steps("deep", rank, 16, args.e2e_steps, 2, eager_norms, device=device)
-        ms, _ = slowest(mine, world_size)
-        e2e = {"model": "deep", "median_ms": ms, "syncbn_over_plain": ms["syncbn"] / ms["plain"]}
-        if "torch" in ms:
-            e2e["syncbn_over_torch"] = ms["syncbn"] / ms["torch"]
+        e2e = {
+            net: _eager_net(net, rank, world_size, args.e2e_steps, eager_norms, device) for net in args.nets
+        }
     if args.compiled:
         compiled = {}
         steps = max(args.e2e_steps, 3)
@@ -119,6 +140,7 @@ def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.d
                 "first_step_s": compile_s,
                 "syncbn_over_plain": ms["syncbn"] / ms["plain"],
             }
+    floor_group.close()
     return e2e, compiled
 
 
@@ -137,9 +159,6 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         force_sync=args.force_sync,
     )
     e2e, compiled = _steps(args, rank, world_size, device)
-    parts: dict[str, Any] | None = None
-    if args.breakdown and world_size > 1 and device.type == "cpu" and not args.force_sync:
-        parts = breakdown(rank, world_size, SHORT, rounds=2, steps=2, warmup=1)
     if rank != 0:
         return
     config = {
@@ -152,7 +171,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         "threads_per_rank": args.threads,
         "force_sync": bool(args.force_sync),
         "compiled": bool(args.compiled),
-        "breakdown": parts is not None,
+        "nets": args.nets,
         "statistic": "median over iterations per rank, then the slowest rank",
     }
     print(
@@ -167,18 +186,19 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     )
     print(format_table(records, "cpu_median_ms"))
     if e2e is not None:
-        print(f"\nend to end, DDP training step, {args.e2e_steps} steps interleaved, slowest rank's median:")
-        print(format_e2e("deep", e2e["median_ms"]))
+        print(
+            f"\nend to end, DDP training step, {args.e2e_steps} steps interleaved, slowest rank's median"
+            " ('fused': the fused floor, what a fused-kernel syncbn could reach here):"
+        )
+        for net, rec in e2e.items():
+            print(format_e2e(net, rec["median_ms"]) + f"   syncbn / fused {rec['syncbn_over_fused']:.3f}")
     if compiled is not None:
         print("\ncompiled, torch.compile(DDP(net)) training step, interleaved, slowest rank's median:")
         for model, rec in compiled.items():
             first = ", ".join(f"{k} {v:.0f} s" for k, v in rec["first_step_s"].items())
             print(format_e2e(model, rec["median_ms"]) + f"   (first step: {first})")
-    if parts is not None:
-        print("\nper-collective breakdown of the same net's step (benchmarks/speed/breakdown.py for more):")
-        print(format_breakdown(parts))
     compiled_ms = {k: v["median_ms"] for k, v in (compiled or {}).items()}
-    rows = targets(records, e2e["median_ms"] if e2e else None, compiled_ms)
+    rows = targets(records, {k: v["median_ms"] for k, v in (e2e or {}).items()}, compiled_ms)
     load_end = load_average()
     print("\ntargets (ratio <= goal; steps and layers as above):")
     print(format_targets(rows, load_start, load_end))
@@ -189,8 +209,6 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         payload = {"config": config, "machine": machine_info(), "results": records, "e2e": e2e}
         payload["compiled"] = compiled
         payload["targets"] = {"rows": rows, "load_start": load_start, "load_end": load_end}
-        if parts is not None:
-            payload["breakdown"] = parts
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2)
         print(f"wrote {args.json}")

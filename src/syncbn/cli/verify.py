@@ -19,7 +19,14 @@ import torch.distributed as dist
 from .. import __version__, groups
 from . import _args
 from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
-from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
+from ._launch import (
+    add_launch_arguments,
+    describe_transport,
+    is_main_process,
+    launch_plan,
+    rank_device,
+    run_ranks,
+)
 from ._output import fail, format_error, format_table
 
 
@@ -43,24 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--group-size",
-        type=_group_size,
+        type=_args.group_size,
         default=None,
         metavar="K",
         help="synchronise over syncbn.groups.subgroup(K): groups of K consecutive ranks, or 'node' "
         "(the ranks of each machine); each group is checked against its own batch",
     )
-
-
-def _group_size(text: str) -> int | str:
-    if text == groups.NODE:
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int or {groups.NODE!r} (got {text!r})")
-    return value
 
 
 def _check_rank(
@@ -77,14 +72,7 @@ def _check_rank(
         except Exception as exc:  # noqa: BLE001 - reported per case
             mine[case.name] = f"{type(exc).__name__}: {exc}"
     mine[_GROUP] = groups.group_ranks(process_group)
-    group = groups.resolve(process_group)
-    mine[_TRANSPORT] = (
-        "shared memory (same machine)"
-        if isinstance(group, groups.ProcessGroupSum) and group.uses_shared_memory
-        else f"the {dist.get_backend()} process group"
-        if group is not None
-        else "no collective (a group of one rank is plain BatchNorm)"
-    )
+    mine[_TRANSPORT] = describe_transport(process_group)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     return gathered

@@ -165,7 +165,7 @@ def sync_batch_norm(
 def traced_inplace_abn(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten.
+    """The compiled form of :func:`syncbn.functional.inplace_abn_apply`; returns ``x``, overwritten.
 
     With grad disabled (``torch.no_grad()``, inference) the traced forward runs without the
     autograd Function: dynamo traces ``ctx.mark_dirty`` only under ``Function.apply`` with grad on.

@@ -186,7 +186,8 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
         _checks.before_backward(group, layer, grad_output, ctx.call)
         weight = family.differentiable_weight(own, record.correction)
         reduce = lambda t, phase: _all_reduce(group, t, layer, phase)  # noqa: E731
-        return differentiable_backward(ctx, grad_output, saved, weight, reduce)
+        pooled = ctx.params.statistics is not THIS_CALL  # (the variance's derivative centres on its mean)
+        return differentiable_backward(ctx, grad_output, saved, weight, reduce, pooled)
     carry, sum_dy, sum_dy_xhat = family.grad_sums(saved, grad_output, weight, bias, record, need_input)
     reduced = None  # constant statistics: none
     if need_input and record.training and not record.native:

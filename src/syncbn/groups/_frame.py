@@ -29,6 +29,8 @@ PHASE_NAMES = {
 #: Codes of the payload dtypes in the header's ``kind`` field (others: 15).
 DTYPE_CODES = _shm.DTYPE_CODES
 FIELDS = ("layer_hi", "layer_lo", "kind", "sequence", "count_hi", "count_lo", "frame")
+#: Index of the call's sequence number in :data:`FIELDS` (the one field a call site's calls change).
+SEQUENCE = FIELDS.index("sequence")
 #: float64 values of the header: the flag and (p*f, p*f^2) for each field.
 HEADER = 1 + 2 * len(FIELDS)
 #: float64 values of one frame on the process-group transport.

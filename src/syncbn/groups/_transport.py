@@ -24,6 +24,7 @@ from ._frame import (
     FRAME,
     HEADER,
     PAYLOAD,
+    SEQUENCE,
     ShadowResult,
     Tag,
     decode_header,
@@ -53,6 +54,8 @@ class FramedTransport(Reporting):
         self._frame_bytes = bytearray()
         self._frame_words: Any = None  # a float64 memoryview of _frame_bytes
         self._payload_views: dict[Any, Tensor] = {}
+        # (tag, dtype code, size) -> (header fields, encoded header, the sum of every rank sending it)
+        self._headers: dict[tuple[Tag, int, int], tuple[list[int], array.array[float], list[float]]] = {}
         self._dirty = 0  # payload values of _frame_cpu that may be non-zero
         self._pending: list[_Pending] = []
         self._own_group = own_group
@@ -88,23 +91,37 @@ class FramedTransport(Reporting):
                 raise
 
     def _one_cpu_frame(self, tensor: Tensor, tag: Tag, code: int, n: int, host_wait: bool) -> Tensor:
-        """The common case, a CPU vector that fits one frame: header through a memoryview, no tensor op."""
-        mine = header_fields(tag, code, self._calls, n, 0)
-        head = encode_header(mine, True)
+        """The common case, a CPU vector that fits one frame: header through a memoryview, no tensor op.
+
+        A call site's header (and the sum every rank sending it gives) is made once per
+        ``(tag, dtype, size)``; a call writes only its sequence number into them.
+        """
+        prepared = self._headers.get((tag, code, n))
+        if prepared is None:
+            if len(self._headers) > 4096:  # call sites are few; never let odd callers grow it
+                self._headers.clear()
+            mine = header_fields(tag, code, 0, n, 0)
+            head = array.array("d", encode_header(mine, True))
+            prepared = self._headers[(tag, code, n)] = (mine, head, [v * self._size for v in head])
+        mine, head, agreed = prepared
+        sequence = self._calls & 0xFFFF
+        mine[SEQUENCE] = sequence
+        head[1 + 2 * SEQUENCE], head[2 + 2 * SEQUENCE] = float(sequence), float(sequence * sequence)
+        agreed[1 + 2 * SEQUENCE] = head[1 + 2 * SEQUENCE] * self._size
+        agreed[2 + 2 * SEQUENCE] = head[2 + 2 * SEQUENCE] * self._size
         frame, words = self._cpu_frame()
         payload = self._payload_views.get(tensor.shape)
         if payload is None:
             payload = self._payload_views[tensor.shape] = frame[HEADER : HEADER + n].view(tensor.shape)
-        words[:HEADER] = array.array("d", head)
+        words[:HEADER] = head
         payload.copy_(tensor)
         if self._dirty > n:
             frame[HEADER + n : HEADER + self._dirty].zero_()
         self._dirty = n
         self._all_reduce_process_group(frame, host_wait=host_wait)
         summed: list[float] = words[:HEADER].tolist()
-        size = self._size
-        if summed != [v * size for v in head]:  # not every rank sent this very header: find out what
-            self._verify(summed, mine, deferred=False)
+        if summed != agreed:  # not every rank sent this very header: find out what
+            self._verify(summed, list(mine), deferred=False)
         self.last_participants = int(summed[0])
         tensor.copy_(payload)
         return tensor

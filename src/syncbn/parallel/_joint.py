@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .. import _accumulating
+from .. import _accumulating, _cmbn
 from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
@@ -33,8 +33,9 @@ class Replication(Protocol):
     def publish(self, replica: nn.Module) -> None: ...
 
 
-# What a replica hands the joint node: (x, weight, bias, y, the engine's record, family, needs_grad).
-_Item = tuple[Tensor, Any, Any, Tensor, Any, Any, bool]
+# What a replica hands the joint node: (x, weight, bias, y, the engine's record, family, needs_grad,
+# pooled: normalised with statistics pooled by a hook (CmBN), see joint_input_grads).
+_Item = tuple[Tensor, Any, Any, Tensor, Any, Any, bool, bool]
 
 
 def replica_batch_norm(
@@ -63,6 +64,7 @@ def replica_batch_norm(
         elif family_call and rank == 0:  # the user's layer keeps what a recomputation reads
             replication.master._family_call(False, True)
     family.check_input(x)
+    statistics = _cmbn.statistics(layer, replication.recomputing)  # pooled: updated at the block's end
 
     # one replica: the family's own one-process call, unless syncbn.accumulation listens (the
     # engine reports moments) or the family synchronises over the one member
@@ -91,7 +93,10 @@ def replica_batch_norm(
         return engine_one_value_error(x, rendezvous.size, members, who="this replica's")
 
     group = ThreadSumGroup(rendezvous, rank)
-    params = Params(running_mean, running_var, eps, momentum, group, layer, family)
+    pooled = statistics is not _cmbn.THIS_CALL
+    if pooled:
+        running_mean = running_var = None
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
     with torch.no_grad():
         record = synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
         if batches is not None:
@@ -103,7 +108,7 @@ def replica_batch_norm(
     y = record.out
     if family.saves_output and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
-    item: _Item = (x, weight, bias, y, record, family, needs_grad)
+    item: _Item = (x, weight, bias, y, record, family, needs_grad, pooled)
     return rendezvous.exchange(rank, item, what="join outputs for autograd", combine=_join)[rank]
 
 
@@ -139,7 +144,7 @@ class _JointBatchNorm(torch.autograd.Function):
         ctx: Any, items: list[_Item], active: list[int], *tensors: Tensor | None
     ) -> tuple[Tensor, ...]:  # type: ignore[override]
         size, family = len(active), items[0][5]
-        ctx.size, ctx.family, ctx.active = size, family, active
+        ctx.size, ctx.family, ctx.active, ctx.pooled = size, family, active, items[0][7]
         ctx.records = [item[4] for item in items]  # every replica's (the double backward's statistics)
         ctx.param_dtype = [gradient_dtype(w, b, x) for x, w, b, *_ in (items[k] for k in active)]
         ys = [items[k][3] for k in active]
@@ -199,5 +204,5 @@ def _joint_input_grads(
     all_xs = [xs[active.index(k)] if k in active else next(rest) for k in range(len(ctx.records))]
     all_grads = [grads[active.index(k)] if k in active else torch.zeros_like(x) for k, x in enumerate(all_xs)]
     all_weights = [weights[active.index(k)] if k in active else None for k in range(len(ctx.records))]
-    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.records, replica_total)
+    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.records, replica_total, ctx.pooled)
     return [joint[k] for k in active]

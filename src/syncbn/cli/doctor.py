@@ -1,0 +1,144 @@
+"""``python -m syncbn doctor MODULE:FACTORY``: audit a model's batch norm before a job.
+
+Builds the model (``FACTORY(**kwargs)``), puts it in training mode, converts it with
+:func:`syncbn.convert_sync_batchnorm` and reports, per normalisation layer, what it becomes and
+what it sends per training step, plus what a ``group_size`` gives per group. With ``--live``
+(under ``torchrun``, or on ``--world-size`` local ranks) it also checks the ranks against each
+other (:mod:`syncbn.cli._doctor_live`). Exit code 0: no problem; 1: problems, one line each,
+naming the layer and the fix; 2: a usage error. See docs/doctor.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+from torch.distributed.constants import default_pg_timeout
+
+from . import _args, _doctor_live
+from ._doctor_audit import audit
+from ._doctor_report import ModelSpecError, build_report, finish, load_model
+from ._launch import add_launch_arguments, launched_by_torchrun
+from ._output import fail
+
+#: torch's default timeout of a process group (``init_process_group`` without ``timeout=``).
+DEFAULT_PG_TIMEOUT_S = default_pg_timeout.total_seconds()
+
+
+def _shape(text: str) -> list[int]:
+    try:
+        dims = [int(d) for d in text.replace("x", ",").split(",")]
+    except ValueError:
+        dims = []
+    if len(dims) < 2 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected N,C[,...]: at least 2 positive ints (got {text!r})")
+    return dims
+
+
+def _kwargs(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object, e.g. '{{\"num_classes\": 10}}' (got {text!r})"
+        )
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", metavar="MODULE:FACTORY", help="the model's factory, e.g. torchvision.models:resnet50"
+    )
+    parser.add_argument(
+        "--kwargs", type=_kwargs, default={}, metavar="JSON", help="keyword arguments of FACTORY"
+    )
+    parser.add_argument(
+        "--input-shape",
+        type=_shape,
+        default=None,
+        metavar="N,C,H,W",
+        help="one rank's batch shape: runs one training forward to find each layer's calls and input",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_args.integer(1),
+        default=None,
+        metavar="B",
+        help="samples per rank for the group-size table (default: N of --input-shape)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=_args.group_size,
+        default=None,
+        metavar="K",
+        help="the job's syncbn group_size: K consecutive ranks, or 'node' (with --live)",
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", type=_args.output_file, default=None, help="also write the report as JSON"
+    )
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="also check the ranks against each other (under torchrun, or on --world-size local ranks)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_args.seconds,
+        default=DEFAULT_PG_TIMEOUT_S,
+        help="with --live, the process group's timeout in seconds, as the job's init_process_group "
+        f"sets it (default {DEFAULT_PG_TIMEOUT_S:g}, torch's)",
+    )
+    parser.add_argument(
+        "--broadcast-buffers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --live, whether the job's DistributedDataParallel broadcasts its buffers each step "
+        "(DDP's default; forward_sync_buffers from torch 2.13)",
+    )
+    add_launch_arguments(parser, "where the model runs")
+    for action in parser._actions:
+        if action.dest == "world_size":  # offline: the job's ranks (no default); --live: ranks to spawn
+            action.default = None
+            action.help = (
+                "the job's ranks (for the group-size table); with --live, ranks to spawn (default 2)"
+            )
+
+
+def _chosen(group_size: int | str | None, world: int | None) -> list[int]:
+    if isinstance(group_size, int):
+        return [group_size]
+    return [world] if world else []
+
+
+def run(args: argparse.Namespace) -> int:
+    """Audit the model; print the report; 1 when it found a problem."""
+    if args.live:
+        return _doctor_live.run(args)
+    if args.group_size == "node":
+        return fail("syncbn doctor: --group-size node needs --live (the machines are known only then)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return fail("syncbn doctor: --device cuda, but torch.cuda.is_available() is False")
+    if launched_by_torchrun():
+        return fail("syncbn doctor: launched by torchrun without --live: add --live to check the ranks")
+    try:
+        model = load_model(args.model, args.kwargs).to(args.device)
+    except ModelSpecError as exc:
+        return fail(f"syncbn doctor: {exc}")
+    result = audit(model, args.input_shape)
+    batch = args.batch_size or (args.input_shape[0] if args.input_shape else None)
+    world = args.world_size
+    if isinstance(args.group_size, int) and world and world % args.group_size:
+        return fail(f"syncbn doctor: --group-size must divide --world-size {world} (got {args.group_size})")
+    report = build_report(
+        result,
+        model=args.model,
+        input_shape=args.input_shape,
+        batch=batch,
+        world=world,
+        chosen=_chosen(args.group_size, world),
+    )
+    return finish(report, args.json)
