@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .. import _accumulating, _cmbn
+from .. import _accumulating
 from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
@@ -39,22 +39,17 @@ _Item = tuple[Tensor, Any, Any, Tensor, Any, Any, bool, bool]
 
 
 def replica_batch_norm(
-    layer: Any, x: Tensor, momentum: float, replication: Replication, rank: int, family: Any = None
+    layer: Any, x: Tensor, call: Any, replication: Replication, rank: int, family: Any = None
 ) -> Tensor:
     """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings.
 
-    ``momentum`` is this call's running-statistics factor; ``family`` ``None`` means the layer's
-    own (``_family_call``) or batch norm. The in-place family overwrites ``x`` with the output.
-    A recomputation (a reentrant checkpoint around the model) leaves the running statistics and
-    ``num_batches_tracked`` as the forward left them, and renorm reads the forward's statistics.
+    ``call`` is the layer's bookkeeping of this call (``syncbn._layer.TrainingCall``: a
+    recomputation, by a reentrant checkpoint around the model, updates with factor 0 and counts
+    no batch); ``family`` ``None`` means the layer's own (``_family_call``) or batch norm, and
+    renorm recomputing reads the forward's statistics. The in-place family overwrites ``x``.
     """
     rendezvous = replication.rendezvous()
-    tracking = bool(layer.track_running_stats) and not replication.recomputing
-    running_mean, running_var, batches = (
-        (layer.running_mean, layer.running_var, layer.num_batches_tracked) if tracking else (None, None, None)
-    )
-    if replication.recomputing and layer.track_running_stats:  # updated with factor 0 (the same saves)
-        running_mean, running_var, momentum = layer.running_mean, layer.running_var, 0.0
+    running_mean, momentum = call.running_mean, call.momentum
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
     family_call = getattr(layer, "_family_call", None)
     if not family:  # the layer's own (None: batch norm)
@@ -64,21 +59,18 @@ def replica_batch_norm(
         elif family_call and rank == 0:  # the user's layer keeps what a recomputation reads
             replication.master._family_call(False, True)
     family.check_input(x)
-    statistics = _cmbn.statistics(layer, replication.recomputing)  # pooled: updated at the block's end
 
     # one replica: the family's own one-process call, unless syncbn.accumulation listens (the
     # engine reports moments) or the family synchronises over the one member
     listened = running_mean is not None and _accumulating.listening(running_mean) is not None
     single = None
     if rendezvous.size == 1 and not listened:
-        alone = Params(running_mean, running_var, eps, momentum, None, None, family)
-        engine = lambda: apply(x, weight, bias, alone)  # noqa: E731
-        single = family.alone(x, weight, bias, running_mean, running_var, momentum, eps, engine)
+        mean, var = call.updated()
+        engine = lambda: apply(x, weight, bias, Params(mean, var, eps, momentum, None, None, family))  # noqa: E731
+        single = family.alone(x, weight, bias, mean, var, momentum, eps, engine)
     if single is not None:
-        if batches is not None:
-            batches.add_(1)
         replication.publish(layer)
-        return single
+        return call.counted(single)  # type: ignore[no-any-return]
 
     if x.is_cpu and _rules.in_backward():  # a checkpoint's recomputation, in the one backward thread
         raise ReplicaSyncError(
@@ -93,14 +85,11 @@ def replica_batch_norm(
         return engine_one_value_error(x, rendezvous.size, members, who="this replica's")
 
     group = ThreadSumGroup(rendezvous, rank)
-    pooled = statistics is not _cmbn.THIS_CALL
-    if pooled:
-        running_mean = running_var = None
-    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
+    params = call.params(eps, group, layer, family)
     with torch.no_grad():
-        record = synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
-        if batches is not None:
-            batches.add_(1)
+        record = call.counted(
+            synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
+        )
     if rank == 0:
         replication.publish(layer)
 
@@ -108,7 +97,7 @@ def replica_batch_norm(
     y = record.out
     if family.saves_output and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
-    item: _Item = (x, weight, bias, y, record, family, needs_grad, pooled)
+    item: _Item = (x, weight, bias, y, record, family, needs_grad, call.pooled)
     return rendezvous.exchange(rank, item, what="join outputs for autograd", combine=_join)[rank]
 
 
