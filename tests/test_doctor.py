@@ -4,41 +4,23 @@ Real models: torchvision's resnet50 (clean), timm's efficientnet_b0 (``BatchNorm
 OpenMMLab-style backbone of mmcv ``ConvModule`` blocks with ``norm_eval``. Planted problems: a
 BatchNorm subclass with its own forward, one with extra state, a layer that would see one value
 per channel. The bytes the doctor counts are checked against the engine's own packing functions.
+The checks across ranks (``--live``) are in test_doctor_live.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from _helpers import torchvision_shim  # noqa: F401 - before torchvision and timm
+from _helpers.doctor_models import MODELS, Capture, doctor, problem_lines
 from syncbn.cli import main
 from syncbn.engine import _math
 
 pytest.importorskip("torchvision")
-
-MODELS = "_helpers.doctor_models"
-Capture = pytest.CaptureFixture[str]
-
-
-def doctor(tmp_path: Path, capsys: Capture, *argv: str) -> tuple[int, str, dict[str, Any]]:
-    """Run ``syncbn doctor *argv --json``; (exit code, stdout, the JSON report)."""
-    report = tmp_path / "doctor.json"
-    code = main(["doctor", *argv, "--json", str(report)])
-    out = capsys.readouterr().out
-    return code, out, json.loads(report.read_text())
-
-
-def problem_lines(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith("problem: ")]
 
 
 def engine_bytes(channels: int, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
@@ -58,6 +40,10 @@ def test_resnet50_is_clean_and_every_layer_is_counted(tmp_path: Path, capsys: Ca
     )
     assert code == 0, out
     assert problem_lines(out) == [] and report["problems"] == 0
+    assert set(report) == {  # the keys docs/doctor.md documents
+        "syncbn_version", "torch_version", "model", "input_shape", "batch_size", "world_size",
+        "group_size", "layers", "totals", "group_sizes", "live", "findings", "problems",
+    }  # fmt: skip
     plain = {n: m for n, m in torchvision.models.resnet50().named_modules() if isinstance(m, nn.BatchNorm2d)}
     layers = report["layers"]
     assert [layer["name"] for layer in layers] == list(plain)  # the model's order
@@ -171,112 +157,10 @@ def test_usage_errors_exit_2(argv: list[str], expected: str, capsys: Capture) ->
     assert expected in capsys.readouterr().err
 
 
-# ---- --live: the ranks against each other (2 gloo ranks, spawned by the command or by torchrun) ----
-
-
-def live(tmp_path: Path, capsys: Capture, factory: str, *argv: str) -> tuple[int, str, dict[str, Any]]:
-    return doctor(
-        tmp_path, capsys, f"{MODELS}:{factory}", "--live", "--world-size", "2", "--timeout", "60", *argv
-    )
-
-
-def test_live_clean_model_passes_and_names_the_transport(tmp_path: Path, capsys: Capture) -> None:
-    from syncbn import _shm
-
-    code, out, report = live(tmp_path, capsys, "clean", "--input-shape", "2,3,8,8")
+def test_factory_kwargs_and_a_model_that_is_one_layer(tmp_path: Path, capsys: Capture) -> None:
+    argv = ("torch.nn:BatchNorm2d", "--kwargs", '{"num_features": 4, "momentum": null}')
+    code, out, report = doctor(tmp_path, capsys, *argv, "--input-shape", "3,4,5,5")
     assert code == 0, out
-    expected = "shared memory (same machine)" if _shm.supported() else "the gloo process group"
-    assert report["live"]["groups"] == [{"ranks": [0, 1], "transport": expected}]
-    assert f"group [0, 1]: {expected}" in out
-    assert report["live"]["world_size"] == 2 and report["live"]["backend"] == "gloo"
-    # Groups of one rank: nothing to send, and the table says which size was chosen.
-    code, out, report = live(tmp_path, capsys, "clean", "--input-shape", "2,3,8,8", "--group-size", "1")
-    assert code == 0, out
-    assert [g["transport"] for g in report["live"]["groups"]] == [
-        "no collective (a group of one rank is plain BatchNorm)"
-    ] * 2
-    assert [r["group_size"] for r in report["group_sizes"] if r["chosen"]] == [1]
-
-
-def test_live_rank_with_another_layer_is_one_line_per_layer(tmp_path: Path, capsys: Capture) -> None:
-    code, out, report = live(tmp_path, capsys, "rank_dependent_layers", "--input-shape", "2,3,8,8")
-    assert code == 1
-    (line,) = problem_lines(out)
-    assert line.startswith("problem: rank 1 has a layer '2.1' (BatchNorm2d(16)), rank 0 has not.")
-    assert "Fix: build the same model on every rank" in line
-    assert report["live"]["groups"] == []  # models that differ never synchronise here
-    code, out, _ = live(tmp_path, capsys, "rank_dependent_channels")
-    assert code == 1
-    (line,) = problem_lines(out)
-    assert "'1.1' is BatchNorm2d(24) on rank 1 and BatchNorm2d(16) on rank 0" in line
-
-
-def test_live_unequal_running_statistics_name_the_layer_and_the_fix(tmp_path: Path, capsys: Capture) -> None:
-    code, out, _ = live(tmp_path, capsys, "rank_dependent_stats")
-    assert code == 1
-    (line,) = problem_lines(out)
-    assert line.startswith(
-        "problem: '1.1' has other running statistics than rank 0 (rank 1's running_mean by up to 0.5)"
-    )
-    assert "syncbn.sync_buffers(model)" in line
-
-
-def _count_step(rank: int, world_size: int) -> tuple[int, int]:
-    """One training step of the clean model on 2 ranks, counting the engine's collectives and bytes."""
-    import syncbn
-    from _helpers.doctor_models import clean
-
-    model = syncbn.convert_sync_batchnorm(clean())
-    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(rank))
-
-    def step() -> None:
-        out = model(x)
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
-
-    step()  # the first step also sets the group up
-    sent: list[int] = []
-    inner = syncbn.groups.ProcessGroupSum.all_reduce_sum
-
-    def counting(self: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        sent.append(tensor.numel() * tensor.element_size())
-        return inner(self, tensor, *args, **kwargs)
-
-    syncbn.groups.ProcessGroupSum.all_reduce_sum = counting  # type: ignore[method-assign]
-    try:
-        step()
-    finally:
-        syncbn.groups.ProcessGroupSum.all_reduce_sum = inner  # type: ignore[method-assign]
-    return len(sent), sum(sent)
-
-
-def test_collectives_and_bytes_are_what_a_real_step_sends(tmp_path: Path, capsys: Capture) -> None:
-    from _helpers.dist_harness import launch
-
-    measured = launch(_count_step, 2)
-    _, _, report = doctor(tmp_path, capsys, f"{MODELS}:clean", "--input-shape", "2,3,8,8")
-    totals = report["totals"]
-    assert measured == [(totals["collectives"], totals["payload_bytes"])] * 2
-    assert totals["collectives"] == 4  # two layers, one sum each way
-
-
-@pytest.mark.skipif(
-    shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
-    reason="torchrun not installed",
-)
-def test_live_under_torchrun(tmp_path: Path) -> None:
-    """The user's launch: every rank exits 1, rank 0 prints the report once."""
-    from _helpers.processes import run_in_session
-
-    torchrun = Path(sys.executable).parent / "torchrun"
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root / "tests")])
-    env["OMP_NUM_THREADS"] = "1"
-    command = [str(torchrun if torchrun.exists() else "torchrun"), "--standalone", "--nproc-per-node", "2"]
-    command += ["-m", "syncbn", "doctor", f"{MODELS}:rank_dependent_layers", "--live", "--timeout", "60"]
-    proc = run_in_session(command, env=env, cwd=tmp_path, timeout=240)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.count("doctor: 1 problem") == 1
-    assert "problem: rank 1 has a layer '2.1' (BatchNorm2d(16)), rank 0 has not." in proc.stdout
+    (layer,) = report["layers"]
+    assert (layer["name"], layer["converts_to"], layer["channels"]) == ("(root)", "SyncBatchNorm2d", 4)
+    assert layer["input_shape"] == [3, 4, 5, 5] and layer["forward_bytes"] == 8 * 9

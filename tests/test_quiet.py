@@ -169,14 +169,52 @@ class _OwnForward(nn.BatchNorm2d):
         return super().forward(input) * 2
 
 
-def test_a_conversion_warning_names_the_users_line() -> None:
-    model = nn.Sequential(nn.Conv2d(3, 4, 1), _OwnForward(4))
+class _SyncOwnForward(syncbn.SyncBatchNorm2d):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2
+
+
+def _marked(marker: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, text in enumerate(lines, 1) if text.endswith(marker))
+
+
+def test_conversion_warnings_name_the_users_line_whatever_the_nesting() -> None:
+    def model() -> nn.Module:  # the layer left alone sits three modules deep
+        return nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Sequential(_OwnForward(4))))
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        syncbn.convert_sync_batchnorm(model)  # CONVERT LINE
+        syncbn.convert_sync_batchnorm(model())  # CONVERT LINE
+        syncbn.SyncBatchNorm.convert_sync_batchnorm(model())  # CLASSMETHOD LINE
+        syncbn.revert_sync_batchnorm(nn.Sequential(_SyncOwnForward(4)))  # REVERT LINE
     found = [w for w in caught if issubclass(w.category, syncbn.convert.ConversionWarning)]
-    assert len(found) == 1, [str(w.message) for w in caught]
-    lines = Path(__file__).read_text().splitlines()
-    line = next(i for i, text in enumerate(lines, 1) if text.endswith("# CONVERT LINE"))
-    assert (found[0].filename, found[0].lineno) == (__file__, line)
-    assert "'1'" in str(found[0].message) and "docs/" not in str(found[0].message)
+    assert [(w.filename, w.lineno) for w in found] == [
+        (__file__, _marked("# CONVERT LINE")),
+        (__file__, _marked("# CLASSMETHOD LINE")),
+        (__file__, _marked("# REVERT LINE")),
+    ], [str(w.message) for w in caught]
+    assert "'1.0.0'" in str(found[0].message) and "'0'" in str(found[2].message)
+    assert not any("docs/" in str(w.message) for w in found)
+
+
+def test_no_message_names_a_file_a_pip_install_lacks() -> None:
+    """String constants of library code, docstrings aside, name no docs file or README (pip has none)."""
+    import ast
+
+    found = []
+    for path in sorted(Path(PACKAGE).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if re.search(r"docs/|\.md\b|README", node.value):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value[:80]!r}")
+    assert found == []

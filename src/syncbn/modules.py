@@ -72,7 +72,8 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             moving average. Default: 0.1.
         affine: learnable per-channel :math:`\\gamma` and :math:`\\beta`. Default: ``True``.
         track_running_stats: keep running mean and variance for eval. Default: ``True``.
-        process_group: ``torch.distributed`` group whose ranks share statistics;
+        process_group: ``torch.distributed`` group whose ranks share statistics, or a
+            ``DeviceMesh`` (a 1-D mesh: its group; a multi-dimensional one: all its ranks);
             ``None`` is the default group, looked up at call time.
         device: device of the parameters and buffers.
         dtype: dtype of the parameters and buffers.

@@ -10,6 +10,7 @@ running mean.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import gc
 import json
 
@@ -21,6 +22,9 @@ import syncbn
 
 
 def main() -> None:
+    # torchrun starts each worker in a session of its own: the test's kill of torchrun's session
+    # would not reach a hung worker, so a worker bounds its own life (stacks to stderr, exit 1).
+    faulthandler.dump_traceback_later(180, exit=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -11,6 +11,7 @@ line up does a rank run the synchronised part: the conversion over the job's gro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import groups
-from ._doctor_audit import PROBLEM, SYNCHRONISED, Finding, audit, norm_layers
+from ._doctor_audit import NOTE, PROBLEM, SYNCHRONISED, Finding, audit, norm_layers
 from ._doctor_report import ModelSpecError, build_report, finish, load_model
 from ._launch import describe_transport, is_main_process, launch_plan, rank_device, run_ranks
 from ._output import fail
@@ -136,6 +137,11 @@ def _groups_of(audited: Any) -> list[Any]:
     return seen
 
 
+def _step_bound(model: nn.Module, broadcast_buffers: bool) -> groups.StepBound:
+    """What bounds the first collective of a DDP step of ``model`` (DDP over the default group)."""
+    return dataclasses.replace(groups.step_bound(model), broadcast_buffers=broadcast_buffers)
+
+
 def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
     """One rank's part: the checks, and the report (the same verdict on every rank)."""
     device = rank_device(options["device"])
@@ -171,10 +177,18 @@ def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
     for r, messages in enumerate(_gather(own)[1:], start=1):
         extra += [Finding(PROBLEM, "", f"rank {r}: {m}") for m in messages if m not in own]
     listed = {str(ranks): (ranks, how) for per_rank in _gather(described) for ranks, how in per_rank}
+    bound = _step_bound(result.model, options["broadcast_buffers"])
+    if bound.outwaited:  # a problem only where the user chose the bound the broadcast outwaits
+        extra.append(Finding(PROBLEM if bound.user_bound_outwaited else NOTE, "", bound.message()))
     live = {
         "world_size": world,
         "backend": dist.get_backend(),
         "groups": [{"ranks": ranks, "transport": how} for ranks, how in sorted(listed.values())],
+        "bound_s": bound.bound,
+        "bound_source": bound.bound_source,
+        "group_timeout_s": bound.group_timeout,
+        "broadcast_buffers": bound.broadcast_buffers,
+        "outwaited": bound.outwaited,
     }
     sizes = sorted({len(ranks) for ranks, _ in listed.values()}) or [world]
     batch = options["batch_size"] or (options["input_shape"][0] if options["input_shape"] else None)
@@ -202,7 +216,15 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"syncbn doctor: --group-size must divide the world size {world} (got {args.group_size})")
     options = {
         key: getattr(args, key)
-        for key in ("model", "kwargs", "input_shape", "batch_size", "group_size", "device")
+        for key in (
+            "model",
+            "kwargs",
+            "input_shape",
+            "batch_size",
+            "group_size",
+            "device",
+            "broadcast_buffers",
+        )
     }
     main = is_main_process()
     try:

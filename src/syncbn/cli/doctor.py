@@ -92,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --live, the process group's timeout in seconds, as the job's init_process_group "
         f"sets it (default {DEFAULT_PG_TIMEOUT_S:g}, torch's)",
     )
+    parser.add_argument(
+        "--broadcast-buffers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --live, whether the job's DistributedDataParallel broadcasts its buffers each step "
+        "(DDP's default; forward_sync_buffers from torch 2.13)",
+    )
     add_launch_arguments(parser, "where the model runs")
     for action in parser._actions:
         if action.dest == "world_size":  # offline: the job's ranks (no default); --live: ranks to spawn

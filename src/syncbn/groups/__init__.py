@@ -39,6 +39,7 @@ from ._frame import (  # noqa: F401
     encode_header,
     header_fields,
 )
+from ._mesh import mesh_argument  # noqa: F401 - syncbn.convert
 from ._refs import ProcessGroupRef, group_ranks
 from ._resolve import _resolved, forget_destroyed, is_initialized, resolve, to_picklable  # noqa: F401
 from ._subgroup import NODE, group_for, subgroup  # noqa: F401 - group_for: syncbn.convert

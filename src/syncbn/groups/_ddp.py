@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from .. import _config
-from .._warn import user_stacklevel
 from ._errors import _pg_timeout
 
 __all__ = ["PlainJoinError", "StepBound", "UnboundedStepWarning", "check", "cover", "install", "step_bound"]
@@ -33,6 +32,8 @@ _holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, bool]] = weakref.WeakKey
 # DDP wrapper -> the join hook syncbn handed its latest Join (alive while that Join is).
 _hooks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Watched]] = weakref.WeakKeyDictionary()
 _examined: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # looked at for the buffer broadcast
+# DDP wrapper -> the handle of its first-step forward pre-hook (removed at that step).
+_step_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _warned = False
 
 
@@ -183,6 +184,23 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
         _wrappers.append(weakref.ref(parent))
         if "join_hook" not in parent.__dict__:
             parent.__dict__["join_hook"] = _JoinHookOf(parent)  # hands Join a _Watched hook
+        if not _warned and parent not in _step_hooks:
+            _step_hooks[parent] = parent.register_forward_pre_hook(_first_step)
+
+
+# What the user's ``ddp(x)`` calls before the hook: Module._wrapped_call_impl, then _call_impl, whose
+# inner() runs the forward pre-hooks. The warning names the user's line: _look_at_buffers (1),
+# _first_step (2), inner (3), _call_impl (4), _wrapped_call_impl (5), the user's line (6).
+_USER_STACKLEVEL = 6
+
+
+def _first_step(ddp: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a recorded DDP wrapper: look at its buffer broadcast at its first step."""
+    handle = _step_hooks.pop(ddp, None)
+    if handle is not None:
+        handle.remove()
+    if not _warned and ddp not in _examined:
+        _look_at_buffers(ddp, ddp.__dict__.get("_join_config"))
 
 
 @functools.cache  # once per process
@@ -222,7 +240,7 @@ def _look_at_buffers(ddp: nn.Module, config: Any) -> None:
     if not finding.user_bound_outwaited:
         return
     _warned = True
-    warnings.warn(finding.message(), UnboundedStepWarning, stacklevel=user_stacklevel())
+    warnings.warn(finding.message(), UnboundedStepWarning, stacklevel=_USER_STACKLEVEL)
 
 
 def check() -> None:
@@ -232,8 +250,6 @@ def check() -> None:
         if ddp is None:
             continue
         config = ddp.__dict__.get("_join_config")
-        if not _warned and ddp not in _examined:
-            _look_at_buffers(ddp, config)
         if config is None or not config.enable or _covered.get(ddp) is config:
             continue
         if getattr(config, "throw_on_early_termination", False):

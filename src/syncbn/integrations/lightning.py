@@ -48,6 +48,9 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         group_size: synchronise over groups of this many consecutive ranks, or
             ``"node"`` for each machine's ranks (:func:`syncbn.groups.subgroup`,
             made when the Trainer sets the strategy up, on every rank).
+        device_mesh: synchronise over a ``DeviceMesh`` of the data-parallel ranks
+            (``convert_sync_batchnorm(..., device_mesh=)``: a 1-D mesh over its group, a
+            multi-dimensional one over all its ranks). Not with the other two.
 
     Example::
 
@@ -58,9 +61,12 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         >>> trainer.fit(lit_module, train_loader)
     """
 
-    def __init__(self, process_group: Any = None, group_size: int | str | None = None) -> None:
+    def __init__(
+        self, process_group: Any = None, group_size: int | str | None = None, *, device_mesh: Any = None
+    ) -> None:
         self.process_group = process_group
         self.group_size = group_size
+        self.device_mesh = device_mesh
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Convert every BatchNorm layer of ``model`` to a syncbn layer (in place).
@@ -71,7 +77,9 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         Returns:
             The converted model.
         """
-        return convert_sync_batchnorm(model, self.process_group, group_size=self.group_size)
+        return convert_sync_batchnorm(
+            model, self.process_group, group_size=self.group_size, device_mesh=self.device_mesh
+        )
 
     def revert(self, model: nn.Module) -> nn.Module:
         """Turn every syncbn layer of ``model`` back into the class it came from.
@@ -86,7 +94,8 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         size = "" if self.group_size is None else f", group_size={self.group_size!r}"
-        return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r}{size})"
+        mesh = "" if self.device_mesh is None else f", device_mesh={self.device_mesh!r}"
+        return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r}{size}{mesh})"
 
 
 class AccumulatedStatistics(Callback):  # type: ignore[misc]
