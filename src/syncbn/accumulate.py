@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _accumulating, _cmbn, groups
 from ._abn_layer import ActivatedBatchNormBase
-from ._layer import LayerMixin
+from ._layer import LayerMixin, training_call
 from .engine import _function, _rules
 from .modules import SyncBatchNorm
 
@@ -149,22 +149,17 @@ class _Layer:
             self.running_mean.copy_(self.mean0)
             self.running_var.copy_(self.var0)
             if self.batches is not None:
-                tracked, before = self.batches
-                tracked.copy_(before)
-                if seen is not None and seen.ran:
-                    tracked.add_(1)
-            if seen is None or seen.total <= 0.0:
+                self.batches[0].copy_(self.batches[1])
+            if seen is None:
                 return
-            momentum: Any = self.layer.momentum
-            if momentum is None:  # cumulative moving average, this update included
-                if self.batches is None:
-                    return  # no counter: nn.BatchNorm's factor is 0 (no update)
-                factor = 1.0 / max(float(self.batches[0].item()), 1.0)
-            else:
-                factor = float(momentum)
+            call = training_call(self.layer, False)  # the block's one training call over all its batches
+            if seen.ran:
+                call.counted(None)
+            if seen.total <= 0.0:
+                return
             unbiased = seen.m2 / max(seen.total - 1.0, 1.0)
             for running, batch in ((self.running_mean, seen.mean), (self.running_var, unbiased)):
-                running.lerp_(batch.to(running.dtype), factor)
+                running.lerp_(batch.to(running.dtype), call.momentum)
 
 
 class _Seen(NamedTuple):

@@ -9,14 +9,13 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _accumulating, _cmbn
+from .. import _accumulating
 from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
-from ..engine._function import Params, inplace_abn_apply, synchronized_forward
+from ..engine._function import inplace_abn_apply, synchronized_forward
 from ..engine._math import finish_input_grad, local_grad_sums
 from ..engine._rules import gradient_dtype
 from ..engine._rules import one_value_error as engine_one_value_error
@@ -52,22 +51,17 @@ class _Record(NamedTuple):
 
 
 def replica_batch_norm(
-    layer: Any, x: Tensor, momentum: float, replication: Replication, rank: int, family: Any = None
+    layer: Any, x: Tensor, call: Any, replication: Replication, rank: int, family: Any = None
 ) -> Tensor:
     """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings.
 
-    ``momentum`` is this call's running-statistics factor; ``family`` ``None`` means the layer's
-    own (``_family_call``) or batch norm. The in-place family overwrites ``x`` with the output.
-    A recomputation (a reentrant checkpoint around the model) leaves the running statistics and
-    ``num_batches_tracked`` as the forward left them, and renorm reads the forward's statistics.
+    ``call`` is the layer's bookkeeping of this call (``syncbn._layer.TrainingCall``: a
+    recomputation, by a reentrant checkpoint around the model, updates with factor 0 and counts
+    no batch); ``family`` ``None`` means the layer's own (``_family_call``) or batch norm, and
+    renorm recomputing reads the forward's statistics. The in-place family overwrites ``x``.
     """
     rendezvous = replication.rendezvous()
-    tracking = bool(layer.track_running_stats) and not replication.recomputing
-    running_mean, running_var, batches = (
-        (layer.running_mean, layer.running_var, layer.num_batches_tracked) if tracking else (None, None, None)
-    )
-    if replication.recomputing and layer.track_running_stats:  # updated with factor 0 (the same saves)
-        running_mean, running_var, momentum = layer.running_mean, layer.running_var, 0.0
+    running_mean, running_var, momentum = call.running_mean, call.running_var, call.momentum
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
     if family is None:
         family_call = getattr(layer, "_family_call", None)
@@ -77,18 +71,15 @@ def replica_batch_norm(
         elif family is not None and rank == 0:  # the user's layer keeps what a recomputation reads
             replication.master._family_call(False, True)
     in_place = family is not None and family.in_place
-    statistics = _cmbn.statistics(layer, replication.recomputing)  # pooled: updated at the block's end
 
     # one replica: torch's kernel, unless syncbn.accumulation listens (the engine reports moments)
     listened = running_mean is not None and _accumulating.listening(running_mean) is not None
     if rendezvous.size == 1 and (family is None or in_place) and not listened:
         if in_place:
             args = (True, momentum, eps, family.activation, family.param, None)
-            single = inplace_abn_apply(x, weight, bias, running_mean, running_var, *args)
+            single = call.counted(inplace_abn_apply(x, weight, bias, running_mean, running_var, *args))
         else:
-            single = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
-        if batches is not None:
-            batches.add_(1)
+            single = call.batch_norm(x, weight, bias, eps)
         replication.publish(layer)
         return single
 
@@ -107,13 +98,11 @@ def replica_batch_norm(
     if in_place:
         check_writable(x, "in-place activated batch norm")
     group = ThreadSumGroup(rendezvous, rank)
-    if statistics is not _cmbn.THIS_CALL:
-        running_mean = running_var = None
-    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
+    params = call.params(eps, group, layer, family)
     with torch.no_grad():
-        result = synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
-        if batches is not None:
-            batches.add_(1)
+        result = call.counted(
+            synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
+        )
     if rank == 0:
         replication.publish(layer)
 
@@ -121,9 +110,8 @@ def replica_batch_norm(
     y = result.out
     if in_place and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
-    pooled = statistics is not _cmbn.THIS_CALL
     record = _Record(
-        x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad, pooled
+        x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad, call.pooled
     )
     return rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)[rank]
 
