@@ -16,9 +16,8 @@ from . import _fx, groups, parallel
 from ._errors import ChannelCountError
 from ._layer import LayerMixin, TrainingCall
 from .engine import _rules
-from .engine._function import inplace_abn_apply
 from .families.inplace_abn import InPlaceABN, check_activation, check_writable
-from .functional import check_eps
+from .functional import check_eps, inplace_abn_apply
 
 try:
     from .engine import _ops

@@ -17,7 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _accumulating, _cmbn, groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import LayerMixin, training_call
-from .engine import _function, _rules
+from .engine import _rules
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
@@ -244,7 +244,7 @@ def _decide(
         group = _group(state.layer)
         if state.moments.local:  # nn.DataParallel replicas' moments: this process's alone
             continue
-        if isinstance(group, groups.ProcessGroupSum) and not _function.through_join(group):
+        if isinstance(group, groups.ProcessGroupSum):  # (under a Join: its wrapper, no vote)
             members.setdefault(id(group), (group, []))[1].append(i)
     decided: list[_Seen | None] = list(seen) if commit else [None] * len(opened)
     failed: groups.CollectiveError | None = None

@@ -29,9 +29,8 @@ from torch import Tensor
 
 from .. import _fx, groups
 from .._abn_layer import ActivatedBatchNormBase
-from ..engine._function import inplace_abn_apply
 from ..families.inplace_abn import activate_, check_activation
-from ..functional import check_per_channel
+from ..functional import check_per_channel, inplace_abn_apply
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]
 
