@@ -311,8 +311,9 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
             together, the earlier ones constants in backward (the gradient is
             batch norm's with the pooled count); the first micro-batch is plain
             synchronised batch norm. Same collectives, one running update at the
-            end. Needs syncbn's layers with running statistics (``SyncBatchNorm``,
-            ``SyncBatchRenorm``, the in-place layers): others raise ``TypeError``.
+            end. Needs syncbn's layers (``SyncBatchNorm``, ``SyncBatchRenorm``, the
+            in-place layers; others raise ``TypeError``); those without running
+            statistics normalise each micro-batch alone.
 
     Example::
 
