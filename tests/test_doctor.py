@@ -4,38 +4,23 @@ Real models: torchvision's resnet50 (clean), timm's efficientnet_b0 (``BatchNorm
 OpenMMLab-style backbone of mmcv ``ConvModule`` blocks with ``norm_eval``. Planted problems: a
 BatchNorm subclass with its own forward, one with extra state, a layer that would see one value
 per channel. The bytes the doctor counts are checked against the engine's own packing functions.
+The checks across ranks (``--live``) are in test_doctor_live.py.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from _helpers import torchvision_shim  # noqa: F401 - before torchvision and timm
+from _helpers.doctor_models import MODELS, Capture, doctor, problem_lines
 from syncbn.cli import main
 from syncbn.engine import _math
 
 pytest.importorskip("torchvision")
-
-MODELS = "_helpers.doctor_models"
-Capture = pytest.CaptureFixture[str]
-
-
-def doctor(tmp_path: Path, capsys: Capture, *argv: str) -> tuple[int, str, dict[str, Any]]:
-    """Run ``syncbn doctor *argv --json``; (exit code, stdout, the JSON report)."""
-    report = tmp_path / "doctor.json"
-    code = main(["doctor", *argv, "--json", str(report)])
-    out = capsys.readouterr().out
-    return code, out, json.loads(report.read_text())
-
-
-def problem_lines(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith("problem: ")]
 
 
 def engine_bytes(channels: int, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
@@ -55,6 +40,10 @@ def test_resnet50_is_clean_and_every_layer_is_counted(tmp_path: Path, capsys: Ca
     )
     assert code == 0, out
     assert problem_lines(out) == [] and report["problems"] == 0
+    assert set(report) == {  # the keys docs/doctor.md documents
+        "syncbn_version", "torch_version", "model", "input_shape", "batch_size", "world_size",
+        "group_size", "layers", "totals", "group_sizes", "live", "findings", "problems",
+    }  # fmt: skip
     plain = {n: m for n, m in torchvision.models.resnet50().named_modules() if isinstance(m, nn.BatchNorm2d)}
     layers = report["layers"]
     assert [layer["name"] for layer in layers] == list(plain)  # the model's order
@@ -166,3 +155,12 @@ def test_usage_errors_exit_2(argv: list[str], expected: str, capsys: Capture) ->
         code = int(exc.code or 0)
     assert code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_factory_kwargs_and_a_model_that_is_one_layer(tmp_path: Path, capsys: Capture) -> None:
+    argv = ("torch.nn:BatchNorm2d", "--kwargs", '{"num_features": 4, "momentum": null}')
+    code, out, report = doctor(tmp_path, capsys, *argv, "--input-shape", "3,4,5,5")
+    assert code == 0, out
+    (layer,) = report["layers"]
+    assert (layer["name"], layer["converts_to"], layer["channels"]) == ("(root)", "SyncBatchNorm2d", 4)
+    assert layer["input_shape"] == [3, 4, 5, 5] and layer["forward_bytes"] == 8 * 9

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "syncbn._threads": 0,
     "syncbn._names": 0,
     "syncbn._accumulating": 0,  # the running-statistics hook of syncbn.accumulation
+    "syncbn._cmbn": 1,  # the CmBN statistics hook (torch only)
     "syncbn._fx": 0,  # how layers appear in torch.fx graphs (torch only)
     "syncbn._row": 0,  # the consistency check's row: its fields, codes and words (torch only)
     "syncbn.families": 0,  # a family is its math: torch only

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _fx, groups, parallel
+from . import _cmbn, _fx, groups, parallel
 from ._errors import ChannelCountError
 from ._layer import LayerMixin
 from .engine import _rules
@@ -209,9 +209,12 @@ class ActivatedBatchNormBase(LayerMixin):
         mean, var = (self.running_mean, self.running_var) if (tracking or running) else (None, None)
         token = _ops.layer_token(self) if handle else None
         family = InPlaceABN(self.activation, float(self.activation_param), not running)
-        out = traced_inplace_abn(
-            x, self.weight, self.bias, Params(mean, var, self.eps, factor, handle, token, family)
-        )
+        statistics = _cmbn.statistics(self) if self.training else _cmbn.THIS_CALL
+        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
+            mean = var = None
+        weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
+        params = Params(mean, var, self.eps, factor, handle, token, family, statistics)
+        out = traced_inplace_abn(x, weight, bias, params)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out
@@ -225,10 +228,11 @@ class ActivatedBatchNormBase(LayerMixin):
             # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         act, param = self.activation, float(self.activation_param)
+        weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
         if not self.training:  # no communication: the running statistics, or without them the batch's
             mean, var = self.running_mean, self.running_var
             return inplace_abn_apply(
-                x, self.weight, self.bias, mean, var, mean is None, 0.0, self.eps, act, param, None
+                x, weight, bias, mean, var, mean is None, 0.0, self.eps, act, param, None
             )
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:
@@ -236,11 +240,11 @@ class ActivatedBatchNormBase(LayerMixin):
             out = replica_batch_norm(self, x, factor, replica.replication, replica.index, family)
         else:
             group = None if self._local else groups.resolve(self._group())
-            mean = self.running_mean if self.track_running_stats else None
-            var = self.running_var if self.track_running_stats else None
-            out = inplace_abn_apply(
-                x, self.weight, self.bias, mean, var, True, factor, self.eps, act, param, group, self
-            )
+            statistics = _cmbn.statistics(self, recomputing)  # pooled: the block updates the buffers
+            keep = self.track_running_stats and statistics is _cmbn.THIS_CALL
+            mean, var = (self.running_mean, self.running_var) if keep else (None, None)
+            stats = (mean, var, True, factor)
+            out = inplace_abn_apply(x, weight, bias, *stats, self.eps, act, param, group, self, statistics)
             if tracking and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)
         if not recomputing:

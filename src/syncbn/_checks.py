@@ -55,6 +55,9 @@ class LayerState:
         self.found_name: str | None = None  # found on an error path (layer_name); never an identity
         # id -> process group, weakly: a destroyed group leaves nothing behind
         self.verified: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        # The last group verified, and the last (group, frame identity): one weak reference to read per call
+        self.last_verified: weakref.ref[Any] | None = None
+        self.last_identity: tuple[weakref.ref[Any], int] | None = None
         # The compile token, a plain attribute: model.to(device) leaves it on the host (layers.md#layer-state)
         value = next(_token_counter)
         self.token = torch.tensor(value, dtype=torch.int64)
@@ -199,14 +202,19 @@ def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
             state.name_id = cached = (name, ident)
             group.names[ident] = f"{name!r}"
         return cached[1]
+    last = state.last_identity
+    if last is not None and last[0]() is group:
+        return last[1]
     ids = group.layer_ids
     known = ids.get(state)
     if known is not None:
+        state.last_identity = (weakref.ref(group), known)
         return known
     # A counter, not len(ids): layers collected at times that differ between ranks must not renumber.
     group.layer_ordinals += 1
     ident = 0x80000000 | group.layer_ordinals
     ids[state] = ident
+    state.last_identity = (weakref.ref(group), ident)
     group.names[ident] = (
         f"#{state.index} {type(layer).__name__}({getattr(layer, 'num_features', '?')}), "
         f"the layer first used as number {group.layer_ordinals} on this group"
@@ -316,10 +324,18 @@ def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
         return 0
     known = layer.__dict__.get("_syncbn_state")
     key = group.key
-    if known is not None and known.verified.get(id(key)) is key:
-        return 0
+    if known is not None:
+        last = known.last_verified
+        if last is not None and last() is key:
+            return 0
+        if known.verified.get(id(key)) is key:
+            if key is not None:
+                known.last_verified = weakref.ref(key)
+            return 0
     _check(group, layer, x, 1.0, 0, False)
-    state_of(layer).verified[id(key)] = key
+    state = state_of(layer)
+    state.verified[id(key)] = key
+    state.last_verified = weakref.ref(key)
     return 0
 
 

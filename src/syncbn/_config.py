@@ -47,6 +47,7 @@ _timeout_override: object = _UNSET
 _debug_override: bool | None = None
 # Resolved values, read by training calls; _UNSET until first read.
 _timeout_resolved: object = _UNSET
+_timeout_source = "default"  # where _timeout_resolved came from: see timeout_source()
 _timeout_delta: timedelta | None = None
 _debug_resolved: bool | None = None
 _shm_override: bool | None = None
@@ -160,15 +161,24 @@ def get_timeout() -> float | None:
         >>> syncbn.get_timeout()
         300.0
     """
-    global _timeout_resolved, _timeout_delta
+    global _timeout_resolved, _timeout_delta, _timeout_source
     if _timeout_resolved is _UNSET:
         value: float | None = _timeout_override  # type: ignore[assignment]
+        source = "set_timeout"
         if _timeout_override is _UNSET:
             env = os.environ.get("SYNCBN_TIMEOUT")
             value = DEFAULT_TIMEOUT_S if env is None else _parse_timeout(env, "SYNCBN_TIMEOUT")
+            source = "default" if env is None else "SYNCBN_TIMEOUT"
+        _timeout_source = source
         _timeout_delta = None if value is None else timedelta(seconds=value)
         _timeout_resolved = value
     return _timeout_resolved  # type: ignore[return-value]
+
+
+def timeout_source() -> str:
+    """Who chose :func:`get_timeout`'s value: ``"set_timeout"``, ``"SYNCBN_TIMEOUT"`` or ``"default"``."""
+    get_timeout()
+    return _timeout_source
 
 
 def timeout_delta() -> timedelta | None:

@@ -14,13 +14,32 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _accumulating, groups
+from . import _accumulating, _cmbn, groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import LayerMixin
 from .engine import _function, _rules
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
+
+_NORMALIZE = ("micro-batch", "cumulative")
+
+
+def check_normalize(normalize: object) -> None:
+    """``ValueError`` unless ``normalize`` is ``"micro-batch"`` or ``"cumulative"``."""
+    if normalize not in _NORMALIZE:
+        raise ValueError(f"syncbn.accumulation: expected normalize one of {_NORMALIZE} (got {normalize!r})")
+
+
+def _check_poolable(layer: nn.Module) -> None:
+    """``TypeError`` for a layer that ``normalize="cumulative"`` cannot pool (it never runs the engine)."""
+    if isinstance(layer, SyncBatchNorm) or (isinstance(layer, ActivatedBatchNormBase) and layer._in_place):
+        return
+    raise TypeError(
+        "syncbn.accumulation(normalize='cumulative'): expected syncbn's SyncBatchNorm, SyncBatchRenorm "
+        f"or in-place layers (got {type(layer).__module__}.{type(layer).__qualname__}, whose forward "
+        "normalises each micro-batch alone); convert the model with syncbn.convert_sync_batchnorm first"
+    )
 
 
 def _is_local(layer: nn.Module) -> bool:
@@ -71,10 +90,10 @@ def _local_moments(x: Tensor, mask: Tensor | None) -> tuple[int, Tensor, Tensor]
 class _Layer:
     """One layer's state in a block: the snapshot to restore and the moments merged so far."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, cumulative: bool = False) -> None:
         local = _is_local(layer)  # may refuse the layer: before anything is registered
         # A layer whose path is chosen per call (renorm without a group): its hooks ask each call.
-        self.varies = _varies(layer)
+        self.varies = _varies(layer) and not cumulative
         self.layer = layer
         running_mean, running_var = layer.running_mean, layer.running_var
         assert isinstance(running_mean, Tensor) and isinstance(running_var, Tensor)
@@ -87,7 +106,9 @@ class _Layer:
         self.moments = _accumulating.listen(running_mean)
         self.pending: tuple[int, Tensor, Tensor] | None = None
         self.hooks: list[Any] = []
-        if local or self.varies:
+        # normalize="cumulative": every call runs the engine, whose statistics hook pools it here
+        self.carry = _cmbn.attach(layer, running_mean.shape[0], running_mean.device) if cumulative else None
+        if (local or self.varies) and not cumulative:
             self.hooks.append(layer.register_forward_pre_hook(self._before, with_kwargs=True))
             self.hooks.append(layer.register_forward_hook(self._after))
 
@@ -115,11 +136,12 @@ class _Layer:
             hook.remove()
         self.hooks = []
         _accumulating.stop(self.moments)
+        _cmbn.detach(self.layer)
 
     def seen(self) -> _Seen:
         """What this rank saw: whether the layer ran, and the merged moments (read on the host)."""
         ran = self.batches is not None and not torch.equal(self.batches[0], self.batches[1])
-        return _Seen(ran, *self.moments.result())
+        return _Seen(ran, *(self.moments if self.carry is None else self.carry).result())
 
     def close(self, seen: _Seen | None) -> None:
         """Put the statistics back, then apply the one update of ``seen`` (``None``: none)."""
@@ -258,7 +280,9 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
 
     Use it around the ``k`` forward/backward passes of one optimizer step.
     Inside, every batch-norm layer of ``model`` normalises each micro-batch
-    with that micro-batch's statistics (synchronised as always). When the block
+    with that micro-batch's statistics (synchronised as always), or, with
+    ``normalize="cumulative"`` (CmBN, docs/cmbn.md), micro-batch ``t`` with the
+    pooled statistics of micro-batches ``1..t`` of all ranks. When the block
     ends, each layer's ``running_mean`` and ``running_var`` take **one** momentum
     update with the mean and unbiased variance of all micro-batches of all ranks
     together, and ``num_batches_tracked`` goes up by one: exactly what one
@@ -286,6 +310,14 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
     Args:
         model: the module whose batch-norm layers accumulate (DDP wrappers and
             the like too: every submodule is searched).
+        normalize: ``"micro-batch"`` (default): each micro-batch is normalised
+            with its own statistics. ``"cumulative"``: micro-batch ``t`` with the
+            count, mean and biased variance of micro-batches ``1..t`` of all ranks
+            together, the earlier ones constants in backward (the gradient is
+            batch norm's with the pooled count); the first micro-batch is plain
+            synchronised batch norm. Same collectives, one running update at the
+            end. Needs syncbn's layers with running statistics (``SyncBatchNorm``,
+            ``SyncBatchRenorm``, the in-place layers): others raise ``TypeError``.
 
     Example::
 
@@ -301,10 +333,12 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
     :meth:`commit` or :meth:`discard`.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, normalize: str = "micro-batch") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"syncbn.accumulation: expected an nn.Module (got {type(model).__name__})")
+        check_normalize(normalize)
         self.model = model
+        self.cumulative = normalize == "cumulative"
         self._open: list[_Layer] | None = None
         self._failed = False  # the last close raised (the statistics were put back)
 
@@ -320,11 +354,13 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
                 "syncbn.accumulation: begin() called twice (expected commit() or discard() between)"
             )
         opened: list[_Layer] = []
+        layers = [m for m in self.model.modules() if isinstance(m, (_BatchNorm, ActivatedBatchNormBase))]
+        for layer in layers if self.cumulative else ():  # refused before anything changes
+            _check_poolable(layer)
         try:
-            for layer in self.model.modules():
-                if isinstance(layer, (_BatchNorm, ActivatedBatchNormBase)) and layer.track_running_stats:
-                    if isinstance(layer.running_mean, Tensor):
-                        opened.append(_Layer(layer))
+            for layer in layers:
+                if layer.track_running_stats and isinstance(layer.running_mean, Tensor):
+                    opened.append(_Layer(layer, self.cumulative))
         except BaseException:
             for state in opened:
                 state.stop()

@@ -118,8 +118,8 @@ def _unparametrized_class(layer: nn.Module) -> type:
     return cls
 
 
-def _keeps_behaviour(layer: _BatchNorm, prefix: str) -> bool:
-    """Whether swapping ``layer``'s class keeps its behaviour; warn when it does not."""
+def _keeps_behaviour(layer: _BatchNorm, prefix: str, left: list[str]) -> bool:
+    """Whether swapping ``layer``'s class keeps its behaviour; when not, say why in ``left``."""
     if (
         type(layer).forward in _PLAIN_FORWARDS
         or _is_timm_act(layer)
@@ -127,14 +127,18 @@ def _keeps_behaviour(layer: _BatchNorm, prefix: str) -> bool:
         or getattr(layer, "_syncbn_plain_forward", False)
     ):
         return True
-    warnings.warn(
+    left.append(
         f"syncbn: left {_path(prefix)} ({type(layer).__qualname__}) as it is because "
         f"{type(layer).__qualname__} defines its own forward; swapping its class would drop that "
-        "behaviour. Convert it by hand if needed.",
-        ConversionWarning,
-        stacklevel=4,
+        "behaviour. Convert it by hand if needed."
     )
     return False
+
+
+def _warn_left(left: list[str], stacklevel: int) -> None:
+    """One :class:`ConversionWarning` per layer left as it was, at ``stacklevel`` from the caller."""
+    for message in left:
+        warnings.warn(message, ConversionWarning, stacklevel=stacklevel + 1)
 
 
 def _carry_parametrizations(old: nn.Module, new: nn.Module) -> None:
@@ -157,8 +161,10 @@ def _transplant(old: _BatchNorm, new: _BatchNorm, skip: frozenset[str]) -> None:
 _REVERTS_TO = "_syncbn_reverts_to"
 
 
-def _to_sync(layer: _BatchNorm, prefix: str, process_group: Any, classes: _ClassTable) -> nn.Module:
-    if isinstance(layer, SyncBatchNorm) or not _keeps_behaviour(layer, prefix):
+def _to_sync(
+    layer: _BatchNorm, prefix: str, process_group: Any, classes: _ClassTable, left: list[str]
+) -> nn.Module:
+    if isinstance(layer, SyncBatchNorm) or not _keeps_behaviour(layer, prefix, left):
         return layer
     original = _unparametrized_class(layer)
     group = process_group
@@ -192,10 +198,10 @@ def _plain_class_of(layer: nn.Module) -> type[_BatchNorm]:
     return BatchNorm
 
 
-def _to_plain(layer: nn.Module, prefix: str) -> nn.Module:
+def _to_plain(layer: nn.Module, prefix: str, left: list[str]) -> nn.Module:
     if isinstance(layer, InPlaceSyncBatchNorm):  # -> Sequential(BatchNorm(|w| + eps), activation)
         return plain_equivalent(layer, BatchNorm)
-    if not isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) or not _keeps_behaviour(layer, prefix):
+    if not isinstance(layer, (SyncBatchNorm, nn.SyncBatchNorm)) or not _keeps_behaviour(layer, prefix, left):
         return layer
     remembered = layer.__dict__.get(_REVERTS_TO)
     if isinstance(remembered, type) and issubclass(remembered, _BatchNorm):
@@ -227,7 +233,11 @@ def _replace(module: nn.Module, swap: Callable[[nn.Module, str], nn.Module]) -> 
 
 
 def convert_sync_batchnorm(
-    module: nn.Module, process_group: Any = None, *, group_size: int | str | None = None
+    module: nn.Module,
+    process_group: Any = None,
+    *,
+    group_size: int | str | None = None,
+    device_mesh: Any = None,
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` by a syncbn layer.
 
@@ -241,7 +251,7 @@ def convert_sync_batchnorm(
     are named for error messages (:func:`syncbn.name_layers`) and remember
     their class for :func:`revert_sync_batchnorm`. A BatchNorm subclass with its
     own ``forward`` is left alone, with a :class:`ConversionWarning`. The
-    Migration guide (docs/migration.md) lists every case.
+    Migration guide page of the documentation lists every case.
 
     Args:
         module: the model (or a single BatchNorm layer, which is converted and
@@ -252,18 +262,26 @@ def convert_sync_batchnorm(
             ``torch.nn.SyncBatchNorm`` keeps the group it was built with when
             this is ``None``. :class:`~syncbn.InPlaceSyncBatchNorm` layers (and the
             compat ``InPlaceABNSync``) stay as they are, taking ``process_group`` when it is given.
+            A ``torch.distributed.device_mesh.DeviceMesh`` is taken as ``device_mesh``.
         group_size: ``k`` (groups of k consecutive ranks) or ``"node"``: the same as
             ``process_group=syncbn.groups.subgroup(group_size)``, whose rules apply
             (every rank calls it, after ``init_process_group``; not with ``process_group``).
+        device_mesh: a ``DeviceMesh`` of the data-parallel ranks: a 1-D mesh or submesh
+            (``mesh["dp"]``) synchronises over its group, a multi-dimensional one
+            (HSDP's ``mesh["dp_replicate", "dp_shard"]``) over all its ranks (one
+            flattened group, made at the first training call on every rank of the job
+            and cached). The layers keep the mesh, resolved when they run, so they
+            pickle and deep-copy. Not with ``process_group`` or ``group_size``.
 
     Returns:
         ``module`` with its BatchNorm layers swapped, or the new layer when
         ``module`` is itself a BatchNorm layer.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: ``module`` is not an ``nn.Module``, or ``device_mesh`` is not a ``DeviceMesh``.
         ValueError: the model holds an uninitialised ``nn.LazyBatchNorm*d``
-            (run one forward pass first).
+            (run one forward pass first), or more than one of ``process_group``,
+            ``group_size`` and ``device_mesh`` is given.
 
     Example::
 
@@ -271,17 +289,35 @@ def convert_sync_batchnorm(
         >>> model = syncbn.convert_sync_batchnorm(model)
         >>> type(model[1]).__name__
         'SyncBatchNorm2d'
+        >>> # 2-D parallelism: statistics over the data-parallel ranks only
+        >>> mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "tp"))
+        >>> model = syncbn.convert_sync_batchnorm(model, device_mesh=mesh["dp"])
     """
     check_module(module, "convert_sync_batchnorm")
+    if device_mesh is not None:
+        process_group = groups.mesh_argument(device_mesh, process_group, group_size, "convert_sync_batchnorm")
     process_group = groups.group_for(process_group, group_size, "convert_sync_batchnorm")
     return _convert(module, process_group, _TO_SYNC)
 
 
-set_converter(convert_sync_batchnorm)  # SyncBatchNorm.convert_sync_batchnorm, torch's spelling
+def _from_the_classmethod(module: nn.Module, process_group: Any = None) -> nn.Module:
+    """``SyncBatchNorm.convert_sync_batchnorm(module, process_group)``: warnings at its caller's line."""
+    check_module(module, "convert_sync_batchnorm")
+    return _convert(module, process_group, _TO_SYNC, user_depth=3)
 
 
-def _convert(module: nn.Module, process_group: Any, classes: _ClassTable) -> nn.Module:
-    """:func:`convert_sync_batchnorm` with a chosen plain-to-sync class table."""
+set_converter(_from_the_classmethod)  # SyncBatchNorm.convert_sync_batchnorm, torch's spelling
+
+
+def _convert(
+    module: nn.Module, process_group: Any, classes: _ClassTable, *, user_depth: int = 2
+) -> nn.Module:
+    """:func:`convert_sync_batchnorm` with a chosen plain-to-sync class table.
+
+    ``user_depth``: how many frames above this one the user's call is (2: this function's caller
+    is the public function the user called), for the :class:`ConversionWarning` of a layer left
+    as it was.
+    """
     # Check everything first: an error leaves the model untouched.
     for name, mod in module.named_modules():
         if isinstance(mod, _LazyNormBase) and mod.has_uninitialized_params():
@@ -292,9 +328,11 @@ def _convert(module: nn.Module, process_group: Any, classes: _ClassTable) -> nn.
                 "uninitialised parameters)"
             )
 
+    left: list[str] = []
+
     def swap(mod: nn.Module, prefix: str) -> nn.Module:
         if isinstance(mod, _BatchNorm):
-            return _to_sync(mod, prefix, process_group, classes)
+            return _to_sync(mod, prefix, process_group, classes, left)
         if isinstance(mod, ActivatedBatchNormBase) and mod._group_attr and process_group is not None:
             # already synchronised (InPlaceSyncBatchNorm, compat InPlaceABNSync): only the group is set
             setattr(mod, mod._group_attr, process_group)
@@ -302,6 +340,7 @@ def _convert(module: nn.Module, process_group: Any, classes: _ClassTable) -> nn.
 
     converted = _replace(module, swap)
     name_layers(converted)  # error messages and debug mode name layers as in this model
+    _warn_left(left, 1 + user_depth)
     return converted
 
 
@@ -339,4 +378,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         >>> scripted = torch.jit.script(plain)
     """
     check_module(module, "revert_sync_batchnorm")
-    return _replace(module, _to_plain)
+    left: list[str] = []
+    reverted = _replace(module, lambda mod, prefix: _to_plain(mod, prefix, left))
+    _warn_left(left, 2)
+    return reverted

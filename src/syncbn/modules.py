@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _fx, groups, parallel
+from . import _cmbn, _fx, groups, parallel
 from ._layer import LayerMixin, dims_doc
 from .engine import _rules
 from .engine._function import LOCAL, Params, apply
@@ -72,7 +72,8 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             moving average. Default: 0.1.
         affine: learnable per-channel :math:`\\gamma` and :math:`\\beta`. Default: ``True``.
         track_running_stats: keep running mean and variance for eval. Default: ``True``.
-        process_group: ``torch.distributed`` group whose ranks share statistics;
+        process_group: ``torch.distributed`` group whose ranks share statistics, or a
+            ``DeviceMesh`` (a 1-D mesh: its group; a multi-dimensional one: all its ranks);
             ``None`` is the default group, looked up at call time.
         device: device of the parameters and buffers.
         dtype: dtype of the parameters and buffers.
@@ -169,6 +170,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             if self.freeze:
                 weight, bias = (None if t is None else t.detach() for t in (weight, bias))
             batch_stats = not self.freeze and self.running_mean is None
+            weight, bias = _rules.affine_for_statistics(self.running_mean, weight, bias)
             return F.batch_norm(
                 input, self.running_mean, self.running_var, weight, bias, batch_stats, 0.0, self.eps
             )
@@ -209,14 +211,17 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         stats = self.track_running_stats
         running_mean = self.running_mean if stats else None
         running_var = self.running_var if stats else None
-        weight, bias, eps = self.weight, self.bias, self.eps
+        weight, bias = _rules.affine_for_statistics(running_mean, self.weight, self.bias)
+        eps = self.eps
         family = self._family_call(recomputing, True)
-        if group is None and family is None:  # not distributed, or a group of one: exactly nn.BatchNorm
+        statistics = _cmbn.statistics(self, recomputing)  # inside a CmBN block (syncbn.accumulation)
+        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
+            running_mean = running_var = None
+        if group is None and family is None and statistics is _cmbn.THIS_CALL:  # exactly nn.BatchNorm
             out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
         else:  # the input was checked above; without a group, a family's math alone (LOCAL)
-            params = Params(
-                running_mean, running_var, eps, factor, LOCAL if group is None else group, self, family
-            )
+            group = LOCAL if group is None else group
+            params = Params(running_mean, running_var, eps, factor, group, self, family, statistics)
             out = apply(input, weight, bias, params)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -227,24 +232,26 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         # on which layer this is (it travels as its token), so one compiled frame serves them all.
         running_mean, running_var = (self.running_mean, self.running_var) if tracking else (None, None)
         handle = _ops.group_handle(self.process_group)
+        weight, bias = _rules.affine_for_statistics(running_mean, self.weight, self.bias)
         family = self._family_call()
+        statistics = _cmbn.statistics(self)
+        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
+            running_mean = running_var = None
         seen = self.num_batches_tracked
         if factor < 0.0:  # momentum=None: 1 / (batches seen, this one included)
             if not tracking or seen is None:
                 factor = 0.0
             elif not handle:
                 factor = 1.0 / (float(seen.item()) + 1.0)  # what nn.BatchNorm does (a host read)
-        if handle or family is not None:
+        if handle or family is not None or statistics is not _cmbn.THIS_CALL:
             momentum: float | Tensor = (
                 factor if factor >= 0.0 or seen is None else 1.0 / (seen.to(torch.float64) + 1.0)
             )
             token = _ops.layer_token(self) if handle else None
-            params = Params(running_mean, running_var, self.eps, momentum, handle, token, family)
-            out = _compiled.sync_batch_norm(input, self.weight, self.bias, params)
+            params = Params(running_mean, running_var, self.eps, momentum, handle, token, family, statistics)
+            out = _compiled.sync_batch_norm(input, weight, bias, params)
         else:
-            out = F.batch_norm(
-                input, running_mean, running_var, self.weight, self.bias, True, factor, self.eps
-            )
+            out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, self.eps)
         if tracking and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         return out

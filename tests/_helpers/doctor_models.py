@@ -1,4 +1,5 @@
-"""Model factories for ``syncbn doctor``'s tests, named as ``_helpers.doctor_models:FACTORY``.
+"""Model factories for ``syncbn doctor``'s tests, named as ``_helpers.doctor_models:FACTORY``, and
+:func:`doctor`, which runs the command in this process.
 
 Real model patterns (an OpenMMLab backbone of mmcv ``ConvModule`` blocks with ``norm_eval``) and
 planted problems: a BatchNorm subclass with its own forward, one with extra state, ranks that
@@ -8,14 +9,35 @@ build different layers, ranks whose running statistics differ (the rank is read 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from syncbn.cli import main
+
 from . import torchvision_shim  # noqa: F401 - timm imports torchvision
+
+MODELS = "_helpers.doctor_models"
+Capture = pytest.CaptureFixture[str]
+
+
+def doctor(tmp_path: Path, capsys: Capture, *argv: str) -> tuple[int, str, dict[str, Any]]:
+    """Run ``syncbn doctor *argv --json``; (exit code, stdout, the JSON report)."""
+    report = tmp_path / "doctor.json"
+    code = main(["doctor", *argv, "--json", str(report)])
+    out = capsys.readouterr().out
+    return code, out, json.loads(report.read_text())
+
+
+def problem_lines(out: str) -> list[str]:
+    """The problem lines of the printed report."""
+    return [line for line in out.splitlines() if line.startswith("problem: ")]
 
 
 def _rank() -> int:

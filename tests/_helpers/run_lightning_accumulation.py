@@ -1,6 +1,8 @@
 """``syncbn.lightning.AccumulatedStatistics``: a real Trainer, 2 CPU processes, ``accumulate_grad_batches=3``.
 
-Launched by tests/test_accumulation.py: ``python run_lightning_accumulation.py OUT_DIR``. A checker
+Launched by tests/test_accumulation.py: ``python run_lightning_accumulation.py OUT_DIR`` (and by
+tests/test_cmbn.py with a third argument ``cumulative``: the callback's CmBN blocks, whose carry the
+checker compares after each micro-batch with the inputs of both ranks so far). A checker
 callback placed after syncbn's runs a plain ``nn.BatchNorm2d`` (the shadow) once per optimizer step
 on the first syncbn layer's inputs of that step's micro-batches of both ranks; the layer must then
 hold the shadow's statistics.
@@ -29,6 +31,7 @@ import syncbn.lightning  # noqa: E402
 from _helpers.integration_models import make_data, make_net  # noqa: E402
 
 K = 3
+CUMULATIVE = sys.argv[2:] == ["cumulative"]
 PER = 2  # samples per rank and micro-batch; 24 samples: 6 micro-batches per rank, 2 steps
 
 
@@ -58,6 +61,17 @@ class Check(L.Callback):
         self.errors: list[float] = []
         self.shadow: nn.BatchNorm2d | None = None
         self.group: list[int] = []
+        self.step: list[torch.Tensor] = []  # this step's inputs of both ranks so far (cumulative)
+
+    def check_carry(self, layer: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        """The pooled count and mean of this step's micro-batches of both ranks so far (cumulative)."""
+        everyone: list[torch.Tensor | None] = [None, None]
+        dist.all_gather_object(everyone, args[0].detach().clone())
+        self.step += [t for t in everyone if t is not None]
+        values = torch.cat(self.step).transpose(0, 1).reshape(self.step[0].shape[1], -1)
+        carry = layer.__dict__.get("_syncbn_cmbn")
+        assert carry is not None and float(carry.count) == values.shape[1]
+        self.errors.append((carry.mean - values.mean(1)).abs().max().item())
 
     def on_train_start(self, trainer: L.Trainer, module: Module) -> None:
         layer = module.net[1]
@@ -65,6 +79,8 @@ class Check(L.Callback):
         self.shadow = nn.BatchNorm2d(layer.num_features).double()
         self.shadow.load_state_dict(layer.state_dict())
         layer.register_forward_pre_hook(lambda m, args: self.seen.append(args[0].detach().clone()))
+        if CUMULATIVE:
+            layer.register_forward_hook(self.check_carry)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: Module, optimizer: object) -> None:
         assert self.shadow is not None
@@ -72,6 +88,7 @@ class Check(L.Callback):
         dist.all_gather_object(everyone, self.seen)
         self.shadow(torch.cat([t for inputs in everyone for t in inputs]))
         self.seen.clear()
+        self.step.clear()
         layer = module.net[1]
         self.errors.append(
             max(
@@ -90,7 +107,10 @@ def main() -> None:
         devices=2,
         strategy="ddp",
         plugins=[syncbn.lightning.SyncBatchNorm(group_size=2)],  # the plugin's subgroup path, too
-        callbacks=[syncbn.lightning.AccumulatedStatistics(), check],
+        callbacks=[
+            syncbn.lightning.AccumulatedStatistics("cumulative" if CUMULATIVE else "micro-batch"),
+            check,
+        ],
         accumulate_grad_batches=K,
         precision="64-true",
         max_epochs=1,

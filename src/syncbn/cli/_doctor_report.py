@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import math
 from typing import Any
 
@@ -17,7 +18,7 @@ from .. import __version__
 from ._doctor_audit import NOTE, PROBLEM, SYNCHRONISED, Audit, Finding
 from ._output import format_table
 
-__all__ = ["ModelSpecError", "load_model", "build_report", "render"]
+__all__ = ["ModelSpecError", "load_model", "build_report", "render", "finish"]
 
 
 class ModelSpecError(ValueError):
@@ -189,12 +190,13 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"live: {live['world_size']} ranks, backend {live['backend']}")
         for group in live["groups"]:
             lines.append(f"  group {group['ranks']}: {group['transport']}")
-        bound = "none" if live["bound_s"] is None else f"{live['bound_s']:g} s"
-        broadcast = "on" if live["broadcast_buffers"] else "off"
-        lines.append(
-            f"  syncbn's bound {bound} ({live['bound_source']}), the process group's timeout "
-            f"{live['group_timeout_s']:g} s, DDP broadcast_buffers {broadcast}"
-        )
+        if "bound_s" in live:
+            bound = "none" if live["bound_s"] is None else f"{live['bound_s']:g} s"
+            broadcast = "on" if live["broadcast_buffers"] else "off"
+            lines.append(
+                f"  syncbn's bound {bound} ({live['bound_source']}), the process group's timeout "
+                f"{live['group_timeout_s']:g} s, DDP broadcast_buffers {broadcast}"
+            )
     lines.append("")
     for f in report["findings"]:
         lines.append(f"{f['severity']}: {f['message']}")
@@ -204,3 +206,13 @@ def render(report: dict[str, Any]) -> str:
         f"doctor: {'no problem' if n == 0 else f'{n} problem' + ('s' if n > 1 else '')}, {notes} note(s)"
     )
     return "\n".join(lines)
+
+
+def finish(report: dict[str, Any], json_path: str | None, show: bool = True) -> int:
+    """Print ``report`` (``show``) and write it to ``json_path``; the exit code it calls for."""
+    if show:
+        print(render(report), flush=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(report, f, indent=2)
+    return 1 if report["problems"] else 0

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .. import groups
 from . import _args
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "default_backend",
     "rank_device",
     "run_ranks",
+    "describe_transport",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -140,3 +142,17 @@ def run_ranks(
         )
         with open(os.path.join(tmp, "result.pkl"), "rb") as f:
             return pickle.load(f)
+
+
+def describe_transport(process_group: Any, device: torch.device | None = None) -> str:
+    """How syncbn's collectives over ``process_group`` travel, in words (known after its first one)."""
+    group = groups.resolve(process_group)
+    if group is None:
+        return "no collective (a group of one rank is plain BatchNorm)"
+    backend = dist.get_backend(process_group)
+    if isinstance(group, groups.ProcessGroupSum) and (device is None or device.type == "cpu"):
+        if group.uses_shared_memory:
+            return "shared memory (same machine)"
+        if group.hierarchical:
+            return f"shared memory within each machine, the {backend} process group between machines"
+    return f"the {backend} process group"

@@ -15,12 +15,16 @@ import json
 from typing import Any
 
 import torch
+from torch.distributed.constants import default_pg_timeout
 
-from . import _args
-from ._doctor_audit import PROBLEM, audit
-from ._doctor_report import ModelSpecError, build_report, load_model, render
+from . import _args, _doctor_live
+from ._doctor_audit import audit
+from ._doctor_report import ModelSpecError, build_report, finish, load_model
 from ._launch import add_launch_arguments, launched_by_torchrun
 from ._output import fail
+
+#: torch's default timeout of a process group (``init_process_group`` without ``timeout=``).
+DEFAULT_PG_TIMEOUT_S = default_pg_timeout.total_seconds()
 
 
 def _shape(text: str) -> list[int]:
@@ -76,6 +80,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", metavar="FILE", type=_args.output_file, default=None, help="also write the report as JSON"
     )
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="also check the ranks against each other (under torchrun, or on --world-size local ranks)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_args.seconds,
+        default=DEFAULT_PG_TIMEOUT_S,
+        help="with --live, the process group's timeout in seconds, as the job's init_process_group "
+        f"sets it (default {DEFAULT_PG_TIMEOUT_S:g}, torch's)",
+    )
+    parser.add_argument(
+        "--broadcast-buffers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --live, whether the job's DistributedDataParallel broadcasts its buffers each step "
+        "(DDP's default; forward_sync_buffers from torch 2.13)",
+    )
     add_launch_arguments(parser, "where the model runs")
     for action in parser._actions:
         if action.dest == "world_size":  # offline: the job's ranks (no default); --live: ranks to spawn
@@ -93,6 +116,8 @@ def _chosen(group_size: int | str | None, world: int | None) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     """Audit the model; print the report; 1 when it found a problem."""
+    if args.live:
+        return _doctor_live.run(args)
     if args.group_size == "node":
         return fail("syncbn doctor: --group-size node needs --live (the machines are known only then)")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -117,13 +142,3 @@ def run(args: argparse.Namespace) -> int:
         chosen=_chosen(args.group_size, world),
     )
     return finish(report, args.json)
-
-
-def finish(report: dict[str, Any], json_path: str | None, show: bool = True) -> int:
-    """Print ``report`` (``show``) and write it to ``json_path``; the exit code it calls for."""
-    if show:
-        print(render(report), flush=True)
-        if json_path:
-            with open(json_path, "w") as f:
-                json.dump(report, f, indent=2)
-    return 1 if any(f["severity"] == PROBLEM for f in report["findings"]) else 0

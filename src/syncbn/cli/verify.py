@@ -19,7 +19,14 @@ import torch.distributed as dist
 from .. import __version__, groups
 from . import _args
 from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
-from ._launch import add_launch_arguments, is_main_process, launch_plan, rank_device, run_ranks
+from ._launch import (
+    add_launch_arguments,
+    describe_transport,
+    is_main_process,
+    launch_plan,
+    rank_device,
+    run_ranks,
+)
 from ._output import fail, format_error, format_table
 
 
@@ -65,14 +72,7 @@ def _check_rank(
         except Exception as exc:  # noqa: BLE001 - reported per case
             mine[case.name] = f"{type(exc).__name__}: {exc}"
     mine[_GROUP] = groups.group_ranks(process_group)
-    group = groups.resolve(process_group)
-    mine[_TRANSPORT] = (
-        "shared memory (same machine)"
-        if isinstance(group, groups.ProcessGroupSum) and group.uses_shared_memory
-        else f"the {dist.get_backend()} process group"
-        if group is not None
-        else "no collective (a group of one rank is plain BatchNorm)"
-    )
+    mine[_TRANSPORT] = describe_transport(process_group)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, mine)
     return gathered

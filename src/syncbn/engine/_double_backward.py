@@ -39,15 +39,19 @@ def _layout(x: Tensor) -> tuple[list[int], list[int]]:
     return [0, *range(2, x.dim())], [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
-def _normalised(x: Tensor, stats: Any, summed: Tensor) -> tuple[Tensor, Tensor, float | Tensor]:
+def _normalised(
+    x: Tensor, stats: Any, summed: Tensor, pooled: bool = False
+) -> tuple[Tensor, Tensor, float | Tensor]:
     """``(xhat, invstd, n)``: the forward's values (``stats``) with the derivatives of ``summed``,
-    the group's differentiable ``[sum x, sum x^2]``."""
+    the group's differentiable ``[sum x, sum x^2]``; ``pooled``: ``stats`` also count constant sums
+    from elsewhere (a statistics hook's), so the variance's derivative centres on their mean."""
     mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
     stat = mean.dtype
     n: float | Tensor = total.to(torch.float64) if isinstance(total, Tensor) else float(total)
     s, q = summed.to(mean.device).unbind(0)
     mean_d = s / n
-    var_d = q / n - mean_d * mean_d
+    centre = mean_d + (mean.to(torch.float64) - mean_d.detach()) if pooled else mean_d
+    var_d = q / n - centre * centre
     mean_v = (mean.to(torch.float64) + (mean_d - mean_d.detach())).to(stat)
     var_v = (var.to(torch.float64) + (var_d - var_d.detach())).to(stat)
     invstd = (var_v + eps).rsqrt()
@@ -61,6 +65,7 @@ def joint_input_grads(
     weights: list[Tensor | None],
     stats: list[Any],
     total: Callable[[list[Tensor], str], Tensor],
+    pooled: bool = False,
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Each member's ``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight``, ``dy``.
 
@@ -75,7 +80,7 @@ def joint_input_grads(
     summed = total(moments, "forward (recomputed for double backward)")
     terms, local = [], []  # local: each member's [sum dy, sum dy * xhat] (float32 at least)
     for g, x, st in zip(grads, xs, stats):
-        xhat, invstd, n = _normalised(x, st, summed)
+        xhat, invstd, n = _normalised(x, st, summed, pooled)
         dy, dims = g.to(xhat.dtype), _layout(x)[0]
         sums = torch.stack([dy.sum(dims), (dy * xhat).sum(dims)])
         local.append(sums.float() if sums.dtype in (torch.float16, torch.bfloat16) else sums)
@@ -101,7 +106,7 @@ def replica_total(parts: list[Tensor], phase: str) -> Tensor:
 
 
 def differentiable_backward(
-    ctx: Any, grad_output: Tensor, x: Tensor, weight: Tensor | None, reduce: Reduce
+    ctx: Any, grad_output: Tensor, x: Tensor, weight: Tensor | None, reduce: Reduce, pooled: bool = False
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The engine's backward with ``create_graph=True`` from its ``ctx``, each gradient where needed."""
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
@@ -109,7 +114,7 @@ def differentiable_backward(
     def total(parts: list[Tensor], phase: str) -> Tensor:
         return _DifferentiableSum.apply(parts[0], reduce, phase)
 
-    ((gi, gw, gb),) = joint_input_grads([grad_output], [x], [weight], [ctx.stats], total)
+    ((gi, gw, gb),) = joint_input_grads([grad_output], [x], [weight], [ctx.stats], total, pooled)
     if ctx.correction is not None:
         gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
     return (

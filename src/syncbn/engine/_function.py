@@ -258,8 +258,9 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
             checks_before_backward(group, layer, grad_output, ctx.call)
             if ctx.correction is not None:  # the effective scale from the differentiable weight
                 weight = family.scale(saved[2], ctx.correction[0])
+            reduce = lambda t, phase: _all_reduce(group, t, layer, phase)  # noqa: E731
             return differentiable_backward(
-                ctx, grad_output, x, weight, lambda t, phase: _all_reduce(group, t, layer, phase)
+                ctx, grad_output, x, weight, reduce, ctx.params.statistics is not THIS_CALL
             )
         sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
         grad_input = None
@@ -280,7 +281,8 @@ def _in_place_backward(
     """``(grad_input, dweight, dbias)`` of the in-place family: from its saved output, ONE framed sum."""
     y, weight, bias = ctx.saved_tensors
     group, layer = ctx.params.group, ctx.params.layer
-    if group is None and stats.training and stats.local_count > 1:  # this process alone: one native call
+    # this process alone, its own statistics: one native call
+    if group is None and stats.training and stats.local_count > 1 and ctx.params.statistics is THIS_CALL:
         grad_input, sum_dz, sum_dz_xhat = family.native_backward(y, grad, weight, bias, stats, need_input)
     else:
         carry, sum_dz, sum_dz_xhat = family.grad_sums(y, grad, weight, bias, stats)
@@ -418,11 +420,13 @@ def inplace_abn_apply(
     param: float,
     group: SumGroup | None,
     layer: Any = None,
+    statistics: Any = THIS_CALL,
 ) -> Tensor:
     """In-place activated batch norm on the engine, over ``group`` in training; returns ``x``, overwritten."""
     check_call(x, weight, running_mean, running_var, training)
     family = InPlaceABN(activation, param, training)
-    params = Params(running_mean, running_var, eps, momentum, group if training else None, layer, family)
+    group = group if training else None
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
     return apply(x, weight, bias, params)
 
 

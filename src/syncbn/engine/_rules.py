@@ -37,6 +37,20 @@ def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | No
     return _math.accumulation_dtype(x.dtype)
 
 
+def affine_for_statistics(
+    running_mean: Tensor | None, weight: Tensor | None, bias: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """``weight`` and ``bias`` in the running statistics' dtype where it is the wider (FSDP2's
+    ``param_dtype=torch.bfloat16`` beside float32 buffers): torch's kernels take a 16-bit input with
+    float32 parameters, not 16-bit parameters with float32 statistics, and the statistics stay float32.
+    The cast is differentiable: the gradients come back in the parameters' dtype."""
+    if running_mean is None or weight is None or weight.dtype == running_mean.dtype:
+        return weight, bias
+    if torch.promote_types(weight.dtype, running_mean.dtype) != running_mean.dtype:
+        return weight, bias
+    return weight.to(running_mean.dtype), None if bias is None else bias.to(running_mean.dtype)
+
+
 def gradient_dtype(weight: Tensor | None, bias: Tensor | None, mean: Tensor) -> torch.dtype:
     """The dtype of the weight and bias gradients: the parameters', else the statistics' (``mean``)."""
     if weight is not None:

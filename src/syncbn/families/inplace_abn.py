@@ -113,8 +113,10 @@ def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, pa
     """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``; ``None``: none); returns ``x``."""
     if a is not None and c is not None:
         shape = _math.broadcast_shape(x)
-        # Two passes: an addcmul with a broadcast first operand is several times slower on CPU.
-        x.mul_(a.view(shape)).add_(c.view(shape))
+        if x.dtype in _math._LOW_PRECISION:  # one rounding: two 16-bit ones flip signs near 0 (the branch)
+            torch.addcmul(c.view(shape), x, a.view(shape), out=x)
+        else:  # two passes: an addcmul with a broadcast first operand is several times slower on CPU
+            x.mul_(a.view(shape)).add_(c.view(shape))
     if activation == "leaky_relu":
         F.leaky_relu(x, float(param), inplace=True)
     elif activation == "elu":

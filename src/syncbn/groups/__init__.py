@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: F401 - syncbn.groups.dist: the tests p
 
 # Beyond __all__, the seam also re-exports the helpers that syncbn's tools and tests use.
 from . import _ddp, _meet, _own, _transport  # noqa: F401 - syncbn.join and the tests use them
-from ._ddp import PlainJoinError, UnboundedStepWarning
+from ._ddp import PlainJoinError, StepBound, UnboundedStepWarning, step_bound
 from ._errors import CollectiveError
 from ._frame import (  # noqa: F401
     DTYPE_CODES,
@@ -39,6 +39,7 @@ from ._frame import (  # noqa: F401
     encode_header,
     header_fields,
 )
+from ._mesh import mesh_argument  # noqa: F401 - syncbn.convert
 from ._refs import ProcessGroupRef, group_ranks
 from ._resolve import _resolved, forget_destroyed, is_initialized, resolve, to_picklable  # noqa: F401
 from ._subgroup import NODE, group_for, subgroup  # noqa: F401 - group_for: syncbn.convert
@@ -53,6 +54,8 @@ __all__ = [
     "CollectiveError",
     "PlainJoinError",
     "UnboundedStepWarning",
+    "StepBound",
+    "step_bound",
     "Tag",
     "ShadowResult",
     "FIELDS",

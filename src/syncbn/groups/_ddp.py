@@ -1,12 +1,16 @@
 """What syncbn watches in the DDP wrappers of a process: a plain ``Join([ddp])``, DDP's own bound.
 
 A ``Join([ddp])`` without :class:`syncbn.JoinableSyncBatchNorm` is refused on every rank at once
-(:class:`PlainJoinError`); DDP's buffer broadcast, bounded only by the process group's timeout,
-is warned about once (:class:`UnboundedStepWarning`). See docs/internals/groups.md#join-shadowing.
+(:class:`PlainJoinError`). DDP's buffer broadcast, the first collective of a step, is bounded only
+by the process group's timeout: :func:`step_bound` states that finding as data (``syncbn doctor``
+reports it); a warning (:class:`UnboundedStepWarning`, once per process, at the user's line) comes
+only when the user chose a bound (``SYNCBN_TIMEOUT``, ``syncbn.set_timeout``) that the broadcast
+outwaits. See docs/internals/groups.md#join-shadowing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -18,7 +22,7 @@ from torch.distributed.algorithms.join import JoinHook
 from .. import _config
 from ._errors import _pg_timeout
 
-__all__ = ["PlainJoinError", "UnboundedStepWarning", "check", "cover", "install"]
+__all__ = ["PlainJoinError", "StepBound", "UnboundedStepWarning", "check", "cover", "install", "step_bound"]
 
 _wrappers: list[weakref.ref[nn.Module]] = []
 # DDP wrapper -> the join configuration a JoinableSyncBatchNorm covered (a new Join makes a new one).
@@ -28,6 +32,8 @@ _holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, bool]] = weakref.WeakKey
 # DDP wrapper -> the join hook syncbn handed its latest Join (alive while that Join is).
 _hooks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Watched]] = weakref.WeakKeyDictionary()
 _examined: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # looked at for the buffer broadcast
+# DDP wrapper -> the handle of its first-step forward pre-hook (removed at that step).
+_step_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _warned = False
 
 
@@ -36,7 +42,93 @@ class PlainJoinError(RuntimeError):
 
 
 class UnboundedStepWarning(UserWarning):
-    """DDP's buffer broadcast, the first collective of a step, waits longer than syncbn's bound."""
+    """The bound the user set on syncbn's waits is outwaited by DDP's buffer broadcast.
+
+    Raised as a warning only when ``SYNCBN_TIMEOUT`` or :func:`syncbn.set_timeout` chose the bound:
+    DDP's defaults with syncbn's default bound print nothing (the limit is documented instead, on
+    the Robustness page of the docs, section "What bounds a hang, end to end").
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBound:
+    """What bounds the first collective of a DDP step, against syncbn's bound (:func:`step_bound`).
+
+    Attributes:
+        bound: syncbn's bound on its own waits, in seconds (:func:`syncbn.get_timeout`); ``None``
+            for none of its own.
+        bound_source: who chose it: ``"set_timeout"``, ``"SYNCBN_TIMEOUT"`` or ``"default"``.
+        group_timeout: the process group's own timeout, in seconds: what bounds DDP's collectives.
+        broadcast_buffers: whether DDP broadcasts the module buffers at each forward (DDP's
+            default; ``forward_sync_buffers`` from torch 2.13): the first collective of a step.
+        holds_syncbn: whether the model holds syncbn layers.
+    """
+
+    bound: float | None
+    bound_source: str
+    group_timeout: float
+    broadcast_buffers: bool
+    holds_syncbn: bool
+
+    @property
+    def outwaited(self) -> bool:
+        """Whether DDP's buffer broadcast can wait longer than syncbn's bound (a frozen rank found later)."""
+        return (
+            self.broadcast_buffers
+            and self.holds_syncbn
+            and self.bound is not None
+            and self.group_timeout > self.bound
+        )
+
+    @property
+    def user_bound_outwaited(self) -> bool:
+        """:attr:`outwaited` for a bound the user chose: the one case syncbn warns about."""
+        return self.outwaited and self.bound_source != "default"
+
+    def message(self) -> str:
+        """The finding and its two remedies, in words (names no file)."""
+        chosen = {"set_timeout": "syncbn.set_timeout", "SYNCBN_TIMEOUT": "SYNCBN_TIMEOUT"}
+        who = chosen.get(self.bound_source, "syncbn's default bound")
+        bound = "no bound" if self.bound is None else f"{self.bound:g} s"
+        return (
+            f"syncbn: {who} ({bound}) bounds the SyncBatchNorm collectives, but the first "
+            "collective of each DistributedDataParallel step is DDP's own buffer broadcast, bounded by "
+            f"the process group's timeout ({self.group_timeout:g} s): a rank frozen between steps is "
+            "found only then. Pass timeout=datetime.timedelta(seconds=...) to init_process_group, or "
+            "use DistributedDataParallel(..., broadcast_buffers=False) (forward_sync_buffers=False "
+            "from torch 2.13) when only batch-norm buffers need it (syncbn keeps them equal on every "
+            "rank). See the Robustness page of the syncbn documentation, section 'What bounds a hang, "
+            "end to end'."
+        )
+
+
+def step_bound(ddp: nn.Module) -> StepBound:
+    """What bounds the first collective of each step of ``ddp``, against syncbn's bound.
+
+    Reads the settings only (no collective). ``syncbn doctor`` reports it; syncbn itself warns
+    (:class:`UnboundedStepWarning`) only when :attr:`StepBound.user_bound_outwaited`.
+
+    Args:
+        ddp: a ``torch.nn.parallel.DistributedDataParallel`` model (any module: its
+            ``broadcast_buffers`` and ``process_group`` attributes are read where it has them;
+            without them, DDP's defaults: buffers broadcast over the default group).
+
+    Returns:
+        A :class:`StepBound`.
+
+    Example::
+
+        >>> finding = syncbn.groups.step_bound(ddp)
+        >>> if finding.outwaited:
+        ...     print(finding.message())
+    """
+    return StepBound(
+        bound=_config.get_timeout(),
+        bound_source=_config.timeout_source(),
+        group_timeout=_pg_timeout(ddp.__dict__.get("process_group")),
+        broadcast_buffers=bool(getattr(ddp, "broadcast_buffers", True)),
+        holds_syncbn=any("_syncbn_state" in m.__dict__ for m in ddp.modules()),
+    )
 
 
 class _Watched(JoinHook):
@@ -92,6 +184,23 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
         _wrappers.append(weakref.ref(parent))
         if "join_hook" not in parent.__dict__:
             parent.__dict__["join_hook"] = _JoinHookOf(parent)  # hands Join a _Watched hook
+        if not _warned and parent not in _step_hooks:
+            _step_hooks[parent] = parent.register_forward_pre_hook(_first_step)
+
+
+# What the user's ``ddp(x)`` calls before the hook: Module._wrapped_call_impl, then _call_impl, whose
+# inner() runs the forward pre-hooks. The warning names the user's line: _look_at_buffers (1),
+# _first_step (2), inner (3), _call_impl (4), _wrapped_call_impl (5), the user's line (6).
+_USER_STACKLEVEL = 6
+
+
+def _first_step(ddp: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a recorded DDP wrapper: look at its buffer broadcast at its first step."""
+    handle = _step_hooks.pop(ddp, None)
+    if handle is not None:
+        handle.remove()
+    if not _warned and ddp not in _examined:
+        _look_at_buffers(ddp, ddp.__dict__.get("_join_config"))
 
 
 @functools.cache  # once per process
@@ -120,28 +229,18 @@ def _has_layers(ddp: nn.Module, config: Any) -> bool:
 
 
 def _look_at_buffers(ddp: nn.Module, config: Any) -> None:
-    """Warn once per process when ``ddp``'s buffer broadcast is bounded far above syncbn's bound."""
+    """Warn once per process, at the user's line, when DDP's broadcast outwaits a bound the user set."""
     global _warned
     _examined.add(ddp)
-    bound = _config.get_timeout()
-    # DDP's forward buffer sync: broadcast_buffers (from torch 2.13 a property: forward_sync_buffers)
-    if bound is None or not getattr(ddp, "broadcast_buffers", False) or not _has_layers(ddp, config):
+    if _config.timeout_source() == "default" or not getattr(ddp, "broadcast_buffers", False):
+        return  # the common case: quiet, whatever the timeouts (stated in the docs and by the doctor)
+    if not _has_layers(ddp, config):
         return
-    group_timeout = _pg_timeout(ddp.__dict__.get("process_group"))
-    if group_timeout <= 2 * bound:
+    finding = step_bound(ddp)
+    if not finding.user_bound_outwaited:
         return
     _warned = True
-    warnings.warn(
-        f"syncbn: SYNCBN_TIMEOUT ({bound:g} s) bounds the SyncBatchNorm collectives, but the first "
-        "collective of each DistributedDataParallel step is DDP's own buffer broadcast, bounded by "
-        f"the process group's timeout ({group_timeout:g} s): a rank frozen between steps is found "
-        "only then. Pass timeout=datetime.timedelta(seconds=...) to init_process_group, or use "
-        "DistributedDataParallel(..., broadcast_buffers=False) (forward_sync_buffers=False from torch "
-        "2.13) when only batch-norm buffers need it (syncbn keeps them equal on every rank). See "
-        "docs/robustness.md, 'What bounds a hang'.",
-        UnboundedStepWarning,
-        stacklevel=2,
-    )
+    warnings.warn(finding.message(), UnboundedStepWarning, stacklevel=_USER_STACKLEVEL)
 
 
 def check() -> None:
@@ -151,8 +250,6 @@ def check() -> None:
         if ddp is None:
             continue
         config = ddp.__dict__.get("_join_config")
-        if not _warned and ddp not in _examined:
-            _look_at_buffers(ddp, config)
         if config is None or not config.enable or _covered.get(ddp) is config:
             continue
         if getattr(config, "throw_on_early_termination", False):

@@ -26,7 +26,7 @@ _LIKELY_CAUSES = (
 _AFTER_FAILURE = (
     " The process group is unusable after this error: end the job, or call "
     "torch.distributed.destroy_process_group(), init_process_group() again and "
-    "syncbn.sync_buffers(model) (see docs/robustness.md, 'Recovery')."
+    "syncbn.sync_buffers(model) (see the Robustness page of the syncbn documentation, section 'Recovery')."
 )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import _mesh
 from ._frame import SumGroup
 from ._refs import ProcessGroupRef, group_ranks
 from ._sum import ProcessGroupSum
@@ -17,8 +18,9 @@ def resolve(process_group: Any) -> SumGroup | None:
 
     Args:
         process_group: a ``torch.distributed`` process group, a
-            :class:`ProcessGroupRef`, a ready :class:`SumGroup`, or ``None`` for
-            the default group.
+            :class:`ProcessGroupRef`, a ready :class:`SumGroup`, a ``DeviceMesh``
+            (its group; all its ranks when multi-dimensional, see :mod:`._mesh`), or
+            ``None`` for the default group.
 
     Returns:
         ``None`` when ``torch.distributed`` is unavailable or not initialised,
@@ -36,6 +38,8 @@ def resolve(process_group: Any) -> SumGroup | None:
     """
     # Concrete types first: a runtime Protocol check costs tens of microseconds.
     if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, ProcessGroupRef)):
+        if _mesh.is_mesh(process_group):
+            return resolve(_mesh.group_of(process_group)) if is_initialized() else None
         if type(process_group) in _sum_group_types or isinstance(process_group, SumGroup):
             _sum_group_types.add(type(process_group))
             return process_group if process_group.size > 1 else None

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ..accumulate import accumulation
+from ..accumulate import accumulation, check_normalize
 from ..convert import convert_sync_batchnorm, revert_sync_batchnorm
 
 try:
@@ -48,6 +48,9 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         group_size: synchronise over groups of this many consecutive ranks, or
             ``"node"`` for each machine's ranks (:func:`syncbn.groups.subgroup`,
             made when the Trainer sets the strategy up, on every rank).
+        device_mesh: synchronise over a ``DeviceMesh`` of the data-parallel ranks
+            (``convert_sync_batchnorm(..., device_mesh=)``: a 1-D mesh over its group, a
+            multi-dimensional one over all its ranks). Not with the other two.
 
     Example::
 
@@ -58,9 +61,12 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         >>> trainer.fit(lit_module, train_loader)
     """
 
-    def __init__(self, process_group: Any = None, group_size: int | str | None = None) -> None:
+    def __init__(
+        self, process_group: Any = None, group_size: int | str | None = None, *, device_mesh: Any = None
+    ) -> None:
         self.process_group = process_group
         self.group_size = group_size
+        self.device_mesh = device_mesh
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Convert every BatchNorm layer of ``model`` to a syncbn layer (in place).
@@ -71,7 +77,9 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
         Returns:
             The converted model.
         """
-        return convert_sync_batchnorm(model, self.process_group, group_size=self.group_size)
+        return convert_sync_batchnorm(
+            model, self.process_group, group_size=self.group_size, device_mesh=self.device_mesh
+        )
 
     def revert(self, model: nn.Module) -> nn.Module:
         """Turn every syncbn layer of ``model`` back into the class it came from.
@@ -86,7 +94,8 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         size = "" if self.group_size is None else f", group_size={self.group_size!r}"
-        return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r}{size})"
+        mesh = "" if self.device_mesh is None else f", device_mesh={self.device_mesh!r}"
+        return f"syncbn.lightning.SyncBatchNorm(process_group={self.process_group!r}{size}{mesh})"
 
 
 class AccumulatedStatistics(Callback):  # type: ignore[misc]
@@ -99,6 +108,11 @@ class AccumulatedStatistics(Callback):  # type: ignore[misc]
     Lightning skips leaves its micro-batches to the next update; the block is
     committed at the end of each training epoch, and discarded when training raises.
 
+    Args:
+        normalize: the blocks' ``normalize`` (:class:`syncbn.accumulation`):
+            ``"micro-batch"`` (default) or ``"cumulative"`` (CmBN: micro-batch ``t``
+            normalised with the pooled statistics of micro-batches ``1..t`` of all ranks).
+
     Example::
 
         >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", accumulate_grad_batches=4,
@@ -106,13 +120,15 @@ class AccumulatedStatistics(Callback):  # type: ignore[misc]
         ...                     callbacks=[syncbn.lightning.AccumulatedStatistics()])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, normalize: str = "micro-batch") -> None:
+        check_normalize(normalize)
+        self.normalize = normalize
         self.block: accumulation | None = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
         """Open the block at the first micro-batch of an optimizer step."""
         if self.block is None or not self.block.active:
-            self.block = accumulation(pl_module).begin()
+            self.block = accumulation(pl_module, self.normalize).begin()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: nn.Module, optimizer: Any) -> None:
         """Apply the one update, after the step's last backward pass."""

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _accumulating
+from .. import _accumulating, _cmbn
 from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
@@ -48,6 +48,7 @@ class _Record(NamedTuple):
     correction: tuple[Tensor, Tensor] | None  # the family's (r, d), or None
     stats: Any  # the backward's statistics (syncbn.engine._math.Stats, or the family's)
     needs_grad: bool
+    pooled: bool  # normalised with statistics pooled by a hook (CmBN): see joint_input_grads
 
 
 def replica_batch_norm(
@@ -76,6 +77,7 @@ def replica_batch_norm(
         elif family is not None and rank == 0:  # the user's layer keeps what a recomputation reads
             replication.master._family_call(False, True)
     in_place = family is not None and family.in_place
+    statistics = _cmbn.statistics(layer, replication.recomputing)  # pooled: updated at the block's end
 
     # one replica: torch's kernel, unless syncbn.accumulation listens (the engine reports moments)
     listened = running_mean is not None and _accumulating.listening(running_mean) is not None
@@ -105,7 +107,9 @@ def replica_batch_norm(
     if in_place:
         check_writable(x, "in-place activated batch norm")
     group = ThreadSumGroup(rendezvous, rank)
-    params = Params(running_mean, running_var, eps, momentum, group, layer, family)
+    if statistics is not _cmbn.THIS_CALL:
+        running_mean = running_var = None
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
     with torch.no_grad():
         result = synchronized_forward(x, weight, bias, params, group.all_reduce_sum, one_value_error)
         if batches is not None:
@@ -117,7 +121,10 @@ def replica_batch_norm(
     y = result.out
     if in_place and not needs_grad:  # written over x, which may still carry the graph before it
         y = y.detach()  # a constant, as the layer alone under no_grad gives
-    record = _Record(x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad)
+    pooled = statistics is not _cmbn.THIS_CALL
+    record = _Record(
+        x, weight, bias, y, result.weight, family, result.correction, result.stats, needs_grad, pooled
+    )
     return rendezvous.exchange(rank, record, what="join outputs for autograd", combine=_join)[rank]
 
 
@@ -156,6 +163,7 @@ class _JointBatchNorm(torch.autograd.Function):
         size = len(active)
         family = records[0].family
         ctx.size, ctx.family, ctx.active = size, family, active
+        ctx.pooled = records[0].pooled
         ctx.stats = [r.stats for r in records]  # every replica's (the double backward's statistics)
         ctx.corrections = [records[k].correction for k in active]
         ctx.param_dtype = [gradient_dtype(r.weight, r.bias, r.x) for r in (records[k] for k in active)]
@@ -232,5 +240,5 @@ def _joint_input_grads(
     all_xs = [xs[active.index(k)] if k in active else next(rest) for k in range(len(ctx.stats))]
     all_grads = [grads[active.index(k)] if k in active else torch.zeros_like(x) for k, x in enumerate(all_xs)]
     all_weights = [weights[active.index(k)] if k in active else None for k in range(len(ctx.stats))]
-    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total)
+    joint = joint_input_grads(all_grads, all_xs, all_weights, ctx.stats, replica_total, ctx.pooled)
     return [joint[k] for k in active]

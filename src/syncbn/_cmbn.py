@@ -1,0 +1,119 @@
+"""CmBN: the statistics hook that pools an accumulation block's micro-batches (docs/cmbn.md).
+
+Inside ``syncbn.accumulation(model, normalize="cumulative")`` each covered layer carries a
+:class:`Carry`: the count, mean and sum of squared deviations per channel (float64) of the block's
+micro-batches so far, every rank's together. A training call hands the engine a :class:`Pool`
+(``Params.statistics``); after the one group sum of the packed moments ``[n, sum x, sum x^2]`` the
+engine calls ``pool(packed)``, which merges this micro-batch into the carry (Chan et al.) and returns
+the pooled moments, packed alike: the engine normalises with them and its backward divides by their
+count. The earlier micro-batches enter as constants, so the gradient is batch norm's with the pooled
+count in place of the micro-batch's. No collective is added: the carry is the layer's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .families._protocol import THIS_CALL, ThisCall
+
+__all__ = ["THIS_CALL", "Carry", "Pool", "statistics", "attach", "detach"]
+
+# As syncbn.engine._rules.is_compiling (above this layer-0 module).
+_is_compiling: Callable[[], bool] = (
+    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+)
+
+_ATTR = "_syncbn_cmbn"  # the layer's __dict__ entry while a cumulative block is open
+
+State = tuple[Tensor, Tensor, Tensor, bool]  # (count (1,), mean (C,), m2 (C,), any micro-batch pooled)
+
+
+def _zeros(channels: int, device: torch.device) -> State:
+    zeros = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+    return zeros[:1], zeros[1 : channels + 1], zeros[channels + 1 :], False
+
+
+class Carry:
+    """One layer's pooled moments of the block so far (float64 tensors, one element per channel).
+
+    Eager calls replace the tensors (``nn.DataParallel``'s replicas share the carry and each reads
+    the state it started from); traced calls update them in place (one compiled graph serves every
+    micro-batch). ``before``: the state before the layer's last eager forward, which a checkpoint's
+    recomputation pools with (exact for a layer called once per checkpointed micro-batch).
+    """
+
+    def __init__(self, channels: int, device: torch.device) -> None:
+        self.count, self.mean, self.m2, self.started = _zeros(channels, device)
+        self.before: State = _zeros(channels, device)
+
+    def result(self) -> tuple[float, Tensor, Tensor]:
+        """``(count, mean, m2)`` of every micro-batch pooled (reads the count on the host)."""
+        return float(self.count.item()), self.mean, self.m2
+
+
+class Pool(NamedTuple):
+    """One training call's statistics hook: the carry, the state it pools with, and whether it advances."""
+
+    carry: Carry
+    state: State
+    recomputing: bool  # a checkpoint's recomputation: pools with the state before, does not advance
+
+    def pool(self, packed: Tensor) -> Tensor:
+        """The group-summed ``[n, sum x, sum x^2]`` (float64, ``(2C + 1,)``) merged with the carry.
+
+        Returns the pooled moments in the same packing (a new tensor; ``packed`` itself for the
+        first micro-batch of the block, which is plain synchronised batch norm). An empty micro-batch
+        changes nothing. Traceable: under ``torch.compile`` only tensor operations run.
+        """
+        count, mean, m2, started = self.state
+        channels = mean.shape[0]
+        n_b, sums = packed[:1], packed[1:].view(2, channels)
+        mean_b = sums[0] / n_b.clamp(min=1.0)
+        m2_b = (sums[1] - sums[0] * mean_b).clamp(min=0.0)
+        total = count + n_b
+        share = n_b / total.clamp(min=1.0)
+        delta = mean_b - mean
+        mean_p = mean + delta * share
+        m2_p = m2 + m2_b + delta * delta * (count * share)
+        pooled = torch.cat([total, total * mean_p, m2_p + total * mean_p * mean_p])
+        carry = self.carry
+        if _is_compiling():  # in place (no guard on the carry's values); the first: packed as is
+            pooled = torch.where(count > 0, pooled, packed)
+            with torch.no_grad():
+                for tensor, value in ((carry.count, total), (carry.mean, mean_p), (carry.m2, m2_p)):
+                    tensor.copy_(value)
+            return pooled
+        if not self.recomputing:
+            carry.before = self.state
+            carry.count, carry.mean, carry.m2, carry.started = total, mean_p, m2_p, True
+        return pooled if started else packed
+
+
+def statistics(layer: Any, recomputing: bool = False) -> Pool | ThisCall:
+    """The statistics hook of ``layer``'s training call (outside a cumulative block: ``THIS_CALL``).
+
+    ``recomputing``: activation checkpointing's second forward (in backward).
+    """
+    carry: Carry | None = layer.__dict__.get(_ATTR)
+    if carry is None:
+        return THIS_CALL
+    if _is_compiling():  # the count tells the first micro-batch (a bool would be guarded on)
+        return Pool(carry, (carry.count, carry.mean, carry.m2, True), False)
+    if recomputing:
+        return Pool(carry, carry.before, True)
+    return Pool(carry, (carry.count, carry.mean, carry.m2, carry.started), False)
+
+
+def attach(layer: Any, channels: int, device: torch.device) -> Carry:
+    """Start pooling ``layer``'s training calls (a new, empty carry)."""
+    carry = Carry(channels, device)
+    layer.__dict__[_ATTR] = carry
+    return carry
+
+
+def detach(layer: Any) -> None:
+    """Stop pooling ``layer``'s training calls (its next call normalises with its own micro-batch)."""
+    layer.__dict__.pop(_ATTR, None)

@@ -1,0 +1,135 @@
+"""A ``torch.distributed.device_mesh.DeviceMesh`` as the group a layer synchronises over.
+
+A 1-D mesh or submesh (``mesh["dp"]``) stands for its own process group. A multi-dimensional
+one (HSDP's ``mesh["dp_replicate", "dp_shard"]``) stands for all its ranks: one flattened group,
+made the first time a mesh object is resolved, safely (every rank of the job meets in the store
+within syncbn's bound and states its mesh's members; the members must form one partition of the
+job, checked alike on every rank; then every rank creates every group of that partition, in the
+same order) and cached for the life of the default group. Layers keep the mesh itself, resolved
+at call time like ``process_group=None``: a layer pickles and deep-copies as the mesh does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from . import _meet
+
+__all__ = ["is_mesh", "group_of", "mesh_argument"]
+
+# id(mesh) -> (a weak reference to it, the process group it stands for).
+_by_mesh: dict[int, tuple[weakref.ref[Any], Any]] = {}
+# partition (member tuples in order) -> (weak reference to the default group it was made under,
+# this rank's group of it).
+_made: dict[tuple[tuple[int, ...], ...], tuple[weakref.ref[Any], Any]] = {}
+
+_CONSEQUENCE = "No group was made; the process group is still usable."
+
+
+def is_mesh(value: Any) -> bool:
+    """Whether ``value`` is a ``DeviceMesh`` (without importing ``torch.distributed.device_mesh``)."""
+    module = sys.modules.get("torch.distributed.device_mesh")
+    cls = getattr(module, "DeviceMesh", None)
+    return cls is not None and isinstance(value, cls)
+
+
+def group_of(mesh: Any) -> Any:
+    """The process group ``mesh`` stands for: its own (1-D) or its ranks flattened (multi-dimensional).
+
+    The first call with a multi-dimensional mesh object is collective over every rank of the job
+    (each with its own mesh object from the same program line); later calls, and 1-D meshes, do
+    not communicate.
+
+    Raises:
+        ValueError: the ranks' meshes do not partition the job (a rank outside its own mesh, or
+            two ranks naming different members for the group they share); on every rank alike,
+            before any group is made.
+        syncbn.CollectiveError: (``timed_out=True``) a rank did not take part within syncbn's
+            bound; on every rank that did, naming the missing ranks, before any group is made.
+    """
+    hit = _by_mesh.get(id(mesh))
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
+    group = mesh.get_group() if mesh.ndim == 1 else _flattened(mesh)
+    for key in [k for k, (ref, _) in _by_mesh.items() if ref() is None]:
+        del _by_mesh[key]
+    _by_mesh[id(mesh)] = (weakref.ref(mesh), group)
+    return group
+
+
+def _describe(mesh: Any) -> str:
+    names = mesh.mesh_dim_names
+    return f"DeviceMesh{mesh.mesh.tolist()}" + (f" with dimensions {tuple(names)}" if names else "")
+
+
+def _flattened(mesh: Any) -> Any:
+    """The group of all ranks of a multi-dimensional ``mesh`` (collective: see :func:`group_of`)."""
+    world = dist.get_world_size()
+    mine = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    caller = f"syncbn: synchronising over the {_describe(mesh)}"
+    met = _meet.meet(caller, "mesh", json.dumps(mine), consequence=_CONSEQUENCE)
+    if met is not None:
+        everyone: list[list[int]] = [json.loads(text) for text in met]
+    else:  # torch's internals moved: the collective of torch.distributed, bounded by the group's timeout
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        everyone = gathered
+    key = tuple(tuple(members) for members in _partition(everyone, caller))
+    default = dist.group.WORLD
+    cached = _made.get(key)
+    if cached is not None and cached[0]() is default and _alive(cached[1]):
+        return cached[1]
+    for stale in [k for k, (ref, _) in _made.items() if ref() is not default]:
+        del _made[stale]
+    group: Any = default  # one group of every rank: the default group
+    if key != (tuple(range(world)),):
+        for members in key:  # every rank creates every group, in the same order
+            made = dist.new_group(list(members))
+            if members == tuple(mine):
+                group = made
+    _made[key] = (weakref.ref(default), group)
+    return group
+
+
+def _partition(everyone: list[list[int]], caller: str) -> list[list[int]]:
+    """The distinct member sets, by first member; raises alike on every rank unless they partition the job."""
+    listed = ", ".join(f"rank {r}: {members}" for r, members in enumerate(everyone))
+    for rank, members in enumerate(everyone):
+        if rank not in members or any(everyone[other] != members for other in members):
+            raise ValueError(
+                f"{caller}: expected every rank of the job to pass a DeviceMesh that holds it, the "
+                "ranks of one group naming the same members (the same mesh, sliced alike, on every "
+                f"rank; got {listed}). {_CONSEQUENCE}"
+            )
+    return sorted({tuple(members): list(members) for members in everyone}.values())
+
+
+def _alive(group: Any) -> bool:
+    return group is dist.group.WORLD or group in dist.distributed_c10d._world.pg_map
+
+
+def mesh_argument(device_mesh: Any, process_group: Any, group_size: Any, caller: str) -> Any:
+    """``device_mesh`` checked for use as a layer's ``process_group`` (not with either of the others).
+
+    Raises:
+        TypeError: ``device_mesh`` is not a ``DeviceMesh``.
+        ValueError: ``process_group`` or ``group_size`` is given too.
+    """
+    if not is_mesh(device_mesh):
+        raise TypeError(
+            f"{caller}: expected device_mesh to be a torch.distributed.device_mesh.DeviceMesh "
+            f"(got {type(device_mesh).__name__}: {device_mesh!r})"
+        )
+    if process_group is not None or group_size is not None:
+        given = {"process_group": process_group, "group_size": group_size}
+        shown = ", ".join(f"{name}={value!r}" for name, value in given.items() if value is not None)
+        raise ValueError(
+            f"{caller}: expected one of device_mesh, process_group and group_size "
+            f"(got device_mesh and {shown})"
+        )
+    return device_mesh
