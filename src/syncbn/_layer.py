@@ -44,12 +44,15 @@ class TrainingCall(NamedTuple):
 
     def params(self, eps: float, group: Any, layer: Any, family: Any = None) -> Params:
         """The engine's per-call parameters of this call (:class:`syncbn.engine._function.Params`)."""
-        return Params(*self.updated(), eps, self.momentum, group, layer, family, self.statistics)
+        mean, var = (
+            (self.running_mean, self.running_var) if self.statistics is _cmbn.THIS_CALL else (None, None)
+        )
+        return Params(mean, var, eps, self.momentum, group, layer, family, self.statistics)
 
     def batch_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-        """``nn.BatchNorm``'s own training kernel on this call (nothing synchronised), its batch counted."""
-        mean, var = self.updated()
-        return self.counted(F.batch_norm(x, mean, var, weight, bias, True, self.momentum, eps))
+        """``nn.BatchNorm``'s own training kernel on a call of its own statistics, its batch counted."""
+        out = F.batch_norm(x, self.running_mean, self.running_var, weight, bias, True, self.momentum, eps)
+        return self.counted(out)
 
     def counted(self, out: _T) -> _T:
         """Count this call's batch in ``num_batches_tracked`` (the one increment); returns ``out``."""
