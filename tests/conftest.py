@@ -16,6 +16,8 @@ from collections.abc import Iterator
 # (seen on torch 2.15). Set before torch's inductor reads its configuration.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 import syncbn  # noqa: E402
@@ -32,6 +34,19 @@ def _fresh_syncbn_settings() -> Iterator[None]:
     yield
     syncbn.set_timeout("default")
     syncbn.set_debug(None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches() -> None:
+    """Each test file starts with torch.compile's caches empty (autouse, per file).
+
+    An xdist worker runs several files in one process; the compiled frames that one file leaves
+    count against the recompile limit (8) of the next file's compiled layers (the same code
+    objects, other models), which then fail for a reason that is not theirs.
+    """
+    dynamo = sys.modules.get("torch._dynamo")  # (never imported here for a file that does not compile)
+    if dynamo is not None:
+        dynamo.reset()
 
 
 @pytest.fixture

@@ -355,3 +355,40 @@ def test_inplace_abn_compat_layers(sync: bool) -> None:
             assert _err(y, ry) < TOL and _err(leaf.grad, rdx) < TOL, t
     state = expected_running(before, micro)
     assert _err(layer.running_var, state["running_var"]) < TOL
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_recipe_takes_the_option(tmp_path: Any) -> None:
+    # The documented recipe with normalize="cumulative", 2 CPU processes, gradient_accumulation_steps=3:
+    # after each micro-batch the first layer's carry holds the window's inputs of both ranks so far;
+    # after each window its running statistics one nn.BatchNorm2d update over them.
+    pytest.importorskip("accelerate")
+    import os
+    import socket
+
+    from _helpers.integration_models import run_script
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    run_script("run_accelerate_accumulation.py", str(tmp_path), port, "cumulative", timeout=480)
+    for rank in (0, 1):
+        result = torch.load(os.path.join(tmp_path, f"accumulation_rank{rank}.pt"))
+        assert result["world"] == 2 and result["commits"] == 2 and result["batches"] == 2
+        assert len(result["errors"]) == 6 + 2 and max(result["errors"]) < TOL, result["errors"]
+
+
+@needs_compiled_ops
+def test_compiled_then_eager_in_one_block() -> None:
+    # A layer's calls may change path inside a block (a graph break): the carry serves both.
+    layer, before = make_layer("bn"), make_layer("bn")
+    counter = CompileCounterWithBackend("aot_eager")
+    run = torch.compile(layer, backend=counter, fullgraph=True)
+    micro = [x[0] for x in data(16, [[3]] * 4)]
+    with syncbn.accumulation(layer, normalize="cumulative"):
+        for t, x in enumerate(micro):
+            y = (run if t < 2 else layer)(x * 1.0)
+            ry, _, _, _ = reference("bn", before, micro[:t], x, torch.zeros_like(x), slice(None))
+            assert _err(y, ry) < TOL, t
+    assert counter.frame_count == 1
+    assert _err(layer.running_var, expected_running(before, micro)["running_var"]) < TOL

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import syncbn
-from syncbn.engine import _function, _packing
+from syncbn.engine import _function
+from syncbn.families import _arith
 
 
 class TwoCopies:
@@ -47,15 +48,15 @@ def test_c_apply_is_bound() -> None:
 def test_shortcuts_are_bit_identical(shape: tuple[int, ...], dtype: torch.dtype, monkeypatch) -> None:
     fast = _step(shape, dtype)
     monkeypatch.setattr(_function, "_apply_c", None)  # Function.apply's Python wrapper
-    monkeypatch.setattr(_packing, "grad_buffer", lambda *args: None)  # the input gradient without it
+    monkeypatch.setattr(_arith, "grad_buffer", lambda *args: None)  # the input gradient without it
     slow = _step(shape, dtype)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
 
 
 def test_grad_buffer_views_are_made_once() -> None:
-    first = _packing.grad_buffer(5, torch.float32, 4)
-    assert _packing.grad_buffer(5, torch.float32, 4) is first
+    first = _arith.grad_buffer(5, torch.float32, 4)
+    assert _arith.grad_buffer(5, torch.float32, 4) is first
     assert first.scale_view.shape == (1, 5, 1, 1)
     assert first.scale_view.data_ptr() == first.scale.data_ptr()
     assert first.slope.data_ptr() == first.corrections[1].data_ptr()

@@ -20,19 +20,19 @@ LAYERS: dict[str, int] = {
     # the shared arithmetic's leaves, the family math, configuration and transports' leaves
     "syncbn._config": 0,
     "syncbn._errors": 0,  # the channel-count error every check raises
-    "syncbn.engine._packing": 0,
+    "syncbn.families._arith": 0,  # the arithmetic the families and the engine share (torch only)
     "syncbn.engine._double_backward": 0,
     "syncbn._shm": 0,
     "syncbn._threads": 0,
     "syncbn._names": 0,
     "syncbn._accumulating": 0,  # the running-statistics hook of syncbn.accumulation
-    "syncbn._cmbn": 1,  # the CmBN statistics hook (torch only)
+    "syncbn._cmbn": 2,  # the CmBN statistics hook (torch and the family protocol)
     "syncbn._fx": 0,  # how layers appear in torch.fx graphs (torch only)
     "syncbn._row": 0,  # the consistency check's row: its fields, codes and words (torch only)
-    "syncbn.families": 0,  # a family is its math: torch only
-    "syncbn.engine._math": 1,
+    "syncbn.families": 1,  # a family is its math: torch and the shared arithmetic only
+    "syncbn.engine._packing": 1,
+    "syncbn.engine._math": 2,
     "syncbn.groups": 1,  # the communication seam
-    "syncbn.families.inplace_abn": 2,  # the in-place family's math, on _math's helpers
     "syncbn._checks": 2,
     "syncbn.engine._rules": 3,  # the engine's dtype rules and one-value error
     "syncbn.engine._function": 4,  # the engine: moments, framed sum, Join policy, eager autograd

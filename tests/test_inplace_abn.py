@@ -428,12 +428,14 @@ def test_activation_checkpointing(reentrant: bool) -> None:
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
-    block = nn.Sequential(
-        nn.Conv2d(3, 6, 3), InPlaceABNSync(6), nn.Conv2d(6, 4, 1), InPlaceABN(4, activation="identity")
-    )
-    plain = nn.Sequential(
-        nn.Conv2d(3, 6, 3), InPlaceABNSync(6), nn.Conv2d(6, 4, 1), InPlaceABN(4, activation="identity")
-    )
+
+    def make() -> nn.Sequential:  # ABN: not in place, the same bookkeeping (momentum=None: cumulative)
+        return nn.Sequential(
+            nn.Conv2d(3, 6, 3), InPlaceABNSync(6), nn.Conv2d(6, 4, 1), InPlaceABN(4, activation="identity"),
+            ABN(4, momentum=None),
+        )  # fmt: skip
+
+    block, plain = make(), make()
     plain.load_state_dict(block.state_dict())
     x = torch.randn(4, 3, 8, 8, requires_grad=True)
     xp = x.detach().clone().requires_grad_()

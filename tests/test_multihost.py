@@ -38,12 +38,15 @@ from syncbn import groups
 from syncbn.groups import _hier
 
 _WHY = netns.available()
-pytestmark = [pytest.mark.skipif(bool(_WHY), reason=_WHY or "-"), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.skipif(bool(_WHY), reason=_WHY or "-"), pytest.mark.timeout(240)]
 
 C = 4
 SIZES = [2, 3, 4, 1]  # uneven per-rank batches (2 hosts x 2 ranks)
 BOUND = 3.0  # SYNCBN_TIMEOUT in the link-down case
-PG_TIMEOUT = 60.0  # the process group's own timeout there
+# The process group's own timeout there: above the parent's deadline for every exit (EXITS_BY),
+# so a rank that waits for it is killed at that deadline and fails however loaded the machine is.
+PG_TIMEOUT = 300.0
+EXITS_BY = 120.0
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,9 +191,9 @@ def test_a_link_taken_down_is_an_error_on_every_rank_and_every_process_exits_wit
             time.sleep(0.02)
         down = time.time()
         hosts.link(1, up=False)
-        # Quiet: errors by BOUND + 2, exits BOUND + 3 later; a rank still there at 0.75 x the
-        # group's own timeout is killed (and fails below): it was waiting for that timeout.
-        results = launch.wait(0.75 * PG_TIMEOUT)
+        # Quiet: errors by BOUND + 2, exits BOUND + 3 later; a rank still there at EXITS_BY is
+        # killed (and fails below: no exit time): it was waiting for the group's own timeout.
+        results = launch.wait(EXITS_BY)
     for rank, result in enumerate(results):
         assert isinstance(result, dict) and result["type"] == "CollectiveError", (rank, result)
         assert result["mismatch"] is False, (rank, result)
@@ -205,4 +208,3 @@ def test_a_link_taken_down_is_an_error_on_every_rank_and_every_process_exits_wit
     # Quiet, destroying and exiting takes up to 3 s; under load, that much work at the load measured.
     late = [e - r["raised"] for e, r in zip(launch.rank_exits, results)]
     assert max(late) < BOUND + load.margin(3.0), (late, load)
-    assert max(late) < PG_TIMEOUT / 2, late  # the ordering load cannot break: not the group's timeout

@@ -51,7 +51,7 @@ def _fixed(group: groups.ProcessGroupSum) -> groups.ProcessGroupSum:
     if shared is None and group._hier is not None and group._hier.local is not None:  # noqa: SLF001
         shared = group._hier.local._shared  # noqa: SLF001
     if shared is not None:
-        shared.spin.fixed = True
+        shared.spin.budget = lambda now: 0.005  # type: ignore[method-assign]
     return group
 
 

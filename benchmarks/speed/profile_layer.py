@@ -15,7 +15,10 @@ median thread CPU time (ms) of:
 * ``2sums``: the two ``ProcessGroupSum.all_reduce_sum`` calls alone (``2C + 1``
   and ``2C`` values), tagged as the layer tags them;
 * ``2shm``: the two ``SharedMemorySum.all_reduce_sum`` rounds alone (header
-  fields precomputed): the shared-memory exchange itself.
+  fields precomputed): the shared-memory exchange itself;
+* ``floor``: the fused floor (:mod:`syncbn.cli._bench_floor`: one native kernel either side
+  of each collective) over the same one-member group: ``seam / floor`` is syncbn's per-layer
+  cost against what a fused-kernel layer could reach, without peers or their lockstep.
 
 ``--profile`` adds a cProfile of ``seam`` (top functions by own time) and the
 ATen operator counts of ``bn``, ``loopback`` and ``seam`` (``torch.profiler``).
@@ -48,6 +51,7 @@ from torch import Tensor, nn
 
 import syncbn
 from syncbn import groups
+from syncbn.cli._bench_floor import FusedBound, collective_buffers
 from syncbn.engine._function import Params, SyncBatchNormFunction
 
 
@@ -133,7 +137,25 @@ def _steps(shape: tuple[int, ...], group: groups.ProcessGroupSum, dtype: torch.d
     }
     if group.uses_shared_memory:
         steps["2shm"] = _two_shm(shape[1], group)
+    steps["floor"] = _floor_step(shape, group, dtype)
     return steps
+
+
+def _floor_step(
+    shape: tuple[int, ...], group: groups.ProcessGroupSum, dtype: torch.dtype
+) -> Callable[[], None]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=dtype).requires_grad_(True)
+    dy = torch.randn(shape, generator=gen, dtype=dtype)
+    weight = torch.ones(shape[1], dtype=dtype, requires_grad=True)
+    bias = torch.zeros(shape[1], dtype=dtype, requires_grad=True)
+    sums = collective_buffers(shape[1])
+
+    def step() -> None:
+        x.grad = weight.grad = bias.grad = None
+        FusedBound.apply(x, weight, bias, 1e-5, group, sums).backward(dy)
+
+    return step
 
 
 def _time(steps: dict[str, Callable[[], None]], iters: int, warmup: int) -> dict[str, float]:
@@ -213,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec} {args.dtype}: median thread CPU ms over {args.iters} interleaved iterations")
             for name, value in ms.items():
                 print(f"  {name:>9} {value:8.4f}   x bn {value / ms['bn']:6.2f}")
+            print(f"  seam / floor {ms['seam'] / ms['floor']:.2f} (syncbn's layer against the fused floor's)")
             print(
                 f"  breakdown: local bn {ms['bn']:.4f}; syncbn's own work (loopback - bn) "
                 f"{ms['loopback'] - ms['bn']:.4f}; the seam's two framed sums (seam - loopback) "
@@ -220,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f" of which the shared-memory exchange {ms['2shm']:.4f}" if "2shm" in ms else "")
             )
             if args.profile:
-                for name in ("bn", "loopback", "seam"):
+                for name in ("bn", "loopback", "seam", "floor"):
                     total, top = _op_counts(steps[name])
                     results[spec].setdefault("aten_calls", {})[name] = total
                     print(f"  ATen calls per step, {name}: {total}: " + ", ".join(f"{k}x{v}" for k, v in top))

@@ -12,13 +12,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _cmbn, _fx, groups, parallel
+from . import _fx, groups, parallel
 from ._errors import ChannelCountError
-from ._layer import LayerMixin
+from ._layer import LayerMixin, TrainingCall
 from .engine import _rules
-from .engine._function import Params, inplace_abn_apply
 from .families.inplace_abn import InPlaceABN, check_activation, check_writable
-from .functional import check_eps
+from .functional import check_eps, inplace_abn_apply
 
 try:
     from .engine import _ops
@@ -198,35 +197,19 @@ class ActivatedBatchNormBase(LayerMixin):
         self._check_input_dim(x)
         check_writable(x, "in-place activated batch norm")  # (while tracing: the eager path's error)
         handle = 0 if self._local or not self.training else _ops.group_handle(self._group())
-        tracking = self.training and self.track_running_stats
-        factor: float | Tensor = 0.0
-        seen = self.num_batches_tracked
-        if tracking and self.momentum is not None:
-            factor = float(self.momentum)
-        elif tracking and seen is not None:  # momentum=None: 1 / (batches seen, this one included)
-            factor = 1.0 / (seen + 1).to(torch.float64)
-        running = self.training is False and self.running_mean is not None
-        mean, var = (self.running_mean, self.running_var) if (tracking or running) else (None, None)
+        if self.training:
+            call = self._training_call(False, traced=True)
+        else:  # the running statistics, never updated, or without them the batch's
+            call = TrainingCall(self.running_mean, self.running_var, 0.0, None, False)
         token = _ops.layer_token(self) if handle else None
-        family = InPlaceABN(self.activation, float(self.activation_param), not running)
-        statistics = _cmbn.statistics(self) if self.training else _cmbn.THIS_CALL
-        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
-            mean = var = None
+        batch = self.training or call.running_mean is None
+        family = InPlaceABN(self.activation, float(self.activation_param), batch)
         weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
-        params = Params(mean, var, self.eps, factor, handle, token, family, statistics)
-        out = traced_inplace_abn(x, weight, bias, params)
-        if tracking and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        return out
+        out = traced_inplace_abn(x, weight, bias, call.params(self.eps, handle, token, family))
+        return call.counted(out)
 
     def _eager_forward(self, x: Tensor) -> Tensor:
         self._check_input_dim(x)
-        recomputing = self.training and _rules.in_backward()
-        tracking = self.training and self.track_running_stats and not recomputing
-        factor = self._factor(tracking, recomputing)
-        if recomputing and (_was_overwritten(x) or (x.is_leaf and x.requires_grad)):
-            # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
-            raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         act, param = self.activation, float(self.activation_param)
         weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
         if not self.training:  # no communication: the running statistics, or without them the batch's
@@ -234,20 +217,19 @@ class ActivatedBatchNormBase(LayerMixin):
             return inplace_abn_apply(
                 x, weight, bias, mean, var, mean is None, 0.0, self.eps, act, param, None
             )
+        call = self._training_call()
+        if call.recomputing and (_was_overwritten(x) or (x.is_leaf and x.requires_grad)):
+            # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
+            raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:
             family = InPlaceABN(act, param)
-            out = replica_batch_norm(self, x, factor, replica.replication, replica.index, family)
+            out = replica_batch_norm(self, x, call, replica.replication, replica.index, family)
         else:
             group = None if self._local else groups.resolve(self._group())
-            statistics = _cmbn.statistics(self, recomputing)  # pooled: the block updates the buffers
-            keep = self.track_running_stats and statistics is _cmbn.THIS_CALL
-            mean, var = (self.running_mean, self.running_var) if keep else (None, None)
-            stats = (mean, var, True, factor)
-            out = inplace_abn_apply(x, weight, bias, *stats, self.eps, act, param, group, self, statistics)
-            if tracking and self.num_batches_tracked is not None:
-                self.num_batches_tracked.add_(1)
-        if not recomputing:
+            stats = (*call.updated(), True, call.momentum, self.eps, act, param, group, self, call.statistics)
+            out = call.counted(inplace_abn_apply(x, weight, bias, *stats))
+        if not call.recomputing:
             _remember(out)
         return out
 

@@ -100,7 +100,8 @@ def statistics(layer: Any, recomputing: bool = False) -> Pool | ThisCall:
     carry: Carry | None = layer.__dict__.get(_ATTR)
     if carry is None:
         return THIS_CALL
-    if _is_compiling():  # the count tells the first micro-batch (a bool would be guarded on)
+    if _is_compiling():  # the count tells the first micro-batch (a bool read would be guarded on)
+        carry.started = True  # (written, not read: an eager call later in the block pools)
         return Pool(carry, (carry.count, carry.mean, carry.m2, True), False)
     if recomputing:
         return Pool(carry, carry.before, True)

@@ -3,13 +3,85 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _checks, groups
+from . import _checks, _cmbn, groups
+from .engine import _rules
+from .engine._function import Params
 
-__all__ = ["LayerMixin", "check_module", "dims_doc", "like"]
+__all__ = ["LayerMixin", "TrainingCall", "check_module", "dims_doc", "like", "training_call"]
+
+_T = TypeVar("_T")
+
+
+class TrainingCall(NamedTuple):
+    """One training call's running-statistics bookkeeping, made once by :func:`training_call`.
+
+    The running statistics are passed whenever the layer tracks them; a checkpoint's
+    recomputation updates them with factor 0 (unchanged, the same operations run) and does not
+    count its batch.
+    """
+
+    running_mean: Tensor | None  # the layer's, updated in place unless pooled (None: tracks none)
+    running_var: Tensor | None
+    momentum: Any  # the update factor, a float (traced, momentum=None: a 0-dim float64 tensor)
+    counter: Tensor | None  # num_batches_tracked, when this call counts its batch
+    recomputing: bool  # a checkpoint's recomputation (activation checkpointing, in backward)
+    statistics: Any = _cmbn.THIS_CALL  # what it normalises with (a CmBN block's: syncbn._cmbn.Pool)
+
+    @property
+    def pooled(self) -> bool:
+        """Whether a CmBN block pools this call (the block updates the running statistics at its end)."""
+        return self.statistics is not _cmbn.THIS_CALL
+
+    def updated(self) -> tuple[Tensor | None, Tensor | None]:
+        """The running statistics this call updates: none when pooled."""
+        return (self.running_mean, self.running_var) if self.statistics is _cmbn.THIS_CALL else (None, None)
+
+    def params(self, eps: float, group: Any, layer: Any, family: Any = None) -> Params:
+        """The engine's per-call parameters of this call (:class:`syncbn.engine._function.Params`)."""
+        mean, var = (
+            (self.running_mean, self.running_var) if self.statistics is _cmbn.THIS_CALL else (None, None)
+        )
+        return Params(mean, var, eps, self.momentum, group, layer, family, self.statistics)
+
+    def batch_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+        """``nn.BatchNorm``'s own training kernel on a call of its own statistics, its batch counted."""
+        out = F.batch_norm(x, self.running_mean, self.running_var, weight, bias, True, self.momentum, eps)
+        return self.counted(out)
+
+    def counted(self, out: _T) -> _T:
+        """Count this call's batch in ``num_batches_tracked`` (the one increment); returns ``out``."""
+        if self.counter is not None:
+            self.counter.add_(1)
+        return out
+
+
+def training_call(layer: Any, recomputing: bool | None = None, traced: bool = False) -> TrainingCall:
+    """The bookkeeping of a training call of ``layer`` (any layer with ``nn.BatchNorm``'s attributes).
+
+    ``recomputing`` ``None``: detected, a forward while autograd runs a backward on this thread
+    (eager), or an ``nn.DataParallel`` replica made by one (its thread cannot tell). The factor is
+    ``momentum``, 0 when recomputing; ``momentum=None`` is nn.BatchNorm's cumulative average,
+    1 / (batches seen, this one included): read on the host, or with ``traced`` a tensor (no host
+    read, no recompilation per step); 0 without a counter.
+    """
+    if recomputing is None:
+        replica = layer.__dict__.get("_syncbn_replica")
+        recomputing = (replica is not None and replica.replication.recomputing) or (
+            not _rules.is_compiling() and _rules.in_backward()
+        )
+    tracked = bool(layer.track_running_stats)
+    counter = layer.num_batches_tracked if tracked and not recomputing else None
+    momentum: Any = 0.0 if recomputing or layer.momentum is None else float(layer.momentum)
+    if layer.momentum is None and counter is not None:
+        momentum = 1.0 / ((counter.to(torch.float64) if traced else float(counter.item())) + 1.0)
+    mean, var = (layer.running_mean, layer.running_var) if tracked else (None, None)
+    return TrainingCall(mean, var, momentum, counter, recomputing, _cmbn.statistics(layer, recomputing))
 
 
 class LayerMixin(nn.Module):
@@ -20,6 +92,7 @@ class LayerMixin(nn.Module):
     num_batches_tracked: Tensor | None
     _input_dims: tuple[int, ...] | None = None  # the accepted input ranks (None: any of at least 2)
     _input_dims_text = ""  # how they read in an error, e.g. "2D or 3D"
+    _training_call = training_call  # this training call's bookkeeping, made once per call
 
     def _init_state(self) -> None:
         self._syncbn_state = _checks.LayerState()
@@ -34,18 +107,6 @@ class LayerMixin(nn.Module):
             group = group.lookup()
             setattr(self, self._group_attr, group)
         return group
-
-    def _factor(self, tracking: bool, recomputing: bool) -> float:
-        """This training call's running-statistics factor: 0 when recomputing (checkpointing).
-
-        ``momentum=None`` is nn.BatchNorm's cumulative average: 1 / (batches seen, this one included).
-        """
-        if recomputing:
-            return 0.0
-        if self.momentum is None:
-            seen = self.num_batches_tracked
-            return 1.0 / (float(seen.item()) + 1.0) if tracking and seen is not None else 0.0
-        return float(self.momentum)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -148,6 +148,8 @@ class Rendezvous:
 class ThreadSumGroup:
     """:class:`~syncbn.groups.SumGroup` of member ``rank`` over the threads of a :class:`Rendezvous`."""
 
+    replicas = True  # the SumGroup capability: one process's nn.DataParallel replicas
+
     def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
         self.rendezvous = rendezvous
         self.rank = rank

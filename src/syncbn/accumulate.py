@@ -16,8 +16,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _accumulating, _cmbn, groups
 from ._abn_layer import ActivatedBatchNormBase
-from ._layer import LayerMixin
-from .engine import _function, _rules
+from ._layer import LayerMixin, training_call
+from .engine import _rules
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
@@ -149,22 +149,17 @@ class _Layer:
             self.running_mean.copy_(self.mean0)
             self.running_var.copy_(self.var0)
             if self.batches is not None:
-                tracked, before = self.batches
-                tracked.copy_(before)
-                if seen is not None and seen.ran:
-                    tracked.add_(1)
-            if seen is None or seen.total <= 0.0:
+                self.batches[0].copy_(self.batches[1])
+            if seen is None:
                 return
-            momentum: Any = self.layer.momentum
-            if momentum is None:  # cumulative moving average, this update included
-                if self.batches is None:
-                    return  # no counter: nn.BatchNorm's factor is 0 (no update)
-                factor = 1.0 / max(float(self.batches[0].item()), 1.0)
-            else:
-                factor = float(momentum)
+            call = training_call(self.layer, False)  # the block's one training call over all its batches
+            if seen.ran:
+                call.counted(None)
+            if seen.total <= 0.0:
+                return
             unbiased = seen.m2 / max(seen.total - 1.0, 1.0)
             for running, batch in ((self.running_mean, seen.mean), (self.running_var, unbiased)):
-                running.lerp_(batch.to(running.dtype), factor)
+                running.lerp_(batch.to(running.dtype), call.momentum)
 
 
 class _Seen(NamedTuple):
@@ -249,7 +244,7 @@ def _decide(
         group = _group(state.layer)
         if state.moments.local:  # nn.DataParallel replicas' moments: this process's alone
             continue
-        if isinstance(group, groups.ProcessGroupSum) and not _function.through_join(group):
+        if isinstance(group, groups.ProcessGroupSum):  # (under a Join: its wrapper, no vote)
             members.setdefault(id(group), (group, []))[1].append(i)
     decided: list[_Seen | None] = list(seen) if commit else [None] * len(opened)
     failed: groups.CollectiveError | None = None
@@ -316,8 +311,9 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
             together, the earlier ones constants in backward (the gradient is
             batch norm's with the pooled count); the first micro-batch is plain
             synchronised batch norm. Same collectives, one running update at the
-            end. Needs syncbn's layers with running statistics (``SyncBatchNorm``,
-            ``SyncBatchRenorm``, the in-place layers): others raise ``TypeError``.
+            end. Needs syncbn's layers (``SyncBatchNorm``, ``SyncBatchRenorm``, the
+            in-place layers; others raise ``TypeError``); those without running
+            statistics normalise each micro-batch alone.
 
     Example::
 

@@ -16,6 +16,8 @@ from torch import Tensor
 from . import groups
 from ._errors import ChannelCountError
 from .engine._function import Params, apply
+from .families._protocol import THIS_CALL
+from .families.inplace_abn import InPlaceABN, check_call
 
 __all__ = ["sync_batch_norm", "check_input", "check_mask", "apply_masked"]
 
@@ -241,3 +243,26 @@ def check_eps(eps: float) -> None:
     """Raise torch's ``ValueError`` for an ``eps`` that is not positive (training divides by it)."""
     if not eps > 0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+
+
+def inplace_abn_apply(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    activation: str,
+    param: float,
+    group: Any,
+    layer: Any = None,
+    statistics: Any = THIS_CALL,
+) -> Tensor:
+    """In-place activated batch norm on the engine, over ``group`` in training; returns ``x``, overwritten."""
+    check_call(x, weight, running_mean, running_var, training)
+    family = InPlaceABN(activation, param, training)
+    group = group if training else None
+    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
+    return apply(x, weight, bias, params)

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from . import _config, groups
 from ._layer import LayerMixin
 from ._row import _DTYPES, _dtype_code
-from .engine import _function
+from .groups import _sum
 
 __all__ = ["JoinableSyncBatchNorm"]
 
@@ -82,6 +82,8 @@ class JoinableSyncBatchNorm(Joinable):
         model.register_forward_pre_hook(self._notify)
         self.shadowed = 0  # collectives this rank shadowed as a joined rank (for tests and logs)
         self._hook: Callable[[], _ShadowHook | None] = lambda: None  # no Join holds the joinable yet
+        self._wrap = self._wrapper  # the one callable installed with groups._sum.set_join
+        self._wrapped: _JoinedGroup | None = None
 
     # Set by Join when it is built: join mode starts.
     @property
@@ -99,12 +101,25 @@ class JoinableSyncBatchNorm(Joinable):
         self._config = config
         if config.enable:
             self._thread, self._thread_error, self.shadowed = None, None, 0
-            _function._joining = self
+            _sum.set_join(self._wrap)
+
+    def _wrapper(self, group: groups.ProcessGroupSum) -> Any:
+        """The default ``group`` as training calls use it in join mode (groups.resolve hands it out).
+
+        A ``Join`` whose body raised runs no post-hook: join mode ends once it is gone (:meth:`live`).
+        """
+        if not self.live():
+            if _sum._join is self._wrap:
+                _sum.set_join(None)
+            return group
+        if self._wrapped is None or self._wrapped.base is not group:
+            self._wrapped = _JoinedGroup(self, group)
+        return self._wrapped
 
     def _notify(self, module: nn.Module, args: Any) -> None:
         # The per-iteration all_reduce the joined ranks count with; DDP, second in the list, gets
         # this work handle, as it uses its own when first (its gradient division may use the count).
-        if _function._joining is not self:
+        if _sum._join is not self._wrap:
             return
         groups._ddp.cover(self._model)  # this Join shadows syncbn: not a plain Join([ddp])
         work = Join.notify_join_context(self)
@@ -133,7 +148,7 @@ class JoinableSyncBatchNorm(Joinable):
     def join_process_group(self) -> Any:
         return dist.distributed_c10d._get_default_group()
 
-    # Active side: called by _function._all_reduce for every SyncBatchNorm collective.
+    # Active side: every SyncBatchNorm collective, through the _JoinedGroup groups.resolve hands out.
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """Header then payload, on the joinable's own group (docs/internals/tools.md)."""
         n = float(tensor.numel())
@@ -185,9 +200,28 @@ class JoinableSyncBatchNorm(Joinable):
                     raise self._thread_error
         finally:
             groups._ddp.cover(self._model)  # every rank: the Join's configuration stays on DDP
-            if _function._joining is self:
-                _function._joining = None
-            self._thread = None
+            if _sum._join is self._wrap:
+                _sum.set_join(None)
+            self._thread, self._wrapped = None, None
+
+
+class _JoinedGroup:
+    """The default group under an active Join: a SumGroup whose every sum goes through the joinable
+    (header then payload on its own group); not framed, so the layers' checks do not run."""
+
+    def __init__(self, joinable: JoinableSyncBatchNorm, base: groups.ProcessGroupSum) -> None:
+        self._joinable, self.base = joinable, base
+
+    @property
+    def size(self) -> int:
+        return self.base.size
+
+    @property
+    def rank(self) -> int:
+        return self.base.rank
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        return self._joinable.all_reduce(tensor)
 
 
 class _ShadowHook(JoinHook):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Callable
 
@@ -11,10 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _cmbn, _fx, groups, parallel
+from . import _fx, groups, parallel
 from ._layer import LayerMixin, dims_doc
 from .engine import _rules
-from .engine._function import LOCAL, Params, apply
+from .engine._function import LOCAL, apply
 
 try:
     from .engine import _compiled, _ops
@@ -41,7 +40,6 @@ def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -
 
 _is_compiling = _rules.is_compiling
 _warn_while_tracing = _rules.warn_while_tracing
-_in_backward = _rules.in_backward
 
 
 class SyncBatchNorm(LayerMixin, _BatchNorm):
@@ -152,109 +150,73 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         if isinstance(input, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
             return _fx.leaf_call(self, SyncBatchNorm.forward, *((input,) if mask is None else (input, mask)))
         self._check_input_dim(input)
-        if mask is not None:
-            if _is_compiling():
-                _warn_while_tracing(
-                    f"syncbn: {type(self).__name__}({self.num_features}) called with a mask under "
-                    "torch.compile: selecting the valid positions has a data-dependent shape, so "
-                    "dynamo breaks the graph at this layer (the layer itself still runs exactly)"
-                )
-            # The valid positions as an (M, C, 1, ...) batch; a subclass's own forward (timm's
-            # activation, say) runs once, on the scattered result.
-            return apply_masked(functools.partial(SyncBatchNorm.forward, self), input, mask)
+        if mask is None:
+            return self._normalize(input)
+        if _is_compiling():
+            _warn_while_tracing(
+                f"syncbn: {type(self).__name__}({self.num_features}) called with a mask under "
+                "torch.compile: selecting the valid positions has a data-dependent shape, so "
+                "dynamo breaks the graph at this layer (the layer itself still runs exactly)"
+            )
+        # The valid positions as an (M, C, 1, ...) batch; a subclass's own forward (timm's
+        # activation, say) runs once, on the scattered result.
+        return apply_masked(self._normalize, input, mask)
+
+    def _normalize(self, input: Tensor) -> Tensor:
+        """Normalise a checked ``input``: eval or frozen (never communicates), or one training call."""
         if self.freeze or not self.training:
-            # Never communicates: the running statistics (frozen: weight and bias get no gradient),
-            # or in eval without them the local batch's.
+            # The running statistics (frozen: weight and bias get no gradient), or in eval without
+            # them the local batch's.
             weight: Tensor | None = self.weight
             bias: Tensor | None = self.bias
+            mean = self.running_mean
             if self.freeze:
                 weight, bias = (None if t is None else t.detach() for t in (weight, bias))
-            batch_stats = not self.freeze and self.running_mean is None
-            weight, bias = _rules.affine_for_statistics(self.running_mean, weight, bias)
-            return F.batch_norm(
-                input, self.running_mean, self.running_var, weight, bias, batch_stats, 0.0, self.eps
-            )
-
+            weight, bias = _rules.affine_for_statistics(mean, weight, bias)
+            batch = not self.freeze and mean is None
+            return F.batch_norm(input, mean, self.running_var, weight, bias, batch, 0.0, self.eps)
         check_eps(self.eps)
-        # Activation checkpointing recomputes this forward in backward: statistics synchronised
-        # again, running ones updated with factor 0 (unchanged), num_batches_tracked not at all.
-        compiling = _is_compiling()
-        recomputing = not compiling and _in_backward()
-        tracking = self.track_running_stats and not recomputing
-        if self.momentum is None and compiling and _ops is not None:
-            factor = -1.0  # cumulative: computed as a tensor in _compiled_training_forward
-        else:
-            factor = self._factor(tracking, recomputing)
-
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:  # an nn.DataParallel replica (syncbn.parallel)
-            return replica.forward(self, input, factor)  # type: ignore[no-any-return]
-
-        if compiling and _ops is None:
+            return replica.forward(self, input, self._training_call())  # type: ignore[no-any-return]
+        compiling = _is_compiling()
+        if compiling and _ops is not None:
+            return self._compiled_training_forward(input)
+        if compiling:
             _warn_while_tracing(
                 f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile: torch "
                 f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
                 "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
             )
-        elif compiling:
-            if _ops.group_handle(self.process_group) and _ops.tracing_a_checkpointed_region():
-                _warn_while_tracing(
-                    f"syncbn: {type(self).__name__}({self.num_features}) inside torch.utils.checkpoint "
-                    "under torch.compile: torch's AOTAutograd cannot recompute syncbn's collective "
-                    "operator in a checkpointed region, so dynamo breaks the graph there and runs "
-                    "the checkpointed region eagerly (statistics synchronised and updated once)"
-                )
-                torch._dynamo.graph_break()
-            return self._compiled_training_forward(input, factor, tracking)
-
+        call = self._training_call(not compiling and _rules.in_backward())  # (checkpointing: factor 0)
         group = groups.resolve(self._group())
-        stats = self.track_running_stats
-        running_mean = self.running_mean if stats else None
-        running_var = self.running_var if stats else None
-        weight, bias = _rules.affine_for_statistics(running_mean, self.weight, self.bias)
-        eps = self.eps
-        family = self._family_call(recomputing, True)
-        statistics = _cmbn.statistics(self, recomputing)  # inside a CmBN block (syncbn.accumulation)
-        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
-            running_mean = running_var = None
-        if group is None and family is None and statistics is _cmbn.THIS_CALL:  # exactly nn.BatchNorm
-            out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, eps)
-        else:  # the input was checked above; without a group, a family's math alone (LOCAL)
-            group = LOCAL if group is None else group
-            params = Params(running_mean, running_var, eps, factor, group, self, family, statistics)
-            out = apply(input, weight, bias, params)
-        if tracking and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        return out
+        family = self._family_call(call.recomputing, True)
+        weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)
+        if group is None and family is None and not call.pooled:  # exactly nn.BatchNorm
+            return call.batch_norm(input, weight, bias, self.eps)
+        # the input was checked above; without a group, a family's math alone (LOCAL)
+        params = call.params(self.eps, LOCAL if group is None else group, self, family)
+        return call.counted(apply(input, weight, bias, params))
 
-    def _compiled_training_forward(self, input: Tensor, factor: float, tracking: bool) -> Tensor:
+    def _compiled_training_forward(self, input: Tensor) -> Tensor:
         # Traced arithmetic around the opaque collective (syncbn.engine._compiled). Nothing guards
         # on which layer this is (it travels as its token), so one compiled frame serves them all.
-        running_mean, running_var = (self.running_mean, self.running_var) if tracking else (None, None)
         handle = _ops.group_handle(self.process_group)
-        weight, bias = _rules.affine_for_statistics(running_mean, self.weight, self.bias)
-        family = self._family_call()
-        statistics = _cmbn.statistics(self)
-        if statistics is not _cmbn.THIS_CALL:  # the block updates the running statistics at its end
-            running_mean = running_var = None
-        seen = self.num_batches_tracked
-        if factor < 0.0:  # momentum=None: 1 / (batches seen, this one included)
-            if not tracking or seen is None:
-                factor = 0.0
-            elif not handle:
-                factor = 1.0 / (float(seen.item()) + 1.0)  # what nn.BatchNorm does (a host read)
-        if handle or family is not None or statistics is not _cmbn.THIS_CALL:
-            momentum: float | Tensor = (
-                factor if factor >= 0.0 or seen is None else 1.0 / (seen.to(torch.float64) + 1.0)
+        if handle and _ops.tracing_a_checkpointed_region():
+            _warn_while_tracing(
+                f"syncbn: {type(self).__name__}({self.num_features}) inside torch.utils.checkpoint "
+                "under torch.compile: torch's AOTAutograd cannot recompute syncbn's collective "
+                "operator in a checkpointed region, so dynamo breaks the graph there and runs "
+                "the checkpointed region eagerly (statistics synchronised and updated once)"
             )
-            token = _ops.layer_token(self) if handle else None
-            params = Params(running_mean, running_var, self.eps, momentum, handle, token, family, statistics)
-            out = _compiled.sync_batch_norm(input, weight, bias, params)
-        else:
-            out = F.batch_norm(input, running_mean, running_var, weight, bias, True, factor, self.eps)
-        if tracking and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        return out
+            torch._dynamo.graph_break()
+        call = self._training_call(False, traced=bool(handle))  # over a group: momentum=None a tensor
+        weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)
+        family = self._family_call()
+        if not handle and family is None and not call.pooled:
+            return call.batch_norm(input, weight, bias, self.eps)
+        params = call.params(self.eps, handle, _ops.layer_token(self) if handle else None, family)
+        return call.counted(_compiled.sync_batch_norm(input, weight, bias, params))
 
     def _family_call(self, recomputing: bool = False, eager: bool = False) -> Any:
         """This training call's family object (:mod:`syncbn.families`); ``None``: batch norm.

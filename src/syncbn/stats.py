@@ -26,10 +26,6 @@ __all__ = ["sync_running_stats", "recompute_running_stats"]
 _Tracked = Union[_BatchNorm, ActivatedBatchNormBase]
 
 
-def _f64(device: torch.device) -> dict[str, Any]:
-    return {"dtype": torch.float64, "device": device}
-
-
 def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _Tracked]]:
     """The model's BatchNorm layers (the in-place activated ones too) that keep running statistics."""
     check_module(model, function)
@@ -42,16 +38,21 @@ def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _Tracked
     ]
 
 
-def _layout_code(layers: list[tuple[str, _Tracked]]) -> float:
-    """A number in [0, 1) that identifies the layers' names and sizes (equal on ranks with equal models)."""
-    return layout_checksum(f"{name}:{layer.running_mean.numel()}" for name, layer in layers) / 2**32  # type: ignore[union-attr]
+def _sum_checked(
+    group: Any, layers: list[tuple[str, _Tracked]], parts: list[Tensor], function: str
+) -> tuple[int, Tensor]:
+    """The group size and the float64 ``parts`` summed over ``group`` (on the last part's device).
 
-
-def _all_reduce_checked(group: Any, packed: Tensor, own: float, function: str) -> int:
-    """Sum ``packed``, headed by ``[1, own layout code]``, over ``group``; return the group size.
-
-    Raises on every rank when the ranks' models do not hold the same BatchNorm layers.
+    A header ``[1, layout code]`` goes first, the code a number in [0, 1) of the layers' names and
+    sizes; raises on every rank when the ranks' models do not hold the same BatchNorm layers.
     """
+    own = layout_checksum(f"{name}:{layer.running_mean.numel()}" for name, layer in layers) / 2**32  # type: ignore[union-attr]
+    device = parts[-1].device if parts else torch.device("cpu")
+    packed = torch.cat(
+        [torch.tensor([1.0, own], dtype=torch.float64, device=device)] + [p.to(device) for p in parts]
+    )
+    if group is None:
+        return 1, packed[2:]
     try:
         group.all_reduce_sum(packed)
     except groups.CollectiveError as exc:
@@ -71,7 +72,7 @@ def _all_reduce_checked(group: Any, packed: Tensor, own: float, function: str) -
             f"syncbn.{function}: the ranks' models hold different BatchNorm layers (expected the same "
             f"layer names and channel counts on all {size} ranks, got layer layouts that differ)"
         )
-    return size
+    return size, packed[2:]
 
 
 def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module:
@@ -129,18 +130,18 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
     group = groups.resolve(process_group)
     if group is None:
         return model
-    code = _layout_code(layers)
-    parts: list[Tensor] = [torch.tensor([1.0, code], dtype=torch.float64)]
+    parts: list[Tensor] = []
     for _, layer in layers:
         mean = layer.running_mean.detach().to(torch.float64)  # type: ignore[union-attr]
         second = layer.running_var.detach().to(torch.float64) + mean * mean  # type: ignore[union-attr]
         tracked = layer.num_batches_tracked
-        w = torch.tensor([float(tracked.item()) if tracked is not None else 1.0], **_f64(mean.device))
+        w = torch.tensor(
+            [float(tracked.item()) if tracked is not None else 1.0], dtype=torch.float64, device=mean.device
+        )
         # [w, w*mean, w*(var + mean^2)], then the unweighted [mean, var + mean^2] for all-zero weights
         parts += [w, w * mean, w * second, mean, second]
-    packed = torch.cat([p.to(parts[-1].device) for p in parts])  # on the last layer's device
-    size = _all_reduce_checked(group, packed, code, "sync_running_stats")
-    chunks = packed[2:].split([1 + 4 * layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
+    size, packed = _sum_checked(group, layers, parts, "sync_running_stats")
+    chunks = packed.split([1 + 4 * layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
     with torch.no_grad():
         for (_, layer), chunk in zip(layers, chunks):
             w = chunk[0]
@@ -356,18 +357,15 @@ def _set_population_stats(
     """Merge each layer's moments across ranks (two float64 all_reduces) and write its running stats."""
     # On the layers' device (NCCL needs accelerator tensors).
     device = layers[0][1].running_mean.device if layers else torch.device("cpu")  # type: ignore[union-attr]
-    f64 = _f64(device)
-    code = _layout_code(layers)
-    first: list[Tensor] = [torch.tensor([1.0, code], **f64)]
+    f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
+    first: list[Tensor] = []
     for _, layer in layers:
         m = moments[id(layer)]
         mean = m.mean.to(device) if m.mean is not None else torch.zeros(layer.running_mean.numel(), **f64)  # type: ignore[union-attr]
         first += [torch.tensor([m.count], **f64), m.count * mean]
-    sums = torch.cat(first)
-    if group is not None:
-        _all_reduce_checked(group, sums, code, "recompute_running_stats")
+    _, sums = _sum_checked(group, layers, first, "recompute_running_stats")
     # Global means, then each rank's squared deviations about them (no cancellation).
-    chunks = sums[2:].split([1 + layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
+    chunks = sums.split([1 + layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
     means = [chunk[1:] / chunk[0].clamp_min(1.0) for chunk in chunks]
     counts = [float(chunk[0].item()) for chunk in chunks]
     second: list[Tensor] = []

@@ -18,7 +18,10 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from .load import Load
+
 COLLECTIVE_TIMEOUT_S = 30.0
+MAX_STRETCH = 3.0  # how far a loaded machine may stretch a launch's deadline
 
 
 def _child(
@@ -76,7 +79,9 @@ def launch(
         fn: module-level function run on each rank after ``init_process_group``.
         world_size: number of ranks.
         *args: extra arguments (inherited through fork, need not pickle).
-        timeout: seconds before every child is killed.
+        timeout: seconds before every child is killed, on a quiet machine; on a loaded one,
+            stretched by the CPU stretch measured meanwhile (at most :data:`MAX_STRETCH` times):
+            a deadline is a guard against hangs, not a speed claim.
         allow_failures: return tracebacks (as ``("error", text)``) instead of raising.
         finish_wait: seconds a successful rank waits for its peers to finish before
             exiting (lower it in tests where a peer is expected to die).
@@ -92,25 +97,26 @@ def launch(
         ]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        results: dict[int, tuple[bool, Any]] = {}
-        failed: int | None = None
-        while len(results) < world_size:
-            for r in range(world_size):
-                path = os.path.join(tmp, f"rank{r}.pkl")
-                if r not in results and os.path.exists(path):
-                    with open(path, "rb") as f:
-                        results[r] = pickle.load(f)
-                    if not results[r][0] and failed is None:
-                        failed = r
-                elif r not in results and procs[r].exitcode not in (None, 0):
-                    results[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}")
-                    failed = r if failed is None else failed
-            if failed is not None and not allow_failures:
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+        with Load() as load:  # the CPU stretch while the ranks run
+            begin = time.monotonic()
+            results: dict[int, tuple[bool, Any]] = {}
+            failed: int | None = None
+            while len(results) < world_size:
+                for r in range(world_size):
+                    path = os.path.join(tmp, f"rank{r}.pkl")
+                    if r not in results and os.path.exists(path):
+                        with open(path, "rb") as f:
+                            results[r] = pickle.load(f)
+                        if not results[r][0] and failed is None:
+                            failed = r
+                    elif r not in results and procs[r].exitcode not in (None, 0):
+                        results[r] = (False, f"rank {r} died with exit code {procs[r].exitcode}")
+                        failed = r if failed is None else failed
+                if failed is not None and not allow_failures:
+                    break
+                if time.monotonic() - begin > timeout * min(load.stretch, MAX_STRETCH):
+                    break
+                time.sleep(0.01)
         grace = time.monotonic() + (2.0 if failed is None else 0.5)
         for p in procs:
             p.join(timeout=max(0.0, grace - time.monotonic()))
@@ -121,7 +127,10 @@ def launch(
         raise AssertionError(f"rank {failed} of {world_size} failed:\n{results[failed][1]}")
     missing = [r for r in range(world_size) if r not in results]
     if missing:
-        raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout:.0f}s")
+        raise TimeoutError(
+            f"ranks {missing} of {world_size} gave no result within {timeout:.0f}s (x{load.stretch:.1f}, "
+            f"at most x{MAX_STRETCH:g}, for the load measured: {load!r})"
+        )
     return [value if ok else ("error", value) for ok, value in (results[r] for r in range(world_size))]
 
 

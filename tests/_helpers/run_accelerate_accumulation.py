@@ -1,6 +1,9 @@
 """The documented accelerate recipe for ``syncbn.accumulation`` on 2 CPU processes (forked).
 
-Launched by tests/test_accumulation.py: ``python run_accelerate_accumulation.py OUT_DIR PORT``.
+Launched by tests/test_accumulation.py: ``python run_accelerate_accumulation.py OUT_DIR PORT``
+(and by tests/test_cmbn.py with a fourth argument ``cumulative``: the recipe with
+``normalize="cumulative"``, whose first layer's carry must hold the count and mean of the window's
+inputs of both ranks so far after each micro-batch).
 ``Accelerator(gradient_accumulation_steps=3)``: the block opens on the first micro-batch of a
 window and commits where ``accelerator.sync_gradients`` is true. At each commit, a plain
 ``nn.BatchNorm2d`` (the shadow) runs once on the first syncbn layer's inputs of the window's
@@ -27,6 +30,7 @@ from _helpers.integration_models import make_data, make_net  # noqa: E402
 K = 3  # micro-batches per optimizer step
 MICRO = 6  # micro-batches in all (two windows)
 PER = 2  # samples per rank and micro-batch
+NORMALIZE = "cumulative" if sys.argv[3:] == ["cumulative"] else "micro-batch"
 
 
 def train(out: str) -> None:
@@ -39,10 +43,24 @@ def train(out: str) -> None:
     shadow.load_state_dict(layer.state_dict())
     seen: list[torch.Tensor] = []
     layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    window: list[torch.Tensor] = []  # the window's inputs of both ranks so far (cumulative)
+
+    def check_carry(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        everyone: list[torch.Tensor | None] = [None] * accelerator.num_processes
+        dist.all_gather_object(everyone, args[0].detach().clone())
+        window.extend(t for t in everyone if t is not None)
+        values = torch.cat(window).transpose(0, 1).reshape(window[0].shape[1], -1)
+        carry = module.__dict__["_syncbn_cmbn"]
+        assert float(carry.count) == values.shape[1]
+        errors.append((carry.mean - values.mean(1)).abs().max().item())
+
+    if NORMALIZE == "cumulative":
+        layer.register_forward_hook(check_carry)
     x, y = make_data()
     rank, world = accelerator.process_index, accelerator.num_processes
-    errors, commits = [], 0
-    block = syncbn.accumulation(model)
+    errors: list[float] = []
+    commits = 0
+    block = syncbn.accumulation(model, normalize=NORMALIZE)
     for micro in range(MICRO):
         rows = slice((micro * world + rank) * PER, (micro * world + rank + 1) * PER)
         if not block.active:
@@ -56,6 +74,7 @@ def train(out: str) -> None:
                 dist.all_gather_object(everyone, seen)
                 shadow(torch.cat([t for inputs in everyone for t in inputs]))
                 seen.clear()
+                window.clear()
                 errors.append(
                     max(
                         (layer.running_mean - shadow.running_mean).abs().max().item(),

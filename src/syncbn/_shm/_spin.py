@@ -21,19 +21,15 @@ def _cores() -> int:
 class SpinPolicy:
     """How long a wait spins before it sleeps, from the cores and from recent waits.
 
-    The budget and its bounds are tabled in docs/internals/transports.md#the-wait. ``fixed`` set:
-    always :data:`_SPIN_S` (the earlier policy, kept for ``benchmarks/speed/hierarchical.py``).
+    The budget and its bounds are tabled in docs/internals/transports.md#the-wait.
     """
 
     def __init__(self, ranks: int) -> None:
-        self.fixed = False
         self.typical = 0.0
         self.cap = _SPIN_BUSY_S if ranks > _cores() else _SPIN_S
 
     def budget(self, now: float) -> float:
         """Seconds to spin in the wait that starts at ``now`` (``time.monotonic()``)."""
-        if self.fixed:
-            return _SPIN_S
         if self.typical > self.cap:
             return _SPIN_MIN_S
         return min(self.cap, max(_SPIN_MIN_S, _SPIN_TYPICAL_TIMES * self.typical))

@@ -111,6 +111,14 @@ def output_file(text: str) -> str:
     return text
 
 
+def add_output(parser: argparse.ArgumentParser, what: str, timeout: float, timeout_help: str) -> None:
+    """``--json FILE`` (also write ``what`` as JSON) and ``--timeout`` seconds (default ``timeout``)."""
+    parser.add_argument(
+        "--json", metavar="FILE", type=output_file, default=None, help=f"also write the {what} as JSON"
+    )
+    parser.add_argument("--timeout", type=seconds, default=timeout, help=timeout_help)
+
+
 def output_dir(text: str) -> str:
     """A ``type=`` for a folder the command writes into, created if missing: no file in its way."""
     path = os.path.abspath(text)

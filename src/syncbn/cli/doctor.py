@@ -78,18 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the job's syncbn group_size: K consecutive ranks, or 'node' (with --live)",
     )
     parser.add_argument(
-        "--json", metavar="FILE", type=_args.output_file, default=None, help="also write the report as JSON"
-    )
-    parser.add_argument(
         "--live",
         action="store_true",
         help="also check the ranks against each other (under torchrun, or on --world-size local ranks)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=_args.seconds,
-        default=DEFAULT_PG_TIMEOUT_S,
-        help="with --live, the process group's timeout in seconds, as the job's init_process_group "
+    _args.add_output(
+        parser,
+        "report",
+        DEFAULT_PG_TIMEOUT_S,
+        "with --live, the process group's timeout in seconds, as the job's init_process_group "
         f"sets it (default {DEFAULT_PG_TIMEOUT_S:g}, torch's)",
     )
     parser.add_argument(

@@ -39,15 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FACTOR",
         help="multiply every tolerance by FACTOR, 0 or more (below 1 is stricter; default 1)",
     )
-    parser.add_argument(
-        "--json", metavar="FILE", type=_args.output_file, default=None, help="also write the results as JSON"
-    )
-    parser.add_argument(
-        "--timeout",
-        type=_args.seconds,
-        default=60.0,
-        help="collective timeout in seconds, from 0.001 to 1e9 (default 60)",
-    )
+    _args.add_output(parser, "results", 60.0, "collective timeout in seconds, from 0.001 to 1e9 (default 60)")
     parser.add_argument(
         "--group-size",
         type=_args.group_size,

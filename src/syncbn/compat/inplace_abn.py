@@ -29,9 +29,8 @@ from torch import Tensor
 
 from .. import _fx, groups
 from .._abn_layer import ActivatedBatchNormBase
-from ..engine._function import inplace_abn_apply
 from ..families.inplace_abn import activate_, check_activation
-from ..functional import check_per_channel
+from ..functional import check_per_channel, inplace_abn_apply
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "inplace_abn", "inplace_abn_sync"]
 
@@ -81,14 +80,11 @@ class ABN(ActivatedBatchNormBase):
             return _fx.leaf_call(self, ABN.forward, x)
         self._check_input_dim(x)
         self._check_activation()
-        tracking = self.training and self.track_running_stats
-        factor = self._factor(tracking, False)
-        use_batch = self.training or self.running_mean is None
-        keep = not self.training or self.track_running_stats
-        running_mean, running_var = (self.running_mean, self.running_var) if keep else (None, None)
-        y = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, use_batch, factor, self.eps)
-        if tracking and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+        if self.training:
+            y = self._training_call().batch_norm(x, self.weight, self.bias, self.eps)
+        else:  # the running statistics, or without them the batch's
+            mean, var = self.running_mean, self.running_var
+            y = F.batch_norm(x, mean, var, self.weight, self.bias, mean is None, 0.0, self.eps)
         return activate_(y, None, None, self.activation, self.activation_param)
 
 

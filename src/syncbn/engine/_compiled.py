@@ -9,24 +9,20 @@ docs/how-it-works.md's; why the backward is explicit is in docs/internals/engine
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import _accumulating
-from ..families._protocol import THIS_CALL
+from ..families._protocol import THIS_CALL, Record
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
+from ._function import BATCH_NORM
 
 
 def _layout(x: Tensor) -> tuple[list[int], list[int]]:
     return [0, *range(2, x.dim())], [1, x.shape[1]] + [1] * (x.dim() - 2)
-
-
-def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
-    """The dtype the elementwise work runs in: the statistics' or the input's, whichever is wider."""
-    return torch.promote_types(torch.promote_types(x.dtype, stat), torch.float32)
 
 
 def traced_moments(
@@ -73,110 +69,74 @@ def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tens
             running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
 
 
-class _TracedForward(NamedTuple):
-    """What :func:`_traced_forward` computed: the output and what the Function saves or returns."""
-
-    out: Tensor  # the in-place family: its input, overwritten
-    mean: Tensor
-    var: Tensor  # biased (eval: the running variance)
-    invstd: Tensor
-    unbiased: Tensor | None  # None in eval (the in-place family)
-    total: Tensor | None  # None in eval (the in-place family)
-    weight: Tensor | None  # the weight the elementwise forward used (the family's effective one)
-    bias: Tensor | None
-    correction: tuple[Tensor, Tensor] | None  # the family's (r, d)
-
-
 def _traced_forward(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
-) -> _TracedForward:
+) -> Record:
     """The forward of :class:`_TracedSyncBatchNorm`, traced operations only (no autograd state)."""
-    eps, group, token, family = params.eps, params.group, params.layer, params.family
-    in_place = family is not None and family.in_place
+    eps, group, token, family = params.eps, params.group, params.layer, params.family or BATCH_NORM
     running_mean, running_var = params.running_mean, params.running_var
-    tracked = in_place and running_mean is not None and running_var is not None
-    # (the running statistics' dtype counts for the in-place family only)
-    stat = _rules.statistics_dtype(x, weight, running_mean if tracked else None)
+    stat = _rules.statistics_dtype(x, weight, running_mean)
     total = unbiased = None
-    if not in_place or family.training:
+    if family.training:
         total, mean, var, unbiased = traced_moments(x, group, token, stat, params.statistics)
-    else:  # eval: the running statistics (the layer has them)
+    else:  # constant statistics: the running ones (the layer has them)
         assert running_mean is not None and running_var is not None
         mean, var = running_mean.to(stat), running_var.to(stat)
     invstd = torch.rsqrt(var + eps)
-    correction = None
-    if in_place:  # the family's elementwise forward, written over x
-        family.traced_forward_(x, weight, bias, mean, invstd, eps)
-        out = x
-    else:
-        shape = _math.broadcast_shape(x)
-        comp = _compute_dtype(x, stat)
-        correction = None if family is None else family.correction(mean, var, eps)
-        if correction is not None:  # the family's effective affine map; (r, d) constants
-            weight, bias = family.affine(weight, bias, *correction)
-        scale = invstd if weight is None else invstd * weight
-        y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
-        if bias is not None:
-            y = y + bias.to(comp).view(shape)
-        out = y.to(x.dtype)
-    return _TracedForward(out, mean, var, invstd, unbiased, total, weight, bias, correction)
+    out, weight, bias, correction = family.traced_forward(x, weight, bias, mean, var, invstd, eps)
+    count = x.numel() // x.shape[1] if x.shape[1] else 0
+    return Record(
+        mean, var, eps, total, count, unbiased, 0.0, out, weight, correction, invstd, family.training, bias
+    )
 
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm of any family over a group, in traceable operations.
 
-    Returns ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; the in-place
-    family in eval returns ``out`` alone. ``out`` is a new tensor (the in-place family's caller
-    writes it over ``x``). ``params`` in traced form (``group`` a handle, 0: none; ``layer`` a
-    token). The running statistics are not updated here.
+    Returns ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; a family with
+    constant statistics (eval) returns ``out`` alone. ``out`` is a new tensor (an in-place family's
+    caller writes it over ``x``). ``params`` in traced form (``group`` a handle, 0: none; ``layer``
+    a token). The running statistics are not updated here.
     """
 
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
     ) -> Any:  # type: ignore[override]
-        in_place = params.family is not None and params.family.in_place
-        if in_place:  # written over a copy, which traced_inplace_abn writes over x (see there)
+        family = params.family or BATCH_NORM
+        if family.saves_output:  # written over a copy, which traced_inplace_abn writes over x (see there)
             x = x.clone()
-        out, mean, var, invstd, unbiased, total, weight, bias, correction = _traced_forward(
-            x, weight, bias, params
-        )
+        r = _traced_forward(x, weight, bias, params)
         # Only tensors are saved (no None: checkpointed regions under compile refuse it); ctx.present
-        # says which of the optional ones are, the family's (r, d) follow when it has a correction.
-        ctx.eps, ctx.family, ctx.group = params.eps, params.family, params.group
-        optional = (total, weight, bias if in_place else None, params.layer)
+        # says which of the optional ones are, the family's correction follows when it has one.
+        ctx.eps, ctx.family, ctx.group = params.eps, family, params.group
+        optional = (r.total, r.weight, r.bias, params.layer)
         ctx.present = [t is not None for t in optional]
-        extra = [t for t in (*optional, *(correction or ())) if t is not None]
-        ctx.save_for_backward(out if in_place else x, mean, invstd, *extra)
-        ctx.param_dtype = _rules.gradient_dtype(weight, bias, mean)
-        if total is None:  # the in-place family in eval
-            return out
-        ctx.mark_non_differentiable(mean, unbiased, total, var)
-        return out, mean, unbiased, total, var
+        extra = [t for t in (*optional, *(r.correction or ())) if t is not None]
+        ctx.save_for_backward(r.out if family.saves_output else x, r.mean, r.invstd, *extra)
+        ctx.param_dtype = _rules.gradient_dtype(r.weight, r.bias, r.mean)
+        if r.total is None:  # constant statistics
+            return r.out
+        ctx.mark_non_differentiable(r.mean, r.unbiased, r.total, r.var)
+        return r.out, r.mean, r.unbiased, r.total, r.var
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_output: Tensor, *unused: Any
     ) -> tuple[Tensor | None, ...]:
-        x, mean, invstd, *extra = ctx.saved_tensors  # x: the output, for the in-place family
+        saved, mean, invstd, *extra = ctx.saved_tensors
         total, weight, bias, token = [extra.pop(0) if present else None for present in ctx.present]
-        family, correction = ctx.family, extra  # (r, d) when the family has a correction
+        family, correction = ctx.family, tuple(extra) or None  # the family's correction, if any
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        dims, shape = _layout(x)
-        in_place = family is not None and family.in_place
-        if in_place:  # dz, xhat recovered from the output, and the scale (|w| + eps) * invstd
-            g, xhat, scale = family.traced_grad_terms(x, grad_output, weight, bias, invstd, ctx.eps)
-        else:
-            comp = _compute_dtype(x, mean.dtype)
-            xhat = (x.to(comp) - mean.to(comp).view(shape)) * invstd.to(comp).view(shape)
-            g = grad_output.to(comp)
-            scale = (invstd if weight is None else invstd * weight).to(comp).view(shape)
+        dims, shape = _layout(saved)
+        # the gradient at the normalisation, xhat, and the scale w * invstd: the family's
+        g, xhat, scale = family.traced_grad_terms(saved, grad_output, weight, bias, mean, invstd, ctx.eps)
         sum_dy = g.sum(dims)
         sum_dy_xhat = (g * xhat).sum(dims)
         grad_input = None
         if need_input:
-            if total is None:  # eval: the statistics are constants
-                grad_input = (g * scale).to(x.dtype)
+            if total is None:  # constant statistics
+                grad_input = (g * scale).to(saved.dtype)
             else:
                 summed = torch.stack([sum_dy, sum_dy_xhat])
                 if ctx.group:
@@ -184,11 +144,8 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
                 n = total.clamp(min=1.0).to(g.dtype)
                 mean_dy = (summed[0] / n).view(shape)
                 mean_dy_xhat = (summed[1] / n).view(shape)
-                grad_input = (scale * (g - mean_dy - xhat * mean_dy_xhat)).to(x.dtype)
-        if in_place:
-            sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight)
-        elif correction:
-            sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *correction)
+                grad_input = (scale * (g - mean_dy - xhat * mean_dy_xhat)).to(saved.dtype)
+        sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight, correction)
         grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
         grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, None
@@ -198,7 +155,7 @@ def sync_batch_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
     """Training-mode synchronised batch norm of any family, traced, with the running update."""
-    if params.family is not None:  # (r, d) from the statistics before the update below
+    if params.family:  # (a renorm's (r, d) from the statistics before the update below)
         params = params._replace(family=params.family.snapshot(_ops.snapshot))
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
     _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
@@ -209,7 +166,7 @@ def sync_batch_norm(
 def traced_inplace_abn(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """The compiled form of :func:`syncbn.engine._function.inplace_abn_apply`; returns ``x``, overwritten.
+    """The compiled form of :func:`syncbn.functional.inplace_abn_apply`; returns ``x``, overwritten.
 
     With grad on, the Function returns a new tensor and an ``x.copy_`` that autograd records writes
     it over ``x`` (no ``ctx.mark_dirty``: on torch 2.13, a compiled graph whose INPUT a Function
@@ -222,8 +179,8 @@ def traced_inplace_abn(
         x.copy_(result if isinstance(result, Tensor) else result[0])
         result = x if isinstance(result, Tensor) else (x, *result[1:])
     else:  # the same operations, no autograd state
-        f = _traced_forward(x, weight, bias, params)
-        result = x if f.total is None else (x, f.mean, f.unbiased, f.total, f.var)
+        r = _traced_forward(x, weight, bias, params)
+        result = x if r.total is None else (x, r.mean, r.unbiased, r.total, r.var)
     if not params.family.training:  # eval: the output alone
         return result
     out, mean, unbiased, total, var = result

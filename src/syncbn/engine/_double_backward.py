@@ -71,7 +71,7 @@ def joint_input_grads(
 
     ``total(parts, phase)`` sums the members' tensors over the group, differentiably. The statistics
     are rebuilt from the summed ``[sum x, sum x^2]``: the forward's values (``stats``, each a
-    :class:`syncbn.engine._math.Stats`) with the rebuild's derivatives.
+    :class:`syncbn.families._protocol.Record`) with the rebuild's derivatives.
     """
     moments = []  # [sum x, sum x^2] per channel, float64, differentiable in x
     for x in xs:
@@ -114,9 +114,8 @@ def differentiable_backward(
     def total(parts: list[Tensor], phase: str) -> Tensor:
         return _DifferentiableSum.apply(parts[0], reduce, phase)
 
-    ((gi, gw, gb),) = joint_input_grads([grad_output], [x], [weight], [ctx.stats], total, pooled)
-    if ctx.correction is not None:
-        gw, gb = ctx.family.parameter_grads(gb, gw, *ctx.correction)
+    ((gi, gw, gb),) = joint_input_grads([grad_output], [x], [weight], [ctx.record], total, pooled)
+    gw, gb = ctx.family.parameter_grads(gb, gw, weight, ctx.record.correction)
     return (
         gi if need_input else None,
         gw.to(ctx.param_dtype) if need_weight else None,

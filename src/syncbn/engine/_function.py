@@ -13,21 +13,12 @@ import torch
 from torch import Tensor
 
 from .. import _accumulating, _checks, _config
-from .._threads import LOCAL, ThreadSumGroup
-from ..families._protocol import THIS_CALL
-from ..families.inplace_abn import DOUBLE_BACKWARD, InPlaceABN, check_call
-from ..groups import (
-    PHASE_BACKWARD,
-    PHASE_FORWARD,
-    PHASE_OTHER,
-    CollectiveError,
-    ProcessGroupSum,
-    SumGroup,
-    Tag,
-)
+from .._threads import LOCAL
+from ..families._protocol import THIS_CALL, Record
+from ..families.batchnorm import BATCH_NORM
+from ..groups import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OTHER, CollectiveError, Tag
 from . import _math
 from ._double_backward import differentiable_backward, reduce_unwrapped
-from ._math import Stats, finish_input_grad, local_grad_sums
 from ._rules import gradient_dtype, is_compiling, one_value_error, statistics_dtype
 
 
@@ -41,32 +32,25 @@ class Params(NamedTuple):
     momentum: Any  # a float (traced: a 0-dim tensor for a cumulative average)
     group: Any = None  # eager: a SumGroup (None: no collective); traced: a group handle (0: none)
     layer: Any = None  # eager: the calling layer (errors, handshake state); traced: its token
-    family: Any = None  # the family's per-call object (syncbn.families); None: batch norm
+    family: Any = (
+        BATCH_NORM  # the family's per-call object (syncbn.families._protocol.Family; None: batch norm)
+    )
     statistics: Any = THIS_CALL  # what it normalises with (syncbn.families._protocol.Statistics)
 
 
-def _expected_more_than_one(x: Tensor, group: SumGroup, layer: Any, family: Any = None) -> ValueError:
-    members = "member(s) of the group" if family is not None and family.in_place else "ranks of the group"
-    return one_value_error(x, group.size, members, layer)
+def _expected_more_than_one(x: Tensor, group: Any, layer: Any, family: Any = BATCH_NORM) -> ValueError:
+    return one_value_error(x, group.size, (family or BATCH_NORM).members, layer)
 
 
-class Moments(NamedTuple):
-    """The global statistics of a training call (statistics dtype), as the engine computed them."""
-
-    mean: Tensor
-    var: Tensor  # biased
-    unbiased: Tensor
-    total: float | Tensor  # global count: a float on the host, a 0-dim float64 tensor on a device
-    local_count: int  # this member's values per channel
-    global_count: float  # the global count, or the lower bound 2.0 when this member holds >= 2
-
-    def update_running(self, params: Params) -> None:
-        """The update of ``params``' running statistics (none for an empty global batch)."""
-        if self.global_count > 0:  # (syncbn.accumulation sees every update here)
-            running_mean, momentum = params.running_mean, params.momentum
-            replicas = isinstance(params.group, ThreadSumGroup)
-            _accumulating.observe(running_mean, self.total, self.mean, self.var, momentum, local=replicas)
-            _math.update_running(running_mean, params.running_var, self.mean, self.unbiased, momentum)
+def update_running(moments: Record, params: Params) -> None:
+    """The update of ``params``' running statistics with ``moments`` (none for an empty global batch)."""
+    if moments.global_count > 0:  # (syncbn.accumulation sees every update here)
+        running_mean, momentum = params.running_mean, params.momentum
+        replicas = getattr(params.group, "replicas", False)
+        _accumulating.observe(
+            running_mean, moments.total, moments.mean, moments.var, momentum, local=replicas
+        )
+        _math.update_running(running_mean, params.running_var, moments.mean, moments.unbiased, momentum)
 
 
 def synchronized_moments(
@@ -74,9 +58,10 @@ def synchronized_moments(
     stat_dtype: torch.dtype,
     reduce: Callable[[Tensor], Tensor] | None,
     one_value_error: Callable[[], Exception],
+    eps: float,
     scratch: Tensor | None = None,
     statistics: Any = THIS_CALL,
-) -> Moments:
+) -> Record:
     """Local moments, packed; ONE ``reduce`` (``None``: this member alone); ``statistics.pool``; the
     statistics to normalise with. A global count of one raises ``one_value_error()`` first."""
     channels = x.shape[1]
@@ -96,46 +81,19 @@ def synchronized_moments(
         global_count = total if isinstance(total, float) else float(total.item())
         if global_count == 1:
             raise one_value_error()
-    return Moments(mean, var, unbiased, total, count, global_count)
+    return Record(mean, var, eps, total, count, unbiased, global_count)
 
 
 _PHASE_CODES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
 
-# The active syncbn.join.JoinableSyncBatchNorm while a Join context holds one, else None.
-_joining: Any = None
 
-
-def through_join(group: Any) -> bool:
-    """Whether ``group``'s collectives go through the active Join's joinable (then the checks are skipped)."""
-    global _joining
-    if _joining is None or not isinstance(group, ProcessGroupSum) or group.process_group is not None:
-        return False
-    if not _joining.live():  # its Join ended through an exception (no post-hook ran): join mode ends
-        _joining = None
-        return False
-    return True
-
-
-def checks_before_forward(group: Any, layer: Any, x: Tensor) -> int:
-    """The handshake or debug check before a forward collective; the debug call number (0: none)."""
-    return 0 if through_join(group) else _checks.before_forward(group, layer, x)
-
-
-def checks_before_backward(group: Any, layer: Any, grad_output: Tensor, call: int) -> None:
-    """Debug mode's check before a backward collective, under the Join policy."""
-    if not through_join(group):
-        _checks.before_backward(group, layer, grad_output, call)
-
-
-def _all_reduce(group: SumGroup, tensor: Tensor, layer: Any, phase: str) -> Tensor:
-    """Sum ``tensor`` over ``group``, framed with the layer's identity and ``phase``: every collective."""
+def _all_reduce(group: Any, tensor: Tensor, layer: Any, phase: str) -> Tensor:
+    """Sum ``tensor`` over ``group``; a framed group's frames carry the layer's identity and ``phase``."""
     try:
-        if through_join(group):
-            return _joining.all_reduce(tensor)
-        if type(group) is ProcessGroupSum:
+        if getattr(group, "framed", False):
             tag = Tag(_checks.layer_identity(layer, group), _PHASE_CODES.get(phase, PHASE_OTHER))
             deferred = not _host_side(tensor) and not _config.debug_enabled()
-            return group.all_reduce_sum(tensor, tag, deferred=deferred)
+            return group.all_reduce_sum(tensor, tag, deferred=deferred)  # type: ignore[no-any-return]
         return group.all_reduce_sum(tensor)
     except CollectiveError as exc:
         raise exc.for_layer(_checks.layer_name(layer), phase) from exc.__cause__
@@ -146,15 +104,6 @@ def _host_side(x: Tensor) -> bool:
     return x.is_cpu  # (``device.type`` makes a device object: ~0.2 us a call)
 
 
-class ForwardResult(NamedTuple):
-    """What a synchronised training forward produced, and what its backward needs."""
-
-    out: Tensor  # the output (the in-place family: the input, overwritten)
-    stats: Any  # what backward reads: a syncbn.engine._math.Stats, or the family's (in-place: ABNStats)
-    weight: Tensor | None = None  # the weight the elementwise forward used (the family's effective one)
-    correction: tuple[Tensor, Tensor] | None = None  # the family's (r, d); None for batch norm
-
-
 def synchronized_forward(
     x: Tensor,
     weight: Tensor | None,
@@ -162,44 +111,31 @@ def synchronized_forward(
     params: Params,
     reduce: Callable[[Tensor], Tensor] | None,
     one_value_error: Callable[[], Exception],
-) -> ForwardResult:
-    """The training forward with statistics summed by ``reduce``: the output and what backward needs.
+) -> Record:
+    """The training forward with statistics summed by ``reduce``: the family's record for backward.
 
     Shared by the process-group path and the DataParallel replicas; ``reduce`` is the transport
-    (``params.group`` is not read). ``reduce`` ``None`` (this member alone): the in-place family only.
+    (``params.group`` is not read; ``None``: this member alone). A family in eval normalises with
+    the running statistics (constants: no collective, no update).
     """
-    family, eps = params.family, params.eps
-    stat_dtype = statistics_dtype(x, weight, params.running_mean)
-    if family is not None and family.in_place:  # written over x: eval, nn.BatchNorm's kernel alone, or synced
-        running_mean, running_var = params.running_mean, params.running_var
-        if not family.training:  # the running statistics (total 0: no update)
-            assert running_mean is not None and running_var is not None  # (checked by check_call)
-            count = x.numel() // x.shape[1] if x.shape[1] else 0
-            mean, var = _math.cast(running_mean, stat_dtype), _math.cast(running_var, stat_dtype)
-            stats = family.forward_(x, weight, bias, Moments(mean, var, var, 0.0, count, 0.0), eps)
-        elif reduce is None and params.statistics is THIS_CALL and x.shape[1] and x.numel() // x.shape[1] > 1:
-            stats = family.native_forward_(
-                x, weight, bias, running_mean, running_var, params.momentum, eps, stat_dtype
-            )
-        else:
-            moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, None, params.statistics)
-            stats = family.forward_(x, weight, bias, moments, eps)
-            moments.update_running(params)
-        return ForwardResult(x, stats, weight, None)
+    family, eps, running_mean = params.family or BATCH_NORM, params.eps, params.running_mean
+    stat_dtype = statistics_dtype(x, weight, running_mean)
+    if not family.training:  # (checked by the family's layer: the running statistics exist)
+        count = x.numel() // x.shape[1] if x.shape[1] else 0
+        mean, var = _math.cast(running_mean, stat_dtype), _math.cast(params.running_var, stat_dtype)  # type: ignore[arg-type]
+        return family.forward(x, weight, bias, Record(mean, var, eps, 0.0, count, var), None)  # type: ignore[no-any-return]
+    if reduce is None and params.statistics is THIS_CALL and x.shape[1] and x.numel() // x.shape[1] > 1:
+        native = family.native_forward(x, weight, bias, params, stat_dtype)
+        if native is not None:
+            return native  # type: ignore[no-any-return]
     # On CPU the output buffer is the two-pass moments' scratch space (the native kernel needs none).
-    out = torch.empty_like(x) if _host_side(x) and not _math.uses_native_statistics(x) else None
-    moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, out, params.statistics)
-    mean, var = moments.mean, moments.var
-    correction = None if family is None else family.correction(mean, var, eps)
-    if correction is not None:  # the family's effective affine map, from statistics before the update
-        weight, bias = family.affine(weight, bias, *correction)
-    if moments.local_count > 0:
-        out = _math.normalize(x, weight, bias, mean, var, eps, out=out)
-    elif out is None:
+    out = None
+    if not family.saves_output and _host_side(x) and not _math.uses_native_statistics(x):
         out = torch.empty_like(x)
-    moments.update_running(params)
-    stats = Stats(mean, var, eps, moments.total, moments.local_count)
-    return ForwardResult(out, stats, weight, correction)
+    moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, eps, out, params.statistics)
+    record = family.forward(x, weight, bias, moments, out)
+    update_running(moments, params)
+    return record  # type: ignore[no-any-return]
 
 
 class _Pending:
@@ -212,14 +148,12 @@ class _Pending:
         self.call = 0
 
 
-def run_forward(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params
-) -> tuple[ForwardResult, int]:
+def run_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> tuple[Record, int]:
     """The training forward over ``params.group`` (``None``: no collective, no check), and the call number."""
     group, layer = params.group, params.layer
     call, reduce = 0, None
     if group is not None:
-        call = checks_before_forward(group, layer, x)
+        call = _checks.before_forward(group, layer, x)
         reduce = lambda packed: _all_reduce(group, packed, layer, "forward")  # noqa: E731
 
     def error() -> ValueError:
@@ -228,137 +162,105 @@ def run_forward(
     return synchronized_forward(x, weight, bias, params, reduce, error), call
 
 
-def _save(
-    ctx: Any, x: Tensor, weight: Any, bias: Any, result: ForwardResult, params: Params, call: int
-) -> None:
-    if params.family is not None and params.family.in_place:  # only the output (the input, overwritten)
+def _save(ctx: Any, x: Tensor, weight: Any, bias: Any, record: Record, params: Params, call: int) -> None:
+    """What backward reads: the saved tensor (the input, or the output written over it), the weight
+    the map used, the layer's weight and bias; the record and the call's parameters."""
+    family = params.family or BATCH_NORM
+    if family.saves_output:
         ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias)
-    elif result.correction is None:
-        ctx.save_for_backward(x, result.weight)
-    else:  # also the layer's own weight: the double backward differentiates through it
-        ctx.save_for_backward(x, result.weight, weight)
-    ctx.stats, ctx.family, ctx.correction = result.stats, params.family, result.correction
+    ctx.save_for_backward(x, record.weight, weight, bias)  # (x: the output, where written over it)
+    ctx.record, ctx.family = record, family
     ctx.param_dtype = gradient_dtype(weight, bias, x)  # (read only where a parameter needs a gradient)
     ctx.params, ctx.call = params, call
 
 
 def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    stats, family, group, layer = ctx.stats, ctx.family, ctx.params.group, ctx.params.layer
+    """Every family's backward: its local reduction, ONE framed sum, its input and parameter gradients."""
+    record, family, group, layer = ctx.record, ctx.family, ctx.params.group, ctx.params.layer
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-    if family is not None and family.in_place:
-        if torch.is_grad_enabled():  # the output it recovers from is not differentiable again
-            return _in_place_backward_under_func(ctx, grad_output)
-        grad_input, sum_dy_xhat, sum_dy = _in_place_backward(ctx, grad_output, family, stats, need_input)
-    else:
-        saved = ctx.saved_tensors
-        x, weight = saved[0], saved[1]
-        if torch.is_grad_enabled() and stats.total:
-            # create_graph=True: every rank takes this branch alike (same create_graph and count).
-            checks_before_backward(group, layer, grad_output, ctx.call)
-            if ctx.correction is not None:  # the effective scale from the differentiable weight
-                weight = family.scale(saved[2], ctx.correction[0])
-            reduce = lambda t, phase: _all_reduce(group, t, layer, phase)  # noqa: E731
-            return differentiable_backward(
-                ctx, grad_output, x, weight, reduce, ctx.params.statistics is not THIS_CALL
-            )
-        sum_dy, sum_dy_xhat = local_grad_sums(grad_output, x, weight, stats)
-        grad_input = None
-        if need_input:
-            checks_before_backward(group, layer, grad_output, ctx.call)
-            reduced = _all_reduce(group, _math.pack_grad_sums(sum_dy, sum_dy_xhat), layer, "backward")
-            grad_input = finish_input_grad(grad_output, x, weight, stats, reduced)
-        if ctx.correction is not None:
-            sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, *ctx.correction)
+    saved, weight, own, bias = ctx.saved_tensors
+    if torch.is_grad_enabled() and (record.total or not family.second_order):
+        if not family.second_order:  # refused, except as torch.func's first-order backward
+            return _first_order_only(ctx, grad_output, saved, own)
+        # create_graph=True: every rank takes this branch alike (same create_graph and count).
+        _checks.before_backward(group, layer, grad_output, ctx.call)
+        weight = family.differentiable_weight(own, record.correction)
+        reduce = lambda t, phase: _all_reduce(group, t, layer, phase)  # noqa: E731
+        pooled = ctx.params.statistics is not THIS_CALL  # (the variance's derivative centres on its mean)
+        return differentiable_backward(ctx, grad_output, saved, weight, reduce, pooled)
+    carry, sum_dy, sum_dy_xhat = family.grad_sums(saved, grad_output, weight, bias, record, need_input)
+    reduced = None  # constant statistics: none
+    if need_input and record.training and not record.native:
+        reduced = _math.pack_grad_sums(sum_dy, sum_dy_xhat)
+        if group is not None:
+            _checks.before_backward(group, layer, grad_output, ctx.call)
+            if torch._C._are_functorch_transforms_active():  # the plain tensors (torch.func.grad)
+                reduced = reduce_unwrapped(reduced, lambda t, phase: _all_reduce(group, t, layer, phase))
+            else:
+                reduced = _all_reduce(group, reduced, layer, "backward")
+    grad_input = None
+    if need_input:
+        grad_input = family.input_grad(saved, grad_output, weight, bias, record, carry, reduced)
+    sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight, record.correction)
     grad_weight = _math.cast(sum_dy_xhat, ctx.param_dtype) if need_weight else None
     grad_bias = _math.cast(sum_dy, ctx.param_dtype) if need_bias else None
     return grad_input, grad_weight, grad_bias
 
 
-def _in_place_backward(
-    ctx: Any, grad: Tensor, family: Any, stats: Any, need_input: bool
-) -> tuple[Tensor | None, Tensor, Tensor]:
-    """``(grad_input, dweight, dbias)`` of the in-place family: from its saved output, ONE framed sum."""
-    y, weight, bias = ctx.saved_tensors
-    group, layer = ctx.params.group, ctx.params.layer
-    # this process alone, its own statistics: one native call
-    if group is None and stats.training and stats.local_count > 1 and ctx.params.statistics is THIS_CALL:
-        grad_input, sum_dz, sum_dz_xhat = family.native_backward(y, grad, weight, bias, stats, need_input)
-    else:
-        carry, sum_dz, sum_dz_xhat = family.grad_sums(y, grad, weight, bias, stats)
-        reduced = None  # eval: the statistics are constants
-        if need_input and stats.training:
-            reduced = _math.pack_grad_sums(sum_dz, sum_dz_xhat)
-            if group is not None:
-                checks_before_backward(group, layer, grad, ctx.call)
-                if torch._C._are_functorch_transforms_active():  # the plain tensors (torch.func.grad)
-                    reduced = reduce_unwrapped(reduced, lambda t, phase: _all_reduce(group, t, layer, phase))
-                else:
-                    reduced = _all_reduce(group, reduced, layer, "backward")
-        grad_input = family.input_grad(y, weight, bias, stats, carry, reduced) if need_input else None
-    return (grad_input, *family.parameter_grads(sum_dz, sum_dz_xhat, weight))
-
-
-def _in_place_backward_under_func(
-    ctx: Any, grad_output: Tensor
+def _first_order_only(
+    ctx: Any, grad_output: Tensor, saved: Tensor, weight: Any
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """The in-place family's backward with grad on: refused, except after a forward under torch.func,
-    whose ``grad``/``vjp`` build the backward's graph (``vjp``'s function after the transform exited):
-    each gradient computed without it, behind a node that refuses a second differentiation."""
+    """A family without a double backward, backward with grad on: refused, except after a forward
+    under torch.func, whose ``grad``/``vjp`` build the backward's graph (``vjp``'s function after the
+    transform exited): each gradient computed without it, behind a node refusing a second one."""
+    message = ctx.family.double_backward_error
     if not (torch._C._are_functorch_transforms_active() or getattr(ctx, "transformed", False)):
-        raise RuntimeError(DOUBLE_BACKWARD)
+        raise RuntimeError(message)
     with torch.no_grad():
         grads = _backward(ctx, grad_output)
-    y, weight, _ = ctx.saved_tensors  # (what the gradients depend on: the node is recorded if any does)
-    gi, gw, gb = (None if g is None else _FirstOrderOnly.apply(g, y, weight, grad_output) for g in grads)
-    return gi, gw, gb
+    # (what the gradients depend on: the node is recorded if any does)
+    return tuple(
+        None if g is None else _FirstOrderOnly.apply(g, message, saved, weight, grad_output) for g in grads
+    )  # type: ignore[return-value]
 
 
 class _FirstOrderOnly(torch.autograd.Function):
-    """``grad`` unchanged; differentiating it again raises (the in-place family's double backward)."""
+    """``grad`` unchanged; differentiating it again raises ``RuntimeError(message)``."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(grad: Tensor, *depends_on: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(grad: Tensor, message: str, *depends_on: Tensor | None) -> Tensor:  # type: ignore[override]
         return grad.clone()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        pass
+        ctx.message = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        raise RuntimeError(DOUBLE_BACKWARD)
+        raise RuntimeError(ctx.message)
 
 
-IN_PLACE_VMAP = (
-    "syncbn: torch.func.vmap over an in-place activated batch norm (InPlaceSyncBatchNorm, "
-    "InPlaceABN, InPlaceABNSync) expected eval mode with running statistics and an unbatched "
-    "weight and bias (got {got}): batch statistics would be each vmapped sample's own (and, "
-    "synchronised, a collective per sample). Under vmap use the layer in eval mode, or "
-    "syncbn.SyncBatchNorm followed by the activation; torch.func.grad/vjp/jacrev are supported."
-)
-
-
-def _in_place_vmap(in_dims: Any, x: Tensor, weight: Any, bias: Any, params: Params, box: _Pending) -> Any:
-    """The in-place family under ``vmap``: in eval (constant statistics) the vmapped dim joins the batch.
-
-    ``box`` is the caller's: a transform above ``vmap`` (``grad``) reads the forward's result from it.
-    """
+def _vmap(in_dims: Any, x: Tensor, weight: Any, bias: Any, params: Params, box: _Pending) -> Any:
+    """Under ``vmap``, a call with constant statistics (a family in eval) folds the vmapped dim into
+    the batch; the family's error otherwise. ``box`` is the caller's: a transform above ``vmap``
+    (``grad``) reads the forward's result from it."""
+    family = params.family or BATCH_NORM
     x_dim, weight_dim, bias_dim = in_dims[:3]
-    if params.family.training or weight_dim is not None or bias_dim is not None or x_dim is None:
-        got = "batch statistics (training, or eval without running statistics)"
-        if not params.family.training:
-            got = "an unbatched input" if x_dim is None else "a batched weight or bias"
-        raise NotImplementedError(IN_PLACE_VMAP.format(got=got))
+    if family.training or weight_dim is not None or bias_dim is not None or x_dim is None:
+        raise NotImplementedError(
+            family.vmap_error(x_dim is not None, weight_dim is not None or bias_dim is not None)
+        )
     moved = x.movedim(x_dim, 0)
     contiguous = moved.is_contiguous()  # then a view: written over in place, else a copy written back
     flat = moved.view(-1, *moved.shape[2:]) if contiguous else moved.reshape(-1, *moved.shape[2:]).clone()
-    TransformableSyncBatchNormFunction.apply(flat, weight, bias, params, box)
-    if not contiguous:
-        moved.copy_(flat.view(moved.shape))
-    return x, x_dim
+    out = TransformableSyncBatchNormFunction.apply(flat, weight, bias, params, box)
+    if family.saves_output:
+        if not contiguous:
+            moved.copy_(flat.view(moved.shape))
+        return x, x_dim
+    return out.view(moved.shape), 0
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -366,9 +268,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:  # type: ignore[override]
-        result, call = run_forward(x, weight, bias, params)
-        _save(ctx, x, weight, bias, result, params, call)
-        return result.out
+        record, call = run_forward(x, weight, bias, params)
+        _save(ctx, x, weight, bias, record, params, call)
+        return record.out  # type: ignore[no-any-return]
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -376,14 +278,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
 
 class TransformableSyncBatchNormFunction(torch.autograd.Function):
-    """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs (``vmap`` raises)."""
+    """:class:`SyncBatchNormFunction` in the ``setup_context`` form ``torch.func`` needs."""
 
     @staticmethod
     def forward(
         x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params, box: _Pending
     ) -> Tensor:  # type: ignore[override]
         box.result, box.call = run_forward(x, weight, bias, params)
-        return box.result.out
+        return box.result.out  # type: ignore[no-any-return]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -397,37 +299,7 @@ class TransformableSyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
-        x, weight, bias, params, box = args
-        if params.family is not None and params.family.in_place:
-            return _in_place_vmap(in_dims, x, weight, bias, params, box)
-        raise NotImplementedError(
-            "syncbn: torch.func.vmap over a synchronised SyncBatchNorm in training is not supported "
-            "(each vmapped sample would need its own collective across ranks). Use the layer in eval "
-            "mode, or outside a process group, under vmap; torch.func.grad/vjp/jacrev are supported."
-        )
-
-
-def inplace_abn_apply(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    training: bool,
-    momentum: float,
-    eps: float,
-    activation: str,
-    param: float,
-    group: SumGroup | None,
-    layer: Any = None,
-    statistics: Any = THIS_CALL,
-) -> Tensor:
-    """In-place activated batch norm on the engine, over ``group`` in training; returns ``x``, overwritten."""
-    check_call(x, weight, running_mean, running_var, training)
-    family = InPlaceABN(activation, param, training)
-    group = group if training else None
-    params = Params(running_mean, running_var, eps, momentum, group, layer, family, statistics)
-    return apply(x, weight, bias, params)
+        return _vmap(in_dims, *args)
 
 
 # SyncBatchNormFunction.apply's C entry, bound once. Outside torch.func and tracing, Function.apply's

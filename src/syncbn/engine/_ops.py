@@ -56,6 +56,7 @@ _is_compiling = _rules.is_compiling
 def group_handle(process_group: Any) -> int:
     """The integer standing for the group ``process_group`` resolves to now (0: none, run locally)."""
     group = groups.resolve(process_group)
+    group = getattr(group, "base", group)  # a Join's wrapper: its group (wrapped again at run time)
     if group is None:
         return 0
     handle = _group_ids.get(id(group))
@@ -152,7 +153,7 @@ def _all_reduce_impl(
     owner = None if layer is None else _checks.layer_for_token(int(layer))
     if owner is None and layer is not None:
         _warn_unbound()
-    summed = _framed_sum(_live_group(group), tensor, owner, phase, source, flags)
+    summed = _framed_sum(groups.joined(_live_group(group)), tensor, owner, phase, source, flags)
     if summed.data_ptr() == tensor.data_ptr():
         summed = summed.clone()
     return summed
@@ -173,12 +174,12 @@ def _framed_sum(
     sum_group: Any, tensor: Tensor, layer: Any, phase: int, source: Tensor | None, flags: int
 ) -> Tensor:
     """Handshake or debug check (with ``source``), the framed sum of a copy, the one-value check."""
-    if source is not None:  # the Join policy of syncbn.engine._function decides whether checks run
+    if source is not None:  # (a Join's wrapper is checked by its joinable, not here)
         if phase == PHASE_FORWARD:
-            _function.checks_before_forward(sum_group, layer, source)
+            _checks.before_forward(sum_group, layer, source)
         elif phase == PHASE_BACKWARD:
             call = _checks.state_of(layer).calls if layer is not None else 0
-            _function.checks_before_backward(sum_group, layer, source, call)
+            _checks.before_backward(sum_group, layer, source, call)
     work = tensor.clone(memory_format=torch.contiguous_format)
     summed = _function._all_reduce(sum_group, work, layer, PHASE_NAMES.get(phase, "other"))
     if flags & CHECK_ONE_VALUE and float(summed.reshape(-1)[0]) == 1.0:

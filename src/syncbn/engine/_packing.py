@@ -4,13 +4,13 @@ this thread's reusable buffers. See docs/internals/engine.md.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+from ..families._arith import _LOW_PRECISION, _per_thread
+
 # Read-only one-element tensors for the head of the packed vector (each saves a call per layer).
 _ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.float64)}
 
@@ -57,49 +57,9 @@ class MomentBuffer:
         self.stat_means, self.stat_vars = self.stats.unbind(0)
 
 
-_thread_state = threading.local()
-_Buffer = TypeVar("_Buffer")
-
-
-def _per_thread(slot: str, make: Callable[..., _Buffer], *key: Any) -> _Buffer:
-    """This thread's ``make(*key)`` in its cache ``slot`` (made on first use; at most 256 kept)."""
-    cache: dict[tuple[Any, ...], _Buffer] | None = getattr(_thread_state, slot, None)
-    if cache is None:
-        cache = {}
-        setattr(_thread_state, slot, cache)
-    buffer = cache.get(key)
-    if buffer is None:
-        if len(cache) >= 256:
-            cache.clear()
-        buffer = cache[key] = make(*key)
-    return buffer
-
-
 def moment_buffer(channels: int, device: torch.device) -> MomentBuffer:
     """This thread's :class:`MomentBuffer` (per thread: DataParallel's replicas never share one)."""
     return _per_thread("moments", MomentBuffer, channels, device)
-
-
-class GradBuffer:
-    """One thread's reusable per-channel buffers of the host input gradient (one dtype and rank).
-
-    ``scale`` (``w * invstd``) with ``scale_view`` against the input; ``corrections`` (``(2, C)``)
-    with rows ``shift`` and ``slope``.
-    """
-
-    __slots__ = ("scale", "scale_view", "corrections", "shift", "slope")
-
-    def __init__(self, channels: int, dtype: torch.dtype, ndim: int) -> None:
-        with torch.inference_mode(False):  # usable in place inside and outside inference mode
-            self.scale = torch.empty(channels, dtype=dtype)
-            self.corrections = torch.empty(2, channels, dtype=dtype)
-            self.scale_view = self.scale.view([1, channels] + [1] * (ndim - 2))
-            self.shift, self.slope = self.corrections.unbind(0)
-
-
-def grad_buffer(channels: int, dtype: torch.dtype, ndim: int) -> GradBuffer:
-    """This thread's :class:`GradBuffer` for ``channels`` values of ``dtype`` against ``ndim``-D input."""
-    return _per_thread("grads", GradBuffer, channels, dtype, ndim)
 
 
 def pack_moments(
@@ -128,10 +88,9 @@ def pack_moments(
         packed.mul_(count)  # [n, n*mean, n*var]
         packed[channels + 1 :].addcmul_(packed[1 : channels + 1], mean)
         return packed
-    # Two widening copies into the buffer's rows: a cat that widens costs 3-4 as much on CPU.
+    # Widening copies into the buffer's rows, one call: a cat that widens costs 3-4 as much on CPU.
     means, squares = buffer.means, buffer.squares
-    means.copy_(mean)  # widened exactly to float64
-    squares.copy_(var)
+    torch._foreach_copy_([means, squares], [mean, var])  # widened exactly to float64
     buffer.sums.mul_(count)  # [n*mean, n*var]
     words = buffer.words
     if words is not None:

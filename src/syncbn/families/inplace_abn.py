@@ -7,14 +7,15 @@ docs/internals/engine.md how the gradients are evaluated. 16-bit outputs are rec
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .._errors import ChannelCountError
-from ..engine import _math
+from . import _arith
+from ._protocol import Record
 
 DOUBLE_BACKWARD = (
     "syncbn: double backward (create_graph=True) through an in-place activated batch norm "
@@ -24,6 +25,14 @@ DOUBLE_BACKWARD = (
 )
 
 ACTIVATIONS = ("leaky_relu", "elu", "identity")
+
+VMAP = (
+    "syncbn: torch.func.vmap over an in-place activated batch norm (InPlaceSyncBatchNorm, "
+    "InPlaceABN, InPlaceABNSync) expected eval mode with running statistics and an unbatched "
+    "weight and bias (got {got}): batch statistics would be each vmapped sample's own (and, "
+    "synchronised, a collective per sample). Under vmap use the layer in eval mode, or "
+    "syncbn.SyncBatchNorm followed by the activation; torch.func.grad/vjp/jacrev are supported."
+)
 
 
 def check_activation(activation: str, param: float, *, in_place: bool = True) -> None:
@@ -102,18 +111,18 @@ def affine_coefficients(
     """``(a, c)``, ``a = s * invstd`` and ``c = b - mean * a``: ``x * a + c`` goes into the activation."""
     a = (var + eps).rsqrt()
     if scale is not None:
-        a = a * _math.cast(scale, a.dtype)
+        a = a * _arith.cast(scale, a.dtype)
     c = -mean * a
     if bias is not None:
-        c = c + _math.cast(bias.detach(), c.dtype)
+        c = c + _arith.cast(bias.detach(), c.dtype)
     return a, c
 
 
 def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, param: float) -> Tensor:
     """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``; ``None``: none); returns ``x``."""
     if a is not None and c is not None:
-        shape = _math.broadcast_shape(x)
-        if x.dtype in _math._LOW_PRECISION:  # one rounding: two 16-bit ones flip signs near 0 (the branch)
+        shape = _arith.broadcast_shape(x)
+        if x.dtype in _arith._LOW_PRECISION:  # one rounding: two 16-bit ones flip signs near 0 (the branch)
             torch.addcmul(c.view(shape), x, a.view(shape), out=x)
         else:  # two passes: an addcmul with a broadcast first operand is several times slower on CPU
             x.mul_(a.view(shape)).add_(c.view(shape))
@@ -131,11 +140,11 @@ def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Ten
 
     In the accumulation dtype; ``scratch``: whether ``z`` is a new tensor the caller may overwrite.
     """
-    acc = _math.accumulation_dtype(y.dtype)
+    acc = _arith.accumulation_dtype(y.dtype)
     p = float(param)
     widen = y.dtype != acc
     yw = y.to(acc) if widen else y
-    gw = _math.cast(grad, acc)
+    gw = _arith.cast(grad, acc)
     if activation == "leaky_relu":
         dz = torch.ops.aten.leaky_relu_backward(gw, yw, p, True)
         # The inverse of leaky_relu(., p), in place where ``yw`` is a widened copy.
@@ -153,25 +162,15 @@ def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Ten
 def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """Local ``(sum(dz), sum(dz * xhat))``: batch norm's backward kernel with mean ``b``, variance ``s^2``."""
     channels = z.shape[1]  # (z - b) / sqrt(s^2) = xhat; b 0 and s 1 when absent
-    mean = z.new_zeros(channels) if bias is None else _math.cast(bias.detach(), z.dtype)
-    var = z.new_ones(channels) if scale is None else _math.cast(scale, z.dtype).square()
+    mean = z.new_zeros(channels) if bias is None else _arith.cast(bias.detach(), z.dtype)
+    var = z.new_ones(channels) if scale is None else _arith.cast(scale, z.dtype).square()
     if torch._C._are_functorch_transforms_active():  # (vmap has no rule for the kernel's eval form)
-        dims, shape = [0, *range(2, z.dim())], _math.broadcast_shape(z)
+        dims, shape = [0, *range(2, z.dim())], _arith.broadcast_shape(z)
         return dz.sum(dims), (dz * (z - mean.view(shape))).sum(dims) * var.rsqrt()
     _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
         dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
     )
     return sum_dz, sum_dz_xhat
-
-
-class ABNStats(NamedTuple):
-    """What an in-place forward leaves its backward, besides the output it wrote over its input."""
-
-    invstd: Tensor  # 1 / sqrt(var + eps), var the global batch's (statistics dtype) or the running one
-    eps: float  # added to the variance and to |w|
-    total: float | Tensor  # global count (a float on CPU; 0-dim tensor on a device); 0.0 in eval
-    local_count: int  # this member's values per channel
-    training: bool
 
 
 class InPlaceABN(NamedTuple):
@@ -181,37 +180,57 @@ class InPlaceABN(NamedTuple):
     param: float
     training: bool = True
 
-    @property
-    def in_place(self) -> bool:
-        """The output is written over the input (the engine marks it dirty and saves the output)."""
-        return True
+    # The protocol's questions (syncbn.families._protocol.Family): written over the input, whose
+    # output it saves; its backward recovers the input from the output, once.
+    saves_output: bool = True
+    second_order: bool = False
+    members: str = "member(s) of the group"
+    double_backward_error: str = DOUBLE_BACKWARD
 
-    def forward_(
-        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, moments: Any, eps: float
-    ) -> ABNStats:
-        """``x <- act(x * a + c)`` with ``moments``' mean and biased variance, the global batch's in
+    def snapshot(self, copy: Callable[[Tensor], Tensor]) -> InPlaceABN:
+        return self
+
+    def check_input(self, x: Tensor) -> None:
+        check_writable(x, "in-place activated batch norm")
+
+    def alone(self, *args: Any) -> Tensor | None:
+        """One member: the engine without a collective (``nn.BatchNorm``'s kernel, then the activation)."""
+        return args[-1]()  # type: ignore[no-any-return]
+
+    def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, m: Record, out: Any) -> Record:
+        """``x <- act(x * a + c)`` with ``m``'s mean and biased variance, the global batch's in
         training, the running ones in eval (see :func:`affine_coefficients`)."""
-        if moments.local_count > 0:
-            a, c = affine_coefficients(abs_scale(weight, eps), bias, moments.mean, moments.var, eps)
+        eps = m.eps
+        if m.local_count > 0:
+            a, c = affine_coefficients(abs_scale(weight, eps), bias, m.mean, m.var, eps)
             activate_(x, a, c, self.activation, self.param)
-        return ABNStats((moments.var + eps).rsqrt(), eps, moments.total, moments.local_count, self.training)
+        invstd = (m.var + eps).rsqrt()
+        return Record(
+            m.mean,
+            m.var,
+            eps,
+            m.total,
+            m.local_count,
+            out=x,
+            weight=weight,
+            invstd=invstd,
+            training=self.training,
+        )
 
-    def native_forward_(
-        self,
-        x: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        momentum: float,
-        eps: float,
-        stat: torch.dtype,
-    ) -> ABNStats:
+    def native_forward(
+        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Any, stat: torch.dtype
+    ) -> Record:
         """Without a group: ``nn.BatchNorm``'s own training kernel over ``x``, then the activation."""
+        running_mean, running_var, momentum, eps = (
+            params.running_mean,
+            params.running_var,
+            params.momentum,
+            params.eps,
+        )
         scale = abs_scale(weight, eps)
         b = None if bias is None else bias.detach()
         # On a contiguous or channels-last x the CPU kernel reads each value before writing over it.
-        if x.device.type == "cpu" and _math.memory_format(x) is not None:
+        if x.device.type == "cpu" and _arith.memory_format(x) is not None:
             invstd = torch.empty(x.shape[1], dtype=stat)
             torch.ops.aten.native_batch_norm.out(
                 x, scale, b, running_mean, running_var, True, momentum, eps,
@@ -224,47 +243,53 @@ class InPlaceABN(NamedTuple):
             x.copy_(out)
         activate_(x, None, None, self.activation, self.param)
         count = x.numel() // x.shape[1]
-        return ABNStats(invstd, eps, float(count), count, True)
+        return Record(None, None, eps, float(count), count, out=x, weight=weight, invstd=invstd, native=True)
 
     def grad_sums(
-        self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, stats: ABNStats
+        self,
+        y: Tensor,
+        grad: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        stats: Record,
+        need_input: bool,
     ) -> tuple[Any, Tensor, Tensor]:
-        """``(carry, sum(dz), sum(dz * xhat))`` from ``y``; ``carry`` (``None``: empty) feeds input_grad."""
+        """``(carry, sum(dz), sum(dz * xhat))`` from ``y``; ``carry`` (``None``: empty) feeds input_grad
+        (after the one-kernel forward: the input gradient itself, see :meth:`native_backward`)."""
+        if stats.native:
+            return self.native_backward(y, grad, weight, bias, stats, need_input)
         if stats.local_count == 0:
-            zeros = torch.zeros(y.shape[1], dtype=_math.accumulation_dtype(y.dtype), device=y.device)
+            zeros = torch.zeros(y.shape[1], dtype=_arith.accumulation_dtype(y.dtype), device=y.device)
             return None, zeros, zeros.clone()
         z, dz, scratch = recover(y, grad, self.activation, self.param)
         sum_dz, sum_dz_xhat = recovered_sums(dz, z, abs_scale(weight, stats.eps), bias)
         return (z, dz, scratch), sum_dz, sum_dz_xhat
 
-    @staticmethod
     def input_grad(
-        y: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        stats: ABNStats,
-        carry: Any,
+        self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, stats: Record, carry: Any,
         reduced: Tensor | None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         """The input gradient in ``y``'s dtype from :meth:`grad_sums`' ``carry`` and the global ``reduced``.
 
         Evaluated as ``z * B + C + dz * A`` (docs/internals/engine.md); eval (no ``reduced``): ``a * dz``.
         """
+        if stats.native:  # computed with the sums
+            return carry  # type: ignore[no-any-return]
         if carry is None:  # an empty local batch
             return torch.zeros_like(y)
         z, dz, scratch = carry
         acc, scale, dtype = z.dtype, abs_scale(weight, stats.eps), y.dtype
-        shape = _math.broadcast_shape(z)
-        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
-        a = s * _math.cast(stats.invstd, acc)
+        shape = _arith.broadcast_shape(z)
+        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _arith.cast(scale, acc)
+        a = s * _arith.cast(stats.invstd, acc)
         if reduced is None:
             return torch.mul(dz, a.view(shape)).to(dtype)
         n = stats.total if isinstance(stats.total, float) else stats.total.to(acc)
-        sums = _math.cast(reduced.to(z.device), acc)
+        sums = _arith.cast(reduced.to(z.device), acc)
         b_coef = -a / s * sums[1] / n
         c_coef = -a * sums[0] / n
         if bias is not None:
-            c_coef = c_coef - b_coef * _math.cast(bias.detach(), acc)
+            c_coef = c_coef - b_coef * _arith.cast(bias.detach(), acc)
         out = z.mul_(b_coef.view(shape)) if scratch else torch.mul(z, b_coef.view(shape))
         out.add_(c_coef.view(shape)).addcmul_(dz, a.view(shape))
         return out if out.dtype == dtype else out.to(dtype)
@@ -275,7 +300,7 @@ class InPlaceABN(NamedTuple):
         grad: Tensor,
         weight: Tensor | None,
         bias: Tensor | None,
-        stats: ABNStats,
+        stats: Record,
         need_input: bool,
     ) -> tuple[Tensor | None, Tensor, Tensor]:
         """Without a group: ``(grad_input, sum(dz), sum(dz * xhat))`` in ONE native batch-norm backward call.
@@ -285,9 +310,9 @@ class InPlaceABN(NamedTuple):
         z, dz, _ = recover(y, grad, self.activation, self.param)
         acc, eps = z.dtype, stats.eps
         scale = abs_scale(weight, eps)
-        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _math.cast(scale, acc)
-        mean = torch.zeros_like(s) if bias is None else _math.cast(bias.detach(), acc)
-        w = s * s * _math.cast(stats.invstd, acc)
+        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _arith.cast(scale, acc)
+        mean = torch.zeros_like(s) if bias is None else _arith.cast(bias.detach(), acc)
+        w = s * s * _arith.cast(stats.invstd, acc)
         grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
             dz, z, w, None, None, mean, s.reciprocal(), True, eps, [need_input, True, True]
         )
@@ -295,8 +320,13 @@ class InPlaceABN(NamedTuple):
             grad_input = grad_input.to(y.dtype)
         return grad_input if need_input else None, sum_dz, sum_dz_xhat
 
+    def differentiable_weight(self, weight: Any, correction: Any) -> Any:
+        return weight  # (no double backward: second_order is False)
+
     @staticmethod
-    def parameter_grads(sum_dz: Tensor, sum_dz_xhat: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    def parameter_grads(
+        sum_dz: Tensor, sum_dz_xhat: Tensor, weight: Tensor | None, correction: Any
+    ) -> tuple[Tensor, Tensor]:
         """``(dweight, dbias) = (sign(w) * sum(dz * xhat), sum(dz))``: ``d|w|/dw`` is -1 where ``w < 0``."""
         if weight is None:
             return sum_dz_xhat, sum_dz
@@ -304,23 +334,24 @@ class InPlaceABN(NamedTuple):
 
     # The traced twins (syncbn.engine._compiled): plain tensor operations, no host reads or reused buffers.
 
-    def traced_forward_(
-        self, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, invstd: Tensor, eps: float
-    ) -> None:
-        """:meth:`forward_` in traced operations: ``x <- act(x * a + c)``."""
+    def traced_forward(
+        self, x: Tensor, weight: Any, bias: Any, mean: Tensor, var: Tensor, invstd: Tensor, eps: float
+    ) -> tuple[Tensor, Any, Any, Any]:
+        """:meth:`forward` in traced operations: ``x <- act(x * a + c)``; ``x`` is the output."""
         a = invstd if weight is None else invstd * (weight.abs() + eps).to(invstd.dtype)
         c = -mean * a if bias is None else bias.to(a.dtype) - mean * a
-        shape = _math.broadcast_shape(x)
+        shape = _arith.broadcast_shape(x)
         with torch.no_grad():
             x.copy_(x * a.view(shape) + c.view(shape))
             activate_(x, None, None, self.activation, self.param)
+        return x, weight, bias, None
 
     def traced_grad_terms(
-        self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, invstd: Tensor, eps: float
+        self, y: Tensor, grad: Tensor, weight: Any, bias: Any, mean: Tensor, invstd: Tensor, eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dz, xhat, a)`` recovered from ``y``, traced: batch norm's ``(dy, xhat, w * invstd)``."""
-        acc = _math.accumulation_dtype(y.dtype)
-        shape, p = _math.broadcast_shape(y), self.param
+        acc = _arith.accumulation_dtype(y.dtype)
+        shape, p = _arith.broadcast_shape(y), self.param
         yw, g = y.to(acc), grad.to(acc)
         if self.activation == "leaky_relu":
             negative = yw < 0
@@ -335,3 +366,9 @@ class InPlaceABN(NamedTuple):
         shift = torch.zeros_like(invstd) if bias is None else bias.to(invstd.dtype)
         xhat = (z - shift.to(acc).view(shape)) / scale.to(acc).view(shape)
         return dz, xhat, (scale * invstd).to(acc).view(shape)
+
+    def vmap_error(self, batched_input: bool, batched_parameters: bool) -> str:
+        got = "batch statistics (training, or eval without running statistics)"
+        if not self.training:
+            got = "a batched weight or bias" if batched_input else "an unbatched input"
+        return VMAP.format(got=got)

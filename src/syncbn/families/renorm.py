@@ -7,31 +7,33 @@ from the running statistics before its update: batch norm with the effective aff
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable
 
 from torch import Tensor
 
+from .batchnorm import BatchNorm
 
-class Renorm(NamedTuple):
+
+class Renorm(BatchNorm):
     """One training call's renorm parameters: the clamps and the running statistics before the update."""
 
-    r_max: float
-    d_max: float
-    running_mean: Tensor | None
-    running_var: Tensor | None
+    __slots__ = ("r_max", "d_max", "running_mean", "running_var")
 
-    @property
-    def in_place(self) -> bool:
-        """Not written over the input (see :class:`syncbn.families.inplace_abn.InPlaceABN`)."""
-        return False
+    def __init__(
+        self, r_max: float, d_max: float, running_mean: Tensor | None, running_var: Tensor | None
+    ) -> None:
+        self.r_max, self.d_max, self.running_mean, self.running_var = r_max, d_max, running_mean, running_var
 
     def snapshot(self, copy: Callable[[Tensor], Tensor]) -> Renorm:
         """This object with ``copy`` of the running statistics (traced graphs update them in place)."""
         if self.running_mean is None or self.running_var is None:
             return self
-        return self._replace(
-            running_mean=copy(self.running_mean.detach()), running_var=copy(self.running_var.detach())
+        return Renorm(
+            self.r_max, self.d_max, copy(self.running_mean.detach()), copy(self.running_var.detach())
         )
+
+    def alone(self, *args: Any) -> Tensor | None:
+        return None  # synchronised over the one member: the engine's statistics, then (r, d)
 
     def correction(self, mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
         """``(r, d)`` in ``mean``'s dtype, or ``None`` without running statistics (``r = 1, d = 0``)."""
@@ -44,27 +46,30 @@ class Renorm(NamedTuple):
         d = ((mean - running_mean) * inv_s).clamp(-self.d_max, self.d_max)
         return r, d
 
-    @staticmethod
-    def affine(weight: Tensor | None, bias: Tensor | None, r: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    def affine(
+        self, weight: Tensor | None, bias: Tensor | None, *correction: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """The effective ``(weight * r, bias + weight * d)`` (``weight`` 1 and ``bias`` 0 when absent)."""
+        r, d = correction
         if weight is None:
             w_eff, shift = r, d
         else:
             w = weight.detach()
-            w_eff, shift = Renorm.scale(w, r), (w * d.to(w.dtype))
+            w_eff, shift = self.differentiable_weight(w, correction), (w * d.to(w.dtype))
         b_eff = shift if bias is None else bias.detach() + shift.to(bias.dtype)
         return w_eff, b_eff
 
-    @staticmethod
-    def scale(weight: Tensor | None, r: Tensor) -> Tensor:
-        """The effective scale ``weight * r``, differentiable in ``weight`` (``r`` a constant of the step).
-
-        The double backward's (:mod:`syncbn.engine._double_backward`): the input gradient
-        ``weight * r * invstd * (...)`` then reaches ``weight`` (gradient penalties train it).
-        """
+    def differentiable_weight(self, weight: Tensor | None, correction: Any) -> Tensor:
+        """The effective scale ``weight * r``, differentiable in ``weight`` (``r`` a constant of the step):
+        the double backward's input gradient ``weight * r * invstd * (...)`` then reaches ``weight``."""
+        r = correction[0]
         return r if weight is None else weight * r.to(weight.dtype)
 
-    @staticmethod
-    def parameter_grads(sum_dy: Tensor, sum_dy_xhat: Tensor, r: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
-        """``(dweight, dbias) = (r * sum(dy * xhat) + d * sum(dy), sum(dy))``."""
+    def parameter_grads(
+        self, sum_dy: Tensor, sum_dy_xhat: Tensor, weight: Any, correction: Any
+    ) -> tuple[Any, Any]:
+        """``(dweight, dbias) = (r * sum(dy * xhat) + d * sum(dy), sum(dy))`` (none: batch norm's)."""
+        if correction is None:
+            return sum_dy_xhat, sum_dy
+        r, d = correction
         return r.to(sum_dy.dtype) * sum_dy_xhat + d.to(sum_dy.dtype) * sum_dy, sum_dy

@@ -43,7 +43,7 @@ from ._mesh import mesh_argument  # noqa: F401 - syncbn.convert
 from ._refs import ProcessGroupRef, group_ranks
 from ._resolve import _resolved, forget_destroyed, is_initialized, resolve, to_picklable  # noqa: F401
 from ._subgroup import NODE, group_for, subgroup  # noqa: F401 - group_for: syncbn.convert
-from ._sum import ProcessGroupSum
+from ._sum import ProcessGroupSum, joined  # noqa: F401
 
 _ddp.install()  # records DDP wrappers as they are built (see _ddp)
 

@@ -189,7 +189,13 @@ def mismatch_message(mine: list[int], agreement: Agreement, names: dict[int, str
 
 @runtime_checkable
 class SumGroup(Protocol):
-    """A set of peers that can sum a tensor elementwise among themselves."""
+    """A set of peers that can sum a tensor elementwise among themselves.
+
+    Optional capabilities, read with ``getattr`` (absent: ``False``): ``framed``, the group frames
+    its calls and ``all_reduce_sum(tensor, tag, *, deferred)`` takes the call's :class:`Tag` (the
+    engine passes the layer's identity and phase); ``replicas``, the members are one process's
+    ``nn.DataParallel`` replicas (their moments are this process's alone).
+    """
 
     @property
     def size(self) -> int:

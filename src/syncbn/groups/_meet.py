@@ -7,6 +7,7 @@ nothing a failed meeting leaves to clean up. The protocol: docs/internals/groups
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 from typing import Any
@@ -17,9 +18,11 @@ from .. import _config
 from . import _own
 from ._errors import CollectiveError, _pg_timeout, bound_source
 
-__all__ = ["meet", "new_group"]
+__all__ = ["NO_GROUP", "gather", "meet", "new_group"]
 
 _GO = "go"
+#: What a failed meeting of a group's set-up leaves as it was.
+NO_GROUP = "No group was made; the process group is still usable."
 
 
 def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> list[str] | None:
@@ -86,6 +89,20 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
     raise CollectiveError(message, timed_out=True, waited=waited, group_size=world)
 
 
+def gather(caller: str, tag: str, value: Any) -> list[Any]:
+    """Every rank's JSON-able ``value``, in rank order: :func:`meet` (with :data:`NO_GROUP`).
+
+    Where the job's store is out of reach (torch's internals moved), ``all_gather_object``
+    instead, bounded by the group's timeout.
+    """
+    met = meet(caller, tag, json.dumps(value), consequence=NO_GROUP)
+    if met is not None:
+        return [json.loads(text) for text in met]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 def _present(store: Any, key: str) -> bool:
     """Whether ``key`` is set, without waiting: ``Store.check`` (torch 2.2 lacks it: a 1 ms wait)."""
     if hasattr(store, "check"):
@@ -103,5 +120,5 @@ def new_group(caller: str, ranks: list[int], timeout: timedelta | None) -> Any:
     A rank that does not arrive within syncbn's bound is named in a :class:`CollectiveError` on
     every rank that called, before any group is made (torch's own leaves a bare "Wait timeout").
     """
-    meet(caller, "new_group", consequence="No group was made; the process group is still usable.")
+    meet(caller, "new_group", consequence=NO_GROUP)
     return dist.new_group(ranks, timeout=timeout)

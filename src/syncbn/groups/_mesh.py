@@ -11,14 +11,11 @@ at call time like ``process_group=None``: a layer pickles and deep-copies as the
 
 from __future__ import annotations
 
-import json
 import sys
 import weakref
 from typing import Any
 
-import torch.distributed as dist
-
-from . import _meet
+from . import _meet, _subgroup
 
 __all__ = ["is_mesh", "group_of", "mesh_argument"]
 
@@ -31,7 +28,7 @@ _made: dict[tuple[tuple[int, ...], ...], tuple[weakref.ref[Any], Any]] = {}
 # Classes whose instances were found to be DeviceMesh objects.
 _mesh_types: set[type] = set()
 
-_CONSEQUENCE = "No group was made; the process group is still usable."
+_CONSEQUENCE = _meet.NO_GROUP
 
 
 def is_mesh(value: Any) -> bool:
@@ -77,31 +74,12 @@ def _describe(mesh: Any) -> str:
 
 def _flattened(mesh: Any) -> Any:
     """The group of all ranks of a multi-dimensional ``mesh`` (collective: see :func:`group_of`)."""
-    world = dist.get_world_size()
     mine = sorted(int(r) for r in mesh.mesh.flatten().tolist())
     caller = f"syncbn: synchronising over the {_describe(mesh)}"
-    met = _meet.meet(caller, "mesh", json.dumps(mine), consequence=_CONSEQUENCE)
-    if met is not None:
-        everyone: list[list[int]] = [json.loads(text) for text in met]
-    else:  # torch's internals moved: the collective of torch.distributed, bounded by the group's timeout
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        everyone = gathered
+    everyone: list[list[int]] = _meet.gather(caller, "mesh", mine)
     key = tuple(tuple(members) for members in _partition(everyone, caller))
-    default = dist.group.WORLD
-    cached = _made.get(key)
-    if cached is not None and cached[0]() is default and _alive(cached[1]):
-        return cached[1]
-    for stale in [k for k, (ref, _) in _made.items() if ref() is not default]:
-        del _made[stale]
-    group: Any = default  # one group of every rank: the default group
-    if key != (tuple(range(world)),):
-        for members in key:  # every rank creates every group, in the same order
-            made = dist.new_group(list(members))
-            if members == tuple(mine):
-                group = made
-    _made[key] = (weakref.ref(default), group)
-    return group
+    hit = _subgroup.cached(_made, key)
+    return hit if hit is not None else _subgroup.make_sets(_made, key, key)
 
 
 def _partition(everyone: list[list[int]], caller: str) -> list[list[int]]:
@@ -115,10 +93,6 @@ def _partition(everyone: list[list[int]], caller: str) -> list[list[int]]:
                 f"rank; got {listed}). {_CONSEQUENCE}"
             )
     return sorted({tuple(members): list(members) for members in everyone}.values())
-
-
-def _alive(group: Any) -> bool:
-    return group is dist.group.WORLD or group in dist.distributed_c10d._world.pg_map
 
 
 def mesh_argument(device_mesh: Any, process_group: Any, group_size: Any, caller: str) -> Any:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _mesh
+from . import _mesh, _sum
 from ._frame import SumGroup
 from ._refs import ProcessGroupRef, group_ranks
 from ._sum import ProcessGroupSum
@@ -25,7 +25,8 @@ def resolve(process_group: Any) -> SumGroup | None:
     Returns:
         ``None`` when ``torch.distributed`` is unavailable or not initialised,
         or the group has a single member: plain batch norm is then exact.
-        Otherwise a :class:`SumGroup`.
+        Otherwise a :class:`SumGroup`: while a ``syncbn.JoinableSyncBatchNorm`` is active,
+        the default group's is its Join wrapper (every sum through the joinable).
 
     Raises:
         ValueError: ``process_group`` was destroyed (``destroy_process_group(group)``; no longer
@@ -53,7 +54,7 @@ def resolve(process_group: Any) -> SumGroup | None:
     hit = _resolved.get(id(live))
     if hit is not None and hit[0]() is live:
         if live in dist.distributed_c10d._world.pg_map:  # a dict lookup: destroyed groups leave it
-            return hit[1]
+            return hit[1] if _sum._join is None else _sum.joined(hit[1])  # (a Join's wrapper)
         raise _destroyed(live)
     if isinstance(live, int):  # new_group's NON_GROUP_MEMBER (-100); a miss every call: it raises
         if live == dist.GroupMember.NON_GROUP_MEMBER:
@@ -66,7 +67,7 @@ def resolve(process_group: Any) -> SumGroup | None:
     forget_destroyed()
     group = ProcessGroupSum(process_group) if dist.get_world_size(process_group) > 1 else None
     _resolved[id(live)] = (weakref.ref(live), group)
-    return group
+    return _sum.joined(group)
 
 
 def _destroyed(process_group: Any) -> ValueError:

@@ -6,8 +6,8 @@ life of the default group. See docs/internals/groups.md.
 
 from __future__ import annotations
 
-import json
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -30,18 +30,7 @@ def _exchange(size: Any, world: int) -> list[list[int]]:
     Raises on every rank alike when the ranks asked for different sizes, or for an invalid one,
     or (:class:`~syncbn.groups.CollectiveError`) when a rank did not call within syncbn's bound.
     """
-    mine = (repr(size), _shm._host_key())
-    met = _meet.meet(
-        f"syncbn.groups.subgroup({size!r})",
-        "subgroup",
-        json.dumps(mine),
-        consequence="No group was made; the process group is still usable.",
-    )
-    if met is not None:
-        everyone: list[Any] = [tuple(json.loads(text)) for text in met]
-    else:  # torch's internals moved: the collective of torch.distributed, bounded by the group's timeout
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
+    everyone = _meet.gather(f"syncbn.groups.subgroup({size!r})", "subgroup", [repr(size), _shm._host_key()])
     asked = [request for request, _ in everyone]
     if len(set(asked)) > 1:
         listed = ", ".join(f"rank {r}: {request}" for r, request in enumerate(asked))
@@ -107,21 +96,35 @@ def subgroup(size: int | str) -> Any:
             "(call torch.distributed.init_process_group first, on every rank)"
         )
     key = (NODE,) if size == NODE else ("size", repr(size))
-    default = dist.group.WORLD
-    cached = _made.get(key)
-    if cached is not None and cached[0]() is default and _alive(cached[1]):
-        return cached[1]
-    for stale in [k for k, (ref, _) in _made.items() if ref() is not default]:
-        del _made[stale]
-    rank = dist.get_rank()
+    hit = cached(_made, key)
+    if hit is not None:
+        return hit
     sets = _exchange(size, dist.get_world_size())  # collective: every rank, the same sets or the same error
+    return make_sets(_made, key, sets)
+
+
+def cached(made: dict[Any, tuple[weakref.ref[Any], Any]], key: Any) -> Any:
+    """The group ``made`` holds under ``key`` for the live default group, else ``None``."""
+    default = dist.group.WORLD
+    hit = made.get(key)
+    if hit is not None and hit[0]() is default and _alive(hit[1]):
+        return hit[1]
+    for stale in [k for k, (ref, _) in made.items() if ref() is not default]:
+        del made[stale]
+    return None
+
+
+def make_sets(made: dict[Any, tuple[weakref.ref[Any], Any]], key: Any, sets: Sequence[Sequence[int]]) -> Any:
+    """This rank's group of the partition ``sets`` (every rank makes every group, in order)."""
+    default = dist.group.WORLD
     mine: Any = default  # when the one set is every rank
     if len(sets) > 1:
-        for members in sets:  # every rank creates every group, in the same order
-            group = dist.new_group(members)
+        rank = dist.get_rank()
+        for members in sets:
+            group = dist.new_group(list(members))
             if rank in members:
                 mine = group
-    _made[key] = (weakref.ref(default), mine)
+    made[key] = (weakref.ref(default), mine)
     return mine
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -41,6 +41,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# While a syncbn.join.JoinableSyncBatchNorm is active: its wrapper of the default group (set_join).
+_join: Callable[[ProcessGroupSum], Any] | None = None
+
+
+def set_join(wrap: Callable[[ProcessGroupSum], Any] | None) -> None:
+    """Install (``None``: remove) the active Join's ``wrap(group)``, which :func:`joined` applies."""
+    global _join
+    _join = wrap
+
+
+def joined(group: Any) -> Any:
+    """``group`` as a training call uses it now: under an active Join, the Join's wrapper of the
+    default group (:func:`syncbn.groups.resolve` hands it out; the compile operator asks at run time)."""
+    if _join is None or type(group) is not ProcessGroupSum or group.process_group is not None:
+        return group
+    return _join(group)
+
+
 class ProcessGroupSum(FramedTransport):
     """:class:`SumGroup` over a ``torch.distributed`` process group, every call framed.
 
@@ -67,6 +85,13 @@ class ProcessGroupSum(FramedTransport):
         >>> group.all_reduce_sum(t, Tag(layer=7, phase=PHASE_OTHER))  # doctest: +SKIP
         tensor([2., 2., 2.], dtype=torch.float64)           # on 2 ranks
     """
+
+    framed = True  # the SumGroup protocol's capability: all_reduce_sum takes the call's Tag
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "all_reduce_sum" in cls.__dict__ and "framed" not in cls.__dict__:
+            cls.framed = False  # an override of all_reduce_sum(tensor) is not told the tag
 
     def __init__(
         self,

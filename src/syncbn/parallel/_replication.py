@@ -12,6 +12,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -181,8 +182,8 @@ class _ReplicaSlot:
         self.replication = replication
         self.index = index
 
-    def forward(self, layer: _BatchNorm, input: Tensor, momentum: float) -> Tensor:
-        return replica_batch_norm(layer, input, momentum, self.replication, self.index)
+    def forward(self, layer: _BatchNorm, input: Tensor, call: Any) -> Tensor:
+        return replica_batch_norm(layer, input, call, self.replication, self.index)
 
 
 _open: weakref.WeakKeyDictionary[nn.Module, _Replication] = weakref.WeakKeyDictionary()

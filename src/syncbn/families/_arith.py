@@ -1,0 +1,200 @@
+"""The shared arithmetic of every family and the engine: dtypes, layouts, the native kernels'
+calls (normalisation, the backward sums), batch norm's input gradient and this thread's buffers.
+
+Torch only. The math is in docs/how-it-works.md, the routes and their reasons in
+docs/internals/engine.md.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import Tensor
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_BLOCK_NUMEL = 1 << 19  # a block of this many values (2 MiB of float32) stays in cache
+
+
+_thread_state = threading.local()
+_Buffer = TypeVar("_Buffer")
+
+
+def _per_thread(slot: str, make: Callable[..., _Buffer], *key: Any) -> _Buffer:
+    """This thread's ``make(*key)`` in its cache ``slot`` (made on first use; at most 256 kept)."""
+    cache: dict[tuple[Any, ...], _Buffer] | None = getattr(_thread_state, slot, None)
+    if cache is None:
+        cache = {}
+        setattr(_thread_state, slot, cache)
+    buffer = cache.get(key)
+    if buffer is None:
+        if len(cache) >= 256:
+            cache.clear()
+        buffer = cache[key] = make(*key)
+    return buffer
+
+
+class GradBuffer:
+    """One thread's reusable per-channel buffers of the host input gradient (one dtype and rank).
+
+    ``scale`` (``w * invstd``) with ``scale_view`` against the input; ``corrections`` (``(2, C)``)
+    with rows ``shift`` and ``slope``.
+    """
+
+    __slots__ = ("scale", "scale_view", "corrections", "shift", "slope")
+
+    def __init__(self, channels: int, dtype: torch.dtype, ndim: int) -> None:
+        with torch.inference_mode(False):  # usable in place inside and outside inference mode
+            self.scale = torch.empty(channels, dtype=dtype)
+            self.corrections = torch.empty(2, channels, dtype=dtype)
+            self.scale_view = self.scale.view([1, channels] + [1] * (ndim - 2))
+            self.shift, self.slope = self.corrections.unbind(0)
+
+
+def grad_buffer(channels: int, dtype: torch.dtype, ndim: int) -> GradBuffer:
+    """This thread's :class:`GradBuffer` for ``channels`` values of ``dtype`` against ``ndim``-D input."""
+    return _per_thread("grads", GradBuffer, channels, dtype, ndim)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype local statistics are accumulated in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``; ``t`` itself when it already is (a same-dtype ``.to`` still costs a call)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def broadcast_shape(x: Tensor) -> list[int]:
+    """Shape ``[1, C, 1, ...]`` that broadcasts a per-channel vector against ``x``."""
+    return [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}  # per input dimension
+
+
+def _is_channels_last(x: Tensor) -> bool:
+    layout = _CHANNELS_LAST.get(x.dim())
+    return layout is not None and x.is_contiguous(memory_format=layout) and not x.is_contiguous()
+
+
+def normalize(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` in one native pass, into ``out`` (CPU) if given."""
+    if out is None:
+        return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+    empty = _EMPTY.get(mean.dtype) if mean.is_cpu else None
+    if empty is None:
+        empty = mean.new_empty(0)  # inference mode leaves the saved statistics empty
+    # torch.native_batch_norm(out=...) is the out overload without the Python of torch.ops (~2 us).
+    torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, eps, out=(out, empty, empty))
+    return out
+
+
+# Read-only constants, each saving a call per layer.
+_EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (*_LOW_PRECISION, torch.float32, torch.float64)}
+_ZERO = {dtype: torch.zeros((), dtype=dtype) for dtype in (torch.float32, torch.float64)}
+
+
+def backward_sums(
+    grad_output: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, var: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Local per-channel ``(sum(g), sum(g * xhat))`` in one native pass, in the statistics dtype."""
+    if grad_output.dtype in _LOW_PRECISION:
+        layout = memory_format(x)
+        if layout is not None and not grad_output.is_contiguous(memory_format=layout):
+            # The CPU kernel sums 16-bit ``g`` in 16 bits when the formats differ (bfloat16 on torch 2.13).
+            grad_output = grad_output.contiguous(memory_format=layout)
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad_output, x, weight, mean, var, None, None, False, eps, [False, True, True]
+    )
+    return sum_dy, sum_dy_xhat
+
+
+def memory_format(x: Tensor) -> torch.memory_format | None:
+    """``x``'s dense memory format (contiguous or channels-last), ``None`` for other strides."""
+    if _is_channels_last(x):
+        return _CHANNELS_LAST[x.dim()]
+    return torch.contiguous_format if x.is_contiguous() else None
+
+
+def input_grad(grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any, sums: Tensor) -> Tensor:
+    """Batch norm's input gradient from the global ``sums`` ``[[sum(g)], [sum(g * xhat)]]`` (``(2, C)``).
+
+    One inference-mode batch norm of ``x`` (the correction terms as weight and bias), then
+    ``+= g * w * invstd``; 16-bit ``x`` in float32, rounded once. ``stats.total`` must be positive.
+    """
+    if x.dtype in _LOW_PRECISION:
+        return _low_precision_input_grad(grad_output, x, weight, stats, sums)
+    mean, var, eps, count = stats.mean, stats.var, stats.eps, stats.total
+    zero = _ZERO.get(var.dtype) if x.is_cpu and isinstance(count, float) else None
+    mine = zero is not None and var.is_cpu and sums.dtype is var.dtype is mean.dtype  # (see GradBuffer)
+    mine = mine and not torch.is_grad_enabled()
+    buffer = grad_buffer(x.shape[1], var.dtype, x.dim()) if mine else None
+    scale = (var + eps if buffer is None else torch.add(var, eps, out=buffer.scale)).rsqrt_()  # invstd
+    if weight is not None:
+        scale.mul_(weight)
+    if zero is not None:  # 0 + sums * scale * (-1/N) in one call (``count`` a float here)
+        into = None if buffer is None else buffer.corrections
+        corrections = cast(torch.addcmul(zero, sums, scale, value=-1.0 / count, out=into), mean.dtype)  # type: ignore[arg-type]
+    else:
+        corrections = cast(torch.mul(sums, scale * (-1.0 / count)), mean.dtype)
+    if buffer is not None:  # its views, made once
+        shift, slope, view = buffer.shift, buffer.slope, buffer.scale_view
+    else:  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
+        (shift, slope), view = corrections.unbind(0), scale.view(broadcast_shape(x))
+    grad_input = torch.batch_norm(x, slope, shift, mean, var, False, 0.0, eps, False)
+    return grad_input.addcmul_(grad_output, view)
+
+
+def _low_precision_input_grad(
+    grad_output: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    stats: Any,
+    sums: Tensor,
+    blocked: bool | None = None,
+) -> Tensor:
+    """:func:`input_grad` for 16-bit ``x``: every step in float32, rounded once (the two terms nearly cancel).
+
+    ``blocked`` (default: on CPU) runs cache-sized blocks through two float32 buffers, else three
+    kernels over the whole batch; see docs/internals/engine.md.
+    """
+    eps = stats.eps
+    acc = torch.promote_types(stats.mean.dtype, torch.float32)
+    mean, var = cast(stats.mean, acc), cast(stats.var, acc)
+    invstd = (var + eps).rsqrt_()
+    scale = invstd if weight is None else invstd * cast(weight, acc)
+    shift, slope = torch.mul(cast(sums, acc), scale * (-1.0 / stats.total)).unbind(0)
+    shape = broadcast_shape(x)
+    grad_input = torch.empty_like(x)
+    if blocked is None:
+        blocked = x.device.type == "cpu"
+    if not blocked:
+        buf = torch.sub(x, mean.view(shape))  # promoted to float32
+        torch.addcmul(shift.view(shape), buf, (slope * invstd).view(shape), out=buf)
+        return torch.addcmul(buf, grad_output, scale.view(shape), out=grad_input)
+
+    batch = x.shape[0]
+    rows = max(1, min(batch, _BLOCK_NUMEL // max(1, x[0].numel())))
+    widened = torch.empty_like(x[:rows], dtype=acc)
+    result = torch.empty_like(widened)
+    scale = scale.view(shape)
+    for start in range(0, batch, rows):
+        stop = min(start + rows, batch)
+        buf, res = widened[: stop - start], result[: stop - start]
+        buf.copy_(x[start:stop])
+        normalize(buf, slope, shift, mean, var, eps, out=res)
+        buf.copy_(grad_output[start:stop])
+        res.addcmul_(buf, scale)
+        grad_input[start:stop].copy_(res)
+    return grad_input
