@@ -169,7 +169,7 @@ def _save(ctx: Any, x: Tensor, weight: Any, bias: Any, record: Record, params: P
     if family.saves_output:
         ctx.mark_dirty(x)
     ctx.save_for_backward(x, record.weight, weight, bias)  # (x: the output, where written over it)
-    ctx.record, ctx.family = record, family
+    ctx.record, ctx.family = record._replace(out=None), family  # (the output on ctx: a reference cycle)
     ctx.param_dtype = gradient_dtype(weight, bias, x)  # (read only where a parameter needs a gradient)
     ctx.params, ctx.call = params, call
 

@@ -134,7 +134,8 @@ class _JointBatchNorm(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:  # type: ignore[override]
         size, family = len(active), items[0][5]
         ctx.size, ctx.family, ctx.active, ctx.pooled = size, family, active, items[0][7]
-        ctx.records = [item[4] for item in items]  # every replica's (the double backward's statistics)
+        # every replica's record, without its output (a reference cycle): the double backward's statistics
+        ctx.records = [item[4]._replace(out=None) for item in items]
         ctx.param_dtype = [gradient_dtype(w, b, x) for x, w, b, *_ in (items[k] for k in active)]
         ys = [items[k][3] for k in active]
         if family.saves_output:
