@@ -20,29 +20,13 @@ micro-batch holds two images of one class, so a micro-batch's statistics are bia
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
-import os
-import tempfile
-from datetime import timedelta
 from typing import Any
 
+from renorm_small_batch import _data, run_two_ranks  # the same data, orders and 2-rank harness
+
 LAYERS = ("bn", "syncbn", "cmbn")
-ORDERS = ("iid", "non-iid")
 K = 4  # micro-batches per optimizer step
 PER_RANK = 2  # samples per rank and micro-batch
-
-
-def _data() -> tuple[Any, Any, Any, Any]:
-    import torch
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    cut = 1400
-    return x[perm[:cut]], y[perm[:cut]], x[perm[cut:]], y[perm[cut:]]
 
 
 def _model(kind: str) -> Any:
@@ -108,50 +92,16 @@ def _train(rank: int, kind: str, order: str, steps: int, seed: int) -> float:
         return float((model(xte).argmax(1) == yte).float().mean())
 
 
-def _rank(rank: int, tmp: str, steps: int, seeds: int, queue: Any) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 2), rank=rank, world_size=2,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    results = {
-        f"{order}/{kind}": [_train(rank, kind, order, steps, s) for s in range(seeds)]
-        for order in ORDERS
-        for kind in LAYERS
-    }
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps (k micro-batches each)")
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, tmp, args.steps, args.seeds, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = queue.get(timeout=1800)
-        for p in procs:
-            p.join(timeout=60)
-    print(
+    headline = (
         f"test accuracy after {args.steps} steps of k={K} micro-batches, per-rank micro-batch "
         f"{PER_RANK} on 2 ranks, {args.seeds} seeds"
     )
-    print(f"{'order':8} {'layer':7} {'mean':>6}  per seed")
-    for key, accs in results.items():
-        order, kind = key.split("/")
-        print(f"{order:8} {kind:7} {sum(accs) / len(accs):6.3f}  {' '.join(f'{a:.3f}' for a in accs)}")
-    print(json.dumps(results))
+    run_two_ranks(_train, args.steps, args.seeds, LAYERS, headline)
 
 
 if __name__ == "__main__":

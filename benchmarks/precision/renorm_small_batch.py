@@ -107,7 +107,7 @@ def _train(rank: int, kind: str, order: str, steps: int, seed: int) -> float:
         return float((model(xte).argmax(1) == yte).float().mean())
 
 
-def _rank(rank: int, tmp: str, steps: int, seeds: int, queue: Any) -> None:
+def _rank(rank: int, tmp: str, train: Any, steps: int, seeds: int, kinds: Any, queue: Any) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -118,9 +118,9 @@ def _rank(rank: int, tmp: str, steps: int, seeds: int, queue: Any) -> None:
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     results = {
-        f"{order}/{kind}": [_train(rank, kind, order, steps, s) for s in range(seeds)]
+        f"{order}/{kind}": [train(rank, kind, order, steps, s) for s in range(seeds)]
         for order in ORDERS
-        for kind in LAYERS
+        for kind in kinds
     }
     if rank == 0:
         queue.put(results)
@@ -128,26 +128,34 @@ def _rank(rank: int, tmp: str, steps: int, seeds: int, queue: Any) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--seeds", type=int, default=3)
-    args = parser.parse_args()
+def run_two_ranks(train: Any, steps: int, seeds: int, kinds: Any, headline: str) -> None:
+    """``train(rank, kind, order, steps, seed) -> accuracy`` on 2 forked gloo ranks, every order,
+    kind and seed; prints the table (``headline`` first) and the results as JSON."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, tmp, args.steps, args.seeds, queue)) for r in range(2)]
+        args = (tmp, train, steps, seeds, kinds, queue)
+        procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(2)]
         for p in procs:
             p.start()
         results = queue.get(timeout=1800)
         for p in procs:
             p.join(timeout=60)
-    print(f"test accuracy after {args.steps} steps, per-rank batch 2 on 2 ranks, {args.seeds} seeds")
+    print(headline)
     print(f"{'order':8} {'layer':7} {'mean':>6}  per seed")
     for key, accs in results.items():
         order, kind = key.split("/")
         print(f"{order:8} {kind:7} {sum(accs) / len(accs):6.3f}  {' '.join(f'{a:.3f}' for a in accs)}")
     print(json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args()
+    headline = f"test accuracy after {args.steps} steps, per-rank batch 2 on 2 ranks, {args.seeds} seeds"
+    run_two_ranks(_train, args.steps, args.seeds, LAYERS, headline)
 
 
 if __name__ == "__main__":
