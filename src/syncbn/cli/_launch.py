@@ -56,9 +56,15 @@ def add_launch_arguments(
     device_help: str,
     world_size: int | None = 2,
     world_size_help: str = "ranks to spawn, at least 1 (default 2; ignored under torchrun)",
+    group_size_help: str | None = None,
 ) -> None:
-    """``--world-size`` (default ``world_size``), ``--device`` and ``--backend``: a command run on W ranks."""
+    """The flags of a command run on W ranks: ``--world-size``, ``--device``, ``--backend``.
+
+    ``world_size``: the default of ``--world-size``; with ``group_size_help``, ``--group-size`` too.
+    """
     parser.add_argument("--world-size", type=_args.integer(1), default=world_size, help=world_size_help)
+    if group_size_help is not None:
+        parser.add_argument("--group-size", type=_args.group_size, metavar="K", help=group_size_help)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help=device_help)
     parser.add_argument(
         "--backend",

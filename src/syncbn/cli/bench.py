@@ -118,9 +118,9 @@ def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.d
     compiled: dict[str, Any] | None = None
     if world_size == 1 or args.force_sync:
         return e2e, compiled
-    norms: dict[str, Any] = {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
     floor_group = ProcessGroupSum(None)  # the floor's two sums: syncbn's transport, a group of its own
-    eager_norms = {**norms, "fused": lambda c: FusedBoundBatchNorm2d(c, floor_group)}
+    eager_norms: dict[str, Any] = {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
+    eager_norms["fused"] = lambda c: FusedBoundBatchNorm2d(c, floor_group)
     if device.type == "cuda" and dist.get_backend() == "nccl":
         eager_norms["torch"] = nn.SyncBatchNorm
     if args.e2e_steps > 0:
@@ -133,7 +133,7 @@ def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.d
         for model in ("deep", "wide"):
             first: dict[str, float] = {}
             steps = max(args.e2e_steps, 3)
-            mine = time_steps(model, rank, 16, steps, 3, norms, compiled=True, device=device, first_s=first)
+            mine = time_steps(model, rank, 16, steps, 3, compiled=True, device=device, first_s=first)
             compiled[model] = _net(mine, first_step_s=slowest(first)[0])
     floor_group.close()
     return e2e, compiled

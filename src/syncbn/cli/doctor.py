@@ -71,13 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="samples per rank for the group-size table (default: N of --input-shape)",
     )
     parser.add_argument(
-        "--group-size",
-        type=_args.group_size,
-        default=None,
-        metavar="K",
-        help="the job's syncbn group_size: K consecutive ranks, or 'node' (with --live)",
-    )
-    parser.add_argument(
         "--live",
         action="store_true",
         help="also check the ranks against each other (under torchrun, or on --world-size local ranks)",
@@ -98,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     # Offline: the job's ranks (no default); with --live: the ranks to spawn.
     world_help = "the job's ranks (for the group-size table); with --live, ranks to spawn (default 2)"
-    add_launch_arguments(parser, "where the model runs", None, world_help)
+    group_help = "the job's syncbn group_size: K consecutive ranks, or 'node' (with --live)"
+    add_launch_arguments(parser, "where the model runs", None, world_help, group_help)
 
 
 def run(args: argparse.Namespace) -> int:

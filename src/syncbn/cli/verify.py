@@ -32,7 +32,11 @@ from ._output import fail, format_error, format_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_launch_arguments(parser, "where syncbn runs")
+    grouping = (
+        "synchronise over syncbn.groups.subgroup(K): groups of K consecutive ranks, or 'node' "
+        "(the ranks of each machine); each group is checked against its own batch"
+    )
+    add_launch_arguments(parser, "where syncbn runs", group_size_help=grouping)
     parser.add_argument(
         "--tolerance-scale",
         type=_args.real(0.0),
@@ -41,14 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiply every tolerance by FACTOR, 0 or more (below 1 is stricter; default 1)",
     )
     _args.add_output(parser, "results", 60.0, "collective timeout in seconds, from 0.001 to 1e9 (default 60)")
-    parser.add_argument(
-        "--group-size",
-        type=_args.group_size,
-        default=None,
-        metavar="K",
-        help="synchronise over syncbn.groups.subgroup(K): groups of K consecutive ranks, or 'node' "
-        "(the ranks of each machine); each group is checked against its own batch",
-    )
 
 
 def _check_rank(
