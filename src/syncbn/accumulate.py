@@ -18,6 +18,7 @@ from . import _accumulating, _cmbn, groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import LayerMixin, training_call
 from .engine import _rules
+from .families import BATCH_NORM
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
@@ -85,7 +86,7 @@ class _Layer:
             return
         if layer.__dict__.get("_syncbn_replica") is not None or not args or not isinstance(args[0], Tensor):
             return
-        if isinstance(layer, SyncBatchNorm) and layer._family_call() is not None:
+        if isinstance(layer, SyncBatchNorm) and layer._family_call() is not BATCH_NORM:
             return  # a family (renorm) runs the engine even without a group: it reports the moments
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         values = args[0].detach().movedim(1, -1)  # (M, C): the valid positions
