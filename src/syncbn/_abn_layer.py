@@ -125,7 +125,27 @@ class ActivatedBatchNormBase(LayerMixin):
         """
         if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
             return _fx.leaf_call(self, ActivatedBatchNormBase.forward, x)
-        return self._forward(x)
+        self._check_activation()
+        if self.training:
+            check_eps(self.eps)
+        if _is_compiling():  # traced, unless dynamo must run this layer or region eagerly
+            if _ops is None or (
+                not self._local
+                and self.training
+                and _ops.group_handle(self._group())
+                and _ops.tracing_a_checkpointed_region()
+            ):
+                # No collective operator, or inside torch.utils.checkpoint (AOTAutograd cannot
+                # recompute an effectful operator): dynamo runs this layer or region eagerly.
+                where = f"on torch {torch.__version__}" if _ops is None else "inside torch.utils.checkpoint"
+                _warn_while_tracing(
+                    f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile {where}: "
+                    "dynamo breaks the graph here and runs the layer eagerly"
+                )
+                torch._dynamo.graph_break()
+            else:
+                return self._compiled_forward(x)
+        return self._eager_forward(x)
 
     _repr_tracking = True  # show track_running_stats (the inplace-abn package's ABN does not)
 
@@ -151,30 +171,6 @@ class ActivatedBatchNormBase(LayerMixin):
     def _check_activation(self) -> None:
         # At every call, as at construction: activation and activation_param are plain attributes.
         check_activation(self.activation, self.activation_param, in_place=self._in_place)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        """Training or eval forward of the in-place layers (traced under ``torch.compile``); returns ``x``."""
-        self._check_activation()
-        if self.training:
-            check_eps(self.eps)
-        if _is_compiling():
-            if _ops is None or (
-                not self._local
-                and self.training
-                and _ops.group_handle(self._group())
-                and _ops.tracing_a_checkpointed_region()
-            ):
-                # No collective operator, or inside torch.utils.checkpoint (AOTAutograd cannot
-                # recompute an effectful operator): dynamo runs this layer or region eagerly.
-                where = f"on torch {torch.__version__}" if _ops is None else "inside torch.utils.checkpoint"
-                _warn_while_tracing(
-                    f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile {where}: "
-                    "dynamo breaks the graph here and runs the layer eagerly"
-                )
-                torch._dynamo.graph_break()
-            else:
-                return self._compiled_forward(x)
-        return self._eager_forward(x)
 
     def _compiled_forward(self, x: Tensor) -> Tensor:
         # Only the collective is opaque; nothing guards on which layer this is (it is its token).

@@ -70,11 +70,9 @@ class Moments:
         if not self.batches:
             return traced, self.mean, self.m2
         device = self.mean.device
-        kept = [c for c, _ in self.batches]
-        if all(isinstance(c, float) for c in kept):
-            counts = torch.tensor(kept, dtype=torch.float64, device=device)
-        else:
-            counts = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=device) for c in kept])
+        counts = torch.stack(
+            [torch.as_tensor(c, dtype=torch.float64, device=device) for c, _ in self.batches]
+        )
         stats = torch.stack([s for _, s in self.batches]).to(device=device, dtype=torch.float64)
         self.batches = []
         counts = counts.view(-1, 1)

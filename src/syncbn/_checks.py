@@ -205,21 +205,17 @@ def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
     last = state.last_identity
     if last is not None and last[0]() is group:
         return last[1]
-    ids = group.layer_ids
-    known = ids.get(state)
-    if known is not None:
-        state.last_identity = (weakref.ref(group), known)
-        return known
-    # A counter, not len(ids): layers collected at times that differ between ranks must not renumber.
-    group.layer_ordinals += 1
-    ident = 0x80000000 | group.layer_ordinals
-    ids[state] = ident
-    state.last_identity = (weakref.ref(group), ident)
-    group.names[ident] = (
-        f"#{state.index} {type(layer).__name__}({getattr(layer, 'num_features', '?')}), "
-        f"the layer first used as number {group.layer_ordinals} on this group"
-    )
-    return ident
+    known = group.layer_ids.get(state)
+    if known is None:
+        # A counter, not len(layer_ids): layers collected at different times on the ranks must not renumber.
+        group.layer_ordinals += 1
+        known = group.layer_ids[state] = 0x80000000 | group.layer_ordinals
+        group.names[known] = (
+            f"#{state.index} {type(layer).__name__}({getattr(layer, 'num_features', '?')}), "
+            f"the layer first used as number {group.layer_ordinals} on this group"
+        )
+    state.last_identity = (weakref.ref(group), known)
+    return known
 
 
 def _stats_error(layer: nn.Module | None, where: str) -> ValueError:

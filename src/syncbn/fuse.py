@@ -32,12 +32,6 @@ def _fusable(bn: nn.Module) -> bool:
     return any(type(bn).forward is cls.forward for cls in _FUSABLE)
 
 
-def _uses(module: nn.Module) -> Counter[int]:
-    """How many places of the model (child slots of its modules, each module once) hold each module."""
-    children = (child for parent in module.modules() for child in parent._modules.values())
-    return Counter(id(child) for child in children if child is not None)
-
-
 def _pairs(module: nn.Module) -> list[_Pair]:
     """``(name, seq, bn key, activation key)`` of every fusable pair of neighbours."""
     found = []
@@ -102,7 +96,8 @@ def fuse_batchnorm_activation(
     by_bn: dict[int, list[_Pair]] = {}
     for pair in _pairs(module):
         by_bn.setdefault(id(pair[1]._modules[pair[2]]), []).append(pair)
-    uses = _uses(module)
+    # How many places (child slots of the model's modules, each module once) hold each module.
+    uses = Counter(id(child) for parent in module.modules() for child in parent._modules.values())
     fused: list[list[_Pair]] = []
     shared: list[list[_Pair]] = []
     for bn_id, pairs in by_bn.items():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch.ao.nn.intrinsic as nni
 import torch.ao.nn.intrinsic.qat as nniqat
@@ -101,12 +101,11 @@ ConvSyncBnReLU3d = _fused(nni.ConvBnReLU3d, nn.Conv3d)
 LinearSyncBn1d = _fused(nni.LinearBn1d, nn.Linear)
 
 
-class _ToQAT:
+class _ToQAT(NamedTuple):
     """``prepare_qat``'s entry for one fused class: torch's QAT module around the synchronised layer."""
 
-    def __init__(self, plain: type, qat: type) -> None:
-        self.plain: Any = plain
-        self.qat: Any = qat
+    plain: Any  # torch's float fused class
+    qat: Any  # its QAT class
 
     def from_float(self, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> nn.Module:
         plain = self.plain.__new__(self.plain)  # torch's float fused class, the same children

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from . import _checks, _config, groups
-from ._layer import dims_doc
 from .families import BATCH_NORM, Renorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
@@ -165,34 +164,21 @@ class SyncBatchRenorm(SyncBatchNorm):
         return f"{super().extra_repr()}, r_max={self.r_max:g}, d_max={self.d_max:g}"
 
 
+def _doc(sync: type) -> str:
+    """The docstring of ``sync``'s renorm twin: the same input rank, arguments and example."""
+    return str(sync.__doc__).replace("SyncBatchNorm", "SyncBatchRenorm")
+
+
 class SyncBatchRenorm1d(SyncBatchRenorm, SyncBatchNorm1d):
-    __doc__ = dims_doc(
-        "SyncBatchRenorm",
-        "for 2D input ``(N, C)`` or 3D input ``(N, C, L)`` (an ``nn.BatchNorm1d``)",
-        ":math:`(N, C)` or :math:`(N, C, L)`",
-        "same as input.",
-        "bn = syncbn.SyncBatchRenorm1d(32)\ny = bn(torch.randn(20, 32))",
-    )
+    __doc__ = _doc(SyncBatchNorm1d)
 
 
 class SyncBatchRenorm2d(SyncBatchRenorm, SyncBatchNorm2d):
-    __doc__ = dims_doc(
-        "SyncBatchRenorm",
-        "for 4D input ``(N, C, H, W)`` (an ``nn.BatchNorm2d``)",
-        ":math:`(N, C, H, W)`",
-        "same as input.",
-        "bn = syncbn.SyncBatchRenorm2d(64)\ny = bn(torch.randn(8, 64, 32, 32))",
-    )
+    __doc__ = _doc(SyncBatchNorm2d)
 
 
 class SyncBatchRenorm3d(SyncBatchRenorm, SyncBatchNorm3d):
-    __doc__ = dims_doc(
-        "SyncBatchRenorm",
-        "for 5D input ``(N, C, D, H, W)`` (an ``nn.BatchNorm3d``)",
-        ":math:`(N, C, D, H, W)`",
-        "same as input.",
-        "bn = syncbn.SyncBatchRenorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))",
-    )
+    __doc__ = _doc(SyncBatchNorm3d)
 
 
 def _plain(tensor: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_leaves
 
 from . import groups
 from ._abn_layer import ActivatedBatchNormBase
@@ -135,9 +136,7 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         mean = layer.running_mean.detach().to(torch.float64)  # type: ignore[union-attr]
         second = layer.running_var.detach().to(torch.float64) + mean * mean  # type: ignore[union-attr]
         tracked = layer.num_batches_tracked
-        w = torch.tensor(
-            [float(tracked.item()) if tracked is not None else 1.0], dtype=torch.float64, device=mean.device
-        )
+        w = tracked.to(mean).reshape(1) if tracked is not None else mean.new_ones(1)
         # [w, w*mean, w*(var + mean^2)], then the unweighted [mean, var + mean^2] for all-zero weights
         parts += [w, w * mean, w * second, mean, second]
     size, packed = _sum_checked(group, layers, parts, "sync_running_stats")
@@ -187,22 +186,6 @@ def _storage(t: Tensor) -> int:
         return int(t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass)
         return 0
-
-
-def _storages(batch: Any) -> set[int]:
-    """The storages of the tensors in ``batch`` (nested in tuples, lists and dicts)."""
-    found: set[int] = set()
-    stack = [batch]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, Tensor):
-            found.add(_storage(item))
-        elif isinstance(item, (tuple, list)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    found.discard(0)
-    return found
 
 
 def _with_progress(batches: Iterable[Any], enabled: bool) -> Iterator[Any]:
@@ -292,7 +275,7 @@ def recompute_running_stats(
             mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
             moments[id(module)].add(args[0].movedim(1, -1)[mask] if isinstance(mask, Tensor) else args[0])
 
-    feeding: set[int] = set()  # the storages of the batch being run
+    feeding: set[int] = set()  # the storages of the batch being run (nested in containers too)
 
     def protect(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         # An in-place layer handed the caller's batch (or a view of it) would write over it: a copy.
@@ -314,7 +297,7 @@ def recompute_running_stats(
         model.train()
         with torch.no_grad():
             for batch in _with_progress(batches, bool(show) and (group is None or group.rank == 0)):
-                feeding = _storages(batch)
+                feeding = {_storage(t) for t in tree_leaves(batch) if isinstance(t, Tensor)} - {0}
                 run(model, batch)
         _set_population_stats(layers, moments, group)
     except BaseException:

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._layer import check_module, dims_doc
+from .._layer import check_module
 from ..convert import _convert
 from ..modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
@@ -60,29 +60,23 @@ _ARGS = """Args:
 """
 
 
-def _doc(dims: int, shape: str, example: str) -> str:
-    rank = "under the ``sync_batchnorm`` package's name"
-    return dims_doc(f"syncbn.SyncBatchNorm{dims}d", rank, shape, "same as input.", example, args=_ARGS)
+def _doc(sync: type) -> str:
+    """``sync``'s docstring under the package's name, with the package's arguments."""
+    text = str(sync.__doc__)
+    shape = text[text.index("Shape:") :].replace("syncbn.SyncBatchNorm", "SynchronizedBatchNorm")
+    return f":class:`syncbn.{sync.__name__}` under the ``sync_batchnorm`` package's name.\n\n{_ARGS}{shape}"
 
 
 class SynchronizedBatchNorm1d(SyncBatchNorm1d):
-    __doc__ = _doc(
-        1,
-        ":math:`(N, C)` or :math:`(N, C, L)`",
-        "bn = SynchronizedBatchNorm1d(32)\ny = bn(torch.randn(20, 32))",
-    )
+    __doc__ = _doc(SyncBatchNorm1d)
 
 
 class SynchronizedBatchNorm2d(SyncBatchNorm2d):
-    __doc__ = _doc(
-        2, ":math:`(N, C, H, W)`", "bn = SynchronizedBatchNorm2d(64)\ny = bn(torch.randn(8, 64, 32, 32))"
-    )
+    __doc__ = _doc(SyncBatchNorm2d)
 
 
 class SynchronizedBatchNorm3d(SyncBatchNorm3d):
-    __doc__ = _doc(
-        3, ":math:`(N, C, D, H, W)`", "bn = SynchronizedBatchNorm3d(16)\ny = bn(torch.randn(2, 16, 4, 8, 8))"
-    )
+    __doc__ = _doc(SyncBatchNorm3d)
 
 
 _TO_SYNCHRONIZED: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
