@@ -28,7 +28,7 @@ class SharedMemoryError(RuntimeError):
 
     ``timed_out``: the bound was reached; ``waited``: seconds waited; ``mismatch``: the ranks sent
     different headers (the segment stays usable), and ``ranks`` holds each rank's seven header
-    fields (``None`` for a shadowing rank).
+    fields.
     """
 
     def __init__(
@@ -38,7 +38,7 @@ class SharedMemoryError(RuntimeError):
         self.timed_out = timed_out
         self.waited = waited
         self.mismatch = mismatch
-        self.ranks: list[list[int] | None] = []
+        self.ranks: list[list[int]] = []
 
 
 _SLOT = _LINE + _CAPACITY  # metadata line + data
@@ -60,8 +60,8 @@ _REASONS = {
     3: "it found a slot's data not matching its checksum",
     4: "it failed",
 }
-_META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(7)
-_AGREED = operator.itemgetter(_META_LAYER, _META_ID, _META_SIZE, _META_COUNT)  # the participants' header
+_META_ROUND, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(6)
+_AGREED = operator.itemgetter(_META_LAYER, _META_ID, _META_SIZE, _META_COUNT)  # equal on every rank
 
 
 def _unpack(line: Sequence[int]) -> list[int]:
@@ -82,7 +82,6 @@ class _Plan(NamedTuple):
 
 
 _MAX_PLANS = 1024
-_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class SharedMemorySum:
@@ -108,7 +107,6 @@ class SharedMemorySum:
         self._waiter = Waiter(self._flags, self._flag_index, rank, pids, futex)
         self.spin = self._waiter.spin
         self.broken = False
-        self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
         header = _header_size(world_size)
         slots = [[header + (b * world_size + r) * _SLOT for r in range(world_size)] for b in (0, 1)]
@@ -152,65 +150,35 @@ class SharedMemorySum:
         n = tensor.numel()
         per = _CAPACITY // tensor.element_size()
         if n <= per and tensor.dim() == 1 and tensor.is_contiguous():
-            self._round(tensor, fields, True, timeout, tensor.dtype)
+            self._round(tensor, fields, timeout)
             return tensor
         flat = tensor.reshape(-1)
         fields = list(fields)
         for i in range(max(1, -(-n // per))):
             fields[6] = i
-            self._round(flat[i * per : (i + 1) * per], fields, True, timeout, tensor.dtype)
+            self._round(flat[i * per : (i + 1) * per], fields, timeout)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
         return tensor
-
-    def shadow(self, timeout: float) -> tuple[list[int], int, Tensor] | None:
-        """Take part in the next call without contributing: ``(fields, participants, float64 sum)``.
-
-        ``None`` when no rank participated.
-        """
-        self._usable()
-        empty = torch.empty(0, dtype=torch.float64)
-        first = self._round(empty, [0] * 7, False, timeout, torch.float64)
-        if first is None:
-            return None
-        fields, k, chunk = first
-        count = (fields[4] << 16) | fields[5]
-        dtype = _CODE_DTYPES.get(fields[2] % 16, torch.float64)
-        per = _CAPACITY // dtype.itemsize
-        parts = [chunk]
-        for _ in range(1, -(-count // per)):
-            got = self._round(empty, [0] * 7, False, timeout, torch.float64)
-            if got is None:
-                raise self._fail("the participants stopped in the middle of a call")
-            parts.append(got[2])
-        return fields, k, torch.cat(parts)
 
     def _usable(self) -> None:
         if self.broken:
             raise SharedMemoryError("the shared-memory group is unusable after an earlier failure")
 
-    def _round(
-        self, chunk: Tensor, fields: list[int], present: bool, timeout: float, dtype: torch.dtype
-    ) -> tuple[list[int], int, Tensor] | None:
+    def _round(self, chunk: Tensor, fields: list[int], timeout: float) -> None:
         # The hot path: views are cached; the only tensor operations are the copy in and the sum.
         seq = self._seq = self._seq + 1
         buffer = seq & 1
         words = self._flags
-        rank = self._rank
         metas = self._metas[buffer]
-        meta = metas[rank]
-        m = crc = 0
-        plan = None
-        if present:
-            m = chunk.numel()
-            plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
-            plan.own.copy_(chunk)
-            crc = zlib.crc32(plan.mine)
-        words[meta + _META_PRESENT] = 1 if present else 0
+        meta = metas[self._rank]
+        m = chunk.numel()
+        plan = self._plans.get((buffer, chunk.dtype, m)) or self._plan(buffer, chunk.dtype, m)
+        plan.own.copy_(chunk)
         words[meta + _META_LAYER] = (fields[0] << 16) | fields[1]
         words[meta + _META_ID] = (fields[2] << 16) | fields[3]
         words[meta + _META_SIZE] = (((fields[4] << 16) | fields[5]) << 16) | fields[6]
-        words[meta + _META_CRC] = crc
+        words[meta + _META_CRC] = zlib.crc32(plan.mine)
         words[meta + _META_COUNT] = m
         words[meta + _META_ROUND] = seq
         words[self._own_flag] = seq
@@ -220,27 +188,17 @@ class SharedMemorySum:
             waiter.wait(seq, timeout)
         except WaitFailure as failure:
             raise self._failed_wait(failure) from None
-        lines = [words[i : i + 7].tolist() for i in metas]
+        lines = [words[i : i + 6].tolist() for i in metas]
         waiter.recheck(seq)
-        taking = [r for r, line in enumerate(lines) if line[_META_PRESENT]]
-        if not taking:
-            return None
-        ref = lines[rank] if present else lines[taking[0]]
-        agreed = _AGREED(ref)
+        agreed = _AGREED(lines[self._rank])
         for line in lines:
-            if line[_META_ROUND] != seq or (line[_META_PRESENT] and _AGREED(line) != agreed):
+            if line[_META_ROUND] != seq or _AGREED(line) != agreed:
                 raise self._mismatch(lines)
-        # A participant's reference line is its own: the agreed fields are the ones it sent.
-        got_fields = fields if present else _unpack(ref)
-        if plan is None:
-            dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
-            m = int(ref[_META_COUNT])
-            plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
         # A private copy of every slot: what is checked is what is summed.
         bad = []
         for r, (copied, slot) in enumerate(plan.pairs):
             copied[:] = slot
-            if lines[r][_META_PRESENT] and zlib.crc32(copied) != lines[r][_META_CRC]:
+            if zlib.crc32(copied) != lines[r][_META_CRC]:
                 bad.append(r)
         if bad:
             raise self._fail(
@@ -251,25 +209,14 @@ class SharedMemorySum:
         for r, i in enumerate(self._flag_index):
             if words[i] == _WITHDRAWN:
                 raise self._withdrawn(r, 0.0)
-        copy = plan.copy
-        k = len(taking)
-        self.last_participants = k
-        if present and k == self._size and chunk.is_contiguous():
-            if plan.rows is not None:  # two ranks: one addition, as gloo makes it
-                torch.add(plan.rows[0], plan.rows[1], out=chunk)
-            else:
-                torch.sum(copy, 0, out=chunk)
-            return got_fields, k, chunk
-        if k < self._size:
-            copy = copy[taking]
-        if present:
-            chunk.copy_(copy.sum(0))
-            return got_fields, k, chunk
-        return got_fields, k, copy.sum(0, dtype=torch.float64)
+        if plan.rows is not None:  # two ranks: one addition, as gloo makes it
+            torch.add(plan.rows[0], plan.rows[1], out=chunk)
+        else:
+            torch.sum(plan.copy, 0, out=chunk)
 
     def _mismatch(self, lines: list[list[int]]) -> SharedMemoryError:
         error = SharedMemoryError("the ranks made different collectives at the same point", mismatch=True)
-        error.ranks = [_unpack(line) if line[_META_PRESENT] else None for line in lines]
+        error.ranks = [_unpack(line) for line in lines]
         return error
 
     def _fail(

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from .. import _config
-from ._errors import _pg_timeout
+from ._own import timeout_s
 
 __all__ = ["PlainJoinError", "StepBound", "UnboundedStepWarning", "check", "cover", "install", "step_bound"]
 
@@ -125,7 +125,7 @@ def step_bound(ddp: nn.Module) -> StepBound:
     return StepBound(
         bound=_config.get_timeout(),
         bound_source=_config.timeout_source(),
-        group_timeout=_pg_timeout(ddp.__dict__.get("process_group")),
+        group_timeout=timeout_s(ddp.__dict__.get("process_group")),
         broadcast_buffers=bool(getattr(ddp, "broadcast_buffers", True)),
         holds_syncbn=any("_syncbn_state" in m.__dict__ for m in ddp.modules()),
     )

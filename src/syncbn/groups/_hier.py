@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import _config, _shm
 from . import _own
-from ._errors import _AFTER_FAILURE, CollectiveError, _pg_timeout
+from ._errors import _AFTER_FAILURE, CollectiveError
 from ._frame import Tag
 from ._refs import group_ranks
 
@@ -179,7 +179,7 @@ def connect(group: Any, wanted: bool, able: bool, exchange: Callable[[Tensor], T
     # The subgroups' timeout is syncbn's bound, so gloo gives up an abandoned collective at it too.
     bound = _config.get_timeout()
     sets = [members for members in machines.values() if len(members) > 1] + [leaders]
-    wires = _own.make_sets(process_group, sets, bound if bound is not None else _pg_timeout(process_group))
+    wires = _own.make_sets(process_group, sets, _own.bound_s(process_group))
     if wires is None:
         subgroups = _subgroups(group_ranks(process_group), sets, bound)
     else:

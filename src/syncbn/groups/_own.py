@@ -36,16 +36,35 @@ _forever: list[Any] = []
 _abandoned: list[tuple[Any, Tensor]] = []
 
 
+def _cpu_backend(process_group: Any) -> Any:
+    """The backend of ``process_group`` (``None``: the default group) for CPU tensors; raises if none."""
+    group: Any = dist.group.WORLD if process_group is None else process_group
+    if isinstance(group, dist.ProcessGroupGloo):  # a wire of syncbn's own (:func:`make`)
+        return group
+    return group._get_backend(torch.device("cpu"))
+
+
 def _gloo_backend(process_group: Any) -> Any:
     """The gloo backend of ``process_group`` for CPU tensors, or ``None``."""
-    if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (:func:`make`)
-        return process_group
     try:
-        group = dist.group.WORLD if process_group is None else process_group
-        backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        backend = _cpu_backend(process_group)
     except Exception:  # noqa: BLE001 - no CPU backend, or an old torch
         return None
     return backend if isinstance(backend, dist.ProcessGroupGloo) else None
+
+
+def timeout_s(process_group: Any, unknown: float = 1800.0) -> float:
+    """The process group's own timeout in seconds (its CPU backend's options), else ``unknown``."""
+    try:
+        return float(_cpu_backend(process_group).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - any backend without readable options
+        return unknown
+
+
+def bound_s(process_group: Any) -> float:
+    """The wait bound: syncbn's, else ``process_group``'s own timeout."""
+    bound = _config.get_timeout()
+    return timeout_s(process_group) if bound is None else bound
 
 
 # Parent group's name -> wires this process made over it (every member makes them at the same points).
@@ -238,15 +257,7 @@ def release(key: int, limit_s: float) -> None:
 def release_all() -> None:
     """Release every group syncbn holds (at exit, before finalisation)."""
     for key, entry in list(_kept.items()):
-        release(key, _limit(entry[0]))
-
-
-def _limit(group: Any) -> float:
-    backend = _gloo_backend(group)
-    try:
-        return float(backend.options._timeout.total_seconds()) + 1.0
-    except Exception:  # noqa: BLE001 - unreadable options
-        return 5.0
+        release(key, timeout_s(entry[0], 4.0) + 1.0)
 
 
 def _after_fork_in_child() -> None:

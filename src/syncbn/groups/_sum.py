@@ -21,7 +21,6 @@ from ._frame import (
     PAYLOAD,
     PHASE_CHECK,
     PHASE_SETUP,
-    ShadowResult,
     Tag,
     dtype_code,
     header_fields,
@@ -170,43 +169,6 @@ class ProcessGroupSum(FramedTransport):
         deferred = False if host_wait else None
         return self._framed(tensor, tag or Tag(0, PHASE_CHECK), host_wait=host_wait, deferred=deferred)
 
-    def shadow_sum(self, device: torch.device | str = "cpu") -> ShadowResult | None:
-        """Take part in the other ranks' next framed call without contributing (DDP ``Join``).
-
-        Sends absent frames (flag 0, zero payload), so the participants' check and sum are
-        unchanged; the first summed frame tells this rank the call's tag, dtype and size, and so
-        how many frames follow. Always read on the host.
-
-        Args:
-            device: the device the participants use (``cpu`` for gloo, the rank's GPU for NCCL).
-
-        Returns:
-            What was shadowed, or ``None`` when no rank participated (the joined ranks are done).
-
-        Raises:
-            CollectiveError: as :meth:`all_reduce_sum`, and when the participants disagree.
-        """
-        dev = torch.device(device)
-        self._enter()
-        if self._hier is not None:
-            raise self._refused(
-                f"shadow_sum (DDP Join) is not available on a hierarchical group ({self.describe()})"
-            )
-        self._calls += 1
-        shared = None
-        if dev.type == "cpu":
-            shared = self._shared if self._shared_ready else self._connect_shared()
-        if shared is None:
-            return self._shadow_process_group(dev)
-        try:
-            got = shared.shadow(self._bound_s())
-        except _shm.SharedMemoryError as exc:
-            raise self._shm_error(exc) from exc
-        if got is None:
-            self.last_participants = 0
-            return None
-        return self._shadow_result(*got)
-
     @property
     def hierarchical(self) -> bool:
         """Whether this group's CPU collectives take the hierarchical path (known after its first one)."""
@@ -247,7 +209,7 @@ class ProcessGroupSum(FramedTransport):
                 f"the SyncBatchNorm group over {self.describe()} was closed (its process group was destroyed)"
             )
         if self._pending:
-            self._check_ready()
+            self.check_pending(wait=False)
         if _ddp._wrappers and not self._own_group:
             _ddp.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
 
@@ -292,7 +254,6 @@ class ProcessGroupSum(FramedTransport):
                     shared.all_reduce_sum(flat, self._bound_s(), fields)
                 except _shm.SharedMemoryError as exc:
                     raise self._shm_error(exc) from exc
-                self.last_participants = shared.last_participants
                 return tensor
             if self._hier is not None:
                 return self._hier.all_reduce_sum(tensor, tag, host_wait)
