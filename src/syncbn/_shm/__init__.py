@@ -52,6 +52,14 @@ def _host_key() -> float:
     return float((zlib.crc32(text) << 16) | (zlib.adler32(text) & 0xFFFF))
 
 
+def machines(keys: list[float]) -> list[list[int]]:
+    """The ranks of each machine (by first rank) from every rank's :func:`_host_key`."""
+    found: dict[float, list[int]] = {}
+    for rank, key in enumerate(keys):
+        found.setdefault(key, []).append(rank)
+    return list(found.values())
+
+
 def remove_stale(directory: str = "/dev/shm") -> list[str]:
     """Unlink, and return, the ``syncbn-<pid>-*`` files of dead processes that old versions left."""
     removed: list[str] = []

@@ -146,7 +146,7 @@ class SharedMemorySum:
         (the segment is ``broken`` afterwards), or on mismatched headers (``mismatch``; still usable).
         """
         if self.broken:
-            self._usable()
+            raise SharedMemoryError("the shared-memory group is unusable after an earlier failure")
         n = tensor.numel()
         per = _CAPACITY // tensor.element_size()
         if n <= per and tensor.dim() == 1 and tensor.is_contiguous():
@@ -160,10 +160,6 @@ class SharedMemorySum:
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
         return tensor
-
-    def _usable(self) -> None:
-        if self.broken:
-            raise SharedMemoryError("the shared-memory group is unusable after an earlier failure")
 
     def _round(self, chunk: Tensor, fields: list[int], timeout: float) -> None:
         # The hot path: views are cached; the only tensor operations are the copy in and the sum.
