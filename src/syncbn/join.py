@@ -103,10 +103,7 @@ class JoinableSyncBatchNorm(Joinable):
             _sum.set_join(self._wrap)
 
     def _wrapper(self, group: groups.ProcessGroupSum) -> Any:
-        """The default ``group`` as training calls use it in join mode (groups.resolve hands it out).
-
-        A ``Join`` whose body raised runs no post-hook: join mode ends once it is gone (:meth:`live`).
-        """
+        """The default ``group`` as training calls use it in join mode (until :meth:`live` says no)."""
         if not self.live():
             if _sum._join is self._wrap:
                 _sum.set_join(None)

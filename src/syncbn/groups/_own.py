@@ -25,11 +25,11 @@ from .. import _config
 
 __all__ = ["make", "make_sets", "wire_ranks", "adopt", "keep", "owned", "set_timeout", "abandon", "release"]
 
-# key (a serial number: an id() can recur) -> [a group syncbn made or adopted, its tensors, its pid].
+# key (a serial number: an id() can recur) -> [a group syncbn made or adopted, its tensors, its pid,
+# the global ranks of a wire made here (make_sets) or None].
 _kept: dict[int, list[Any]] = {}
 _keys: dict[int, int] = {}  # id(group) -> its key, while the group is held
 _serial = itertools.count(1)
-_ranks: dict[int, list[int]] = {}  # key -> the global ranks of a wire made here (make_sets)
 # Tensors handed to a group that is not syncbn's, and in a forked child the parent's groups: kept for good.
 _forever: list[Any] = []
 # Works given up on, with the tensor each holds, until they finish.
@@ -116,7 +116,7 @@ def make_sets(
         where = "-".join(map(str, members))
         prefixed = dist.PrefixStore(f"syncbn/wire/{name}/{generation}/{where}/", store)
         wire = _connect(prefixed, members.index(me), len(members), timeout_s)
-        _ranks[adopt(wire)] = [ranks[r] for r in members]
+        _kept[adopt(wire)][3] = [ranks[r] for r in members]
         made[tuple(members)] = weakref.ref(wire)
     return made
 
@@ -155,7 +155,7 @@ def _delta(seconds: float) -> timedelta:
 def wire_ranks(group: Any) -> list[int] | None:
     """The global ranks of one of syncbn's wires, in its rank order (``None``: not a wire)."""
     key = _key(group)
-    return None if key is None else _ranks.get(key)
+    return None if key is None else _kept[key][3]
 
 
 def adopt(group: Any) -> int:
@@ -163,7 +163,7 @@ def adopt(group: Any) -> int:
     key = _key(group)
     if key is None:
         key = _keys[id(group)] = next(_serial)
-        _kept[key] = [group, [], os.getpid()]
+        _kept[key] = [group, [], os.getpid(), None]
     return key
 
 
@@ -234,10 +234,9 @@ def _wait_abandoned(limit_s: float) -> None:
 def release(key: int, limit_s: float) -> None:
     """Destroy group ``key`` (:func:`adopt`) in order: its works (``limit_s`` at most), group, frames."""
     entry = _kept.pop(key, None)
-    _ranks.pop(key, None)
     if entry is None:
         return
-    group, frames, pid = entry
+    group, frames, pid, _ = entry
     del entry
     if _keys.get(id(group)) == key:
         del _keys[id(group)]

@@ -215,11 +215,11 @@ class FramedTransport(Reporting):
         return wire
 
     def _make_wire(self) -> None:
-        """Make syncbn's own wire for the CPU frames (collective: right after set-up, every member)."""
-        if self._wire_ready:
-            return
-        if self._own_group:
-            self._cpu_wire()
+        """Make syncbn's own wire for the CPU frames (collective: right after set-up, every member).
+
+        An ``own_group`` needs none: :meth:`_cpu_wire` takes the group itself at its first frame.
+        """
+        if self._wire_ready or self._own_group:
             return
         bound = self._bound_s()
         start = time.monotonic()
