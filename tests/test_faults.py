@@ -358,6 +358,37 @@ def test_the_accelerator_flow_defers_the_check_to_the_next_call() -> None:
         assert "7 values" in result["msg"] and "11 values" in result["msg"], result["msg"]
 
 
+# --------------------------------------------------------------------------- shadowing (DDP Join)
+
+
+def _shadowing(rank: int, world_size: int, shared: bool) -> dict[str, Any]:
+    syncbn.set_shared_memory(shared)
+    group = groups.ProcessGroupSum(None)
+    group.all_reduce_sum(torch.zeros(2, dtype=torch.float64))  # connect on both ranks
+    out: dict[str, Any] = {}
+    if rank == 0:
+        t = torch.arange(10_000, dtype=torch.float32)  # more than one frame and one slot
+        group.all_reduce_sum(t, groups.Tag(77, groups.PHASE_BACKWARD))
+        out["sum_ok"] = torch.equal(t, torch.arange(10_000, dtype=torch.float32))
+        out["k"] = group.last_participants
+    else:
+        shadow = group.shadow_sum()
+        assert shadow is not None
+        out["shadow"] = (shadow.tag, shadow.numel, shadow.participants, shadow.dtype_code)
+        out["total_ok"] = torch.equal(shadow.total, torch.arange(10_000, dtype=torch.float64))
+    out["all_shadow"] = group.shadow_sum()
+    return out
+
+
+@TRANSPORTS
+def test_a_shadowing_rank_learns_the_call_and_contributes_nothing(shared: bool) -> None:
+    first, second = _run(_shadowing, shared)
+    assert first["sum_ok"] and first["k"] == 1
+    assert second["shadow"] == (groups.Tag(77, groups.PHASE_BACKWARD), 10_000, 1, 2)
+    assert second["total_ok"]
+    assert first["all_shadow"] is None and second["all_shadow"] is None
+
+
 # --------------------------------------------------------------------------- items 2 and 6: absent peers
 
 

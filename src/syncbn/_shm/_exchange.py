@@ -28,7 +28,7 @@ class SharedMemoryError(RuntimeError):
 
     ``timed_out``: the bound was reached; ``waited``: seconds waited; ``mismatch``: the ranks sent
     different headers (the segment stays usable), and ``ranks`` holds each rank's seven header
-    fields.
+    fields (``None`` for a shadowing rank).
     """
 
     def __init__(
@@ -38,7 +38,7 @@ class SharedMemoryError(RuntimeError):
         self.timed_out = timed_out
         self.waited = waited
         self.mismatch = mismatch
-        self.ranks: list[list[int]] = []
+        self.ranks: list[list[int] | None] = []
 
 
 _SLOT = _LINE + _CAPACITY  # metadata line + data
@@ -60,8 +60,8 @@ _REASONS = {
     3: "it found a slot's data not matching its checksum",
     4: "it failed",
 }
-_META_ROUND, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(6)
-_AGREED = operator.itemgetter(_META_LAYER, _META_ID, _META_SIZE, _META_COUNT)  # equal on every rank
+_META_ROUND, _META_PRESENT, _META_LAYER, _META_ID, _META_SIZE, _META_CRC, _META_COUNT = range(7)
+_AGREED = operator.itemgetter(_META_LAYER, _META_ID, _META_SIZE, _META_COUNT)  # the participants' header
 
 
 def _unpack(line: Sequence[int]) -> list[int]:
@@ -82,6 +82,7 @@ class _Plan(NamedTuple):
 
 
 _MAX_PLANS = 1024
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class SharedMemorySum:
@@ -107,6 +108,7 @@ class SharedMemorySum:
         self._waiter = Waiter(self._flags, self._flag_index, rank, pids, futex)
         self.spin = self._waiter.spin
         self.broken = False
+        self.last_participants = world_size
         # Per buffer, precomputed once: every rank's metadata word index and data byte offset.
         header = _header_size(world_size)
         slots = [[header + (b * world_size + r) * _SLOT for r in range(world_size)] for b in (0, 1)]
@@ -145,8 +147,6 @@ class SharedMemorySum:
         Raises :class:`SharedMemoryError` on a timeout, a dead or withdrawn peer or a bad checksum
         (the segment is ``broken`` afterwards), or on mismatched headers (``mismatch``; still usable).
         """
-        if self.broken:
-            raise SharedMemoryError("the shared-memory group is unusable after an earlier failure")
         n = tensor.numel()
         per = _CAPACITY // tensor.element_size()
         if n <= per and tensor.dim() == 1 and tensor.is_contiguous():
@@ -161,21 +161,46 @@ class SharedMemorySum:
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    def _round(self, chunk: Tensor, fields: list[int], timeout: float) -> None:
+    def shadow(self, timeout: float) -> tuple[list[int], int, Tensor] | None:
+        """Take part in the next call without contributing: ``(fields, participants, float64 sum)``.
+
+        ``None`` when no rank participated.
+        """
+        first = self._round(None, [0] * 7, timeout)
+        if first is None:
+            return None
+        fields, k, total = first
+        parts = [total]
+        per = _CAPACITY // _CODE_DTYPES.get(fields[2] % 16, torch.float64).itemsize
+        for _ in range(1, -(-((fields[4] << 16) | fields[5]) // per)):
+            got = self._round(None, [0] * 7, timeout)
+            if got is None:
+                raise self._fail("the participants stopped in the middle of a call")
+            parts.append(got[2])
+        return fields, k, torch.cat(parts)
+
+    def _round(
+        self, chunk: Tensor | None, fields: list[int], timeout: float
+    ) -> tuple[list[int], int, Tensor] | None:
+        """One slot's exchange; ``chunk`` ``None``: absent (shadowing), then what the participants summed."""
         # The hot path: views are cached; the only tensor operations are the copy in and the sum.
+        if self.broken:
+            raise SharedMemoryError("the shared-memory group is unusable after an earlier failure")
         seq = self._seq = self._seq + 1
         buffer = seq & 1
         words = self._flags
         metas = self._metas[buffer]
         meta = metas[self._rank]
-        m = chunk.numel()
-        plan = self._plans.get((buffer, chunk.dtype, m)) or self._plan(buffer, chunk.dtype, m)
-        plan.own.copy_(chunk)
+        if chunk is not None:
+            m = chunk.numel()
+            plan = self._plans.get((buffer, chunk.dtype, m)) or self._plan(buffer, chunk.dtype, m)
+            plan.own.copy_(chunk)
+            words[meta + _META_CRC] = zlib.crc32(plan.mine)
+            words[meta + _META_COUNT] = m
+        words[meta + _META_PRESENT] = chunk is not None
         words[meta + _META_LAYER] = (fields[0] << 16) | fields[1]
         words[meta + _META_ID] = (fields[2] << 16) | fields[3]
         words[meta + _META_SIZE] = (((fields[4] << 16) | fields[5]) << 16) | fields[6]
-        words[meta + _META_CRC] = zlib.crc32(plan.mine)
-        words[meta + _META_COUNT] = m
         words[meta + _META_ROUND] = seq
         words[self._own_flag] = seq
         waiter = self._waiter
@@ -184,17 +209,24 @@ class SharedMemorySum:
             waiter.wait(seq, timeout)
         except WaitFailure as failure:
             raise self._failed_wait(failure) from None
-        lines = [words[i : i + 6].tolist() for i in metas]
+        lines = [words[i : i + 7].tolist() for i in metas]
         waiter.recheck(seq)
-        agreed = _AGREED(lines[self._rank])
+        taking = [r for r, line in enumerate(lines) if line[_META_PRESENT]]
+        if not taking:
+            return None
+        agreed = _AGREED(lines[taking[0]])
         for line in lines:
-            if line[_META_ROUND] != seq or _AGREED(line) != agreed:
+            if line[_META_ROUND] != seq or (line[_META_PRESENT] and _AGREED(line) != agreed):
                 raise self._mismatch(lines)
+        if chunk is None:  # the participants' dtype and size, from their line
+            fields = _unpack(lines[taking[0]])
+            dtype, m = _CODE_DTYPES.get(fields[2] % 16, torch.float64), lines[taking[0]][_META_COUNT]
+            plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
         # A private copy of every slot: what is checked is what is summed.
         bad = []
         for r, (copied, slot) in enumerate(plan.pairs):
             copied[:] = slot
-            if zlib.crc32(copied) != lines[r][_META_CRC]:
+            if lines[r][_META_PRESENT] and zlib.crc32(copied) != lines[r][_META_CRC]:
                 bad.append(r)
         if bad:
             raise self._fail(
@@ -205,14 +237,20 @@ class SharedMemorySum:
         for r, i in enumerate(self._flag_index):
             if words[i] == _WITHDRAWN:
                 raise self._withdrawn(r, 0.0)
-        if plan.rows is not None:  # two ranks: one addition, as gloo makes it
+        k = self.last_participants = len(taking)
+        if chunk is None:
+            return fields, k, plan.copy[taking].sum(0, dtype=torch.float64)
+        if k < self._size:
+            chunk.copy_(plan.copy[taking].sum(0))
+        elif plan.rows is not None:  # two ranks: one addition, as gloo makes it
             torch.add(plan.rows[0], plan.rows[1], out=chunk)
         else:
             torch.sum(plan.copy, 0, out=chunk)
+        return None
 
     def _mismatch(self, lines: list[list[int]]) -> SharedMemoryError:
         error = SharedMemoryError("the ranks made different collectives at the same point", mismatch=True)
-        error.ranks = [_unpack(line) for line in lines]
+        error.ranks = [_unpack(line) if line[_META_PRESENT] else None for line in lines]
         return error
 
     def _fail(

@@ -159,11 +159,11 @@ class Reporting:
 
     def _shm_error(self, exc: _shm.SharedMemoryError) -> CollectiveError:
         if exc.mismatch:
-            ranks: list[list[int] | None] = list(exc.ranks)
             sent = "; ".join(
-                f"rank {r}: {describe_fields(list(f), self.names)}" for r, f in enumerate(exc.ranks)
+                f"rank {r}: " + ("absent (shadowing)" if f is None else describe_fields(list(f), self.names))
+                for r, f in enumerate(exc.ranks)
             )
-            return self._mismatch(f"the ranks disagree on {', '.join(differing(ranks))} ({sent})")
+            return self._mismatch(f"the ranks disagree on {', '.join(differing(exc.ranks))} ({sent})")
         if exc.timed_out:
             return self._error(None, exc.waited, self._bound_s())
         return self._error(exc, exc.waited, None, failed=str(exc))

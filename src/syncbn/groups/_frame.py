@@ -56,6 +56,24 @@ ANONYMOUS = Tag()
 FAST_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
+class ShadowResult(NamedTuple):
+    """What :meth:`ProcessGroupSum.shadow_sum` learnt about the call it shadowed.
+
+    Attributes:
+        tag: the participants' :class:`Tag`.
+        dtype_code: the participants' payload dtype (:data:`DTYPE_CODES`).
+        numel: number of values the participants summed.
+        participants: how many ranks contributed (``p = 1``).
+        total: the participants' sum, float64, ``numel`` values.
+    """
+
+    tag: Tag
+    dtype_code: int
+    numel: int
+    participants: int
+    total: Tensor
+
+
 def dtype_code(dtype: torch.dtype) -> int:
     """The header's code for ``dtype`` (:data:`DTYPE_CODES`; 15 for any other)."""
     return DTYPE_CODES.get(dtype, 15)

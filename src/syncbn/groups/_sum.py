@@ -21,6 +21,7 @@ from ._frame import (
     PAYLOAD,
     PHASE_CHECK,
     PHASE_SETUP,
+    ShadowResult,
     Tag,
     dtype_code,
     header_fields,
@@ -169,6 +170,42 @@ class ProcessGroupSum(FramedTransport):
         deferred = False if host_wait else None
         return self._framed(tensor, tag or Tag(0, PHASE_CHECK), host_wait=host_wait, deferred=deferred)
 
+    def shadow_sum(self, device: torch.device | str = "cpu") -> ShadowResult | None:
+        """Take part in the other ranks' next framed call without contributing (DDP ``Join``).
+
+        Sends absent frames (flag 0, zero payload), so the participants' check and sum are
+        unchanged; the first summed frame tells this rank the call's tag, dtype and size, and so
+        how many frames follow. Always read on the host.
+
+        Args:
+            device: the device the participants use (``cpu`` for gloo, the rank's GPU for NCCL).
+
+        Returns:
+            What was shadowed, or ``None`` when no rank participated (the joined ranks are done).
+
+        Raises:
+            CollectiveError: as :meth:`all_reduce_sum`, and when the participants disagree.
+        """
+        dev = torch.device(device)
+        self._enter()
+        if self._hier is not None:
+            raise self._refused(
+                f"shadow_sum (DDP Join) is not available on a hierarchical group ({self.describe()})"
+            )
+        self._calls += 1
+        shared = None
+        if dev.type == "cpu":
+            shared = self._shared if self._shared_ready else self._connect_shared()
+        try:
+            got = self._shadow_process_group(dev) if shared is None else shared.shadow(self._bound_s())
+        except _shm.SharedMemoryError as exc:
+            raise self._shm_error(exc) from exc
+        self.last_participants = 0 if got is None else got[1]
+        if got is None:
+            return None
+        (hi, lo, kind, _, n_hi, n_lo, _), k, total = got
+        return ShadowResult(Tag((hi << 16) | lo, kind // 16), kind % 16, (n_hi << 16) | n_lo, k, total)
+
     @property
     def hierarchical(self) -> bool:
         """Whether this group's CPU collectives take the hierarchical path (known after its first one)."""
@@ -254,6 +291,7 @@ class ProcessGroupSum(FramedTransport):
                     shared.all_reduce_sum(flat, self._bound_s(), fields)
                 except _shm.SharedMemoryError as exc:
                     raise self._shm_error(exc) from exc
+                self.last_participants = shared.last_participants
                 return tensor
             if self._hier is not None:
                 return self._hier.all_reduce_sum(tensor, tag, host_wait)

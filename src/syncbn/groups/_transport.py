@@ -27,6 +27,7 @@ from ._frame import (
     SEQUENCE,
     Tag,
     decode_header,
+    describe_fields,
     dtype_code,
     encode_header,
     header_fields,
@@ -62,6 +63,7 @@ class FramedTransport(Reporting):
         self._wire_ready = False
         self._wire_timeout: float | None = None
         self._wire_stuck: float | None = None  # a bound this torch could not carry to the wire (warned)
+        self.last_participants = self._size
 
     def check_pending(self, *, wait: bool = True) -> None:
         """Check the deferred headers now: every one (``wait``: for its copy to land), else those landed.
@@ -114,6 +116,7 @@ class FramedTransport(Reporting):
         summed: list[float] = words[:HEADER].tolist()
         if summed != agreed:  # not every rank sent this very header: find out what
             self._verify(summed, list(mine), deferred=False)
+        self.last_participants = int(summed[0])
         tensor.copy_(payload)
         return tensor
 
@@ -161,6 +164,7 @@ class FramedTransport(Reporting):
 
     def _verify(self, summed: list[float], mine: list[int], *, deferred: bool) -> None:
         agreement = decode_header(summed, self._size)
+        self.last_participants = agreement.participants
         if all(v is not None for v in agreement.values):
             return
         text = mismatch_message(mine, agreement, self.names)
@@ -169,6 +173,34 @@ class FramedTransport(Reporting):
                 f"(found by the deferred check of an earlier call, whose result has already been used) {text}"
             )
         raise self._mismatch(text)
+
+    def _shadow_process_group(self, dev: torch.device) -> tuple[list[int], int, Tensor] | None:
+        """:meth:`ProcessGroupSum.shadow_sum` on the process group: ``(fields, participants, sum)``."""
+        if dev.type == "cpu":  # the reusable frame: gloo is only ever handed tensors that outlive it
+            frame = self._cpu_frame()[0]
+            self._dirty = PAYLOAD
+        else:
+            frame = torch.empty(FRAME, dtype=torch.float64, device=dev)
+        frame.zero_()  # an absent frame: flag 0, zero payload
+        self._all_reduce_process_group(frame, host_wait=True)
+        agreement = decode_header(frame[:HEADER].tolist(), self._size)
+        if agreement.participants == 0:
+            return None
+        if any(v is None for v in agreement.values):
+            raise self._mismatch(
+                "the participating ranks disagree among themselves: "
+                + describe_fields(agreement.values, self.names)
+            )
+        fields = [int(v) for v in agreement.values if v is not None]
+        count = (fields[4] << 16) | fields[5]
+        total = torch.empty(count, dtype=torch.float64, device=dev)
+        for i in range(frame_count(count)):
+            if i:
+                frame.zero_()
+                self._all_reduce_process_group(frame, host_wait=True)
+            lo, hi = i * PAYLOAD, min(count, (i + 1) * PAYLOAD)
+            total[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
+        return fields, agreement.participants, total
 
     def _frames(self, tensor: Tensor, tag: Tag, *, host_wait: bool, deferred: bool) -> Tensor:
         """Sum ``tensor`` in place over the process group, frame by frame, each header checked or deferred."""
