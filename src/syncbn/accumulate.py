@@ -18,6 +18,7 @@ from . import _accumulating, _cmbn, groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import LayerMixin, training_call
 from .engine import _rules
+from .families import BATCH_NORM
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
@@ -46,7 +47,7 @@ def _is_local(layer: nn.Module) -> bool:
     """Whether the layer's training forward runs without a collective (where the hooks must look)."""
     if isinstance(layer, ActivatedBatchNormBase) and layer._local:
         return True
-    if isinstance(layer, SyncBatchNorm) and layer._family_call() is not None:
+    if isinstance(layer, SyncBatchNorm) and layer._family_call() is not BATCH_NORM:
         return False  # a family (renorm) runs the engine even without a group: the engine shows it
     if isinstance(layer, LayerMixin):
         return _group(layer) is None
@@ -120,7 +121,7 @@ class _Layer:
             return
         if layer.__dict__.get("_syncbn_replica") is not None or not args or not isinstance(args[0], Tensor):
             return
-        if self.varies and isinstance(layer, SyncBatchNorm) and layer._family_call() is not None:
+        if self.varies and isinstance(layer, SyncBatchNorm) and layer._family_call() is not BATCH_NORM:
             return  # this call runs the engine, which reports its moments itself
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         self.pending = _local_moments(args[0], mask)
