@@ -183,9 +183,9 @@ class SharedMemorySum:
         self, chunk: Tensor | None, fields: list[int], timeout: float
     ) -> tuple[list[int], int, Tensor] | None:
         """One slot's exchange; ``chunk`` ``None``: absent (shadowing), then what the participants summed."""
-        # The hot path: views are cached; the only tensor operations are the copy in and the sum.
         if self.broken:
             raise SharedMemoryError("the shared-memory group is unusable after an earlier failure")
+        # The hot path: views are cached; the only tensor operations are the copy in and the sum.
         seq = self._seq = self._seq + 1
         buffer = seq & 1
         words = self._flags
