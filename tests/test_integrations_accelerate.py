@@ -1,14 +1,16 @@
-"""The accelerate recipe (convert before ``prepare``) on 2 CPU processes through accelerate's launcher."""
+"""The accelerate recipes through accelerate's launcher: convert before ``prepare`` (2 CPU processes),
+and with a ``DeviceMesh`` (4 CPU processes: a (dp, tp) mesh and HSDP's 2-D data-parallel mesh)."""
 
 from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import pytest
 import torch
 
-from _helpers.integration_models import max_error, reference_state, run_script
+from _helpers.integration_models import make_data, make_net, max_error, reference_state, run_script
 
 pytest.importorskip("accelerate")
 
@@ -32,3 +34,83 @@ def test_accelerate_recipe_on_two_cpu_processes_equals_the_full_batch(tmp_path: 
         assert result["world"] == 2 and result["distributed_type"] == "DistributedType.MULTI_CPU"
         assert result["train_types"] == SYNC_TYPES and result["reverted_same"]
         assert max_error(result["state"], ref) < 1e-12
+
+
+MESH_STEPS, MESH_GLOBAL, MESH_LR = 3, 8, 0.1  # those of tests/_helpers/run_accelerate_mesh.py
+MESH_TOL = 1e-10
+
+
+def _mesh_reference(data_parallel: int) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """``nn.BatchNorm`` in one process on each step's global batch, the loss averaged over the
+    ``data_parallel`` ranks as DDP averages their gradients: each step's outputs, input gradients
+    (scaled to one rank's own loss) and parameter gradients, and the trained state."""
+    model = make_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=MESH_LR)
+    x, g = make_data()
+    steps = []
+    for step in range(MESH_STEPS):
+        rows = slice(step * MESH_GLOBAL, (step + 1) * MESH_GLOBAL)
+        xb = x[rows].clone().requires_grad_()
+        optimizer.zero_grad()
+        y = model(xb)
+        y.backward(g[rows] / data_parallel)
+        assert xb.grad is not None
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        steps.append({"y": y.detach(), "dx": xb.grad * data_parallel, "grads": grads})
+        optimizer.step()
+    return steps, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _mesh_case_error(got: dict[str, Any], shard: int, data_parallel: int) -> float:
+    """Largest difference of one rank's run from the reference; checks the rows it was given."""
+    steps, state = _mesh_reference(data_parallel)
+    per = MESH_GLOBAL // data_parallel
+    errors = [max_error(got["state"], state)]
+    assert len(got["steps"]) == MESH_STEPS
+    for step, (mine, ref) in enumerate(zip(got["steps"], steps)):
+        start = step * MESH_GLOBAL + shard * per
+        assert mine["rows"].tolist() == list(range(start, start + per))
+        local = slice(shard * per, (shard + 1) * per)
+        errors += [(mine[k] - ref[k][local]).abs().max().item() for k in ("y", "dx")]
+        errors += [(a - b).abs().max().item() for a, b in zip(mine["grads"], ref["grads"], strict=True)]
+    return max(errors)
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """Bit-identical nested results (tensors compared with ``torch.equal``)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_recipe_with_a_device_mesh_on_four_cpu_processes(tmp_path: os.PathLike[str]) -> None:
+    run_script("run_accelerate_mesh.py", str(tmp_path), _free_port(), timeout=480)
+    results = [torch.load(os.path.join(tmp_path, f"accelerate_mesh_rank{r}.pt")) for r in range(4)]
+    for result in results:
+        # accelerate 1.15 refuses its ParallelismConfig on CPU; the recipe builds the mesh itself.
+        refused = result["refused"]
+        assert refused is not None and "ParallelismConfig is only compatible" in refused
+        assert "but got DistributedType.MULTI_CPU" in refused
+        assert result["world"] == 4 and result["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert result["accelerator_mesh"] is None
+        assert result["hsdp_names"] == ["dp_replicate", "dp_shard"]
+        # A data-parallel dimension named "dp" is not one accelerate's loader reads: all rows everywhere.
+        every_row = [list(range(i, i + 4)) for i in range(0, 24, 4)]
+        assert [r.tolist() for r in result["dp_named_rows"]] == every_row
+    # (dp_shard, tp) = (2, 2): dp groups {0, 2} and {1, 3}; tp peers (0, 1) and (2, 3) share a shard.
+    for rank, result in enumerate(results):
+        got = result["tp"]
+        assert got["holds_mesh"] and got["members"] == [rank % 2, rank % 2 + 2]
+        assert _mesh_case_error(got, rank // 2, 2) < MESH_TOL
+    for a, b in ((0, 1), (2, 3)):  # tp peers: every step and the trained state, bit for bit
+        assert all(_identical(results[a]["tp"][k], results[b]["tp"][k]) for k in ("steps", "state"))
+    # HSDP (dp_replicate, dp_shard) = (2, 2): accelerate's flattened "dp", and the 2-D submesh.
+    for key in ("hsdp", "hsdp_2d"):
+        for rank, result in enumerate(results):
+            assert result[key]["holds_mesh"] and result[key]["members"] == [0, 1, 2, 3]
+            assert _mesh_case_error(result[key], rank, 4) < MESH_TOL, key

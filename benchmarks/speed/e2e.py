@@ -51,7 +51,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
     results: dict[str, Any] = {}
     for model in args.model.split(","):
         mine = time_steps(model, rank, args.batch, args.steps, args.warmup, norms)
-        ms, gathered = slowest(mine, world_size)
+        ms, gathered = slowest(mine)
         results[model] = {
             "median_ms": ms,
             "per_rank_median_ms": gathered,

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from . import _fx, groups, parallel
 from ._errors import ChannelCountError
@@ -107,24 +108,21 @@ class ActivatedBatchNormBase(LayerMixin):
         count = torch.tensor(0, dtype=torch.long, device=device) if tracked else None
         self.register_buffer("num_batches_tracked", count)
         self._init_state()  # the compile token finds this layer
-        self.reset_parameters()
+        self.reset_parameters()  # type: ignore[misc]
 
-    def reset_running_stats(self) -> None:
-        """Running mean 0, running variance 1, ``num_batches_tracked`` 0."""
-        if self.track_running_stats:
-            self.running_mean.zero_()  # type: ignore[union-attr]
-            self.running_var.fill_(1)  # type: ignore[union-attr]
-            self.num_batches_tracked.zero_()  # type: ignore[union-attr,operator]
-
-    def reset_parameters(self) -> None:
-        """Reset the running statistics; weight 1 and bias 0."""
-        self.reset_running_stats()
-        if self.weight is not None and self.bias is not None:
-            nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
+    # nn.BatchNorm's own: running mean 0, variance 1, num_batches_tracked 0; weight 1, bias 0.
+    reset_running_stats = _NormBase.reset_running_stats
+    reset_parameters = _NormBase.reset_parameters
 
     def forward(self, x: Tensor) -> Tensor:
-        """Normalise and activate ``x`` in place (over the group, if any); returns it (the compat layers)."""
+        """Normalise and activate ``x`` in place (over the layer's group, if any).
+
+        Args:
+            x: :math:`(N, C, *)` tensor, overwritten.
+
+        Returns:
+            ``x``, holding the output.
+        """
         if isinstance(x, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
             return _fx.leaf_call(self, ActivatedBatchNormBase.forward, x)
         return self._forward(x)

@@ -12,19 +12,15 @@ count in place of the micro-batch's. No collective is added: the carry is the la
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from ._accumulating import _is_compiling
 from .families._protocol import THIS_CALL, ThisCall
 
 __all__ = ["THIS_CALL", "Carry", "Pool", "statistics", "attach", "detach"]
-
-# As syncbn.engine._rules.is_compiling (above this layer-0 module).
-_is_compiling: Callable[[], bool] = (
-    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-)
 
 _ATTR = "_syncbn_cmbn"  # the layer's __dict__ entry while a cumulative block is open
 

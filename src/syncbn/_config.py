@@ -45,48 +45,37 @@ _FALSE = ("0", "false", "no", "off")
 _UNSET = object()
 _timeout_override: object = _UNSET
 _debug_override: bool | None = None
-# Resolved values, read by training calls; _UNSET until first read.
-_timeout_resolved: object = _UNSET
-_timeout_source = "default"  # where _timeout_resolved came from: see timeout_source()
-_timeout_delta: timedelta | None = None
-_debug_resolved: bool | None = None
 _shm_override: bool | None = None
+# Resolved values, read by training calls; None until first read.
+_timeout_resolved: tuple[float | None, timedelta | None, str] | None = None  # (seconds, as timedelta, source)
+_debug_resolved: bool | None = None
 
 
 def _parse_timeout(value: object, source: str) -> float | None:
     if value is None:
         return None
+    exact: Any = value  # compared exactly: "1e-400" is a positive bound, 10**400 or "1e400" a finite one
     if isinstance(value, str):
         text = value.strip().lower()
         if text in ("", "none", "inf", "infinity", "off"):
             return None
         try:
-            seconds = float(text)
+            float(text)  # refuses what is no number ("snan" too, which Decimal takes)
+            exact = decimal.Decimal(text)
         except ValueError:
             raise ValueError(f"{source}: expected a number of seconds, 0 or 'none' (got {value!r})") from None
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy scalars, Fraction too
-        try:
-            seconds = float(value)
-        except OverflowError:  # an int beyond a float's range (10**400): its exact value decides below
-            seconds = -math.inf if value < 0 else math.inf  # type: ignore[operator]
-    else:
+    elif not isinstance(value, numbers.Real) or isinstance(value, bool):  # numpy scalars, Fraction are
         raise TypeError(f"{source}: expected a number of seconds or None (got {type(value).__name__})")
-    if seconds == 0 or math.isinf(seconds):  # beyond a float's range the exact value decides:
-        exact: Any = decimal.Decimal(value.strip()) if isinstance(value, str) else value
-        if seconds == 0:  # 1e-400 is a positive bound, -1e-400 a negative one
-            seconds = MIN_TIMEOUT_S if exact > 0 else -1.0 if exact < 0 else 0.0
-        elif exact not in (math.inf, -math.inf):  # "1e400" is finite: too long, not inf's "no bound"
-            seconds = -1.0 if exact < 0 else 2 * MAX_TIMEOUT_S
-    if math.isnan(seconds) or seconds < 0:
+    if exact != exact or exact < 0:  # NaN or negative
         raise ValueError(f"{source}: expected a non-negative number of seconds (got {_shown(value)})")
-    if seconds == 0 or math.isinf(seconds):
+    if exact == 0 or exact == math.inf:
         return None
-    if seconds > MAX_TIMEOUT_S:
+    if exact > MAX_TIMEOUT_S:
         raise ValueError(
             f"{source}: expected at most {MAX_TIMEOUT_S:g} seconds, about 31 years (got {_shown(value)}); "
             "for no bound of syncbn's own (the process group's timeout bounds every wait) use 0 or 'none'"
         )
-    return max(seconds, MIN_TIMEOUT_S)  # a positive bound never reaches torch as 0 ms ("no timeout")
+    return max(float(exact), MIN_TIMEOUT_S)  # a positive bound never reaches torch as 0 ms ("no timeout")
 
 
 def _shown(value: object) -> str:
@@ -145,7 +134,7 @@ def set_timeout(seconds: float | None | str = "default") -> None:
     global _timeout_override, _timeout_resolved
     default = isinstance(seconds, str) and seconds == "default"
     _timeout_override = _UNSET if default else _parse_timeout(seconds, "syncbn.set_timeout")
-    _timeout_resolved = _UNSET
+    _timeout_resolved = None
 
 
 def get_timeout() -> float | None:
@@ -161,31 +150,29 @@ def get_timeout() -> float | None:
         >>> syncbn.get_timeout()
         300.0
     """
-    global _timeout_resolved, _timeout_delta, _timeout_source
-    if _timeout_resolved is _UNSET:
-        value: float | None = _timeout_override  # type: ignore[assignment]
-        source = "set_timeout"
-        if _timeout_override is _UNSET:
-            env = os.environ.get("SYNCBN_TIMEOUT")
-            value = DEFAULT_TIMEOUT_S if env is None else _parse_timeout(env, "SYNCBN_TIMEOUT")
-            source = "default" if env is None else "SYNCBN_TIMEOUT"
-        _timeout_source = source
-        _timeout_delta = None if value is None else timedelta(seconds=value)
-        _timeout_resolved = value
-    return _timeout_resolved  # type: ignore[return-value]
+    return (_timeout_resolved or _resolve_timeout())[0]
+
+
+def _resolve_timeout() -> tuple[float | None, timedelta | None, str]:
+    global _timeout_resolved
+    value: float | None = _timeout_override  # type: ignore[assignment]
+    source = "set_timeout"
+    if _timeout_override is _UNSET:
+        env = os.environ.get("SYNCBN_TIMEOUT")
+        value = DEFAULT_TIMEOUT_S if env is None else _parse_timeout(env, "SYNCBN_TIMEOUT")
+        source = "default" if env is None else "SYNCBN_TIMEOUT"
+    _timeout_resolved = (value, None if value is None else timedelta(seconds=value), source)
+    return _timeout_resolved
 
 
 def timeout_source() -> str:
     """Who chose :func:`get_timeout`'s value: ``"set_timeout"``, ``"SYNCBN_TIMEOUT"`` or ``"default"``."""
-    get_timeout()
-    return _timeout_source
+    return (_timeout_resolved or _resolve_timeout())[2]
 
 
 def timeout_delta() -> timedelta | None:
     """:func:`get_timeout` as a ``timedelta`` (made once, not per call)."""
-    if _timeout_resolved is _UNSET:
-        get_timeout()
-    return _timeout_delta
+    return (_timeout_resolved or _resolve_timeout())[1]
 
 
 def set_debug(enabled: bool | None) -> None:

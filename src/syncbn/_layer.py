@@ -42,8 +42,9 @@ class TrainingCall(NamedTuple):
         """The running statistics this call updates: none when pooled."""
         return (self.running_mean, self.running_var) if self.statistics is _cmbn.THIS_CALL else (None, None)
 
-    def params(self, eps: float, group: Any, layer: Any, family: Any = None) -> Params:
-        """The engine's per-call parameters of this call (:class:`syncbn.engine._function.Params`)."""
+    def params(self, eps: float, group: Any, layer: Any, family: Any) -> Params:
+        """The engine's per-call parameters of this call (:class:`syncbn.engine._function.Params`)
+        with ``family``, the call's family object (:class:`syncbn.families._protocol.Family`)."""
         mean, var = (
             (self.running_mean, self.running_var) if self.statistics is _cmbn.THIS_CALL else (None, None)
         )

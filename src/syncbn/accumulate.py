@@ -18,6 +18,7 @@ from . import _accumulating, _cmbn, groups
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import LayerMixin, training_call
 from .engine import _rules
+from .families import BATCH_NORM
 from .modules import SyncBatchNorm
 
 __all__ = ["accumulation"]
@@ -42,73 +43,38 @@ def _check_poolable(layer: nn.Module) -> None:
     )
 
 
-def _is_local(layer: nn.Module) -> bool:
-    """Whether the layer's training forward runs without a collective (where the hooks must look)."""
-    if isinstance(layer, ActivatedBatchNormBase) and layer._local:
-        return True
-    if isinstance(layer, SyncBatchNorm) and layer._family_call() is not None:
-        return False  # a family (renorm) runs the engine even without a group: the engine shows it
-    if isinstance(layer, LayerMixin):
-        return _group(layer) is None
+def _group(layer: nn.Module) -> Any:
+    """The group the layer's training calls synchronise over (``None``: local, seen by the hooks)."""
     if isinstance(layer, nn.SyncBatchNorm):
         raise TypeError(
             "syncbn.accumulation: expected syncbn's layers or plain BatchNorm "
             f"(got torch.nn.SyncBatchNorm, {type(layer).__name__}); convert the model with "
             "syncbn.convert_sync_batchnorm first"
         )
-    return True  # plain nn.BatchNorm*: always local
-
-
-def _group(layer: nn.Module) -> Any:
-    """The group the layer's training calls synchronise over (``None``: local)."""
     if not isinstance(layer, LayerMixin) or (isinstance(layer, ActivatedBatchNormBase) and layer._local):
-        return None
+        return None  # plain nn.BatchNorm*, the package's InPlaceABN: always local
     return groups.resolve(layer._group())
-
-
-def _varies(layer: nn.Module) -> bool:
-    """Whether the layer's path can change per call (renorm without a group: local at r_max=1, d_max=0)."""
-    return (
-        isinstance(layer, SyncBatchNorm)
-        and type(layer)._family_call is not SyncBatchNorm._family_call
-        and _group(layer) is None
-    )
-
-
-def _local_moments(x: Tensor, mask: Tensor | None) -> tuple[int, Tensor, Tensor] | None:
-    """``(count, mean, biased var)`` per channel of ``x`` (valid positions of ``mask``), float64."""
-    channels = x.shape[1]
-    values = x.detach().movedim(1, -1)
-    values = values[mask] if mask is not None else values.reshape(-1, channels)
-    count = values.shape[0]
-    if count == 0 or channels == 0:
-        return None
-    var, mean = torch.var_mean(values.to(torch.float64), dim=0, correction=0)
-    return count, mean, var
 
 
 class _Layer:
     """One layer's state in a block: the snapshot to restore and the moments merged so far."""
 
     def __init__(self, layer: nn.Module, cumulative: bool = False) -> None:
-        local = _is_local(layer)  # may refuse the layer: before anything is registered
-        # A layer whose path is chosen per call (renorm without a group): its hooks ask each call.
-        self.varies = _varies(layer) and not cumulative
+        # Local layers are seen by hooks; _group may refuse the layer: before anything is registered.
+        hooked = not cumulative and _group(layer) is None
         self.layer = layer
         running_mean, running_var = layer.running_mean, layer.running_var
         assert isinstance(running_mean, Tensor) and isinstance(running_var, Tensor)
         self.running_mean, self.running_var = running_mean, running_var
-        self.mean0 = running_mean.detach().clone()
-        self.var0 = running_var.detach().clone()
-        tracked = layer.num_batches_tracked
-        # (num_batches_tracked, its value at begin), or None
-        self.batches = (tracked, tracked.detach().clone()) if isinstance(tracked, Tensor) else None
+        # Each buffer and its value at begin: the running statistics, then num_batches_tracked if any.
+        buffers = (running_mean, running_var, layer.num_batches_tracked)
+        self.saved = [(t, t.detach().clone()) for t in buffers if isinstance(t, Tensor)]
         self.moments = _accumulating.listen(running_mean)
         self.pending: tuple[int, Tensor, Tensor] | None = None
         self.hooks: list[Any] = []
         # normalize="cumulative": every call runs the engine, whose statistics hook pools it here
         self.carry = _cmbn.attach(layer, running_mean.shape[0], running_mean.device) if cumulative else None
-        if (local or self.varies) and not cumulative:
+        if hooked:
             self.hooks.append(layer.register_forward_pre_hook(self._before, with_kwargs=True))
             self.hooks.append(layer.register_forward_hook(self._after))
 
@@ -120,10 +86,14 @@ class _Layer:
             return
         if layer.__dict__.get("_syncbn_replica") is not None or not args or not isinstance(args[0], Tensor):
             return
-        if self.varies and isinstance(layer, SyncBatchNorm) and layer._family_call() is not None:
-            return  # this call runs the engine, which reports its moments itself
+        if isinstance(layer, SyncBatchNorm) and layer._family_call() is not BATCH_NORM:
+            return  # a family (renorm) runs the engine even without a group: it reports the moments
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
-        self.pending = _local_moments(args[0], mask)
+        values = args[0].detach().movedim(1, -1)  # (M, C): the valid positions
+        values = values[mask] if mask is not None else values.reshape(-1, values.shape[-1])
+        if values.numel():
+            var, mean = torch.var_mean(values.to(torch.float64), dim=0, correction=0)
+            self.pending = (values.shape[0], mean, var)
 
     def _after(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self.pending is not None:
@@ -140,16 +110,14 @@ class _Layer:
 
     def seen(self) -> _Seen:
         """What this rank saw: whether the layer ran, and the merged moments (read on the host)."""
-        ran = self.batches is not None and not torch.equal(self.batches[0], self.batches[1])
+        ran = len(self.saved) == 3 and not torch.equal(*self.saved[2])
         return _Seen(ran, *(self.moments if self.carry is None else self.carry).result())
 
     def close(self, seen: _Seen | None) -> None:
         """Put the statistics back, then apply the one update of ``seen`` (``None``: none)."""
         with torch.no_grad():
-            self.running_mean.copy_(self.mean0)
-            self.running_var.copy_(self.var0)
-            if self.batches is not None:
-                self.batches[0].copy_(self.batches[1])
+            for tensor, value in self.saved:
+                tensor.copy_(value)
             if seen is None:
                 return
             call = training_call(self.layer, False)  # the block's one training call over all its batches
@@ -173,16 +141,6 @@ class _Seen(NamedTuple):
 
 _VOTE = groups.Tag(zlib.crc32(b"syncbn.accumulation") & 0x7FFFFFFF, groups.PHASE_OTHER)
 _SHARE = groups.Tag(zlib.crc32(b"syncbn.accumulation moments") & 0x7FFFFFFF, groups.PHASE_OTHER)
-
-
-def _no_vote(error: BaseException | None) -> bool:
-    """Whether a block ending with ``error`` must not vote: the process is going down, or a
-    collective failed (a timeout, a dead peer), which left the group unusable on every rank."""
-    if error is None:
-        return False
-    return not isinstance(error, Exception) or (
-        isinstance(error, groups.CollectiveError) and not error.mismatch
-    )
 
 
 def _vote(group: groups.ProcessGroupSum, vote: Tensor) -> Tensor:
@@ -237,7 +195,11 @@ def _decide(
     One vote per group; local layers (and ``nn.DataParallel`` replicas') follow this rank. A discard
     agreed in any group puts back every layer of this rank. No vote under an active ``Join``.
     """
-    if _no_vote(error):
+    # No vote when the process is going down, or after a failed collective (a timeout, a dead peer),
+    # which left the group unusable on every rank.
+    if error is not None and (
+        not isinstance(error, Exception) or (isinstance(error, groups.CollectiveError) and not error.mismatch)
+    ):
         return [None] * len(opened)
     members: dict[int, tuple[groups.ProcessGroupSum, list[int]]] = {}
     for i, state in enumerate(opened):

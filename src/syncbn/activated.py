@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from . import _fx
 from ._abn_layer import ActivatedBatchNormBase
 from ._layer import like
 
@@ -93,19 +92,6 @@ class InPlaceSyncBatchNorm(ActivatedBatchNormBase):
             dtype,
         )
         self.process_group = process_group
-
-    def forward(self, input: Tensor) -> Tensor:
-        """Normalise and activate ``input`` in place; returns it.
-
-        Args:
-            input: :math:`(N, C, *)` tensor, overwritten.
-
-        Returns:
-            ``input``, holding the output.
-        """
-        if isinstance(input, torch.fx.Proxy):  # torch.fx tracing: a leaf, as torch.nn's layers
-            return _fx.leaf_call(self, InPlaceSyncBatchNorm.forward, input)
-        return self._forward(input)
 
 
 class InPlaceSyncBatchNorm2d(InPlaceSyncBatchNorm):

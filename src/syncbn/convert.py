@@ -135,26 +135,16 @@ def _keeps_behaviour(layer: _BatchNorm, prefix: str, left: list[str]) -> bool:
     return False
 
 
-def _warn_left(left: list[str], stacklevel: int) -> None:
-    """One :class:`ConversionWarning` per layer left as it was, at ``stacklevel`` from the caller."""
-    for message in left:
-        warnings.warn(message, ConversionWarning, stacklevel=stacklevel + 1)
-
-
-def _carry_parametrizations(old: nn.Module, new: nn.Module) -> None:
-    """Give ``new`` (which received ``old``'s modules) the parametrized properties ``old`` had."""
+def _transplant(old: nn.Module, new: nn.Module, skip: frozenset[str]) -> None:
+    """Move ``old``'s instance attributes but ``skip`` into ``new`` (the containers themselves, so
+    hook handles taken on ``old`` still remove hooks from ``new``), and its parametrized properties."""
+    new.__dict__.update({key: value for key, value in old.__dict__.items() if key not in skip})
     if not parametrize.is_parametrized(old):
         return
     # The ParametrizationList modules moved with ``_modules``; add the generated class and properties.
     parametrize._inject_new_class(new)
     for name in old.parametrizations:  # type: ignore[union-attr]
         parametrize._inject_property(new, name)
-
-
-def _transplant(old: _BatchNorm, new: _BatchNorm, skip: frozenset[str]) -> None:
-    """Move ``old``'s instance attributes but ``skip`` into ``new``: the containers themselves, so
-    hook handles taken on ``old`` still remove hooks from ``new``."""
-    new.__dict__.update({key: value for key, value in old.__dict__.items() if key not in skip})
 
 
 # The class a converted layer reverts to, when it is not the default for its syncbn class.
@@ -184,7 +174,6 @@ def _to_sync(
     # torch's and timm's synchronised classes revert to the plain default; others to themselves.
     if not isinstance(layer, nn.SyncBatchNorm) and original is not _plain_class_of(new):
         new.__dict__[_REVERTS_TO] = original
-    _carry_parametrizations(layer, new)
     return new
 
 
@@ -212,7 +201,6 @@ def _to_plain(layer: nn.Module, prefix: str, left: list[str]) -> nn.Module:
         new = target.__new__(target) if _is_sync_act(layer) else like(target, layer, device="meta")
     family_keys = frozenset(getattr(type(layer), "_syncbn_family_keys", ()))  # e.g. renorm's r_max, d_max
     _transplant(layer, new, _syncbn_only_keys() | family_keys | {"process_group", _REVERTS_TO})
-    _carry_parametrizations(layer, new)
     return new
 
 
@@ -340,7 +328,8 @@ def _convert(
 
     converted = _replace(module, swap)
     name_layers(converted)  # error messages and debug mode name layers as in this model
-    _warn_left(left, 1 + user_depth)
+    for message in left:  # one per layer left as it was, at the user's line
+        warnings.warn(message, ConversionWarning, stacklevel=1 + user_depth)
     return converted
 
 
@@ -380,5 +369,6 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     check_module(module, "revert_sync_batchnorm")
     left: list[str] = []
     reverted = _replace(module, lambda mod, prefix: _to_plain(mod, prefix, left))
-    _warn_left(left, 2)
+    for message in left:
+        warnings.warn(message, ConversionWarning, stacklevel=2)
     return reverted

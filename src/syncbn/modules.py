@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import _fx, groups, parallel
 from ._layer import LayerMixin, dims_doc
 from .engine import _rules
-from .engine._function import LOCAL, apply
+from .engine._function import BATCH_NORM, LOCAL, apply
 
 try:
     from .engine import _compiled, _ops
@@ -192,7 +192,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         group = groups.resolve(self._group())
         family = self._family_call(call.recomputing, True)
         weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)
-        if group is None and family is None and not call.pooled:  # exactly nn.BatchNorm
+        if group is None and family is BATCH_NORM and not call.pooled:  # exactly nn.BatchNorm
             return call.batch_norm(input, weight, bias, self.eps)
         # the input was checked above; without a group, a family's math alone (LOCAL)
         params = call.params(self.eps, LOCAL if group is None else group, self, family)
@@ -213,17 +213,17 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         call = self._training_call(False, traced=bool(handle))  # over a group: momentum=None a tensor
         weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)
         family = self._family_call()
-        if not handle and family is None and not call.pooled:
+        if not handle and family is BATCH_NORM and not call.pooled:
             return call.batch_norm(input, weight, bias, self.eps)
         params = call.params(self.eps, handle, _ops.layer_token(self) if handle else None, family)
         return call.counted(_compiled.sync_batch_norm(input, weight, bias, params))
 
     def _family_call(self, recomputing: bool = False, eager: bool = False) -> Any:
-        """This training call's family object (:mod:`syncbn.families`); ``None``: batch norm.
+        """This training call's family object (:mod:`syncbn.families`): batch norm's here.
 
         ``recomputing``: activation checkpointing's second forward; ``eager``: not traced.
         """
-        return None
+        return BATCH_NORM
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         # Enrol the replica, so that the replicas of this layer synchronise with each other.

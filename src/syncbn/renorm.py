@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from . import _checks, _config, groups
 from ._layer import dims_doc
-from .families import Renorm
+from .families import BATCH_NORM, Renorm
 from .modules import SyncBatchNorm, SyncBatchNorm1d, SyncBatchNorm2d, SyncBatchNorm3d
 
 __all__ = [
@@ -135,10 +135,10 @@ class SyncBatchRenorm(SyncBatchNorm):
         )
         self.r_max, self.d_max = r_max, d_max
 
-    def _family_call(self, recomputing: bool = False, eager: bool = False) -> Renorm | None:
+    def _family_call(self, recomputing: bool = False, eager: bool = False) -> Any:
         r_max, d_max = _check_limits(self.r_max, self.d_max)
         if not self._reads_running_stats(r_max, d_max):
-            return None  # r = 1, d = 0: batch norm's own path, bit for bit
+            return BATCH_NORM  # r = 1, d = 0: batch norm's own path, bit for bit
         running_mean, running_var = self.running_mean, self.running_var
         assert running_mean is not None and running_var is not None
         before = self.__dict__.get("_renorm_before")

@@ -182,18 +182,6 @@ class _Moments:
         self.count = total
 
 
-def _masked_values(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
-    """The input a BatchNorm forward normalises: its valid positions where a mask is given."""
-    if not args or not isinstance(args[0], Tensor):
-        return None
-    x = args[0]
-    mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
-    if isinstance(mask, Tensor):
-        flat = x.movedim(1, -1)[mask]
-        return flat.reshape(flat.shape[0], flat.shape[1])
-    return x
-
-
 def _storage(t: Tensor) -> int:
     try:
         return int(t.untyped_storage().data_ptr())
@@ -226,13 +214,8 @@ def _with_progress(batches: Iterable[Any], enabled: bool) -> Iterator[Any]:
     start, last, done = time.monotonic(), 0.0, 0
 
     def draw(now: float, end: str) -> None:
-        if total:
-            filled = int(30 * min(done, total) / total)
-            bar = "#" * filled + "-" * (30 - filled)
-            text = f"\rsyncbn.recompute_running_stats [{bar}] {done}/{total} batches, {now - start:.1f}s"
-        else:
-            text = f"\rsyncbn.recompute_running_stats: {done} batches, {now - start:.1f}s"
-        sys.stderr.write(text + end)
+        counted = f" [{'#' * (30 * min(done, total) // total):-<30}] {done}/{total}" if total else f": {done}"
+        sys.stderr.write(f"\rsyncbn.recompute_running_stats{counted} batches, {now - start:.1f}s{end}")
         sys.stderr.flush()
 
     for batch in batches:
@@ -305,9 +288,9 @@ def recompute_running_stats(
     moments = {id(layer): _Moments() for _, layer in layers}
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        values = _masked_values(args, kwargs)
-        if values is not None:
-            moments[id(module)].add(values)
+        if args and isinstance(args[0], Tensor):  # the input it normalises: where a mask is, (M, C) valid
+            mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
+            moments[id(module)].add(args[0].movedim(1, -1)[mask] if isinstance(mask, Tensor) else args[0])
 
     feeding: set[int] = set()  # the storages of the batch being run
 
@@ -318,8 +301,8 @@ def recompute_running_stats(
         return None
 
     modes = [(mod, mod.training) for mod in model.modules()]
-    saved = [(layer, layer.running_mean.clone(), layer.running_var.clone()) for _, layer in layers]  # type: ignore[union-attr]
-    counters = [(t, t.clone()) for t in (layer.num_batches_tracked for _, layer in layers) if t is not None]
+    saved = [(t, t.clone()) for _, layer in layers for t in (layer.running_mean, layer.running_var)]  # type: ignore[union-attr]
+    counters = [(t, t.clone()) for _, layer in layers if (t := layer.num_batches_tracked) is not None]
     handles = [
         mod.register_forward_pre_hook(protect)
         for mod in model.modules()
@@ -336,9 +319,8 @@ def recompute_running_stats(
         _set_population_stats(layers, moments, group)
     except BaseException:
         with torch.no_grad():
-            for layer, mean, var in saved:
-                layer.running_mean.copy_(mean)  # type: ignore[union-attr]
-                layer.running_var.copy_(var)  # type: ignore[union-attr]
+            for tensor, value in saved:
+                tensor.copy_(value)  # type: ignore[union-attr]
         raise
     finally:
         for handle in handles:

@@ -25,14 +25,8 @@ __all__ = [
     "output_file",
     "output_dir",
     "group_size",
-    "MIN_SECONDS",
-    "MAX_SECONDS",
+    "add_output",
 ]
-
-#: The range of a timeout flag: syncbn's own bounds (whole milliseconds reach torch, which reads
-#: 0 ms as "no timeout"; at most about 31 years).
-MIN_SECONDS = _config.MIN_TIMEOUT_S
-MAX_SECONDS = _config.MAX_TIMEOUT_S
 
 # Backends that would not synchronise anything real: never a sensible choice here.
 _NOT_REAL = ("undefined", "fake")
@@ -79,8 +73,9 @@ def add_counts(parser: argparse.ArgumentParser, counts: dict[str, tuple[int, int
         parser.add_argument(flag, type=integer(low), default=default, help=text)
 
 
-#: A ``type=`` for a timeout in seconds, from :data:`MIN_SECONDS` to :data:`MAX_SECONDS`.
-seconds = real(MIN_SECONDS, MAX_SECONDS, "a number of seconds")
+#: A ``type=`` for a timeout in seconds, within syncbn's own bounds (whole milliseconds reach torch,
+#: which reads 0 ms as "no timeout"; at most about 31 years).
+seconds = real(_config.MIN_TIMEOUT_S, _config.MAX_TIMEOUT_S, "a number of seconds")
 
 
 def backend(text: str) -> str:

@@ -10,12 +10,12 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..modules import SyncBatchNorm2d
 from ._bench_runner import time_interleaved
+from ._launch import gather
 
 __all__ = ["MODELS", "conv_net", "deep_narrow", "resnet", "sgd_step", "time_steps", "format_e2e", "slowest"]
 
@@ -134,10 +134,9 @@ def time_steps(
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
-def slowest(mine: dict[str, float], world_size: int) -> tuple[dict[str, float], list[Any]]:
-    """Every rank's medians gathered; the slowest rank's per variant (collective)."""
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine)
+def slowest(mine: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Every rank's ``mine`` gathered; per key, the largest value over the ranks (collective)."""
+    gathered = gather(mine)
     return {k: max(g[k] for g in gathered) for k in mine}, gathered
 
 

@@ -70,10 +70,12 @@ class FusedBound(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def collective_buffers(channels: int, device: Any = None) -> tuple[Tensor, Tensor]:
-    """The forward (``2C + 1`` float64) and backward (``2C`` float32) buffers a layer sums."""
+def collective_buffers(
+    channels: int, device: Any = None, backward_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """The forward (``2C + 1`` float64) and backward (``2C``, float32 by default) buffers a layer sums."""
     fwd = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-    return fwd, torch.zeros(2 * channels, device=device)
+    return fwd, torch.zeros(2 * channels, dtype=backward_dtype, device=device)
 
 
 class FusedBoundBatchNorm2d(nn.BatchNorm2d):

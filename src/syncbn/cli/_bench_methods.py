@@ -11,10 +11,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.nn.functional import all_reduce
 
 from ..engine._function import Params, SyncBatchNormFunction
 from ..groups import ProcessGroupSum
 from ..modules import SyncBatchNorm
+from ._bench_floor import collective_buffers
 
 __all__ = ["METHODS", "LocalWithCollectives", "LoopbackGroup", "NaiveSyncBatchNorm", "build"]
 
@@ -33,23 +35,6 @@ class LoopbackGroup:
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return tensor
-
-
-class _AllReduceMean(torch.autograd.Function):
-    """``all_reduce`` average whose backward averages the gradient the same way."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor, world: int) -> Tensor:  # type: ignore[override]
-        out = tensor.clone()
-        dist.all_reduce(out)
-        ctx.world = world
-        return out.div_(world)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad.div_(ctx.world), None
 
 
 class NaiveSyncBatchNorm(nn.Module):
@@ -78,7 +63,7 @@ class NaiveSyncBatchNorm(nn.Module):
         meansq = (x * x).mean(dims)
         stats = torch.cat([mean, meansq])
         if world > 1:
-            stats = _AllReduceMean.apply(stats, world)
+            stats = all_reduce(stats) / world  # torch's autograd-aware sum: backward sums too
         mean, meansq = stats.split(channels)
         var = meansq - mean * mean
         invstd = torch.rsqrt(var + self.eps)
@@ -116,8 +101,7 @@ class LocalWithCollectives(nn.Module):
     def __init__(self, bn: nn.Module, channels: int, device: torch.device) -> None:
         super().__init__()
         self.bn = bn
-        self.fwd = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-        self.bwd = torch.zeros(2 * channels, dtype=torch.float64, device=device)
+        self.fwd, self.bwd = collective_buffers(channels, device, torch.float64)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = _CollectivesAround.apply(self.bn(x), self.fwd, self.bwd)
@@ -131,20 +115,18 @@ def _local_bn(dim: int, channels: int) -> nn.Module:
 class _ForcedSync(nn.Module):
     """Run ``kind``'s synchronised autograd function directly, even on a group of one.
 
-    ``kind``: ``"syncbn"`` (the default group), ``"alone"`` (a :class:`LoopbackGroup`) or ``"torch"``.
+    ``kind``: ``"syncbn"`` (the default group) or ``"torch"``.
     """
 
     def __init__(self, bn: nn.Module, kind: str) -> None:
         super().__init__()
         self.bn = bn
         self.kind = kind
-        self.group: Any = LoopbackGroup() if kind == "alone" else None
 
     def forward(self, x: Tensor) -> Tensor:
         bn: Any = self.bn
         if self.kind != "torch":
-            group = self.group or ProcessGroupSum()
-            params = Params(bn.running_mean, bn.running_var, bn.eps, bn.momentum, group)
+            params = Params(bn.running_mean, bn.running_var, bn.eps, bn.momentum, ProcessGroupSum())
             return SyncBatchNormFunction.apply(x, bn.weight, bn.bias, params)  # type: ignore[no-any-return]
         from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFn
 
@@ -162,8 +144,8 @@ def build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
         mod = LocalWithCollectives(_local_bn(x.dim(), channels), channels, x.device)
     elif method == "syncbn":
         mod = SyncBatchNorm(channels)
-    elif method == "alone":
-        mod = _ForcedSync(SyncBatchNorm(channels), "alone")
+    elif method == "alone":  # syncbn's whole synchronised path, no collective, no peer
+        mod = SyncBatchNorm(channels, process_group=LoopbackGroup())
     elif method == "syncbn-pg":
         if x.is_cuda or not dist.is_initialized() or force_sync:
             return None  # only CPU collectives have the shared-memory path to turn off

@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..groups import ProcessGroupSum
+from ._bench_floor import collective_buffers
 from ._bench_methods import METHODS, build
 from ._bench_report import ratios
 from ._bench_targets import load_average
+from ._launch import gather
 
 try:  # per-thread resource usage: Linux
     import resource
@@ -82,8 +84,7 @@ def _two_sums(
     channels: int, device: torch.device, reduce: Callable[[Tensor], Any] | None
 ) -> Callable[[], None]:
     """One step of the two sums syncbn makes (``2C + 1`` and ``2C`` float64 values) through ``reduce``."""
-    fwd = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
-    bwd = torch.zeros(2 * channels, dtype=torch.float64, device=device)
+    fwd, bwd = collective_buffers(channels, device, torch.float64)
 
     def step() -> None:
         if reduce is not None:
@@ -131,7 +132,6 @@ def training_step(mod: nn.Module, x_data: Tensor, dy: Tensor) -> Callable[[], No
 
 def bench_layers(
     rank: int,
-    world_size: int,
     shapes: list[tuple[int, ...]],
     *,
     iters: int,
@@ -168,10 +168,7 @@ def bench_layers(
             "cpu": {name: statistics.median(ts) * 1e3 for name, ts in cpu.items()},
             "faults": {name: statistics.mean(fs) for name, fs in faults.items()},
         }
-        gathered: list[Any] = [mine]
-        if distributed:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, mine)
+        gathered = gather(mine)
         worst = {kind: {name: max(r[kind][name] for r in gathered) for name in mine[kind]} for kind in mine}
         records.append(
             {

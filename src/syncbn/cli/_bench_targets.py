@@ -71,13 +71,13 @@ def allocator_note(records: list[dict[str, Any]]) -> str | None:
     A synchronised layer pays for such faults twice: its own, and the wait for a peer's
     (``benchmarks/speed/skew.py``).
     """
-    worst: tuple[float, str] | None = None
-    for record in records:
-        faults = record.get("faults_per_call") or {}
-        count = max(faults.get("local", 0.0), faults.get("syncbn", 0.0))
-        if count >= MANY_FAULTS and (worst is None or count > worst[0]):
-            worst = (count, "x".join(map(str, record["shape"])))
-    if worst is None:
+    counts = [
+        (max(faults.get("local", 0.0), faults.get("syncbn", 0.0)), "x".join(map(str, record["shape"])))
+        for record in records
+        if (faults := record.get("faults_per_call") or {})
+    ]
+    worst = max(counts, key=lambda count: count[0], default=None)  # the first of equal ones
+    if worst is None or worst[0] < MANY_FAULTS:
         return None
     return (
         f"page faults: up to {worst[0]:.0f} per layer call ({worst[1]}): the allocator gives freed "

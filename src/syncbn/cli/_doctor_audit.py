@@ -77,23 +77,19 @@ class Audit:
     findings: list[Finding]
     model: nn.Module
 
-    def problems(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == PROBLEM]
-
-
-def is_norm_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is a batch-norm layer the doctor lists (torchvision's FrozenBatchNorm2d too)."""
-    return isinstance(module, (_BatchNorm, ActivatedBatchNormBase)) or (
-        "FrozenBatchNorm" in type(module).__name__ and hasattr(module, "running_mean")
-    )
-
 
 def norm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, layer)`` of each normalisation layer, in ``named_modules`` order (a shared one once)."""
-    return [(name or "(root)", m) for name, m in model.named_modules() if is_norm_layer(m)]
+    """``(name, layer)`` of each batch-norm layer (FrozenBatchNorm2d too), in ``named_modules`` order."""
+    return [
+        (name or "(root)", m)
+        for name, m in model.named_modules()
+        if isinstance(m, (_BatchNorm, ActivatedBatchNormBase))
+        or ("FrozenBatchNorm" in type(m).__name__ and hasattr(m, "running_mean"))
+    ]
 
 
-def _channels(layer: nn.Module) -> int:
+def channels(layer: nn.Module) -> int:
+    """The channels of a normalisation layer: ``num_features``, else its running mean's length."""
     count = getattr(layer, "num_features", None)
     return int(count) if isinstance(count, int) else layer.get_buffer("running_mean").numel()
 
@@ -197,9 +193,12 @@ def _findings_for(layer: Layer, old: type, new: nn.Module, frozen_affine: bool) 
     return out
 
 
-def _grouped_note(names: list[str], text: str) -> Finding:
+def _grouped_note(names: list[str], text: str) -> list[Finding]:
+    """One note naming the first three ``names`` (none without a name)."""
+    if not names:
+        return []
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return Finding(NOTE, "", f"{len(names)} layer{'s' if len(names) != 1 else ''} ({shown}) {text}")
+    return [Finding(NOTE, "", f"{len(names)} layer{'s' if len(names) != 1 else ''} ({shown}) {text}")]
 
 
 def audit(model: nn.Module, input_shape: list[int] | None = None, process_group: Any = None) -> Audit:
@@ -242,7 +241,7 @@ def audit(model: nn.Module, input_shape: list[int] | None = None, process_group:
             name=name,
             cls=old.__qualname__,
             converts_to=type(new).__qualname__ if type(new) is not old else "",
-            channels=_channels(new),
+            channels=channels(new),
             dtype=str(dtype).removeprefix("torch."),
             state=_classify(old, new, training),
         )
@@ -257,27 +256,18 @@ def audit(model: nn.Module, input_shape: list[int] | None = None, process_group:
         layers.append(layer)
         findings += _findings_for(layer, old, new, frozen_affine)
     evals = [layer.name for layer in layers if layer.state == EVAL]
-    if evals:
-        findings.append(
-            _grouped_note(
-                evals,
-                (
-                    "stay in eval mode after model.train() (a norm_eval-style override): they normalise with "
-                    "their running statistics and never synchronise. Fine for a frozen backbone; otherwise "
-                    "set norm_eval=False"
-                ),
-            )
-        )
+    findings += _grouped_note(
+        evals,
+        "stay in eval mode after model.train() (a norm_eval-style override): they normalise with "
+        "their running statistics and never synchronise. Fine for a frozen backbone; otherwise "
+        "set norm_eval=False",
+    )
     unused = [layer.name for layer in layers if shapes is not None and layer.calls == 0]
-    if unused and not any(f.layer == "" and f.severity == PROBLEM for f in findings):
-        findings.append(
-            _grouped_note(
-                unused,
-                (
-                    "did not run in the training forward: the same on every rank, they cost nothing; "
-                    "if they run on some ranks only, the others wait"
-                ),
-            )
+    if not any(f.layer == "" and f.severity == PROBLEM for f in findings):
+        findings += _grouped_note(
+            unused,
+            "did not run in the training forward: the same on every rank, they cost nothing; "
+            "if they run on some ranks only, the others wait",
         )
     return Audit(layers, findings, converted)
 

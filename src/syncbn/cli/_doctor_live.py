@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import groups
-from ._doctor_audit import NOTE, PROBLEM, SYNCHRONISED, Finding, audit, norm_layers
+from ._doctor_audit import NOTE, PROBLEM, SYNCHRONISED, Finding, audit, channels, norm_layers
 from ._doctor_report import ModelSpecError, build_report, finish, load_model
-from ._launch import describe_transport, is_main_process, launch_plan, rank_device, run_ranks
+from ._launch import describe_transport, gather, is_main_process, launch_plan, rank_device, run_ranks
 from ._output import fail
 
 __all__ = ["run", "compare_layers", "compare_statistics"]
@@ -35,9 +35,7 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
     """This rank's layers (name, class, channels, training) and their running statistics, on the CPU."""
     rows, stats = [], {}
     for name, layer in norm_layers(model):
-        mean = getattr(layer, "running_mean", None)
-        channels = int(getattr(layer, "num_features", mean.numel() if isinstance(mean, Tensor) else 0))
-        rows.append((name, type(layer).__qualname__, channels, layer.training))
+        rows.append((name, type(layer).__qualname__, channels(layer), layer.training))
         stats[name] = {
             key: t.detach().cpu() for key in _STATS if isinstance(t := getattr(layer, key, None), Tensor)
         }
@@ -118,43 +116,31 @@ def compare_statistics(everyone: list[dict[str, Any]]) -> list[Finding]:
     return _capped(found, "layers with other statistics")
 
 
-def _gather(value: Any) -> list[Any]:
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
-    return everyone
-
-
 def _groups_of(audited: Any) -> list[Any]:
     """The process groups the synchronised layers of an :class:`Audit` use, in first-use order."""
-    modules = dict(norm_layers(audited.model))
+    modules: dict[str, Any] = dict(norm_layers(audited.model))
     seen: list[Any] = []
     for layer in audited.layers:
         if layer.state == SYNCHRONISED:
-            module = modules[layer.name]
-            group = getattr(module, getattr(module, "_group_attr", None) or "process_group", None)
+            group = modules[layer.name]._group()  # a synchronised layer is a LayerMixin
             if not any(group is g for g in seen):
                 seen.append(group)
     return seen
 
 
-def _step_bound(model: nn.Module, broadcast_buffers: bool) -> groups.StepBound:
-    """What bounds the first collective of a DDP step of ``model`` (DDP over the default group)."""
-    return dataclasses.replace(groups.step_bound(model), broadcast_buffers=broadcast_buffers)
-
-
-def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
+def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """One rank's part: the checks, and the report (the same verdict on every rank)."""
-    device = rank_device(options["device"])
-    group_size = options["group_size"]
+    device = rank_device(args.device)
+    group_size = args.group_size
     process_group = None if group_size is None else groups.subgroup(group_size)  # every rank, first
     model: nn.Module | None = None
     try:
-        model = load_model(options["model"], options["kwargs"]).to(device)
+        model = load_model(args.model, args.kwargs).to(device)
         model.train()
         mine: dict[str, Any] = {"error": None, **_snapshot(model)}
     except ModelSpecError as exc:
         mine = {"error": str(exc)}
-    everyone = _gather(mine)
+    everyone = gather(mine)
     errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
     if errors:
         return {"usage_error": "; ".join(errors)}
@@ -163,7 +149,7 @@ def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
     aligned = not extra
     extra += compare_statistics(everyone)
     # Only models that line up synchronise: a forward over layers that differ would fail mid-way.
-    shape = options["input_shape"] if aligned else None
+    shape = args.input_shape if aligned else None
     result = audit(model, shape, process_group=process_group if aligned else None)
     described: list[tuple[list[int], str]] = []
     if aligned:
@@ -174,10 +160,11 @@ def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
             described.append((groups.group_ranks(group), describe_transport(group, device)))
     # Problems that rank 0's own audit does not show (its model differs): named with their rank.
     own = [f.message for f in result.findings if f.severity == PROBLEM]
-    for r, messages in enumerate(_gather(own)[1:], start=1):
+    for r, messages in enumerate(gather(own)[1:], start=1):
         extra += [Finding(PROBLEM, "", f"rank {r}: {m}") for m in messages if m not in own]
-    listed = {str(ranks): (ranks, how) for per_rank in _gather(described) for ranks, how in per_rank}
-    bound = _step_bound(result.model, options["broadcast_buffers"])
+    listed = {str(ranks): (ranks, how) for per_rank in gather(described) for ranks, how in per_rank}
+    # What bounds the first collective of a DDP step of the model (DDP over the default group).
+    bound = dataclasses.replace(groups.step_bound(result.model), broadcast_buffers=args.broadcast_buffers)
     if bound.outwaited:  # a problem only where the user chose the bound the broadcast outwaits
         extra.append(Finding(PROBLEM if bound.user_bound_outwaited else NOTE, "", bound.message()))
     live = {
@@ -191,11 +178,11 @@ def _rank(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]:
         "outwaited": bound.outwaited,
     }
     sizes = sorted({len(ranks) for ranks, _ in listed.values()}) or [world]
-    batch = options["batch_size"] or (options["input_shape"][0] if options["input_shape"] else None)
+    batch = args.batch_size or (args.input_shape[0] if args.input_shape else None)
     return build_report(
         result,
-        model=options["model"],
-        input_shape=options["input_shape"],
+        model=args.model,
+        input_shape=args.input_shape,
         batch=batch,
         world=world,
         chosen=sizes,
@@ -212,23 +199,9 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(plan, str):
         return fail(plan)
     world, backend = plan
-    if isinstance(args.group_size, int) and world % args.group_size:
-        return fail(f"syncbn doctor: --group-size must divide the world size {world} (got {args.group_size})")
-    options = {
-        key: getattr(args, key)
-        for key in (
-            "model",
-            "kwargs",
-            "input_shape",
-            "batch_size",
-            "group_size",
-            "device",
-            "broadcast_buffers",
-        )
-    }
     main = is_main_process()
     try:
-        report = run_ranks(_rank, world, backend, options, timeout_s=args.timeout)
+        report = run_ranks(_rank, world, backend, args, timeout_s=args.timeout)
     except Exception as exc:  # noqa: BLE001 - a rank died or timed out: the check failed
         return fail(f"syncbn doctor: FAILED, a rank did not finish: {exc}", 1, show=main)
     if "usage_error" in report:

@@ -53,10 +53,6 @@ def load_model(spec: str, kwargs: dict[str, Any]) -> nn.Module:
     return model
 
 
-def _spatial(shape: list[int] | None) -> int | None:
-    return None if shape is None else math.prod(shape[2:])
-
-
 def group_rows(
     audit: Audit, batch: int | None, world: int | None, chosen: list[int]
 ) -> tuple[list[dict[str, Any]], list[Finding]]:
@@ -69,29 +65,27 @@ def group_rows(
         return [], []
     sizes = [k for k in range(1, world + 1) if world % k == 0] if world else [1, 2, 4, 8]
     sizes = sorted(set(sizes) | set(chosen))
-    synced = [layer for layer in audit.layers if layer.state == SYNCHRONISED and layer.calls]
+    # Values per channel and sample of each synchronised layer that ran (spatial size 0: never short).
+    spatial = [
+        (math.prod(layer.input_shape[2:]), layer.name)
+        for layer in audit.layers
+        if layer.state == SYNCHRONISED and layer.calls and layer.input_shape
+    ]
     rows, findings = [], []
     for k in sizes:
+        fewest = min(((k * batch * s, name) for s, name in spatial if s), default=None)
         row: dict[str, Any] = {"group_size": k, "groups": world // k if world and world % k == 0 else None}
         row["group_batch"] = k * batch
-        counts = [(k * batch * s, layer.name) for layer in synced if (s := _spatial(layer.input_shape))]
-        fewest = min(counts, default=None)
-        row["fewest_values_per_channel"] = fewest[0] if fewest else None
-        row["at_layer"] = fewest[1] if fewest else None
+        row["fewest_values_per_channel"], row["at_layer"] = fewest or (None, None)
         row["chosen"] = k in chosen
         rows.append(row)
         if k in chosen and fewest is not None and fewest[0] < 2:
-            findings.append(
-                Finding(
-                    PROBLEM,
-                    fewest[1],
-                    (
-                        f"'{fewest[1]}' sees {fewest[0]} value per channel in a group of {k} rank(s) with "
-                        f"{batch} sample(s) each: training raises ValueError. Fix: a per-rank batch of 2 or "
-                        "more, or a group_size of 2 or more"
-                    ),
-                )
+            text = (
+                f"'{fewest[1]}' sees {fewest[0]} value per channel in a group of {k} rank(s) with "
+                f"{batch} sample(s) each: training raises ValueError. Fix: a per-rank batch of 2 or "
+                "more, or a group_size of 2 or more"
             )
+            findings.append(Finding(PROBLEM, fewest[1], text))
     return rows, findings
 
 

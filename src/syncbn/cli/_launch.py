@@ -30,6 +30,8 @@ __all__ = [
     "rank_device",
     "run_ranks",
     "describe_transport",
+    "gather",
+    "group_size_error",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -49,14 +51,20 @@ def default_backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def add_launch_arguments(parser: argparse.ArgumentParser, device_help: str) -> None:
-    """``--world-size``, ``--device`` and ``--backend``: the flags of a command run on W ranks."""
-    parser.add_argument(
-        "--world-size",
-        type=_args.integer(1),
-        default=2,
-        help="ranks to spawn, at least 1 (default 2; ignored under torchrun)",
-    )
+def add_launch_arguments(
+    parser: argparse.ArgumentParser,
+    device_help: str,
+    world_size: int | None = 2,
+    world_size_help: str = "ranks to spawn, at least 1 (default 2; ignored under torchrun)",
+    group_size_help: str | None = None,
+) -> None:
+    """The flags of a command run on W ranks: ``--world-size``, ``--device``, ``--backend``.
+
+    ``world_size``: the default of ``--world-size``; with ``group_size_help``, ``--group-size`` too.
+    """
+    parser.add_argument("--world-size", type=_args.integer(1), default=world_size, help=world_size_help)
+    if group_size_help is not None:
+        parser.add_argument("--group-size", type=_args.group_size, metavar="K", help=group_size_help)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help=device_help)
     parser.add_argument(
         "--backend",
@@ -67,14 +75,18 @@ def add_launch_arguments(parser: argparse.ArgumentParser, device_help: str) -> N
 
 
 def launch_plan(command: str, args: argparse.Namespace) -> tuple[int, str] | str:
-    """``(world size, backend)`` of a command's run, or why it cannot run (its usage error)."""
+    """``(world size, backend)`` of a command's run, or why it cannot run (its usage error).
+
+    A ``--group-size`` (where the command has one) must divide the world size.
+    """
     if args.device == "cuda" and not torch.cuda.is_available():
         return f"syncbn {command}: --device cuda, but torch.cuda.is_available() is False"
     world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
     visible = torch.cuda.device_count() if args.device == "cuda" else 0
     if args.device == "cuda" and not launched_by_torchrun() and world_size > visible:
         return f"syncbn {command}: {world_size} ranks need {world_size} GPUs, {visible} visible"
-    return world_size, args.backend or default_backend(args.device)
+    error = group_size_error(command, world_size, getattr(args, "group_size", None))
+    return error or (world_size, args.backend or default_backend(args.device))
 
 
 def rank_device(device: str) -> torch.device:
@@ -142,6 +154,25 @@ def run_ranks(
         )
         with open(os.path.join(tmp, "result.pkl"), "rb") as f:
             return pickle.load(f)
+
+
+def gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank (collective); ``[value]`` without a group."""
+    if not dist.is_initialized():
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def group_size_error(command: str, world_size: int, group_size: int | str | None) -> str | None:
+    """Why ``--group-size`` cannot split ``world_size`` ranks (a usage error), or ``None``."""
+    if not isinstance(group_size, int) or world_size % group_size == 0:
+        return None
+    return (
+        f"syncbn {command}: --group-size must divide the world size {world_size} "
+        f"(got group size {group_size})"
+    )
 
 
 def describe_transport(process_group: Any, device: torch.device | None = None) -> str:

@@ -101,15 +101,15 @@ def parse_nets(text: str) -> list[str]:
     return nets
 
 
-def _eager_net(model: str, rank: int, world_size: int, steps: int, norms: dict[str, Any], device: Any) -> Any:
-    """One net's eager DDP step per variant (slowest rank's medians) and its ratios."""
-    ms, _ = slowest(time_steps(model, rank, 16, steps, 2, norms, device=device), world_size)
-    out = {"median_ms": ms, "syncbn_over_plain": ms["syncbn"] / ms["plain"]}
-    out["syncbn_over_fused"] = ms["syncbn"] / ms["fused"]
-    out["fused_over_plain"] = ms["fused"] / ms["plain"]
-    if "torch" in ms:
-        out["syncbn_over_torch"] = ms["syncbn"] / ms["torch"]
-    return out
+#: The ratios a net's record has, where both variants ran: ``{a}_over_{b}`` is ``a``'s step over ``b``'s.
+_NET_RATIOS = (("syncbn", "plain"), ("syncbn", "fused"), ("fused", "plain"), ("syncbn", "torch"))
+
+
+def _net(mine: dict[str, float], **extra: Any) -> dict[str, Any]:
+    """One net's record: the slowest rank's median step per variant (collective) and its ratios."""
+    ms, _ = slowest(mine)
+    ratios = {f"{a}_over_{b}": ms[a] / ms[b] for a, b in _NET_RATIOS if a in ms and b in ms}
+    return {"median_ms": ms, **extra, **ratios}
 
 
 def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> tuple[Any, Any]:
@@ -118,28 +118,23 @@ def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.d
     compiled: dict[str, Any] | None = None
     if world_size == 1 or args.force_sync:
         return e2e, compiled
-    norms: dict[str, Any] = {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
     floor_group = ProcessGroupSum(None)  # the floor's two sums: syncbn's transport, a group of its own
-    eager_norms = {**norms, "fused": lambda c: FusedBoundBatchNorm2d(c, floor_group)}
+    eager_norms: dict[str, Any] = {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
+    eager_norms["fused"] = lambda c: FusedBoundBatchNorm2d(c, floor_group)
     if device.type == "cuda" and dist.get_backend() == "nccl":
         eager_norms["torch"] = nn.SyncBatchNorm
     if args.e2e_steps > 0:
         e2e = {
-            net: _eager_net(net, rank, world_size, args.e2e_steps, eager_norms, device) for net in args.nets
+            net: _net(time_steps(net, rank, 16, args.e2e_steps, 2, eager_norms, device=device))
+            for net in args.nets
         }
     if args.compiled:
         compiled = {}
-        steps = max(args.e2e_steps, 3)
         for model in ("deep", "wide"):
             first: dict[str, float] = {}
-            mine = time_steps(model, rank, 16, steps, 3, norms, compiled=True, device=device, first_s=first)
-            ms, _ = slowest(mine, world_size)
-            compile_s, _ = slowest(first, world_size)
-            compiled[model] = {
-                "median_ms": ms,
-                "first_step_s": compile_s,
-                "syncbn_over_plain": ms["syncbn"] / ms["plain"],
-            }
+            steps = max(args.e2e_steps, 3)
+            mine = time_steps(model, rank, 16, steps, 3, compiled=True, device=device, first_s=first)
+            compiled[model] = _net(mine, first_step_s=slowest(first)[0])
     floor_group.close()
     return e2e, compiled
 
@@ -150,7 +145,6 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     device = rank_device(args.device)
     records = bench_layers(
         rank,
-        world_size,
         args.shapes,
         iters=args.iters,
         warmup=args.warmup,
@@ -169,8 +163,8 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         "device": args.device,
         "backend": args.backend,
         "threads_per_rank": args.threads,
-        "force_sync": bool(args.force_sync),
-        "compiled": bool(args.compiled),
+        "force_sync": args.force_sync,
+        "compiled": args.compiled,
         "nets": args.nets,
         "statistic": "median over iterations per rank, then the slowest rank",
     }

@@ -20,7 +20,7 @@ from torch.distributed.constants import default_pg_timeout
 from . import _args, _doctor_live
 from ._doctor_audit import audit
 from ._doctor_report import ModelSpecError, build_report, finish, load_model
-from ._launch import add_launch_arguments, launched_by_torchrun
+from ._launch import add_launch_arguments, group_size_error, launched_by_torchrun
 from ._output import fail
 
 #: torch's default timeout of a process group (``init_process_group`` without ``timeout=``).
@@ -71,13 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="samples per rank for the group-size table (default: N of --input-shape)",
     )
     parser.add_argument(
-        "--group-size",
-        type=_args.group_size,
-        default=None,
-        metavar="K",
-        help="the job's syncbn group_size: K consecutive ranks, or 'node' (with --live)",
-    )
-    parser.add_argument(
         "--live",
         action="store_true",
         help="also check the ranks against each other (under torchrun, or on --world-size local ranks)",
@@ -96,46 +89,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --live, whether the job's DistributedDataParallel broadcasts its buffers each step "
         "(DDP's default; forward_sync_buffers from torch 2.13)",
     )
-    add_launch_arguments(parser, "where the model runs")
-    for action in parser._actions:
-        if action.dest == "world_size":  # offline: the job's ranks (no default); --live: ranks to spawn
-            action.default = None
-            action.help = (
-                "the job's ranks (for the group-size table); with --live, ranks to spawn (default 2)"
-            )
-
-
-def _chosen(group_size: int | str | None, world: int | None) -> list[int]:
-    if isinstance(group_size, int):
-        return [group_size]
-    return [world] if world else []
+    # Offline: the job's ranks (no default); with --live: the ranks to spawn.
+    world_help = "the job's ranks (for the group-size table); with --live, ranks to spawn (default 2)"
+    group_help = "the job's syncbn group_size: K consecutive ranks, or 'node' (with --live)"
+    add_launch_arguments(parser, "where the model runs", None, world_help, group_help)
 
 
 def run(args: argparse.Namespace) -> int:
     """Audit the model; print the report; 1 when it found a problem."""
     if args.live:
         return _doctor_live.run(args)
+    world = args.world_size
     if args.group_size == "node":
         return fail("syncbn doctor: --group-size node needs --live (the machines are known only then)")
     if args.device == "cuda" and not torch.cuda.is_available():
         return fail("syncbn doctor: --device cuda, but torch.cuda.is_available() is False")
     if launched_by_torchrun():
         return fail("syncbn doctor: launched by torchrun without --live: add --live to check the ranks")
+    if world and (error := group_size_error("doctor", world, args.group_size)):
+        return fail(error)
     try:
         model = load_model(args.model, args.kwargs).to(args.device)
     except ModelSpecError as exc:
         return fail(f"syncbn doctor: {exc}")
-    result = audit(model, args.input_shape)
-    batch = args.batch_size or (args.input_shape[0] if args.input_shape else None)
-    world = args.world_size
-    if isinstance(args.group_size, int) and world and world % args.group_size:
-        return fail(f"syncbn doctor: --group-size must divide --world-size {world} (got {args.group_size})")
     report = build_report(
-        result,
+        audit(model, args.input_shape),
         model=args.model,
         input_shape=args.input_shape,
-        batch=batch,
+        batch=args.batch_size or (args.input_shape[0] if args.input_shape else None),
         world=world,
-        chosen=_chosen(args.group_size, world),
+        chosen=[args.group_size] if isinstance(args.group_size, int) else [world] if world else [],
     )
     return finish(report, args.json)

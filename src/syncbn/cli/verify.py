@@ -22,6 +22,7 @@ from ._checks import EXACT_KEYS, Case, run_case, standard_cases, tolerance
 from ._launch import (
     add_launch_arguments,
     describe_transport,
+    gather,
     is_main_process,
     launch_plan,
     rank_device,
@@ -31,7 +32,11 @@ from ._output import fail, format_error, format_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_launch_arguments(parser, "where syncbn runs")
+    grouping = (
+        "synchronise over syncbn.groups.subgroup(K): groups of K consecutive ranks, or 'node' "
+        "(the ranks of each machine); each group is checked against its own batch"
+    )
+    add_launch_arguments(parser, "where syncbn runs", group_size_help=grouping)
     parser.add_argument(
         "--tolerance-scale",
         type=_args.real(0.0),
@@ -40,14 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiply every tolerance by FACTOR, 0 or more (below 1 is stricter; default 1)",
     )
     _args.add_output(parser, "results", 60.0, "collective timeout in seconds, from 0.001 to 1e9 (default 60)")
-    parser.add_argument(
-        "--group-size",
-        type=_args.group_size,
-        default=None,
-        metavar="K",
-        help="synchronise over syncbn.groups.subgroup(K): groups of K consecutive ranks, or 'node' "
-        "(the ranks of each machine); each group is checked against its own batch",
-    )
 
 
 def _check_rank(
@@ -65,9 +62,7 @@ def _check_rank(
             mine[case.name] = f"{type(exc).__name__}: {exc}"
     mine[_GROUP] = groups.group_ranks(process_group)
     mine[_TRANSPORT] = describe_transport(process_group)
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine)
-    return gathered
+    return gather(mine)
 
 
 _TRANSPORT = "_transport"  # not a case name: how this rank's collectives travelled
@@ -117,11 +112,6 @@ def run(args: argparse.Namespace) -> int:
     world_size, backend = plan
     group_size = args.group_size
     main = is_main_process()
-    if isinstance(group_size, int) and world_size % group_size:
-        return fail(
-            f"syncbn verify: --group-size must divide the world size {world_size} "
-            f"(got group size {group_size})"
-        )
     if main:
         grouping = "" if group_size is None else f" in groups of subgroup({group_size!r})"
         print(
@@ -137,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - a rank died or timed out: that is a failed check
         return fail(f"syncbn verify: FAILED, a rank did not finish: {exc}", 1, show=main)
     elapsed = time.perf_counter() - start
-    sizes = [len(r.get(_GROUP, ())) for r in per_rank if isinstance(r, dict)]
+    sizes = [len(r[_GROUP]) for r in per_rank]
     cases = standard_cases(min(sizes, default=world_size))
     missing = "no result (its group has another size)"
     summaries = [
@@ -159,11 +149,11 @@ def run(args: argparse.Namespace) -> int:
             for failure in s["failures"]:
                 print(f"FAIL {s['case']}: {failure}")
         verdict = "all passed" if passed == len(summaries) else f"{len(summaries) - passed} FAILED"
-        transport = per_rank[0].get(_TRANSPORT, "-")
+        transport = per_rank[0][_TRANSPORT]
         print(f"{passed}/{len(summaries)} cases passed ({verdict}) in {elapsed:.1f}s", flush=True)
         print(f"collectives went through {transport}", flush=True)
         if group_size is not None:
-            listed = sorted({tuple(r[_GROUP]) for r in per_rank if isinstance(r, dict) and _GROUP in r})
+            listed = sorted({tuple(r[_GROUP]) for r in per_rank})
             print(f"groups (global ranks): {', '.join(str(list(g)) for g in listed)}", flush=True)
         if args.json:
             report = {

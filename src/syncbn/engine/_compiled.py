@@ -18,7 +18,6 @@ from .. import _accumulating
 from ..families._protocol import THIS_CALL, Record
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
-from ._function import BATCH_NORM
 
 
 def _layout(x: Tensor) -> tuple[list[int], list[int]]:
@@ -73,7 +72,7 @@ def _traced_forward(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Record:
     """The forward of :class:`_TracedSyncBatchNorm`, traced operations only (no autograd state)."""
-    eps, group, token, family = params.eps, params.group, params.layer, params.family or BATCH_NORM
+    eps, group, token, family = params.eps, params.group, params.layer, params.family
     running_mean, running_var = params.running_mean, params.running_var
     stat = _rules.statistics_dtype(x, weight, running_mean)
     total = unbiased = None
@@ -103,7 +102,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
     ) -> Any:  # type: ignore[override]
-        family = params.family or BATCH_NORM
+        family = params.family
         if family.saves_output:  # written over a copy, which traced_inplace_abn writes over x (see there)
             x = x.clone()
         r = _traced_forward(x, weight, bias, params)
@@ -155,8 +154,8 @@ def sync_batch_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
     """Training-mode synchronised batch norm of any family, traced, with the running update."""
-    if params.family:  # (a renorm's (r, d) from the statistics before the update below)
-        params = params._replace(family=params.family.snapshot(_ops.snapshot))
+    # (a renorm's (r, d) from the statistics before the update below)
+    params = params._replace(family=params.family.snapshot(_ops.snapshot))
     out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
     _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
     traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)

@@ -32,14 +32,12 @@ class Params(NamedTuple):
     momentum: Any  # a float (traced: a 0-dim tensor for a cumulative average)
     group: Any = None  # eager: a SumGroup (None: no collective); traced: a group handle (0: none)
     layer: Any = None  # eager: the calling layer (errors, handshake state); traced: its token
-    family: Any = (
-        BATCH_NORM  # the family's per-call object (syncbn.families._protocol.Family; None: batch norm)
-    )
+    family: Any = BATCH_NORM  # the family's per-call object (syncbn.families._protocol.Family), never None
     statistics: Any = THIS_CALL  # what it normalises with (syncbn.families._protocol.Statistics)
 
 
 def _expected_more_than_one(x: Tensor, group: Any, layer: Any, family: Any = BATCH_NORM) -> ValueError:
-    return one_value_error(x, group.size, (family or BATCH_NORM).members, layer)
+    return one_value_error(x, group.size, family.members, layer)
 
 
 def update_running(moments: Record, params: Params) -> None:
@@ -118,7 +116,7 @@ def synchronized_forward(
     (``params.group`` is not read; ``None``: this member alone). A family in eval normalises with
     the running statistics (constants: no collective, no update).
     """
-    family, eps, running_mean = params.family or BATCH_NORM, params.eps, params.running_mean
+    family, eps, running_mean = params.family, params.eps, params.running_mean
     stat_dtype = statistics_dtype(x, weight, running_mean)
     if not family.training:  # (checked by the family's layer: the running statistics exist)
         count = x.numel() // x.shape[1] if x.shape[1] else 0
@@ -165,7 +163,7 @@ def run_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: P
 def _save(ctx: Any, x: Tensor, weight: Any, bias: Any, record: Record, params: Params, call: int) -> None:
     """What backward reads: the saved tensor (the input, or the output written over it), the weight
     the map used, the layer's weight and bias; the record and the call's parameters."""
-    family = params.family or BATCH_NORM
+    family = params.family
     if family.saves_output:
         ctx.mark_dirty(x)
     ctx.save_for_backward(x, record.weight, weight, bias)  # (x: the output, where written over it)
@@ -246,7 +244,7 @@ def _vmap(in_dims: Any, x: Tensor, weight: Any, bias: Any, params: Params, box: 
     """Under ``vmap``, a call with constant statistics (a family in eval) folds the vmapped dim into
     the batch; the family's error otherwise. ``box`` is the caller's: a transform above ``vmap``
     (``grad``) reads the forward's result from it."""
-    family = params.family or BATCH_NORM
+    family = params.family
     x_dim, weight_dim, bias_dim = in_dims[:3]
     if family.training or weight_dim is not None or bias_dim is not None or x_dim is None:
         raise NotImplementedError(

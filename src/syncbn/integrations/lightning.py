@@ -144,9 +144,5 @@ class AccumulatedStatistics(Callback):  # type: ignore[misc]
 
     def _close(self, commit: bool) -> None:
         block, self.block = self.block, None
-        if block is None or not block.active:
-            return
-        if commit:
-            block.commit()
-        else:
-            block.discard()
+        if block is not None and block.active:
+            (block.commit if commit else block.discard)()

@@ -35,15 +35,15 @@ def replica_batch_norm(
 
     ``call`` is the layer's bookkeeping of this call (``syncbn._layer.TrainingCall``: a
     recomputation, by a reentrant checkpoint around the model, updates with factor 0 and counts
-    no batch); ``family`` ``None`` means the layer's own (``_family_call``) or batch norm, and
+    no batch); ``family`` ``None`` means the layer's own (``_family_call``, else batch norm), and
     renorm recomputing reads the forward's statistics. The in-place family overwrites ``x``.
     """
     rendezvous = replication.rendezvous()
     running_mean, momentum = call.running_mean, call.momentum
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
     family_call = getattr(layer, "_family_call", None)
-    if not family:  # the layer's own (None: batch norm)
-        family = (family_call(replication.recomputing) if family_call else None) or BATCH_NORM
+    if family is None:  # the layer's own
+        family = family_call(replication.recomputing) if family_call else BATCH_NORM
         if replication.recomputing:  # (the forward's statistics, on x's device)
             family = family.snapshot(lambda t: t.to(x.device))
         elif family_call and rank == 0:  # the user's layer keeps what a recomputation reads
