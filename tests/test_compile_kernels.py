@@ -6,7 +6,9 @@ are loops of one kernel. syncbn's traced layer has its collective, an opaque ope
 the reduction and the elementwise pass that reads the sum, so each way it needs one kernel
 before and one after it: one more than ``nn.BatchNorm2d`` per layer each way, and no more (the
 local reduction cannot fuse with the convolution that produces the input, an external kernel,
-nor the normalisation with the one that consumes it). See benchmarks/RESULTS.md, issue 42.
+nor the normalisation with the one that consumes it). Where the producer and the consumer are
+generated kernels themselves (pointwise operations), they fuse into syncbn's two kernels as into
+``nn.BatchNorm2d``'s one: the collective is the only boundary. See benchmarks/RESULTS.md, issue 42.
 """
 
 from __future__ import annotations
@@ -61,3 +63,33 @@ def test_compiled_layer_runs_one_kernel_either_side_of_each_collective() -> None
         # nn.BatchNorm2d: one kernel per layer (plus the step's own); syncbn: one more per layer,
         # the kernel boundary the opaque collective makes, and nothing else.
         assert kernels == bn_kernels + blocks, (plain, ours)
+
+
+class _Pointwise(nn.Module):
+    """A norm between pointwise operations: no external kernel on either side of it."""
+
+    def __init__(self, norm: Any) -> None:
+        super().__init__()
+        self.norm = norm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x * 2.0 + 1.0).relu() * 3.0
+
+
+def _pointwise_launches(norm: Any) -> list[tuple[int, int]]:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 8, 8, requires_grad=True)
+    torch._dynamo.reset()
+    model = torch.compile(_Pointwise(norm))
+    _, codes = run_and_get_code(lambda: model(x).sum().backward())
+    return [(len(_LAUNCH.findall(code)), len(_COLLECTIVE.findall(code))) for code in codes]
+
+
+@pytest.mark.timeout(600)
+def test_compiled_layer_fuses_with_its_pointwise_producer_and_consumer() -> None:
+    plain = _pointwise_launches(nn.BatchNorm2d)
+    ours = _pointwise_launches(lambda c: syncbn.SyncBatchNorm2d(c, process_group=_Loopback()))
+    # nn.BatchNorm2d: producer, statistics, normalisation, ReLU and scaling in one kernel each way;
+    # syncbn: the same operations in two, split only by its one collective each way.
+    assert plain == [(1, 0), (1, 0)], plain
+    assert ours == [(2, 1), (2, 1)], ours

@@ -496,21 +496,6 @@ def test_a_job_killed_before_every_rank_arrived_leaves_no_segment(how: int) -> N
     assert glob.glob(f"/dev/shm/syncbn-{other['pid']}-*") == []
 
 
-def test_stale_segments_of_dead_processes_are_removed() -> None:
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-    with tempfile.TemporaryDirectory() as tmp:
-        stale = os.path.join(tmp, f"syncbn-{pid}-00000000abcd")
-        live = os.path.join(tmp, f"syncbn-{os.getppid()}-00000000abcd")
-        other = os.path.join(tmp, "unrelated-1-2")
-        for path in (stale, live, other):
-            open(path, "w").close()
-        assert _shm.remove_stale(tmp) == [stale]
-        assert sorted(os.listdir(tmp)) == sorted(os.path.basename(p) for p in (live, other))
-
-
 # --------------------------------------------------------------------------- item 4: fork
 
 

@@ -4,7 +4,7 @@ Four real gloo ranks on this machine are told they sit on two machines (ranks 0-
 giving each pair its own host key; every collective then takes the three steps of
 :mod:`syncbn.groups._hier`. Checked: the sums are exact and bit-identical on every rank, the
 layer equals ``nn.BatchNorm`` on the global batch (float64, random upstream gradient), and a
-mismatch between the machines is an error on every rank at once.
+mismatch between the machines is an error on every rank at once (``shadow_sum`` is refused).
 """
 
 from __future__ import annotations
@@ -120,13 +120,20 @@ def _leaders_disagree(rank: int, world_size: int) -> dict[str, Any]:
     _machine(rank)
     group = groups.ProcessGroupSum(None, hierarchical=True)
     group.all_reduce_sum(torch.ones(3, dtype=torch.float64))  # set-up
+    with pytest.raises(groups.CollectiveError) as refused:  # on every rank, nothing sent
+        group.shadow_sum()
     layer_id = 7 if rank < 2 else 8  # the two machines call different layers
     try:
         group.all_reduce_sum(torch.ones(3, dtype=torch.float64), groups.Tag(layer_id, groups.PHASE_FORWARD))
     except groups.CollectiveError as exc:
         after = torch.ones(2, dtype=torch.float64)
         group.all_reduce_sum(after, groups.Tag(9, groups.PHASE_OTHER))  # still usable
-        return {"mismatch": exc.mismatch, "timed_out": exc.timed_out, "after": after.tolist()}
+        return {
+            "mismatch": exc.mismatch,
+            "timed_out": exc.timed_out,
+            "after": after.tolist(),
+            "refused": str(refused.value),
+        }
     return {"mismatch": None}
 
 
@@ -136,6 +143,7 @@ def test_a_mismatch_between_machines_is_an_error_on_every_rank_and_the_group_sta
         assert result["mismatch"] is True, (rank, result)
         assert result["timed_out"] is False
         assert result["after"] == [4.0, 4.0]
+        assert "shadow_sum (DDP Join) is not available on a hierarchical group" in result["refused"]
 
 
 def _single_machine(rank: int, world_size: int) -> dict[str, Any]:

@@ -1,4 +1,7 @@
-"""syncbn.lightning.SyncBatchNorm in a real Lightning Trainer on 2 CPU processes; the Fabric recipe."""
+"""syncbn.lightning.SyncBatchNorm in a real Lightning Trainer on 2 CPU processes.
+
+The Fabric recipe is in test_integrations_fabric.py (a launch of its own, run beside these).
+"""
 
 from __future__ import annotations
 
@@ -76,13 +79,3 @@ def test_trainer_on_two_cpu_processes_trains_with_syncbn_and_equals_the_full_bat
         final = torch.load(os.path.join(tmp_path, f"final_rank{rank}.pt"))
         assert final["types"] == PLAIN_TYPES  # the Trainer's teardown reverted the plugin's conversion
         assert max_error(final["state"], ref) < 1e-12
-
-
-@pytest.mark.timeout(600)
-def test_fabric_recipe_on_two_cpu_processes_equals_the_full_batch(tmp_path: os.PathLike[str]) -> None:
-    run_script("run_fabric.py", str(tmp_path), timeout=480)
-    ref = reference_state()
-    for rank in (0, 1):
-        result = torch.load(os.path.join(tmp_path, f"fabric_rank{rank}.pt"))
-        assert result["train_types"] == SYNC_TYPES and result["reverted_same"]
-        assert max_error(result["state"], ref) < 1e-12

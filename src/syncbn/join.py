@@ -69,14 +69,13 @@ class JoinableSyncBatchNorm(Joinable):
             )
         super().__init__()  # sets _join_config: a disabled configuration
         self._model = model
-        # syncbn's bound as the group's timeout, so gloo gives up at the bound too.
-        bound = _config.get_timeout()
-        # Every rank meets within the bound first: a rank that never builds its joinable is named.
+        # Every rank meets within the bound first (a rank that never builds its joinable is named);
+        # syncbn's bound is the group's timeout, so gloo gives up at the bound too.
         ranks = list(range(dist.get_world_size()))
         group = groups._meet.new_group("syncbn.JoinableSyncBatchNorm(model)", ranks, _config.timeout_delta())
         key = groups._own.adopt(group)  # held there only: destroyed in order when this joinable goes
         self._sum = groups.ProcessGroupSum(group, own_group=True)
-        weakref.finalize(self, groups._own.release, key, (bound or 1800.0) + 1.0)
+        weakref.finalize(self, groups._own.release, key, groups._own.bound_s(group) + 1.0)
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         model.register_forward_pre_hook(self._notify)
@@ -104,16 +103,13 @@ class JoinableSyncBatchNorm(Joinable):
             _sum.set_join(self._wrap)
 
     def _wrapper(self, group: groups.ProcessGroupSum) -> Any:
-        """The default ``group`` as training calls use it in join mode (groups.resolve hands it out).
-
-        A ``Join`` whose body raised runs no post-hook: join mode ends once it is gone (:meth:`live`).
-        """
+        """The default ``group`` as training calls use it in join mode (until :meth:`live` says no)."""
         if not self.live():
             if _sum._join is self._wrap:
                 _sum.set_join(None)
             return group
         if self._wrapped is None or self._wrapped.base is not group:
-            self._wrapped = _JoinedGroup(self, group)
+            self._wrapped = _JoinedGroup(self.all_reduce, group)
         return self._wrapped
 
     def _notify(self, module: nn.Module, args: Any) -> None:
@@ -180,11 +176,6 @@ class JoinableSyncBatchNorm(Joinable):
         except BaseException as exc:  # noqa: BLE001 - re-raised by the post-hook
             self._thread_error = exc
 
-    def _start_shadow(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._shadow, name="syncbn-join-shadow", daemon=True)
-            self._thread.start()
-
     def _finish(self) -> None:
         try:
             if self._thread is None:
@@ -209,19 +200,9 @@ class _JoinedGroup:
     """The default group under an active Join: a SumGroup whose every sum goes through the joinable
     (header then payload on its own group); not framed, so the layers' checks do not run."""
 
-    def __init__(self, joinable: JoinableSyncBatchNorm, base: groups.ProcessGroupSum) -> None:
-        self._joinable, self.base = joinable, base
-
-    @property
-    def size(self) -> int:
-        return self.base.size
-
-    @property
-    def rank(self) -> int:
-        return self.base.rank
-
-    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        return self._joinable.all_reduce(tensor)
+    def __init__(self, all_reduce_sum: Callable[[Tensor], Tensor], base: groups.ProcessGroupSum) -> None:
+        self.all_reduce_sum, self.base = all_reduce_sum, base
+        self.size, self.rank = base.size, base.rank
 
 
 class _ShadowHook(JoinHook):
@@ -229,7 +210,12 @@ class _ShadowHook(JoinHook):
         self._joinable = joinable
 
     def main_hook(self) -> None:
-        self._joinable._start_shadow()
+        joinable = self._joinable
+        if joinable._thread is None:
+            joinable._thread = threading.Thread(
+                target=joinable._shadow, name="syncbn-join-shadow", daemon=True
+            )
+            joinable._thread.start()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self._joinable._finish()

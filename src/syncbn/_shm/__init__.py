@@ -52,24 +52,12 @@ def _host_key() -> float:
     return float((zlib.crc32(text) << 16) | (zlib.adler32(text) & 0xFFFF))
 
 
-def remove_stale(directory: str = "/dev/shm") -> list[str]:
-    """Unlink, and return, the ``syncbn-<pid>-*`` files of dead processes that old versions left."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "syncbn" or not parts[1].isdigit():
-            continue
-        if int(parts[1]) == os.getpid() or _alive(int(parts[1])):
-            continue
-        path = os.path.join(directory, name)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        removed.append(path)
-    return removed
+def machines(keys: list[float]) -> list[list[int]]:
+    """The ranks of each machine (by first rank) from every rank's :func:`_host_key`."""
+    found: dict[float, list[int]] = {}
+    for rank, key in enumerate(keys):
+        found.setdefault(key, []).append(rank)
+    return list(found.values())
 
 
 def connect(
@@ -92,23 +80,22 @@ def connect(
         if not (bool((table[:, 0] == 1).all()) and bool((table[:, 1] == table[0, 1]).all())):
             return None
         pids = [int(p) for p in table[:, 2].tolist()]
-        # Every rank is here: only now does rank 0 create the segment (and clear old leftovers).
+        # Every rank is here: only now does rank 0 create the segment.
         offer = torch.zeros(3, dtype=torch.float64)
         if rank == 0:
-            remove_stale()
             token = secrets.randbits(48) or 1
-            made = _create(f"syncbn-{os.getpid()}-{token:012x}", size, token)
+            made = _create(_segment_name(os.getpid(), token), size, token)
             if made is not None:
                 fd, segment = made
                 offer[0], offer[1], offer[2] = 1.0, float(token), float(fd)
                 with contextlib.suppress(OSError):  # the fallback to /proc: the descriptor over a socket
-                    server = _Server(_socket_name(pids[0], token), fd)
+                    server = _Server(_segment_name(pids[0], token), fd)
         offer = exchange(offer)
         if offer[0].item() != 1:
             return None
         token = int(offer[1].item())
         if rank != 0:
-            segment = _attach(pids[0], int(offer[2].item()), size, token, _socket_name(pids[0], token))
+            segment = _attach(pids[0], int(offer[2].item()), size, token, _segment_name(pids[0], token))
         ok = segment is not None and all(_alive(pid) for pid in pids)
         agreed = exchange(torch.tensor([0.0 if ok else 1.0], dtype=torch.float64))
         if agreed.item() != 0 or segment is None:
@@ -125,7 +112,8 @@ def connect(
             os.close(fd)
 
 
-def _socket_name(pid: int, token: int) -> str:
+def _segment_name(pid: int, token: int) -> str:
+    """The name of the memfd and of the hand-off socket of the segment that process ``pid`` made."""
     return f"syncbn-{pid}-{token:012x}"
 
 

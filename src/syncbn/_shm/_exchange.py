@@ -147,18 +147,16 @@ class SharedMemorySum:
         Raises :class:`SharedMemoryError` on a timeout, a dead or withdrawn peer or a bad checksum
         (the segment is ``broken`` afterwards), or on mismatched headers (``mismatch``; still usable).
         """
-        if self.broken:
-            self._usable()
         n = tensor.numel()
         per = _CAPACITY // tensor.element_size()
         if n <= per and tensor.dim() == 1 and tensor.is_contiguous():
-            self._round(tensor, fields, True, timeout, tensor.dtype)
+            self._round(tensor, fields, timeout)
             return tensor
         flat = tensor.reshape(-1)
         fields = list(fields)
         for i in range(max(1, -(-n // per))):
             fields[6] = i
-            self._round(flat[i * per : (i + 1) * per], fields, True, timeout, tensor.dtype)
+            self._round(flat[i * per : (i + 1) * per], fields, timeout)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
         return tensor
@@ -168,50 +166,41 @@ class SharedMemorySum:
 
         ``None`` when no rank participated.
         """
-        self._usable()
-        empty = torch.empty(0, dtype=torch.float64)
-        first = self._round(empty, [0] * 7, False, timeout, torch.float64)
+        first = self._round(None, [0] * 7, timeout)
         if first is None:
             return None
-        fields, k, chunk = first
-        count = (fields[4] << 16) | fields[5]
-        dtype = _CODE_DTYPES.get(fields[2] % 16, torch.float64)
-        per = _CAPACITY // dtype.itemsize
-        parts = [chunk]
-        for _ in range(1, -(-count // per)):
-            got = self._round(empty, [0] * 7, False, timeout, torch.float64)
+        fields, k, total = first
+        parts = [total]
+        per = _CAPACITY // _CODE_DTYPES.get(fields[2] % 16, torch.float64).itemsize
+        for _ in range(1, -(-((fields[4] << 16) | fields[5]) // per)):
+            got = self._round(None, [0] * 7, timeout)
             if got is None:
                 raise self._fail("the participants stopped in the middle of a call")
             parts.append(got[2])
         return fields, k, torch.cat(parts)
 
-    def _usable(self) -> None:
+    def _round(
+        self, chunk: Tensor | None, fields: list[int], timeout: float
+    ) -> tuple[list[int], int, Tensor] | None:
+        """One slot's exchange; ``chunk`` ``None``: absent (shadowing), then what the participants summed."""
         if self.broken:
             raise SharedMemoryError("the shared-memory group is unusable after an earlier failure")
-
-    def _round(
-        self, chunk: Tensor, fields: list[int], present: bool, timeout: float, dtype: torch.dtype
-    ) -> tuple[list[int], int, Tensor] | None:
         # The hot path: views are cached; the only tensor operations are the copy in and the sum.
         seq = self._seq = self._seq + 1
         buffer = seq & 1
         words = self._flags
-        rank = self._rank
         metas = self._metas[buffer]
-        meta = metas[rank]
-        m = crc = 0
-        plan = None
-        if present:
+        meta = metas[self._rank]
+        if chunk is not None:
             m = chunk.numel()
-            plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
+            plan = self._plans.get((buffer, chunk.dtype, m)) or self._plan(buffer, chunk.dtype, m)
             plan.own.copy_(chunk)
-            crc = zlib.crc32(plan.mine)
-        words[meta + _META_PRESENT] = 1 if present else 0
+            words[meta + _META_CRC] = zlib.crc32(plan.mine)
+            words[meta + _META_COUNT] = m
+        words[meta + _META_PRESENT] = chunk is not None
         words[meta + _META_LAYER] = (fields[0] << 16) | fields[1]
         words[meta + _META_ID] = (fields[2] << 16) | fields[3]
         words[meta + _META_SIZE] = (((fields[4] << 16) | fields[5]) << 16) | fields[6]
-        words[meta + _META_CRC] = crc
-        words[meta + _META_COUNT] = m
         words[meta + _META_ROUND] = seq
         words[self._own_flag] = seq
         waiter = self._waiter
@@ -225,16 +214,13 @@ class SharedMemorySum:
         taking = [r for r, line in enumerate(lines) if line[_META_PRESENT]]
         if not taking:
             return None
-        ref = lines[rank] if present else lines[taking[0]]
-        agreed = _AGREED(ref)
+        agreed = _AGREED(lines[taking[0]])
         for line in lines:
             if line[_META_ROUND] != seq or (line[_META_PRESENT] and _AGREED(line) != agreed):
                 raise self._mismatch(lines)
-        # A participant's reference line is its own: the agreed fields are the ones it sent.
-        got_fields = fields if present else _unpack(ref)
-        if plan is None:
-            dtype = _CODE_DTYPES.get(got_fields[2] % 16, torch.float64)
-            m = int(ref[_META_COUNT])
+        if chunk is None:  # the participants' dtype and size, from their line
+            fields = _unpack(lines[taking[0]])
+            dtype, m = _CODE_DTYPES.get(fields[2] % 16, torch.float64), lines[taking[0]][_META_COUNT]
             plan = self._plans.get((buffer, dtype, m)) or self._plan(buffer, dtype, m)
         # A private copy of every slot: what is checked is what is summed.
         bad = []
@@ -251,21 +237,16 @@ class SharedMemorySum:
         for r, i in enumerate(self._flag_index):
             if words[i] == _WITHDRAWN:
                 raise self._withdrawn(r, 0.0)
-        copy = plan.copy
-        k = len(taking)
-        self.last_participants = k
-        if present and k == self._size and chunk.is_contiguous():
-            if plan.rows is not None:  # two ranks: one addition, as gloo makes it
-                torch.add(plan.rows[0], plan.rows[1], out=chunk)
-            else:
-                torch.sum(copy, 0, out=chunk)
-            return got_fields, k, chunk
+        k = self.last_participants = len(taking)
+        if chunk is None:
+            return fields, k, plan.copy[taking].sum(0, dtype=torch.float64)
         if k < self._size:
-            copy = copy[taking]
-        if present:
-            chunk.copy_(copy.sum(0))
-            return got_fields, k, chunk
-        return got_fields, k, copy.sum(0, dtype=torch.float64)
+            chunk.copy_(plan.copy[taking].sum(0))
+        elif plan.rows is not None:  # two ranks: one addition, as gloo makes it
+            torch.add(plan.rows[0], plan.rows[1], out=chunk)
+        else:
+            torch.sum(plan.copy, 0, out=chunk)
+        return None
 
     def _mismatch(self, lines: list[list[int]]) -> SharedMemoryError:
         error = SharedMemoryError("the ranks made different collectives at the same point", mismatch=True)

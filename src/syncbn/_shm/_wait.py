@@ -162,17 +162,12 @@ class Waiter:
         self._pids = pids
         self.spin = SpinPolicy(self._size)
         self.futex = futex
-        self._sleeps = futex is not None  # whether this rank's own wait sleeps in the kernel
+        self.in_kernel = futex is not None  # whether this rank's wait sleeps in the kernel (else in steps)
         self._own_offset = flag_index[rank] * 8
         self._own_hint = flag_index[rank] + _HINT_WORD
         self._peer_hints = [i + _HINT_WORD for r, i in enumerate(flag_index) if r != rank]
         self._me = rank + 1  # how a sleeper's hint names this rank
         self._woke = False
-
-    @property
-    def in_kernel(self) -> bool:
-        """Whether the wait sleeps in the kernel (futex) rather than in steps."""
-        return self._sleeps
 
     def arrived(self) -> None:
         """After this rank raised its flag: wake the ranks whose sleep hint names it."""
@@ -238,7 +233,7 @@ class Waiter:
             for r in range(size):  # any rank that withdrew (not only the one slept on): fail now
                 if flags[index[r]] == WITHDRAWN:
                     raise WaitFailure("withdrawn", [r], now - start)
-            if self._sleeps:
+            if self.in_kernel:
                 self._sleep(seq, pending, min(next_check, start + timeout) - now)
             else:
                 time.sleep(step)
@@ -252,6 +247,6 @@ class Waiter:
         try:
             value = flags[word]  # read again after the hint: an arrival before it is seen here
             if WITHDRAWN < value < seq and not self.futex.wait(word * 8, value, seconds):
-                self._sleeps = False  # the kernel refused the wait: steps from now on (wakes still owed)
+                self.in_kernel = False  # the kernel refused the wait: steps from now on (wakes still owed)
         finally:
             flags[self._own_hint] = 0

@@ -127,11 +127,14 @@ def memory_format(x: Tensor) -> torch.memory_format | None:
     return torch.contiguous_format if x.is_contiguous() else None
 
 
-def input_grad(grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any, sums: Tensor) -> Tensor:
+def input_grad(
+    grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any, sums: Tensor, out: Tensor | None = None
+) -> Tensor:
     """Batch norm's input gradient from the global ``sums`` ``[[sum(g)], [sum(g * xhat)]]`` (``(2, C)``).
 
     One inference-mode batch norm of ``x`` (the correction terms as weight and bias), then
     ``+= g * w * invstd``; 16-bit ``x`` in float32, rounded once. ``stats.total`` must be positive.
+    ``out`` (CPU, dense, not 16-bit; it may be ``x`` itself): written there instead of a new tensor.
     """
     if x.dtype in _LOW_PRECISION:
         return _low_precision_input_grad(grad_output, x, weight, stats, sums)
@@ -152,7 +155,10 @@ def input_grad(grad_output: Tensor, x: Tensor, weight: Tensor | None, stats: Any
         shift, slope, view = buffer.shift, buffer.slope, buffer.scale_view
     else:  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
         (shift, slope), view = corrections.unbind(0), scale.view(broadcast_shape(x))
-    grad_input = torch.batch_norm(x, slope, shift, mean, var, False, 0.0, eps, False)
+    if out is None:
+        grad_input = torch.batch_norm(x, slope, shift, mean, var, False, 0.0, eps, False)
+    else:  # (the CPU kernel reads each value before writing it)
+        grad_input = normalize(x, slope, shift, mean, var, eps, out=out)
     return grad_input.addcmul_(grad_output, view)
 
 

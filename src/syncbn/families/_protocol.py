@@ -1,11 +1,5 @@
 """The family protocol: what the engine runs (:class:`Family`), what forward leaves for backward
-(:class:`Record`), and where the statistics come from (:class:`Statistics`).
-
-:class:`Statistics` is the seam through which the engine obtains the statistics a training call
-normalises with. The engine sums the call's packed moments over the group (ONE collective), then
-hands the summed vector to ``params.statistics.pool`` and normalises with what it returns, on
-every path (eager, ``torch.func``, traced/compiled, DataParallel replicas).
-"""
+(:class:`Record`), and where the statistics come from (:class:`Statistics`)."""
 
 from __future__ import annotations
 
@@ -29,8 +23,9 @@ class Statistics(Protocol):
       ``N'``, which the backward divides by: the backward is batch norm's with ``N'`` in place of
       this call's count, so sums added from elsewhere are constants of the step (CmBN: the earlier
       micro-batches' sums, ``N' = N_t``). The eager one-value check reads ``N'``.
-    * Called exactly once per synchronised training forward, after the collective and before the
-      unpacking; it must not communicate. Under ``torch.compile`` it is traced: tensor operations
+    * Called exactly once per synchronised training forward, on every path (eager, ``torch.func``,
+      traced, DataParallel replicas), after the collective and before the unpacking; it must not
+      communicate. Under ``torch.compile`` it is traced: tensor operations
       only, no host reads, no recompilation per call (keep Python state out of guards).
     * Not called where no statistics are summed: eval, frozen layers, and the in-place family's
       one-process native kernel (taken only with the default :data:`THIS_CALL`).

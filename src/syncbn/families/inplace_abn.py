@@ -16,6 +16,7 @@ from torch import Tensor
 from .._errors import ChannelCountError
 from . import _arith
 from ._protocol import Record
+from .batchnorm import BATCH_NORM
 
 DOUBLE_BACKWARD = (
     "syncbn: double backward (create_graph=True) through an in-place activated batch norm "
@@ -100,24 +101,6 @@ def check_call(
     check_writable(x, "in-place activated batch norm")
 
 
-def abs_scale(weight: Tensor | None, eps: float) -> Tensor | None:
-    """The per-channel scale ``|w| + eps`` of the in-place layers (``None`` without a weight: scale 1)."""
-    return None if weight is None else weight.detach().abs() + eps
-
-
-def affine_coefficients(
-    scale: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
-) -> tuple[Tensor, Tensor]:
-    """``(a, c)``, ``a = s * invstd`` and ``c = b - mean * a``: ``x * a + c`` goes into the activation."""
-    a = (var + eps).rsqrt()
-    if scale is not None:
-        a = a * _arith.cast(scale, a.dtype)
-    c = -mean * a
-    if bias is not None:
-        c = c + _arith.cast(bias.detach(), c.dtype)
-    return a, c
-
-
 def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, param: float) -> Tensor:
     """``x <- activation(x * a + c)`` in place (per-channel ``a``, ``c``; ``None``: none); returns ``x``."""
     if a is not None and c is not None:
@@ -135,46 +118,52 @@ def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, pa
     return x
 
 
-def recover(y: Tensor, grad: Tensor, activation: str, param: float) -> tuple[Tensor, Tensor, bool]:
+def recover(
+    y: Tensor, grad: Tensor, activation: str, param: float, traced: bool = False
+) -> tuple[Tensor, Tensor, bool]:
     """``(z, dz, scratch)``: the activation's input and its gradient, recovered from ``y`` (never written).
 
     In the accumulation dtype; ``scratch``: whether ``z`` is a new tensor the caller may overwrite.
+    Every path's inverse: ``traced`` (and under ``torch.func``) in out-of-place operations only.
     """
     acc = _arith.accumulation_dtype(y.dtype)
     p = float(param)
     widen = y.dtype != acc
     yw = y.to(acc) if widen else y
     gw = _arith.cast(grad, acc)
+    reuse = not traced and not torch._C._are_functorch_transforms_active()  # (vmap: no where(out=) rule)
     if activation == "leaky_relu":
         dz = torch.ops.aten.leaky_relu_backward(gw, yw, p, True)
         # The inverse of leaky_relu(., p), in place where ``yw`` is a widened copy.
-        return F.leaky_relu(yw, 1.0 / p, inplace=widen), dz, True
+        return F.leaky_relu(yw, 1.0 / p, inplace=widen and reuse), dz, True
     if activation == "elu":
         dz = torch.ops.aten.elu_backward(gw, p, 1.0, 1.0, True, yw)
         # log1p(y / alpha) where y < 0, kept finite where saturated (y == -alpha).
-        inner = torch.div(yw, p).clamp_(min=-1.0 + torch.finfo(acc).eps).log1p_()
-        if torch._C._are_functorch_transforms_active():  # (vmap has no rule for where's out= form)
-            return torch.where(yw < 0, inner, yw), dz, True
+        low = -1.0 + torch.finfo(acc).eps
+        if not reuse:
+            return torch.where(yw < 0, torch.div(yw, p).clamp(min=low).log1p(), yw), dz, True
+        inner = torch.div(yw, p).clamp_(min=low).log1p_()
         return torch.where(yw < 0, inner, yw, out=inner), dz, True
     return yw, gw, widen
 
 
-def recovered_sums(dz: Tensor, z: Tensor, scale: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Local ``(sum(dz), sum(dz * xhat))``: batch norm's backward kernel with mean ``b``, variance ``s^2``."""
-    channels = z.shape[1]  # (z - b) / sqrt(s^2) = xhat; b 0 and s 1 when absent
-    mean = z.new_zeros(channels) if bias is None else _arith.cast(bias.detach(), z.dtype)
-    var = z.new_ones(channels) if scale is None else _arith.cast(scale, z.dtype).square()
-    if torch._C._are_functorch_transforms_active():  # (vmap has no rule for the kernel's eval form)
-        dims, shape = [0, *range(2, z.dim())], _arith.broadcast_shape(z)
-        return dz.sum(dims), (dz * (z - mean.view(shape))).sum(dims) * var.rsqrt()
-    _, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
-        dz, z, None, mean, var, None, None, False, 0.0, [False, True, True]
-    )
-    return sum_dz, sum_dz_xhat
+def as_batch_norm(
+    weight: Tensor | None, bias: Tensor | None, invstd: Tensor, eps: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean, s, weight)`` in ``dtype``: batch norm's backward over ``(z, dz)`` with mean ``b``, invstd
+    ``1/s`` and this weight, ``s^2 * invstd``, is the in-place layer's (``xhat = (z - b) / s``)."""
+    invstd = _arith.cast(invstd, dtype)
+    s = torch.ones_like(invstd) if weight is None else _arith.cast(weight.detach().abs() + eps, dtype)
+    mean = torch.zeros_like(invstd) if bias is None else _arith.cast(bias.detach(), dtype)
+    return mean, s, s * s * invstd
 
 
 class InPlaceABN(NamedTuple):
-    """One call of the in-place family: its activation and parameter, train or eval; scale ``|w| + eps``."""
+    """One call of the in-place family: its activation and parameter, train or eval; scale ``|w| + eps``.
+
+    Its backward is batch norm's (:data:`~syncbn.families.batchnorm.BATCH_NORM`'s kernels) over the
+    recovered ``(z, dz)`` through :func:`as_batch_norm`; it supplies the map, the inverse and the sign.
+    """
 
     activation: str
     param: float
@@ -198,127 +187,75 @@ class InPlaceABN(NamedTuple):
         return args[-1]()  # type: ignore[no-any-return]
 
     def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, m: Record, out: Any) -> Record:
-        """``x <- act(x * a + c)`` with ``m``'s mean and biased variance, the global batch's in
-        training, the running ones in eval (see :func:`affine_coefficients`)."""
-        eps = m.eps
-        if m.local_count > 0:
-            a, c = affine_coefficients(abs_scale(weight, eps), bias, m.mean, m.var, eps)
-            activate_(x, a, c, self.activation, self.param)
+        """``x <- act(x * a + c)``, ``a = s * invstd`` and ``c = b - mean * a``, with ``m``'s mean and
+        biased variance: the global batch's in training, the running ones in eval."""
+        eps, mean = m.eps, m.mean
         invstd = (m.var + eps).rsqrt()
-        return Record(
-            m.mean,
-            m.var,
-            eps,
-            m.total,
-            m.local_count,
-            out=x,
-            weight=weight,
-            invstd=invstd,
-            training=self.training,
-        )
+        if m.local_count > 0:
+            a = invstd if weight is None else invstd * _arith.cast(weight.detach().abs() + eps, invstd.dtype)
+            c = -mean * a if bias is None else _arith.cast(bias.detach(), a.dtype) - mean * a
+            activate_(x, a, c, self.activation, self.param)
+        return m._replace(out=x, weight=weight, invstd=invstd, training=self.training)
 
     def native_forward(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Any, stat: torch.dtype
     ) -> Record:
         """Without a group: ``nn.BatchNorm``'s own training kernel over ``x``, then the activation."""
-        running_mean, running_var, momentum, eps = (
-            params.running_mean,
-            params.running_var,
-            params.momentum,
-            params.eps,
-        )
-        scale = abs_scale(weight, eps)
+        eps = params.eps
+        scale = None if weight is None else weight.detach().abs() + eps
         b = None if bias is None else bias.detach()
+        running = (params.running_mean, params.running_var, True, params.momentum, eps)
         # On a contiguous or channels-last x the CPU kernel reads each value before writing over it.
         if x.device.type == "cpu" and _arith.memory_format(x) is not None:
             invstd = torch.empty(x.shape[1], dtype=stat)
-            torch.ops.aten.native_batch_norm.out(
-                x, scale, b, running_mean, running_var, True, momentum, eps,
-                out=x, save_mean=torch.empty_like(invstd), save_invstd=invstd,
-            )  # fmt: skip
+            save = {"save_mean": torch.empty_like(invstd), "save_invstd": invstd}
+            torch.ops.aten.native_batch_norm.out(x, scale, b, *running, out=x, **save)
         else:  # (any other layout, e.g. t[:, ::2]: it would read values it already wrote)
-            out, _, invstd = torch.native_batch_norm(
-                x, scale, b, running_mean, running_var, True, momentum, eps
-            )
+            out, _, invstd = torch.native_batch_norm(x, scale, b, *running)
             x.copy_(out)
         activate_(x, None, None, self.activation, self.param)
         count = x.numel() // x.shape[1]
         return Record(None, None, eps, float(count), count, out=x, weight=weight, invstd=invstd, native=True)
 
     def grad_sums(
-        self,
-        y: Tensor,
-        grad: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        stats: Record,
-        need_input: bool,
+        self, y: Tensor, grad: Tensor, weight: Any, bias: Any, stats: Record, need_input: bool
     ) -> tuple[Any, Tensor, Tensor]:
-        """``(carry, sum(dz), sum(dz * xhat))`` from ``y``; ``carry`` (``None``: empty) feeds input_grad
-        (after the one-kernel forward: the input gradient itself, see :meth:`native_backward`)."""
-        if stats.native:
-            return self.native_backward(y, grad, weight, bias, stats, need_input)
-        if stats.local_count == 0:
-            zeros = torch.zeros(y.shape[1], dtype=_arith.accumulation_dtype(y.dtype), device=y.device)
-            return None, zeros, zeros.clone()
+        """``(carry, sum(dz), sum(dz * xhat))``: batch norm's over the ``(z, dz)`` recovered from ``y``,
+        mapped (:func:`as_batch_norm`); ``carry`` feeds input_grad. After the one-kernel forward
+        (``stats.native``), ONE native training-mode backward, whose ``carry`` is the input gradient."""
         z, dz, scratch = recover(y, grad, self.activation, self.param)
-        sum_dz, sum_dz_xhat = recovered_sums(dz, z, abs_scale(weight, stats.eps), bias)
-        return (z, dz, scratch), sum_dz, sum_dz_xhat
+        mean, s, w = as_batch_norm(weight, bias, stats.invstd, stats.eps, z.dtype)
+        if stats.native:
+            grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
+                dz, z, w, None, None, mean, s.reciprocal(), True, stats.eps, [need_input, True, True]
+            )
+            return grad_input, sum_dz, sum_dz_xhat
+        mapped = stats._replace(mean=mean, var=s * s, eps=0.0, weight=w)
+        if stats.local_count and torch._C._are_functorch_transforms_active():  # (vmap: no eval-form rule)
+            dims, shape = [0, *range(2, z.dim())], _arith.broadcast_shape(z)
+            return (z, dz, scratch, s, mapped), dz.sum(dims), (dz * (z - mean.view(shape))).sum(dims) / s
+        return (z, dz, scratch, s, mapped), *BATCH_NORM.grad_sums(z, dz, None, None, mapped, need_input)[1:]
 
     def input_grad(
-        self, y: Tensor, grad: Tensor, weight: Tensor | None, bias: Tensor | None, stats: Record, carry: Any,
-        reduced: Tensor | None,
-    ) -> Tensor:  # fmt: skip
-        """The input gradient in ``y``'s dtype from :meth:`grad_sums`' ``carry`` and the global ``reduced``.
-
-        Evaluated as ``z * B + C + dz * A`` (docs/internals/engine.md); eval (no ``reduced``): ``a * dz``.
-        """
+        self, y: Tensor, grad: Tensor, weight: Any, bias: Any, stats: Record, carry: Any, reduced: Any
+    ) -> Tensor:
+        """The input gradient in ``y``'s dtype from :meth:`grad_sums`' ``carry`` and the global ``reduced``:
+        batch norm's (:func:`syncbn.families._arith.input_grad`) over the mapped ``(z, dz)``, written
+        over ``z`` where it is scratch; eval (no ``reduced``): ``dz * s * invstd``."""
         if stats.native:  # computed with the sums
-            return carry  # type: ignore[no-any-return]
-        if carry is None:  # an empty local batch
+            return _arith.cast(carry, y.dtype)
+        z, dz, scratch, s, mapped = carry
+        if stats.local_count == 0:
             return torch.zeros_like(y)
-        z, dz, scratch = carry
-        acc, scale, dtype = z.dtype, abs_scale(weight, stats.eps), y.dtype
-        shape = _arith.broadcast_shape(z)
-        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _arith.cast(scale, acc)
-        a = s * _arith.cast(stats.invstd, acc)
-        if reduced is None:
-            return torch.mul(dz, a.view(shape)).to(dtype)
-        n = stats.total if isinstance(stats.total, float) else stats.total.to(acc)
-        sums = _arith.cast(reduced.to(z.device), acc)
-        b_coef = -a / s * sums[1] / n
-        c_coef = -a * sums[0] / n
-        if bias is not None:
-            c_coef = c_coef - b_coef * _arith.cast(bias.detach(), acc)
-        out = z.mul_(b_coef.view(shape)) if scratch else torch.mul(z, b_coef.view(shape))
-        out.add_(c_coef.view(shape)).addcmul_(dz, a.view(shape))
-        return out if out.dtype == dtype else out.to(dtype)
-
-    def native_backward(
-        self,
-        y: Tensor,
-        grad: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        stats: Record,
-        need_input: bool,
-    ) -> tuple[Tensor | None, Tensor, Tensor]:
-        """Without a group: ``(grad_input, sum(dz), sum(dz * xhat))`` in ONE native batch-norm backward call.
-
-        Saved mean ``b``, saved invstd ``1/s`` and weight ``s^2 * invstd`` make it the in-place layer's.
-        """
-        z, dz, _ = recover(y, grad, self.activation, self.param)
-        acc, eps = z.dtype, stats.eps
-        scale = abs_scale(weight, eps)
-        s = torch.ones_like(stats.invstd, dtype=acc) if scale is None else _arith.cast(scale, acc)
-        mean = torch.zeros_like(s) if bias is None else _arith.cast(bias.detach(), acc)
-        w = s * s * _arith.cast(stats.invstd, acc)
-        grad_input, sum_dz_xhat, sum_dz = torch.ops.aten.native_batch_norm_backward(
-            dz, z, w, None, None, mean, s.reciprocal(), True, eps, [need_input, True, True]
-        )
-        if grad_input is not None and grad_input.dtype != y.dtype:
-            grad_input = grad_input.to(y.dtype)
-        return grad_input if need_input else None, sum_dz, sum_dz_xhat
+        if reduced is None:  # constant statistics
+            grad_input = torch.mul(
+                dz, (s * _arith.cast(stats.invstd, z.dtype)).view(_arith.broadcast_shape(z))
+            )
+        else:
+            out = z if scratch and z.is_cpu and _arith.memory_format(z) is not None else None
+            reduced = _arith.cast(reduced.to(z.device), z.dtype)
+            grad_input = _arith.input_grad(dz, z, mapped.weight, mapped, reduced, out)
+        return _arith.cast(grad_input, y.dtype)
 
     def differentiable_weight(self, weight: Any, correction: Any) -> Any:
         return weight  # (no double backward: second_order is False)
@@ -332,40 +269,23 @@ class InPlaceABN(NamedTuple):
             return sum_dz_xhat, sum_dz
         return torch.where(weight.detach() < 0, -sum_dz_xhat, sum_dz_xhat), sum_dz
 
-    # The traced twins (syncbn.engine._compiled): plain tensor operations, no host reads or reused buffers.
+    # The traced kernel set (syncbn.engine._compiled): the same map and inverse, out of place.
 
     def traced_forward(
         self, x: Tensor, weight: Any, bias: Any, mean: Tensor, var: Tensor, invstd: Tensor, eps: float
     ) -> tuple[Tensor, Any, Any, Any]:
-        """:meth:`forward` in traced operations: ``x <- act(x * a + c)``; ``x`` is the output."""
-        a = invstd if weight is None else invstd * (weight.abs() + eps).to(invstd.dtype)
-        c = -mean * a if bias is None else bias.to(a.dtype) - mean * a
-        shape = _arith.broadcast_shape(x)
+        """:meth:`forward` over ``x`` (the traced Function's copy, or ``x`` itself without grad)."""
         with torch.no_grad():
-            x.copy_(x * a.view(shape) + c.view(shape))
-            activate_(x, None, None, self.activation, self.param)
+            self.forward(x, weight, bias, Record(mean, var, eps, None, x.numel()), None)
         return x, weight, bias, None
 
     def traced_grad_terms(
         self, y: Tensor, grad: Tensor, weight: Any, bias: Any, mean: Tensor, invstd: Tensor, eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dz, xhat, a)`` recovered from ``y``, traced: batch norm's ``(dy, xhat, w * invstd)``."""
-        acc = _arith.accumulation_dtype(y.dtype)
-        shape, p = _arith.broadcast_shape(y), self.param
-        yw, g = y.to(acc), grad.to(acc)
-        if self.activation == "leaky_relu":
-            negative = yw < 0
-            z = torch.where(negative, yw / p, yw)
-            dz = torch.where(negative, g * p, g)
-        elif self.activation == "elu":
-            z = torch.where(yw < 0, torch.log1p((yw / p).clamp(min=-1.0 + torch.finfo(acc).eps)), yw)
-            dz = torch.where(yw <= 0, g * (yw + p), g)
-        else:
-            z, dz = yw, g
-        scale = torch.ones_like(invstd) if weight is None else (weight.abs() + eps).to(invstd.dtype)
-        shift = torch.zeros_like(invstd) if bias is None else bias.to(invstd.dtype)
-        xhat = (z - shift.to(acc).view(shape)) / scale.to(acc).view(shape)
-        return dz, xhat, (scale * invstd).to(acc).view(shape)
+        """Batch norm's ``(dy, xhat, w * invstd)`` over the ``(z, dz)`` recovered from ``y``, mapped."""
+        z, dz, _ = recover(y, grad, self.activation, self.param, traced=True)
+        b, s, w = as_batch_norm(weight, bias, invstd, eps, z.dtype)
+        return BATCH_NORM.traced_grad_terms(z, dz, w, None, b, s.reciprocal(), eps)
 
     def vmap_error(self, batched_input: bool, batched_parameters: bool) -> str:
         got = "batch statistics (training, or eval without running statistics)"

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from .. import _config
-from ._errors import _pg_timeout
+from ._own import timeout_s
 
 __all__ = ["PlainJoinError", "StepBound", "UnboundedStepWarning", "check", "cover", "install", "step_bound"]
 
@@ -31,7 +31,6 @@ _covered: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary(
 _holds: weakref.WeakKeyDictionary[nn.Module, tuple[Any, bool]] = weakref.WeakKeyDictionary()
 # DDP wrapper -> the join hook syncbn handed its latest Join (alive while that Join is).
 _hooks: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Watched]] = weakref.WeakKeyDictionary()
-_examined: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # looked at for the buffer broadcast
 # DDP wrapper -> the handle of its first-step forward pre-hook (removed at that step).
 _step_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _warned = False
@@ -125,7 +124,7 @@ def step_bound(ddp: nn.Module) -> StepBound:
     return StepBound(
         bound=_config.get_timeout(),
         bound_source=_config.timeout_source(),
-        group_timeout=_pg_timeout(ddp.__dict__.get("process_group")),
+        group_timeout=timeout_s(ddp.__dict__.get("process_group")),
         broadcast_buffers=bool(getattr(ddp, "broadcast_buffers", True)),
         holds_syncbn=any("_syncbn_state" in m.__dict__ for m in ddp.modules()),
     )
@@ -189,18 +188,25 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
 
 
 # What the user's ``ddp(x)`` calls before the hook: Module._wrapped_call_impl, then _call_impl, whose
-# inner() runs the forward pre-hooks. The warning names the user's line: _look_at_buffers (1),
-# _first_step (2), inner (3), _call_impl (4), _wrapped_call_impl (5), the user's line (6).
-_USER_STACKLEVEL = 6
+# inner() runs the forward pre-hooks. The warning names the user's line: _first_step (1), inner (2),
+# _call_impl (3), _wrapped_call_impl (4), the user's line (5).
+_USER_STACKLEVEL = 5
 
 
 def _first_step(ddp: nn.Module, args: Any) -> None:
-    """Forward pre-hook of a recorded DDP wrapper: look at its buffer broadcast at its first step."""
+    """Forward pre-hook of a recorded DDP wrapper, at its first step: warn once per process, at the
+    user's line, when DDP's buffer broadcast outwaits a bound the user set (else quiet: the docs
+    and the doctor state it)."""
+    global _warned
     handle = _step_hooks.pop(ddp, None)
     if handle is not None:
         handle.remove()
-    if not _warned and ddp not in _examined:
-        _look_at_buffers(ddp, ddp.__dict__.get("_join_config"))
+    if _warned:
+        return
+    finding = step_bound(ddp)
+    if finding.user_bound_outwaited:
+        _warned = True
+        warnings.warn(finding.message(), UnboundedStepWarning, stacklevel=_USER_STACKLEVEL)
 
 
 @functools.cache  # once per process
@@ -226,21 +232,6 @@ def _has_layers(ddp: nn.Module, config: Any) -> bool:
     found = any("_syncbn_state" in m.__dict__ for m in ddp.modules())
     _holds[ddp] = (config, found)
     return found
-
-
-def _look_at_buffers(ddp: nn.Module, config: Any) -> None:
-    """Warn once per process, at the user's line, when DDP's broadcast outwaits a bound the user set."""
-    global _warned
-    _examined.add(ddp)
-    if _config.timeout_source() == "default" or not getattr(ddp, "broadcast_buffers", False):
-        return  # the common case: quiet, whatever the timeouts (stated in the docs and by the doctor)
-    if not _has_layers(ddp, config):
-        return
-    finding = step_bound(ddp)
-    if not finding.user_bound_outwaited:
-        return
-    _warned = True
-    warnings.warn(finding.message(), UnboundedStepWarning, stacklevel=_USER_STACKLEVEL)
 
 
 def check() -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .. import _config, _shm
 from ._frame import describe_fields, differing
+from ._own import timeout_s
 from ._refs import group_ranks
 
 _LIKELY_CAUSES = (
@@ -109,17 +109,6 @@ def bound_source() -> str:
     return "SYNCBN_TIMEOUT/syncbn.set_timeout"
 
 
-def _pg_timeout(process_group: Any) -> float:
-    """The process group's own timeout in seconds (its backend's options; 1800 if unknown)."""
-    try:
-        group: Any = dist.group.WORLD if process_group is None else process_group
-        if not isinstance(group, dist.ProcessGroupGloo):  # else one of syncbn's own wires
-            group = group._get_backend(torch.device("cpu"))
-        return float(group.options._timeout.total_seconds())
-    except Exception:  # noqa: BLE001 - any backend without readable options
-        return 1800.0
-
-
 class Reporting:
     """The group in words and the errors that name it (a base of ``ProcessGroupSum``)."""
 
@@ -134,7 +123,7 @@ class Reporting:
         else:
             self._size, self._rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self._shared: _shm.SharedMemorySum | None = None  # set at the first CPU collective
-        self._pg_timeout_s: float | None = None
+        self._pg_timeout_s: float | None = None  # read once: _bound_s is on the hot path
         #: identity -> name of the layers seen by this process, for error messages.
         self.names: dict[int, str] = {}
 
@@ -149,7 +138,7 @@ class Reporting:
         if bound is not None:
             return bound
         if self._pg_timeout_s is None:
-            self._pg_timeout_s = _pg_timeout(self.process_group)
+            self._pg_timeout_s = timeout_s(self.process_group)
         return self._pg_timeout_s
 
     def describe(self) -> str:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import _config, _shm
 from . import _own
-from ._errors import _AFTER_FAILURE, CollectiveError, _pg_timeout
+from ._errors import _AFTER_FAILURE, CollectiveError
 from ._frame import Tag
 from ._refs import group_ranks
 
@@ -168,18 +168,15 @@ def connect(group: Any, wanted: bool, able: bool, exchange: Callable[[Tensor], T
         )
     if not all(wants) or not all(row[1] for row in rows):
         return None
-    keys = [row[2] for row in rows]
-    machines: dict[float, list[int]] = {}
-    for r, key in enumerate(keys):
-        machines.setdefault(key, []).append(r)
-    if len(machines) < 2 or all(len(members) == 1 for members in machines.values()):
+    machines = _shm.machines([row[2] for row in rows])
+    if len(machines) < 2 or all(len(members) == 1 for members in machines):
         return None
-    mine = machines[keys[rank]]
-    leaders = [members[0] for members in machines.values()]
+    mine = next(members for members in machines if rank in members)
+    leaders = [members[0] for members in machines]
     # The subgroups' timeout is syncbn's bound, so gloo gives up an abandoned collective at it too.
     bound = _config.get_timeout()
-    sets = [members for members in machines.values() if len(members) > 1] + [leaders]
-    wires = _own.make_sets(process_group, sets, bound if bound is not None else _pg_timeout(process_group))
+    sets = [members for members in machines if len(members) > 1] + [leaders]
+    wires = _own.make_sets(process_group, sets, _own.bound_s(process_group))
     if wires is None:
         subgroups = _subgroups(group_ranks(process_group), sets, bound)
     else:

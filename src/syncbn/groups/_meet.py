@@ -14,9 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import _config
 from . import _own
-from ._errors import CollectiveError, _pg_timeout, bound_source
+from ._errors import CollectiveError, bound_source
 
 __all__ = ["NO_GROUP", "gather", "meet", "new_group"]
 
@@ -54,7 +53,7 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
     epoch = store.compare_set("epoch", "", "0").decode()
     here = dist.PrefixStore(f"{epoch}/", store)
     keys = [f"value/{r}" for r in range(world)]
-    bound, source = _config.get_timeout() or _pg_timeout(None), bound_source()
+    bound, source = _own.bound_s(None), bound_source()
     start = time.monotonic()
     here.set(keys[rank], value)
     try:

@@ -28,8 +28,6 @@ _made: dict[tuple[tuple[int, ...], ...], tuple[weakref.ref[Any], Any]] = {}
 # Classes whose instances were found to be DeviceMesh objects.
 _mesh_types: set[type] = set()
 
-_CONSEQUENCE = _meet.NO_GROUP
-
 
 def is_mesh(value: Any) -> bool:
     """Whether ``value`` is a ``DeviceMesh`` (without importing ``torch.distributed.device_mesh``)."""
@@ -67,15 +65,13 @@ def group_of(mesh: Any) -> Any:
     return group
 
 
-def _describe(mesh: Any) -> str:
-    names = mesh.mesh_dim_names
-    return f"DeviceMesh{mesh.mesh.tolist()}" + (f" with dimensions {tuple(names)}" if names else "")
-
-
 def _flattened(mesh: Any) -> Any:
     """The group of all ranks of a multi-dimensional ``mesh`` (collective: see :func:`group_of`)."""
     mine = sorted(int(r) for r in mesh.mesh.flatten().tolist())
-    caller = f"syncbn: synchronising over the {_describe(mesh)}"
+    names = mesh.mesh_dim_names
+    caller = f"syncbn: synchronising over the DeviceMesh{mesh.mesh.tolist()}" + (
+        f" with dimensions {tuple(names)}" if names else ""
+    )
     everyone: list[list[int]] = _meet.gather(caller, "mesh", mine)
     key = tuple(tuple(members) for members in _partition(everyone, caller))
     hit = _subgroup.cached(_made, key)
@@ -90,7 +86,7 @@ def _partition(everyone: list[list[int]], caller: str) -> list[list[int]]:
             raise ValueError(
                 f"{caller}: expected every rank of the job to pass a DeviceMesh that holds it, the "
                 "ranks of one group naming the same members (the same mesh, sliced alike, on every "
-                f"rank; got {listed}). {_CONSEQUENCE}"
+                f"rank; got {listed}). {_meet.NO_GROUP}"
             )
     return sorted({tuple(members): list(members) for members in everyone}.values())
 

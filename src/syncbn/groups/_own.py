@@ -25,27 +25,46 @@ from .. import _config
 
 __all__ = ["make", "make_sets", "wire_ranks", "adopt", "keep", "owned", "set_timeout", "abandon", "release"]
 
-# key (a serial number: an id() can recur) -> [a group syncbn made or adopted, its tensors, its pid].
+# key (a serial number: an id() can recur) -> [a group syncbn made or adopted, its tensors, its pid,
+# the global ranks of a wire made here (make_sets) or None].
 _kept: dict[int, list[Any]] = {}
 _keys: dict[int, int] = {}  # id(group) -> its key, while the group is held
 _serial = itertools.count(1)
-_ranks: dict[int, list[int]] = {}  # key -> the global ranks of a wire made here (make_sets)
 # Tensors handed to a group that is not syncbn's, and in a forked child the parent's groups: kept for good.
 _forever: list[Any] = []
 # Works given up on, with the tensor each holds, until they finish.
 _abandoned: list[tuple[Any, Tensor]] = []
 
 
+def _cpu_backend(process_group: Any) -> Any:
+    """The backend of ``process_group`` (``None``: the default group) for CPU tensors; raises if none."""
+    group: Any = dist.group.WORLD if process_group is None else process_group
+    if isinstance(group, dist.ProcessGroupGloo):  # a wire of syncbn's own (:func:`make`)
+        return group
+    return group._get_backend(torch.device("cpu"))
+
+
 def _gloo_backend(process_group: Any) -> Any:
     """The gloo backend of ``process_group`` for CPU tensors, or ``None``."""
-    if isinstance(process_group, dist.ProcessGroupGloo):  # a wire of syncbn's own (:func:`make`)
-        return process_group
     try:
-        group = dist.group.WORLD if process_group is None else process_group
-        backend = group._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        backend = _cpu_backend(process_group)
     except Exception:  # noqa: BLE001 - no CPU backend, or an old torch
         return None
     return backend if isinstance(backend, dist.ProcessGroupGloo) else None
+
+
+def timeout_s(process_group: Any, unknown: float = 1800.0) -> float:
+    """The process group's own timeout in seconds (its CPU backend's options), else ``unknown``."""
+    try:
+        return float(_cpu_backend(process_group).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - any backend without readable options
+        return unknown
+
+
+def bound_s(process_group: Any) -> float:
+    """The wait bound: syncbn's, else ``process_group``'s own timeout."""
+    bound = _config.get_timeout()
+    return timeout_s(process_group) if bound is None else bound
 
 
 # Parent group's name -> wires this process made over it (every member makes them at the same points).
@@ -97,7 +116,7 @@ def make_sets(
         where = "-".join(map(str, members))
         prefixed = dist.PrefixStore(f"syncbn/wire/{name}/{generation}/{where}/", store)
         wire = _connect(prefixed, members.index(me), len(members), timeout_s)
-        _ranks[adopt(wire)] = [ranks[r] for r in members]
+        _kept[adopt(wire)][3] = [ranks[r] for r in members]
         made[tuple(members)] = weakref.ref(wire)
     return made
 
@@ -136,7 +155,7 @@ def _delta(seconds: float) -> timedelta:
 def wire_ranks(group: Any) -> list[int] | None:
     """The global ranks of one of syncbn's wires, in its rank order (``None``: not a wire)."""
     key = _key(group)
-    return None if key is None else _ranks.get(key)
+    return None if key is None else _kept[key][3]
 
 
 def adopt(group: Any) -> int:
@@ -144,7 +163,7 @@ def adopt(group: Any) -> int:
     key = _key(group)
     if key is None:
         key = _keys[id(group)] = next(_serial)
-        _kept[key] = [group, [], os.getpid()]
+        _kept[key] = [group, [], os.getpid(), None]
     return key
 
 
@@ -215,10 +234,9 @@ def _wait_abandoned(limit_s: float) -> None:
 def release(key: int, limit_s: float) -> None:
     """Destroy group ``key`` (:func:`adopt`) in order: its works (``limit_s`` at most), group, frames."""
     entry = _kept.pop(key, None)
-    _ranks.pop(key, None)
     if entry is None:
         return
-    group, frames, pid = entry
+    group, frames, pid, _ = entry
     del entry
     if _keys.get(id(group)) == key:
         del _keys[id(group)]
@@ -238,15 +256,7 @@ def release(key: int, limit_s: float) -> None:
 def release_all() -> None:
     """Release every group syncbn holds (at exit, before finalisation)."""
     for key, entry in list(_kept.items()):
-        release(key, _limit(entry[0]))
-
-
-def _limit(group: Any) -> float:
-    backend = _gloo_backend(group)
-    try:
-        return float(backend.options._timeout.total_seconds()) + 1.0
-    except Exception:  # noqa: BLE001 - unreadable options
-        return 5.0
+        release(key, timeout_s(entry[0], 4.0) + 1.0)
 
 
 def _after_fork_in_child() -> None:

@@ -38,10 +38,7 @@ def _exchange(size: Any, world: int) -> list[list[int]]:
             f"syncbn.groups.subgroup: expected the same size on every rank (got {listed}); no group was made"
         )
     if size == NODE:
-        machines: dict[float, list[int]] = {}
-        for rank, (_, key) in enumerate(everyone):
-            machines.setdefault(float(key), []).append(rank)
-        return list(machines.values())  # by first rank: the ranks were met in order
+        return _shm.machines([float(key) for _, key in everyone])
     if isinstance(size, bool) or not isinstance(size, int):
         raise TypeError(f"syncbn.groups.subgroup: expected an int group size or {NODE!r} (got {size!r})")
     if size < 1 or world % size != 0:

@@ -196,16 +196,15 @@ class ProcessGroupSum(FramedTransport):
         shared = None
         if dev.type == "cpu":
             shared = self._shared if self._shared_ready else self._connect_shared()
-        if shared is None:
-            return self._shadow_process_group(dev)
         try:
-            got = shared.shadow(self._bound_s())
+            got = self._shadow_process_group(dev) if shared is None else shared.shadow(self._bound_s())
         except _shm.SharedMemoryError as exc:
             raise self._shm_error(exc) from exc
+        self.last_participants = 0 if got is None else got[1]
         if got is None:
-            self.last_participants = 0
             return None
-        return self._shadow_result(*got)
+        (hi, lo, kind, _, n_hi, n_lo, _), k, total = got
+        return ShadowResult(Tag((hi << 16) | lo, kind // 16), kind % 16, (n_hi << 16) | n_lo, k, total)
 
     @property
     def hierarchical(self) -> bool:
@@ -247,7 +246,7 @@ class ProcessGroupSum(FramedTransport):
                 f"the SyncBatchNorm group over {self.describe()} was closed (its process group was destroyed)"
             )
         if self._pending:
-            self._check_ready()
+            self.check_pending(wait=False)
         if _ddp._wrappers and not self._own_group:
             _ddp.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
 

@@ -19,13 +19,12 @@ from torch import Tensor
 
 from .. import _config
 from . import _own
-from ._errors import CollectiveError, Reporting, _pg_timeout
+from ._errors import CollectiveError, Reporting
 from ._frame import (
     FRAME,
     HEADER,
     PAYLOAD,
     SEQUENCE,
-    ShadowResult,
     Tag,
     decode_header,
     describe_fields,
@@ -66,24 +65,19 @@ class FramedTransport(Reporting):
         self._wire_stuck: float | None = None  # a bound this torch could not carry to the wire (warned)
         self.last_participants = self._size
 
-    def check_pending(self) -> None:
-        """Check every deferred header now (waits for their copies to land).
+    def check_pending(self, *, wait: bool = True) -> None:
+        """Check the deferred headers now: every one (``wait``: for its copy to land), else those landed.
 
         Raises:
             CollectiveError: a deferred call's ranks disagreed.
         """
         pending, self._pending = self._pending, []
-        for item in pending:
-            if item.event is not None:
-                item.event.synchronize()
-            self._verify(item.summed.tolist(), item.mine, deferred=True)
-
-    def _check_ready(self) -> None:
-        pending, self._pending = self._pending, []
         for i, item in enumerate(pending):
-            if item.event is not None and not item.event.query():
+            if item.event is not None and not wait and not item.event.query():
                 self._pending.append(item)
                 continue
+            if item.event is not None:
+                item.event.synchronize()
             try:
                 self._verify(item.summed.tolist(), item.mine, deferred=True)
             except CollectiveError:
@@ -180,23 +174,17 @@ class FramedTransport(Reporting):
             )
         raise self._mismatch(text)
 
-    def _shadow_result(self, fields: list[int], k: int, total: Tensor) -> ShadowResult:
-        self.last_participants = k
-        tag = Tag((fields[0] << 16) | fields[1], fields[2] // 16)
-        return ShadowResult(tag, fields[2] % 16, (fields[4] << 16) | fields[5], k, total)
-
-    def _shadow_process_group(self, dev: torch.device) -> ShadowResult | None:
-        """:meth:`ProcessGroupSum.shadow_sum` on the process-group transport."""
+    def _shadow_process_group(self, dev: torch.device) -> tuple[list[int], int, Tensor] | None:
+        """:meth:`ProcessGroupSum.shadow_sum` on the process group: ``(fields, participants, sum)``."""
         if dev.type == "cpu":  # the reusable frame: gloo is only ever handed tensors that outlive it
             frame = self._cpu_frame()[0]
-            frame.zero_()
             self._dirty = PAYLOAD
         else:
-            frame = torch.zeros(FRAME, dtype=torch.float64, device=dev)
+            frame = torch.empty(FRAME, dtype=torch.float64, device=dev)
+        frame.zero_()  # an absent frame: flag 0, zero payload
         self._all_reduce_process_group(frame, host_wait=True)
         agreement = decode_header(frame[:HEADER].tolist(), self._size)
         if agreement.participants == 0:
-            self.last_participants = 0
             return None
         if any(v is None for v in agreement.values):
             raise self._mismatch(
@@ -212,7 +200,7 @@ class FramedTransport(Reporting):
                 self._all_reduce_process_group(frame, host_wait=True)
             lo, hi = i * PAYLOAD, min(count, (i + 1) * PAYLOAD)
             total[lo:hi].copy_(frame[HEADER : HEADER + hi - lo])
-        return self._shadow_result(fields, agreement.participants, total)
+        return fields, agreement.participants, total
 
     def _frames(self, tensor: Tensor, tag: Tag, *, host_wait: bool, deferred: bool) -> Tensor:
         """Sum ``tensor`` in place over the process group, frame by frame, each header checked or deferred."""
@@ -245,7 +233,7 @@ class FramedTransport(Reporting):
                 return None  # set-up: over the process group
             group, bound = self.process_group, self._bound_s()
             # Its timeout is now the bound, or (a torch that cannot change it) what it was made with.
-            self._wire_timeout = bound if _own.set_timeout(group, bound) else _pg_timeout(group)
+            self._wire_timeout = bound if _own.set_timeout(group, bound) else _own.timeout_s(group)
             self._attach_wire(weakref.ref(group), bound)
         wire = None if self._wire_ref is None else self._wire_ref()
         if wire is not None and self._wire_timeout is not None:
@@ -259,11 +247,11 @@ class FramedTransport(Reporting):
         return wire
 
     def _make_wire(self) -> None:
-        """Make syncbn's own wire for the CPU frames (collective: right after set-up, every member)."""
-        if self._wire_ready:
-            return
-        if self._own_group:
-            self._cpu_wire()
+        """Make syncbn's own wire for the CPU frames (collective: right after set-up, every member).
+
+        An ``own_group`` needs none: :meth:`_cpu_wire` takes the group itself at its first frame.
+        """
+        if self._wire_ready or self._own_group:
             return
         bound = self._bound_s()
         start = time.monotonic()

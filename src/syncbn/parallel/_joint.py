@@ -6,31 +6,21 @@ backward never waits for another thread. See docs/internals/transports.md.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .. import _accumulating
-from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
+from .._threads import ReplicaSyncError, ThreadSumGroup, ordered_sum
 from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
 from ..engine._function import BATCH_NORM, Params, apply, synchronized_forward
 from ..engine._rules import gradient_dtype
 from ..engine._rules import one_value_error as engine_one_value_error
 
-
-class Replication(Protocol):
-    """What a replica's forward needs from its replication."""
-
-    master: Any  # the layer the user holds
-    recomputing: bool  # made by a checkpoint's recomputation (in a backward): no running update
-
-    def rendezvous(self) -> Rendezvous: ...
-
-    def describe(self) -> str: ...
-
-    def publish(self, replica: nn.Module) -> None: ...
+if TYPE_CHECKING:
+    from ._replication import _Replication as Replication
 
 
 # What a replica hands the joint node: (x, weight, bias, y, the engine's record, family, needs_grad,
@@ -63,14 +53,13 @@ def replica_batch_norm(
     # one replica: the family's own one-process call, unless syncbn.accumulation listens (the
     # engine reports moments) or the family synchronises over the one member
     listened = running_mean is not None and _accumulating.listening(running_mean) is not None
-    single = None
     if rendezvous.size == 1 and not listened:
         mean, var = call.updated()
         engine = lambda: apply(x, weight, bias, Params(mean, var, eps, momentum, None, None, family))  # noqa: E731
         single = family.alone(x, weight, bias, mean, var, momentum, eps, engine)
-    if single is not None:
-        replication.publish(layer)
-        return call.counted(single)  # type: ignore[no-any-return]
+        if single is not None:
+            replication.publish(layer)
+            return call.counted(single)  # type: ignore[no-any-return]
 
     if x.is_cpu and _rules.in_backward():  # a checkpoint's recomputation, in the one backward thread
         raise ReplicaSyncError(

@@ -74,7 +74,7 @@ class _Replication:
     """The replicas of one layer made by one ``replicate`` call."""
 
     def __init__(self, master: nn.Module, declared: int | None, root: nn.Module | None) -> None:
-        self.master = master
+        self.master: Any = master  # the layer the user holds
         self.declared = declared  # number of replicas, when syncbn.parallel.replicate said so
         self._members: list[weakref.ref[nn.Module]] = []
         self._root = None if root is None else weakref.ref(root)
