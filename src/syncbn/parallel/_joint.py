@@ -6,7 +6,7 @@ backward never waits for another thread. See docs/internals/transports.md.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,17 +19,13 @@ from ..engine._function import BATCH_NORM, Params, apply, synchronized_forward
 from ..engine._rules import gradient_dtype
 from ..engine._rules import one_value_error as engine_one_value_error
 
-if TYPE_CHECKING:
-    from ._replication import _Replication as Replication
-
-
 # What a replica hands the joint node: (x, weight, bias, y, the engine's record, family, needs_grad,
 # pooled: normalised with statistics pooled by a hook (CmBN), see joint_input_grads).
 _Item = tuple[Tensor, Any, Any, Tensor, Any, Any, bool, bool]
 
 
 def replica_batch_norm(
-    layer: Any, x: Tensor, call: Any, replication: Replication, rank: int, family: Any = None
+    layer: Any, x: Tensor, call: Any, replication: Any, rank: int, family: Any = None
 ) -> Tensor:
     """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings.
 
