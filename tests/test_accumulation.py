@@ -374,6 +374,7 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.timeout(600)  # above the launch's own deadline, 150 s stretched by the load (x3 at most)
 def test_ranks_match_the_concatenated_micro_batches_with_one_vote_per_block() -> None:
     results = launch(_ranks, 3, timeout=150)
     for rank, result in enumerate(results):
