@@ -401,3 +401,20 @@ def test_breakdown_script_splits_each_collective(tmp_path) -> None:
             assert row["release_us"] > 0 and row["frame_us"] > 0
     assert res["own_work_per_collective_us"] is not None
     assert res["bare_sum"]["wall_us"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_call_split_script_reports_each_part() -> None:
+    proc = _run(
+        [os.path.join(SPEED, "call_split.py"), "--shapes", "8x4", "--iters", "2", "--rounds", "1"],
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {
+        line.split()[0]: line.split()
+        for line in proc.stdout.splitlines()
+        if line.startswith("  ") and "x" in line
+    }
+    for name in ("local", "ops", "ops+fn", "engine", "module"):
+        assert float(rows[name][1]) > 0, proc.stdout
+    assert "engine's Python" in proc.stdout

@@ -156,7 +156,7 @@ def main() -> None:
         for name, value in m.items():
             print(f"  {name:>8} {value:.4f}  {value / local:5.2f}x")
         print(
-            f"  extra small ATen calls with autograd (ops+fn - local) {m['ops+fn'] - local:.4f}; "
+            f"  the arithmetic in a Function beyond local BN (ops+fn - local) {m['ops+fn'] - local:.4f}; "
             f"engine's Python (engine - ops+fn) {m['engine'] - m['ops+fn']:.4f}; "
             f"layer's bookkeeping (module - engine) {m['module'] - m['engine']:.4f}"
         )
