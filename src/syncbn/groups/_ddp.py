@@ -16,6 +16,7 @@ import warnings
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
@@ -45,7 +46,8 @@ class UnboundedStepWarning(UserWarning):
 
     Raised as a warning only when ``SYNCBN_TIMEOUT`` or :func:`syncbn.set_timeout` chose the bound:
     DDP's defaults with syncbn's default bound print nothing (the limit is documented instead, on
-    the Robustness page of the docs, section "What bounds a hang, end to end").
+    the Robustness page of the docs, section "What bounds a hang, end to end"). Not raised where
+    the DDP model's first step is traced by ``torch.compile`` (:func:`step_bound` reports it).
     """
 
 
@@ -201,8 +203,10 @@ def _first_step(ddp: nn.Module, args: Any) -> None:
     handle = _step_hooks.pop(ddp, None)
     if handle is not None:
         handle.remove()
-    if _warned:
-        return
+    if _warned or _config.timeout_source() == "default" or not getattr(ddp, "broadcast_buffers", False):
+        return  # the common case: quiet
+    if torch.compiler.is_compiling():
+        return  # traced (compile(DDP(m))): no process-group read; the doctor states the finding
     finding = step_bound(ddp)
     if finding.user_bound_outwaited:
         _warned = True
