@@ -533,46 +533,6 @@ def test_ranks_that_end_a_block_differently_agree() -> None:
         assert int(state0[0]["num_batches_tracked"]) == 1, case
 
 
-# --- accelerate: the documented recipe ---------------------------------------------------------
-
-
-@pytest.mark.timeout(600)
-def test_accelerate_recipe(tmp_path: Any) -> None:
-    pytest.importorskip("accelerate")
-    import os
-    import socket
-
-    from _helpers.integration_models import run_script
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    run_script("run_accelerate_accumulation.py", str(tmp_path), port, timeout=480)
-    for rank in (0, 1):
-        result = torch.load(os.path.join(tmp_path, f"accumulation_rank{rank}.pt"))
-        assert result["world"] == 2 and result["commits"] == 2
-        assert result["batches"] == 2  # one update per optimizer step, not per micro-batch
-        assert max(result["errors"]) < TOL, result["errors"]
-
-
-@pytest.mark.timeout(600)
-def test_lightning_callback(tmp_path: Any) -> None:
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("lightning") is None:
-        pytest.skip("lightning is not installed")
-
-    from _helpers.integration_models import run_script
-
-    run_script("run_lightning_accumulation.py", str(tmp_path), timeout=480)
-    for rank in (0, 1):
-        result = torch.load(os.path.join(tmp_path, f"lightning_accumulation_rank{rank}.pt"))
-        assert len(result["errors"]) == 2 and result["batches"] == 2, result
-        assert result["group"] == [0, 1]  # SyncBatchNorm(group_size=2): subgroup(2) of 2 ranks
-        assert max(result["errors"]) < TOL, result["errors"]
-
-
 def _two_groups(rank: int, world: int, subgroup_first: bool) -> tuple[int, int]:
     sub = syncbn.SyncBatchNorm1d(3, process_group=groups.subgroup(2))
     whole = syncbn.SyncBatchNorm1d(3)

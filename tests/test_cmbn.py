@@ -285,27 +285,6 @@ def test_refusals_change_nothing() -> None:
         model(data(11, [[3]])[0][0])
 
 
-@pytest.mark.timeout(600)
-def test_lightning_callback_takes_the_option(tmp_path: Any) -> None:
-    # A real Trainer, 2 CPU processes, accumulate_grad_batches=3: after each micro-batch the first
-    # layer's carry holds the count and mean of the step's inputs of both ranks so far; after each
-    # step its running statistics hold one nn.BatchNorm2d update over them.
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("lightning") is None:
-        pytest.skip("lightning is not installed")
-    from _helpers.integration_models import run_script
-
-    with pytest.raises(ValueError, match="expected normalize one of"):
-        syncbn.accumulate.check_normalize("per-step")
-    run_script("run_lightning_accumulation.py", str(tmp_path), "cumulative", timeout=480)
-    for rank in (0, 1):
-        result = torch.load(os.path.join(tmp_path, f"lightning_accumulation_rank{rank}.pt"))
-        assert len(result["errors"]) == 2 + 6 and result["batches"] == 2, result
-        assert max(result["errors"]) < TOL, result["errors"]
-
-
 @pytest.mark.parametrize("family", ["bn", "renorm"])
 def test_double_backward(family: str) -> None:
     # create_graph=True (gradient penalties): the second derivative of the definition, the earlier
@@ -355,27 +334,6 @@ def test_inplace_abn_compat_layers(sync: bool) -> None:
             assert _err(y, ry) < TOL and _err(leaf.grad, rdx) < TOL, t
     state = expected_running(before, micro)
     assert _err(layer.running_var, state["running_var"]) < TOL
-
-
-@pytest.mark.timeout(600)
-def test_accelerate_recipe_takes_the_option(tmp_path: Any) -> None:
-    # The documented recipe with normalize="cumulative", 2 CPU processes, gradient_accumulation_steps=3:
-    # after each micro-batch the first layer's carry holds the window's inputs of both ranks so far;
-    # after each window its running statistics one nn.BatchNorm2d update over them.
-    pytest.importorskip("accelerate")
-    import os
-    import socket
-
-    from _helpers.integration_models import run_script
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    run_script("run_accelerate_accumulation.py", str(tmp_path), port, "cumulative", timeout=480)
-    for rank in (0, 1):
-        result = torch.load(os.path.join(tmp_path, f"accumulation_rank{rank}.pt"))
-        assert result["world"] == 2 and result["commits"] == 2 and result["batches"] == 2
-        assert len(result["errors"]) == 6 + 2 and max(result["errors"]) < TOL, result["errors"]
 
 
 @needs_compiled_ops

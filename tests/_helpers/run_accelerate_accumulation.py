@@ -1,13 +1,14 @@
 """The documented accelerate recipe for ``syncbn.accumulation`` on 2 CPU processes (forked).
 
-Launched by tests/test_accumulation.py: ``python run_accelerate_accumulation.py OUT_DIR PORT``
-(and by tests/test_cmbn.py with a fourth argument ``cumulative``: the recipe with
-``normalize="cumulative"``, whose first layer's carry must hold the count and mean of the window's
-inputs of both ranks so far after each micro-batch).
+Launched by tests/test_accumulation_integrations.py: ``python run_accelerate_accumulation.py OUT_DIR PORT``.
+One launch runs the recipe twice, each time on a fresh model: with ``normalize="micro-batch"``,
+then with ``normalize="cumulative"`` (whose first layer's carry must hold the count and mean of
+the window's inputs of both ranks so far after each micro-batch).
 ``Accelerator(gradient_accumulation_steps=3)``: the block opens on the first micro-batch of a
 window and commits where ``accelerator.sync_gradients`` is true. At each commit, a plain
 ``nn.BatchNorm2d`` (the shadow) runs once on the first syncbn layer's inputs of the window's
-micro-batches of both ranks; the layer must then hold the shadow's statistics.
+micro-batches of both ranks; the layer must then hold the shadow's statistics. Each rank writes
+``accumulation_rank{R}.pt``: per normalize mode, the errors, commits, ``num_batches_tracked`` and world.
 """
 
 from __future__ import annotations
@@ -30,11 +31,10 @@ from _helpers.integration_models import make_data, make_net  # noqa: E402
 K = 3  # micro-batches per optimizer step
 MICRO = 6  # micro-batches in all (two windows)
 PER = 2  # samples per rank and micro-batch
-NORMALIZE = "cumulative" if sys.argv[3:] == ["cumulative"] else "micro-batch"
 
 
-def train(out: str) -> None:
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=K)
+def recipe(accelerator: Accelerator, normalize: str) -> dict[str, object]:
+    """The recipe with ``normalize`` on a fresh model: what the checks saw."""
     model = syncbn.convert_sync_batchnorm(make_net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -54,13 +54,13 @@ def train(out: str) -> None:
         assert float(carry.count) == values.shape[1]
         errors.append((carry.mean - values.mean(1)).abs().max().item())
 
-    if NORMALIZE == "cumulative":
+    if normalize == "cumulative":
         layer.register_forward_hook(check_carry)
     x, y = make_data()
     rank, world = accelerator.process_index, accelerator.num_processes
     errors: list[float] = []
     commits = 0
-    block = syncbn.accumulation(model, normalize=NORMALIZE)
+    block = syncbn.accumulation(model, normalize=normalize)
     for micro in range(MICRO):
         rows = slice((micro * world + rank) * PER, (micro * world + rank + 1) * PER)
         if not block.active:
@@ -84,10 +84,14 @@ def train(out: str) -> None:
                 )
             optimizer.step()
             optimizer.zero_grad()
-    torch.save(
-        {"errors": errors, "commits": commits, "batches": int(layer.num_batches_tracked), "world": world},
-        os.path.join(out, f"accumulation_rank{rank}.pt"),
-    )
+    return {"errors": errors, "commits": commits, "batches": int(layer.num_batches_tracked), "world": world}
+
+
+def train(out: str) -> None:
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=K)
+    # MICRO is a multiple of K: the second recipe's first micro-batch opens a window, too.
+    results = {normalize: recipe(accelerator, normalize) for normalize in ("micro-batch", "cumulative")}
+    torch.save(results, os.path.join(out, f"accumulation_rank{accelerator.process_index}.pt"))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """``syncbn.lightning.AccumulatedStatistics``: a real Trainer, 2 CPU processes, ``accumulate_grad_batches=3``.
 
-Launched by tests/test_accumulation.py: ``python run_lightning_accumulation.py OUT_DIR`` (and by
-tests/test_cmbn.py with a third argument ``cumulative``: the callback's CmBN blocks, whose carry the
-checker compares after each micro-batch with the inputs of both ranks so far). A checker
-callback placed after syncbn's runs a plain ``nn.BatchNorm2d`` (the shadow) once per optimizer step
-on the first syncbn layer's inputs of that step's micro-batches of both ranks; the layer must then
-hold the shadow's statistics.
+Launched by tests/test_accumulation_integrations.py: ``python run_lightning_accumulation.py OUT_DIR``.
+One launch, two ``Trainer.fit`` calls in the same processes (a fresh module and Trainer each): the
+callback with ``normalize="micro-batch"``, then with ``"cumulative"`` (CmBN blocks, whose carry the
+checker compares after each micro-batch with the inputs of both ranks so far). A checker callback
+placed after syncbn's runs a plain ``nn.BatchNorm2d`` (the shadow) once per optimizer step on the
+first syncbn layer's inputs of that step's micro-batches of both ranks; the layer must then hold
+the shadow's statistics. Each rank writes ``lightning_accumulation_rank{R}.pt``: per normalize mode,
+the checker's errors, the layer's ``num_batches_tracked`` and the plugin's group.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import syncbn.lightning  # noqa: E402
 from _helpers.integration_models import make_data, make_net  # noqa: E402
 
 K = 3
-CUMULATIVE = sys.argv[2:] == ["cumulative"]
 PER = 2  # samples per rank and micro-batch; 24 samples: 6 micro-batches per rank, 2 steps
 
 
@@ -56,7 +57,8 @@ class Module(L.LightningModule):
 
 
 class Check(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, cumulative: bool) -> None:
+        self.cumulative = cumulative
         self.seen: list[torch.Tensor] = []
         self.errors: list[float] = []
         self.shadow: nn.BatchNorm2d | None = None
@@ -79,7 +81,7 @@ class Check(L.Callback):
         self.shadow = nn.BatchNorm2d(layer.num_features).double()
         self.shadow.load_state_dict(layer.state_dict())
         layer.register_forward_pre_hook(lambda m, args: self.seen.append(args[0].detach().clone()))
-        if CUMULATIVE:
+        if self.cumulative:
             layer.register_forward_hook(self.check_carry)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: Module, optimizer: object) -> None:
@@ -99,16 +101,16 @@ class Check(L.Callback):
         )
 
 
-def main() -> None:
-    out = sys.argv[1]
-    module, check = Module(), Check()
+def fit(normalize: str) -> tuple[L.Trainer, dict[str, object]]:
+    """One Trainer.fit with the callback's ``normalize``; what the checker saw."""
+    module, check = Module(), Check(normalize == "cumulative")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         plugins=[syncbn.lightning.SyncBatchNorm(group_size=2)],  # the plugin's subgroup path, too
         callbacks=[
-            syncbn.lightning.AccumulatedStatistics("cumulative" if CUMULATIVE else "micro-batch"),
+            syncbn.lightning.AccumulatedStatistics(normalize),
             check,
         ],
         accumulate_grad_batches=K,
@@ -121,12 +123,19 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(module)
-    result = {
+    return trainer, {
         "errors": check.errors,
         "batches": int(module.net[1].num_batches_tracked),
         "group": check.group,
     }
-    torch.save(result, os.path.join(out, f"lightning_accumulation_rank{trainer.global_rank}.pt"))
+
+
+def main() -> None:
+    # The second Trainer finds the processes and the process group the first one started.
+    results = {}
+    for normalize in ("micro-batch", "cumulative"):
+        trainer, results[normalize] = fit(normalize)
+    torch.save(results, os.path.join(sys.argv[1], f"lightning_accumulation_rank{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":
