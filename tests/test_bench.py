@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from _helpers.processes import run_in_session
+from syncbn.cli import main
 from syncbn.cli._bench_targets import MANY_FAULTS, TARGETS, allocator_note, format_targets, targets
 from syncbn.cli.bench import NaiveSyncBatchNorm, parse_shapes
 
@@ -167,10 +168,13 @@ def test_bench_single_process_runs_without_a_group() -> None:
     assert "8x2" in proc.stdout
 
 
-def test_bench_rejects_bad_shapes() -> None:
-    proc = _run(["-m", "syncbn", "bench", "--shapes", "16"])
-    assert proc.returncode != 0
-    assert "bad shape" in proc.stderr
+def test_bench_rejects_bad_shapes(capsys: pytest.CaptureFixture[str]) -> None:
+    # A usage error before anything runs: checked in this process (``python -m syncbn`` exits with
+    # main's return value, or argparse's SystemExit code).
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "--shapes", "16"])
+    assert caught.value.code != 0
+    assert "bad shape" in capsys.readouterr().err
 
 
 def test_scaling_table(tmp_path) -> None:
@@ -245,10 +249,9 @@ def test_bench_force_sync_on_one_rank(tmp_path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-def test_bench_cuda_without_a_gpu_says_so() -> None:
-    proc = _run(["-m", "syncbn", "bench", "--device", "cuda", "--shapes", "4x3"])
-    assert proc.returncode == 2
-    assert "CUDA is not available" in proc.stdout
+def test_bench_cuda_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--device", "cuda", "--shapes", "4x3"]) == 2  # before any rank starts
+    assert "CUDA is not available" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(300)
@@ -323,6 +326,8 @@ def test_eager_overhead_script_compares_two_trees() -> None:
             "1",
             "--shapes",
             "8x4",
+            "--iters",
+            "1",
         ],
         timeout=600,
     )

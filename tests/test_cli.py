@@ -122,7 +122,9 @@ def test_verify_passes_and_prints_a_table(verify_run) -> None:
         assert set(case) >= {"case", "sizes", "dtype", "errors", "tolerance"}
 
 
-def test_verify_group_size(tmp_path: Path) -> None:
+def test_verify_group_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from syncbn.cli import main
+
     proc = _syncbn(
         "verify", "--world-size", "4", "--group-size", "2", "--json", str(tmp_path / "v.json"), cwd=tmp_path
     )
@@ -133,11 +135,13 @@ def test_verify_group_size(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "v.json").read_text())
     assert report["passed"] is True and report["group_size"] == 2
     assert [c["sizes"] for c in report["cases"] if c["case"] == "3d-uneven"] == [[1, 2]]  # per group rank
-    bad = _syncbn("verify", "--world-size", "4", "--group-size", "3", cwd=tmp_path)
-    assert bad.returncode == 2
-    assert "--group-size must divide the world size 4 (got group size 3)" in bad.stderr
-    bad = _syncbn("verify", "--group-size", "x", cwd=tmp_path)
-    assert bad.returncode == 2 and "expected a positive int or 'node' (got 'x')" in bad.stderr
+    # The usage errors come before any rank starts: checked in this process (`python -m syncbn`
+    # exits with main's return value, and argparse's SystemExit code).
+    assert main(["verify", "--world-size", "4", "--group-size", "3"]) == 2
+    assert "--group-size must divide the world size 4 (got group size 3)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as caught:
+        main(["verify", "--group-size", "x"])
+    assert caught.value.code == 2 and "expected a positive int or 'node' (got 'x')" in capsys.readouterr().err
 
 
 def _torchrun() -> str | None:

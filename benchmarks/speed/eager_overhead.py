@@ -44,7 +44,7 @@ for spec in sys.argv[1].split(","):
     bn = syncbn.SyncBatchNorm(shape[1], process_group=Loopback())
     x = torch.randn(*shape, requires_grad=True)
     g = torch.randn(*shape)
-    iters = max(20, min(2000, int(2e7 // x.numel())))
+    iters = int(sys.argv[2]) or max(20, min(2000, int(2e7 // x.numel())))
     for _ in range(10):
         bn(x).backward(g)
     times = []
@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--src", action="append", required=True, help="a src/ folder holding syncbn")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--iters", type=int, default=0, help="timed calls per repeat (default 0: by size)")
     parser.add_argument("--allocator", choices=sorted(CONFIGS), default="no-trim")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, float]]] = {src: [] for src in args.src}
@@ -72,7 +73,7 @@ def main() -> None:
         for src in args.src if i % 2 == 0 else args.src[::-1]:
             env_path = {"PYTHONPATH": src, **CONFIGS[args.allocator]}
             proc = subprocess.run(
-                [sys.executable, "-c", _CHILD, args.shapes],
+                [sys.executable, "-c", _CHILD, args.shapes, str(args.iters)],
                 capture_output=True,
                 text=True,
                 check=True,
