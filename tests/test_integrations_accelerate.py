@@ -1,5 +1,13 @@
 """The accelerate recipes through accelerate's launcher: convert before ``prepare`` (2 CPU processes),
-and with a ``DeviceMesh`` (4 CPU processes: a (dp, tp) mesh and HSDP's 2-D data-parallel mesh)."""
+and with a ``DeviceMesh`` (4 CPU processes: a (dp, tp) mesh and HSDP's 2-D data-parallel mesh).
+
+The 2-process launch (tests/_helpers/run_accelerate.py) also runs the ``syncbn.accumulation``
+recipe (``gradient_accumulation_steps=3``) with ``normalize="micro-batch"`` and ``"cumulative"``
+(tests/_helpers/run_accelerate_accumulation.py): it is launched once and three tests read it. At
+each commit a plain ``nn.BatchNorm2d`` has run once on the first layer's inputs of the window's
+micro-batches of both ranks; for CmBN after each micro-batch the carry holds the count and mean of
+the window's inputs of both ranks so far.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+import syncbn
 from _helpers.integration_models import make_data, make_net, max_error, reference_state, run_script
 
 pytest.importorskip("accelerate")
@@ -25,15 +34,54 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
+_launched: list[str] = []
+
+
+def _launch(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The output folder of ``run_accelerate.py``, launched once per module."""
+    if not _launched:
+        out = str(tmp_path_factory.mktemp("accelerate"))
+        run_script("run_accelerate.py", out, _free_port(), timeout=480)
+        _launched.append(out)
+    return _launched[0]
+
+
+def _accumulation(tmp_path_factory: pytest.TempPathFactory, normalize: str) -> list[dict[str, Any]]:
+    out = _launch(tmp_path_factory)
+    return [torch.load(os.path.join(out, f"accumulation_rank{rank}.pt"))[normalize] for rank in (0, 1)]
+
+
 @pytest.mark.timeout(600)
-def test_accelerate_recipe_on_two_cpu_processes_equals_the_full_batch(tmp_path: os.PathLike[str]) -> None:
-    run_script("run_accelerate.py", str(tmp_path), _free_port(), timeout=480)
+def test_accelerate_recipe_on_two_cpu_processes_equals_the_full_batch(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tmp_path = _launch(tmp_path_factory)
     ref = reference_state()
     for rank in (0, 1):
         result = torch.load(os.path.join(tmp_path, f"accelerate_rank{rank}.pt"))
         assert result["world"] == 2 and result["distributed_type"] == "DistributedType.MULTI_CPU"
         assert result["train_types"] == SYNC_TYPES and result["reverted_same"]
         assert max_error(result["state"], ref) < 1e-12
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_recipe(tmp_path_factory: pytest.TempPathFactory) -> None:
+    for result in _accumulation(tmp_path_factory, "micro-batch"):
+        assert result["world"] == 2 and result["commits"] == 2
+        assert result["batches"] == 2  # one update per optimizer step, not per micro-batch
+        assert max(result["errors"]) < 1e-12, result["errors"]
+
+
+@pytest.mark.timeout(600)
+def test_accelerate_recipe_takes_the_option(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The documented recipe with normalize="cumulative", 2 CPU processes, gradient_accumulation_steps=3:
+    # after each micro-batch the first layer's carry holds the window's inputs of both ranks so far;
+    # after each window its running statistics one nn.BatchNorm2d update over them.
+    with pytest.raises(ValueError, match="expected normalize one of"):
+        syncbn.accumulate.check_normalize("per-step")
+    for result in _accumulation(tmp_path_factory, "cumulative"):
+        assert result["world"] == 2 and result["commits"] == 2 and result["batches"] == 2
+        assert len(result["errors"]) == 6 + 2 and max(result["errors"]) < 1e-10, result["errors"]
 
 
 MESH_STEPS, MESH_GLOBAL, MESH_LR = 3, 8, 0.1  # those of tests/_helpers/run_accelerate_mesh.py

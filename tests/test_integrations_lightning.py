@@ -1,6 +1,11 @@
-"""syncbn.lightning.SyncBatchNorm in a real Lightning Trainer on 2 CPU processes.
+"""syncbn.lightning.SyncBatchNorm in a real Lightning Trainer on 2 CPU processes, and the Fabric recipe.
 
-The Fabric recipe is in test_integrations_fabric.py (a launch of its own, run beside these).
+The Fabric recipe (convert before ``fabric.setup``) and ``syncbn.lightning.AccumulatedStatistics``
+(``accumulate_grad_batches=3``; ``normalize="micro-batch"``, then ``"cumulative"``, a Trainer each)
+run in the processes of the ``ddp`` Trainer's launch, after its fit (tests/_helpers/run_lightning.py):
+one launch, read by four tests. The accumulation reference: a plain ``nn.BatchNorm2d`` run once per
+optimizer step on the first layer's inputs of that step's micro-batches of both ranks, and for CmBN
+after each micro-batch the count and mean of the step's inputs of both ranks so far.
 """
 
 from __future__ import annotations
@@ -65,12 +70,24 @@ def test_plugin_is_a_layersync_that_converts_and_reverts_like_the_converter() ->
     assert trainer._accelerator_connector._layer_sync is plugin
 
 
+_launched: dict[str, str] = {}
+
+
+def _launch(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The output folder of ``run_lightning.py STRATEGY``, launched once per module."""
+    if strategy not in _launched:
+        out = str(tmp_path_factory.mktemp(f"lightning_{strategy}"))
+        run_script("run_lightning.py", strategy, out, timeout=480)
+        _launched[strategy] = out
+    return _launched[strategy]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_trainer_on_two_cpu_processes_trains_with_syncbn_and_equals_the_full_batch(
-    strategy: str, tmp_path: os.PathLike[str]
+    strategy: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    run_script("run_lightning.py", strategy, str(tmp_path), timeout=480)
+    tmp_path = _launch(strategy, tmp_path_factory)
     ref = reference_state()
     for rank in (0, 1):
         assert torch.load(os.path.join(tmp_path, f"train_types_rank{rank}.pt")) == SYNC_TYPES
@@ -79,3 +96,40 @@ def test_trainer_on_two_cpu_processes_trains_with_syncbn_and_equals_the_full_bat
         final = torch.load(os.path.join(tmp_path, f"final_rank{rank}.pt"))
         assert final["types"] == PLAIN_TYPES  # the Trainer's teardown reverted the plugin's conversion
         assert max_error(final["state"], ref) < 1e-12
+
+
+@pytest.mark.timeout(600)
+def test_fabric_recipe_on_two_cpu_processes_equals_the_full_batch(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tmp_path = _launch("ddp", tmp_path_factory)  # the Fabric recipe ran after the Trainer's fit
+    ref = reference_state()
+    for rank in (0, 1):
+        result = torch.load(os.path.join(tmp_path, f"fabric_rank{rank}.pt"))
+        assert result["train_types"] == SYNC_TYPES and result["reverted_same"]
+        assert max_error(result["state"], ref) < 1e-12
+
+
+def _accumulation(tmp_path_factory: pytest.TempPathFactory, normalize: str) -> list[dict[str, object]]:
+    out = _launch("ddp", tmp_path_factory)
+    return [torch.load(os.path.join(out, f"lightning_accumulation_rank{r}.pt"))[normalize] for r in (0, 1)]
+
+
+@pytest.mark.timeout(600)
+def test_lightning_callback(tmp_path_factory: pytest.TempPathFactory) -> None:
+    for result in _accumulation(tmp_path_factory, "micro-batch"):
+        assert len(result["errors"]) == 2 and result["batches"] == 2, result
+        assert result["group"] == [0, 1]  # SyncBatchNorm(group_size=2): subgroup(2) of 2 ranks
+        assert max(result["errors"]) < 1e-12, result["errors"]
+
+
+@pytest.mark.timeout(600)
+def test_lightning_callback_takes_the_option(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # A real Trainer, 2 CPU processes, accumulate_grad_batches=3: after each micro-batch the first
+    # layer's carry holds the count and mean of the step's inputs of both ranks so far; after each
+    # step its running statistics hold one nn.BatchNorm2d update over them.
+    with pytest.raises(ValueError, match="expected normalize one of"):
+        syncbn.accumulate.check_normalize("per-step")
+    for result in _accumulation(tmp_path_factory, "cumulative"):
+        assert len(result["errors"]) == 2 + 6 and result["batches"] == 2, result
+        assert max(result["errors"]) < 1e-10, result["errors"]

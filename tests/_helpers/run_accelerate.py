@@ -1,7 +1,9 @@
 """Train with Hugging Face accelerate on 2 CPU processes (its notebook launcher, forked).
 
 Launched by tests/test_integrations_accelerate.py: ``python run_accelerate.py OUT_DIR PORT``.
-The recipe: ``convert_sync_batchnorm`` before ``accelerator.prepare``.
+The recipe: ``convert_sync_batchnorm`` before ``accelerator.prepare``. The same two processes then
+run the ``syncbn.accumulation`` recipe with a fresh ``Accelerator(gradient_accumulation_steps=3)``
+(tests/_helpers/run_accelerate_accumulation.py): one launch for both.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from accelerate import Accelerator, notebook_launcher  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from torch import nn  # noqa: E402
 
 import syncbn  # noqa: E402
+from _helpers import run_accelerate_accumulation  # noqa: E402
 from _helpers.integration_models import STEPS, make_data, make_net, shard  # noqa: E402
 
 
-def train(out: str) -> None:
+def recipe(out: str) -> None:
+    """The recipe; each rank writes ``accelerate_rank{R}.pt`` to ``out``."""
     accelerator = Accelerator(cpu=True)
     net = make_net()
     plain_types = [type(m) for m in net]
@@ -47,6 +52,15 @@ def train(out: str) -> None:
         },
         os.path.join(out, f"accelerate_rank{rank}.pt"),
     )
+
+
+def train(out: str) -> None:
+    recipe(out)
+    # Forget this Accelerator, as accelerate's own tests do (the process group stays): the next one
+    # accumulates gradients (its backward divides the loss by the steps, which the first must not).
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    run_accelerate_accumulation.train(out)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The documented accelerate recipe for ``syncbn.accumulation`` on 2 CPU processes (forked).
 
-Launched by tests/test_accumulation_integrations.py: ``python run_accelerate_accumulation.py OUT_DIR PORT``.
-One launch runs the recipe twice, each time on a fresh model: with ``normalize="micro-batch"``,
-then with ``normalize="cumulative"`` (whose first layer's carry must hold the count and mean of
-the window's inputs of both ranks so far after each micro-batch).
+Run by tests/_helpers/run_accelerate.py in the processes of its launch (``train(OUT_DIR)``); on
+its own, ``python run_accelerate_accumulation.py OUT_DIR PORT``. It runs the recipe twice, each
+time on a fresh model: with ``normalize="micro-batch"``, then with ``normalize="cumulative"``
+(whose first layer's carry must hold the count and mean of the window's inputs of both ranks so
+far after each micro-batch).
 ``Accelerator(gradient_accumulation_steps=3)``: the block opens on the first micro-batch of a
 window and commits where ``accelerator.sync_gradients`` is true. At each commit, a plain
 ``nn.BatchNorm2d`` (the shadow) runs once on the first syncbn layer's inputs of the window's

@@ -1,7 +1,9 @@
 """Train with Lightning Fabric on 2 CPU processes, syncbn-converted before ``fabric.setup``.
 
-Launched by tests/test_integrations_fabric.py: ``python run_fabric.py OUT_DIR``
-(Fabric's ddp launcher starts the second process by running this script again).
+Run by tests/_helpers/run_lightning.py in the processes its ``ddp`` Trainer started, after the
+Trainer's fit (``train(OUT_DIR)``: Fabric finds those processes and their process group); on its
+own, ``python run_fabric.py OUT_DIR`` (Fabric's ddp launcher starts the second process by running
+this script again).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import syncbn  # noqa: E402
 from _helpers.integration_models import STEPS, make_data, make_net, shard  # noqa: E402
 
 
-def main() -> None:
-    out = sys.argv[1]
+def train(out: str) -> None:
+    """The recipe; each rank writes ``fabric_rank{R}.pt`` to ``out``."""
     # The model is float64 itself; Fabric's "64-true" would cast its outputs back to float32.
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     fabric.launch()
@@ -54,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    train(sys.argv[1])

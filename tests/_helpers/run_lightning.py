@@ -2,6 +2,9 @@
 
 Launched by tests/test_integrations_lightning.py: ``python run_lightning.py STRATEGY OUT_DIR``.
 Each rank writes what it saw to OUT_DIR (layer types in training and after fit, final state).
+With ``ddp`` the same two processes then run the Fabric recipe (tests/_helpers/run_fabric.py) and
+the accumulation callback's two Trainers (tests/_helpers/run_lightning_accumulation.py): one launch
+(one Lightning import per process) for all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import syncbn.lightning  # noqa: E402
+from _helpers import run_fabric, run_lightning_accumulation  # noqa: E402
 from _helpers.integration_models import PER_RANK, STEPS, WORLD, make_data, make_net, shard  # noqa: E402
 
 
@@ -72,6 +76,9 @@ def main() -> None:
     state = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
     types = [type(m).__name__ for m in module.net]
     torch.save({"state": state, "types": types}, os.path.join(out, f"final_rank{trainer.global_rank}.pt"))
+    if strategy == "ddp":  # each process runs on: Fabric finds the processes the Trainer started
+        run_fabric.train(out)
+        run_lightning_accumulation.train(out)
 
 
 if __name__ == "__main__":

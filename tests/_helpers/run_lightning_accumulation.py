@@ -1,7 +1,8 @@
 """``syncbn.lightning.AccumulatedStatistics``: a real Trainer, 2 CPU processes, ``accumulate_grad_batches=3``.
 
-Launched by tests/test_accumulation_integrations.py: ``python run_lightning_accumulation.py OUT_DIR``.
-One launch, two ``Trainer.fit`` calls in the same processes (a fresh module and Trainer each): the
+Run by tests/_helpers/run_lightning.py in the processes of its ``ddp`` launch (``train(OUT_DIR)``);
+on its own, ``python run_lightning_accumulation.py OUT_DIR``.
+Two ``Trainer.fit`` calls in the same processes (a fresh module and Trainer each): the
 callback with ``normalize="micro-batch"``, then with ``"cumulative"`` (CmBN blocks, whose carry the
 checker compares after each micro-batch with the inputs of both ranks so far). A checker callback
 placed after syncbn's runs a plain ``nn.BatchNorm2d`` (the shadow) once per optimizer step on the
@@ -130,13 +131,14 @@ def fit(normalize: str) -> tuple[L.Trainer, dict[str, object]]:
     }
 
 
-def main() -> None:
-    # The second Trainer finds the processes and the process group the first one started.
+def train(out: str) -> None:
+    """Both fits; each rank writes ``lightning_accumulation_rank{R}.pt`` to ``out``."""
+    # A later Trainer finds the processes and the process group the first one started.
     results = {}
     for normalize in ("micro-batch", "cumulative"):
         trainer, results[normalize] = fit(normalize)
-    torch.save(results, os.path.join(sys.argv[1], f"lightning_accumulation_rank{trainer.global_rank}.pt"))
+    torch.save(results, os.path.join(out, f"lightning_accumulation_rank{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":
-    main()
+    train(sys.argv[1])
