@@ -15,6 +15,10 @@ from collections.abc import Iterator
 # file on the same xdist worker), and a forked child that finds the parent's pool hangs in it
 # (seen on torch 2.15). Set before torch's inductor reads its configuration.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# One intra-op thread in the test processes, as in the forked ranks (dist_harness): on the loaded
+# 2-core machine OpenMP's idle threads spin, and test_single_process.py took 40 s of CPU for 11 s
+# of work. Set before torch starts OpenMP; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import sys  # noqa: E402
 
