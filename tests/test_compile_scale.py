@@ -2,10 +2,11 @@
 
 One 2-rank gloo launch runs every case (compiling is slow on 2 cores); its
 result is cached for the tests that read it. The graphs are compiled with the
-``aot_eager`` backend: recompilation is dynamo's matter and the effect tokens,
-the traced autograd function and the backward graph are AOTAutograd's, all of
-which it runs; inductor's code generation is exercised by ``test_compile.py``
-and at scale by ``benchmarks/compile/compile_models.py``.
+``eager`` backend: recompilation and the traced autograd function (forward and
+backward, speculated once per layer: most of this file's CPU time) are dynamo's
+matter; AOTAutograd's effect tokens and backward graph run in ``test_compile.py``
+(``aot_eager`` and inductor) and inductor's code generation at scale in
+``benchmarks/compile/compile_models.py``.
 
 Counted per case, after the warm-up (the first training step and the first
 eval call: eval is another graph, as for ``nn.BatchNorm``): graphs compiled (0),
