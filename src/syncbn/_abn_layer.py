@@ -25,7 +25,6 @@ try:
     from .engine._compiled import traced_inplace_abn
 except ImportError:  # torch without ordered effectful custom operators: compiled models run eagerly
     _ops = None  # type: ignore[assignment]
-from .parallel._joint import replica_batch_norm
 
 __all__ = ["ActivatedBatchNormBase"]
 
@@ -217,8 +216,7 @@ class ActivatedBatchNormBase(LayerMixin):
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:
-            family = InPlaceABN(act, param)
-            out = replica_batch_norm(self, x, call, replica.replication, replica.index, family)
+            out = replica.forward(self, x, call, InPlaceABN(act, param))
         else:
             group = None if self._local else groups.resolve(self._group())
             stats = (*call.updated(), True, call.momentum, self.eps, act, param, group, self, call.statistics)

@@ -178,7 +178,9 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         check_eps(self.eps)
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:  # an nn.DataParallel replica (syncbn.parallel)
-            return replica.forward(self, input, self._training_call())  # type: ignore[no-any-return]
+            call = self._training_call()
+            family = self._replica_family(replica.replication, replica.index, input)
+            return replica.forward(self, input, call, family)  # type: ignore[no-any-return]
         compiling = _is_compiling()
         if compiling and _ops is not None:
             return self._compiled_training_forward(input)
@@ -224,6 +226,16 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         ``recomputing``: activation checkpointing's second forward; ``eager``: not traced.
         """
         return BATCH_NORM
+
+    def _replica_family(self, replication: Any, rank: int, input: Tensor) -> Any:
+        """The family of replica ``rank``'s training call (:mod:`syncbn.parallel`): a recomputation's
+        reads the forward's statistics; replica 0 has the layer the user holds keep them."""
+        family = self._family_call(replication.recomputing)
+        if replication.recomputing:  # (the forward's statistics, on the input's device)
+            return family.snapshot(lambda t: t.to(input.device))
+        if rank == 0:
+            replication.master._family_call(False, True)
+        return family
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         # Enrol the replica, so that the replicas of this layer synchronise with each other.

@@ -6,16 +6,16 @@ backward never waits for another thread. See docs/internals/transports.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from .. import _accumulating
-from .._threads import ReplicaSyncError, ThreadSumGroup, ordered_sum
+from .._threads import Rendezvous, ReplicaSyncError, ThreadSumGroup, ordered_sum
 from ..engine import _math, _rules
 from ..engine._double_backward import joint_input_grads, replica_total
-from ..engine._function import BATCH_NORM, Params, apply, synchronized_forward
+from ..engine._function import Params, apply, synchronized_forward
 from ..engine._rules import gradient_dtype
 from ..engine._rules import one_value_error as engine_one_value_error
 
@@ -24,26 +24,27 @@ from ..engine._rules import one_value_error as engine_one_value_error
 _Item = tuple[Tensor, Any, Any, Tensor, Any, Any, bool, bool]
 
 
+class Replication(Protocol):
+    """What a replica's forward needs of its replication (:class:`._replication._Replication`)."""
+
+    def rendezvous(self) -> Rendezvous: ...
+
+    def publish(self, replica: Any) -> None: ...
+
+    def describe(self) -> str: ...
+
+
 def replica_batch_norm(
-    layer: Any, x: Tensor, call: Any, replication: Any, rank: int, family: Any = None
+    layer: Any, x: Tensor, call: Any, replication: Replication, rank: int, family: Any
 ) -> Tensor:
     """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings.
 
-    ``call`` is the layer's bookkeeping of this call (``syncbn._layer.TrainingCall``: a
-    recomputation, by a reentrant checkpoint around the model, updates with factor 0 and counts
-    no batch); ``family`` ``None`` means the layer's own (``_family_call``, else batch norm), and
-    renorm recomputing reads the forward's statistics. The in-place family overwrites ``x``.
+    ``call`` is the layer's bookkeeping of this call (``syncbn._layer.TrainingCall``), ``family``
+    the call's family object (the layer's ``_replica_family``). The in-place family overwrites ``x``.
     """
     rendezvous = replication.rendezvous()
     running_mean, momentum = call.running_mean, call.momentum
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
-    family_call = getattr(layer, "_family_call", None)
-    if family is None:  # the layer's own
-        family = family_call(replication.recomputing) if family_call else BATCH_NORM
-        if replication.recomputing:  # (the forward's statistics, on x's device)
-            family = family.snapshot(lambda t: t.to(x.device))
-        elif family_call and rank == 0:  # the user's layer keeps what a recomputation reads
-            replication.master._family_call(False, True)
     family.check_input(x)
 
     # one replica: the family's own one-process call, unless syncbn.accumulation listens (the

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _checks, groups
 from .._config import MAX_TIMEOUT_S
@@ -182,8 +181,8 @@ class _ReplicaSlot:
         self.replication = replication
         self.index = index
 
-    def forward(self, layer: _BatchNorm, input: Tensor, call: Any) -> Tensor:
-        return replica_batch_norm(layer, input, call, self.replication, self.index)
+    def forward(self, layer: nn.Module, input: Tensor, call: Any, family: Any) -> Tensor:
+        return replica_batch_norm(layer, input, call, self.replication, self.index, family)
 
 
 _open: weakref.WeakKeyDictionary[nn.Module, _Replication] = weakref.WeakKeyDictionary()
