@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import groups
 from ._abn_layer import ActivatedBatchNormBase
+from ._accumulating import Moments
 from ._layer import check_module
 from .recovery import layout_checksum
 
@@ -154,33 +155,6 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
     return model
 
 
-class _Moments:
-    """Per-channel count, mean and sum of squared deviations, merged batch by batch in float64."""
-
-    def __init__(self) -> None:
-        self.count = 0.0
-        self.mean: Tensor | None = None
-        self.m2: Tensor | None = None
-
-    def add(self, x: Tensor) -> None:
-        """Merge the ``(M, C, *)`` values ``x`` (Chan et al.'s pairwise update: exact, stable)."""
-        c = x.shape[1]
-        values = x.detach().to(torch.float64).transpose(0, 1).reshape(c, -1)
-        n = values.shape[1]
-        if n == 0:
-            return
-        mean = values.mean(1)
-        m2 = (values - mean[:, None]).square().sum(1)
-        if self.mean is None or self.m2 is None:
-            self.count, self.mean, self.m2 = float(n), mean, m2
-            return
-        total = self.count + n
-        delta = mean - self.mean
-        self.mean = self.mean + delta * (n / total)
-        self.m2 = self.m2 + m2 + delta.square() * (self.count * n / total)
-        self.count = total
-
-
 def _storage(t: Tensor) -> int:
     try:
         return int(t.untyped_storage().data_ptr())
@@ -268,12 +242,15 @@ def recompute_running_stats(
     layers = [(name, layer) for name, layer in layers if not getattr(layer, "freeze", False)]
     group = groups.resolve(process_group)
     run = forward if forward is not None else (lambda m, batch: m(batch))
-    moments = {id(layer): _Moments() for _, layer in layers}
+    moments = {id(layer): Moments(layer.running_mean) for _, layer in layers}  # type: ignore[arg-type]
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if args and isinstance(args[0], Tensor):  # the input it normalises: where a mask is, (M, C) valid
             mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
-            moments[id(module)].add(args[0].movedim(1, -1)[mask] if isinstance(mask, Tensor) else args[0])
+            x = args[0].movedim(1, -1)[mask] if isinstance(mask, Tensor) else args[0]
+            values = x.detach().to(torch.float64).transpose(0, 1).reshape(x.shape[1], -1)
+            if values.shape[1]:  # an empty batch adds nothing
+                moments[id(module)].add(values.shape[1], values.mean(1), values.var(1, unbiased=False))
 
     feeding: set[int] = set()  # the storages of the batch being run (nested in containers too)
 
@@ -317,35 +294,27 @@ def recompute_running_stats(
 
 
 def _set_population_stats(
-    layers: list[tuple[str, _Tracked]], moments: dict[int, _Moments], group: Any
+    layers: list[tuple[str, _Tracked]], moments: dict[int, Moments], group: Any
 ) -> None:
     """Merge each layer's moments across ranks (two float64 all_reduces) and write its running stats."""
-    # On the layers' device (NCCL needs accelerator tensors).
-    device = layers[0][1].running_mean.device if layers else torch.device("cpu")  # type: ignore[union-attr]
-    f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
-    first: list[Tensor] = []
-    for _, layer in layers:
-        m = moments[id(layer)]
-        mean = m.mean.to(device) if m.mean is not None else torch.zeros(layer.running_mean.numel(), **f64)  # type: ignore[union-attr]
-        first += [torch.tensor([m.count], **f64), m.count * mean]
+    seen = [moments[id(layer)].result() for _, layer in layers]  # (count, mean, m2) of this rank
+    first = [torch.cat([mean.new_tensor([count]), count * mean]) for count, mean, _ in seen]
     _, sums = _sum_checked(group, layers, first, "recompute_running_stats")
-    # Global means, then each rank's squared deviations about them (no cancellation).
-    chunks = sums.split([1 + layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
+    if not layers:
+        return
+    chunks = sums.split([1 + mean.numel() for _, mean, _ in seen])
     means = [chunk[1:] / chunk[0].clamp_min(1.0) for chunk in chunks]
-    counts = [float(chunk[0].item()) for chunk in chunks]
-    second: list[Tensor] = []
-    for (_, layer), mean in zip(layers, means):
-        m = moments[id(layer)]
-        if m.mean is None or m.m2 is None:
-            second.append(torch.zeros_like(mean))
-        else:
-            second.append(m.m2.to(device) + m.count * (m.mean.to(device) - mean).square())
-    m2 = torch.cat(second) if second else torch.zeros(0, **f64)
-    if group is not None and m2.numel():
+    # Each rank's squared deviations about the global means (no cancellation).
+    m2 = torch.cat(
+        [m2.to(g) + count * (mean.to(g) - g).square() for (count, mean, m2), g in zip(seen, means)]
+    )
+    if group is not None:
         group.all_reduce_sum(m2)
-    per_layer = m2.split([mean.numel() for mean in means])
     with torch.no_grad():
-        for (_, layer), mean, count, layer_m2 in zip(layers, means, counts, per_layer):
+        for (_, layer), chunk, mean, layer_m2 in zip(
+            layers, chunks, means, m2.split([g.numel() for g in means])
+        ):
+            count = float(chunk[0].item())
             if count == 0:
                 continue  # no value reached this layer on any rank: keep its statistics
             layer.running_mean.copy_(mean)  # type: ignore[union-attr]
