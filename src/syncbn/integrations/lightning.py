@@ -34,12 +34,11 @@ __all__ = ["SyncBatchNorm", "AccumulatedStatistics"]
 class SyncBatchNorm(LayerSync):  # type: ignore[misc]
     """Lightning ``LayerSync`` plugin that converts the model with :func:`syncbn.convert_sync_batchnorm`.
 
-    The Trainer calls :meth:`apply` when it sets up a distributed strategy
-    (``ddp``, ``ddp_spawn``, ...) and :meth:`revert` when asked to undo it.
-    Everything the converter keeps is kept (parameters, so optimizers stay
-    valid, buffers, hooks, subclasses, timm's ``BatchNormAct2d``); syncbn
-    layers stay as they are. Works on CPU (gloo) and GPU (NCCL). Do not also
-    pass ``sync_batchnorm=True``.
+    The Trainer calls :meth:`apply` when it sets up a distributed strategy (``ddp``, ``ddp_spawn``,
+    ...) and :meth:`revert` when asked to undo it. Everything the converter keeps is kept
+    (parameters, so optimizers stay valid, buffers, hooks, subclasses, timm's ``BatchNormAct2d``);
+    syncbn layers stay as they are. Works on CPU (gloo) and GPU (NCCL). Do not also pass
+    ``sync_batchnorm=True``.
 
     Args:
         process_group: the group the layers synchronise over; ``None`` (the
@@ -101,12 +100,11 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
 class AccumulatedStatistics(Callback):  # type: ignore[misc]
     """Lightning callback: one running-statistics update per optimizer step under gradient accumulation.
 
-    For ``Trainer(accumulate_grad_batches=k)``: a :class:`syncbn.accumulation`
-    block opens at the first micro-batch of each step and commits in
-    ``on_before_optimizer_step``, so the running statistics take one exact
-    update over all micro-batches of all ranks instead of ``k``. A step
-    Lightning skips leaves its micro-batches to the next update; the block is
-    committed at the end of each training epoch, and discarded when training raises.
+    For ``Trainer(accumulate_grad_batches=k)``: a :class:`syncbn.accumulation` block opens at the
+    first micro-batch of each step and commits in ``on_before_optimizer_step``, so the running
+    statistics take one exact update over all micro-batches of all ranks instead of ``k``. A step
+    Lightning skips leaves its micro-batches to the next update; the block is committed at the end
+    of each training epoch, and discarded when training raises.
 
     Args:
         normalize: the blocks' ``normalize`` (:class:`syncbn.accumulation`):
