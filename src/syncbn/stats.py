@@ -181,6 +181,7 @@ def _with_progress(batches: Iterable[Any], enabled: bool) -> Iterator[Any]:
         draw(time.monotonic(), "\n")
 
 
+@torch.no_grad()
 def recompute_running_stats(
     model: nn.Module,
     batches: Iterable[Any],
@@ -263,24 +264,21 @@ def recompute_running_stats(
     try:
         show = sys.stderr.isatty() if progress is None else progress
         model.train()
-        with torch.no_grad():
-            for batch in _with_progress(batches, bool(show) and (group is None or group.rank == 0)):
-                feeding = {_storage(t) for t in tree_leaves(batch) if isinstance(t, Tensor)} - {0}
-                run(model, batch)
+        for batch in _with_progress(batches, bool(show) and (group is None or group.rank == 0)):
+            feeding = {_storage(t) for t in tree_leaves(batch) if isinstance(t, Tensor)} - {0}
+            run(model, batch)
         _set_population_stats(layers, moments, group)
     except BaseException:
-        with torch.no_grad():
-            for tensor, value in saved:
-                tensor.copy_(value)  # type: ignore[union-attr]
+        for tensor, value in saved:
+            tensor.copy_(value)  # type: ignore[union-attr]
         raise
     finally:
         for handle in handles:
             handle.remove()
         for mod, training in modes:
             mod.training = training
-        with torch.no_grad():
-            for tracked, value in counters:
-                tracked.copy_(value)
+        for tracked, value in counters:
+            tracked.copy_(value)
     return model
 
 
@@ -296,18 +294,13 @@ def _set_population_stats(
     chunks = sums.split([1 + mean.numel() for _, mean, _ in seen])
     means = [chunk[1:] / chunk[0].clamp_min(1.0) for chunk in chunks]
     # Each rank's squared deviations about the global means (no cancellation).
-    m2 = torch.cat(
-        [m2.to(g) + count * (mean.to(g) - g).square() for (count, mean, m2), g in zip(seen, means)]
-    )
+    m2 = torch.cat([own.to(g) + n * (mean.to(g) - g).square() for (n, mean, own), g in zip(seen, means)])
     if group is not None:
         group.all_reduce_sum(m2)
-    with torch.no_grad():
-        for (_, layer), chunk, mean, layer_m2 in zip(
-            layers, chunks, means, m2.split([g.numel() for g in means])
-        ):
-            count = float(chunk[0].item())
-            if count == 0:
-                continue  # no value reached this layer on any rank: keep its statistics
-            layer.running_mean.copy_(mean)  # type: ignore[union-attr]
-            if count > 1:  # one value has no unbiased variance: keep the running one
-                layer.running_var.copy_(layer_m2 / (count - 1))  # type: ignore[union-attr]
+    for (_, layer), chunk, mean, layer_m2 in zip(layers, chunks, means, m2.split([g.numel() for g in means])):
+        count = float(chunk[0].item())
+        if count == 0:
+            continue  # no value reached this layer on any rank: keep its statistics
+        layer.running_mean.copy_(mean)  # type: ignore[union-attr]
+        if count > 1:  # one value has no unbiased variance: keep the running one
+            layer.running_var.copy_(layer_m2 / (count - 1))  # type: ignore[union-attr]
