@@ -1,7 +1,4 @@
-"""Cross-rank consistency checks (first-use handshake, debug mode) and layer names for error messages.
-
-See docs/internals/layers.md.
-"""
+"""Cross-rank consistency checks (first-use handshake, debug mode) and layer names: internals/layers.md."""
 
 from __future__ import annotations
 
@@ -127,11 +124,10 @@ def _install_hooks() -> None:
 def name_layers(model: nn.Module, prefix: str = "") -> int:
     """Record each SyncBatchNorm layer's qualified name in ``model`` for error messages.
 
-    syncbn finds names by itself on an error, and names a model's layers when it
-    is converted or wrapped in ``DistributedDataParallel``/``DataParallel``;
-    calling this once after building the model makes the names certain and
-    gives debug mode a per-layer identity equal on every rank. Wrappers are
-    looked through, so names read as in the bare model.
+    syncbn finds names by itself on an error, and names a model's layers when it is converted or
+    wrapped in ``DistributedDataParallel``/``DataParallel``; calling this once after building the
+    model makes the names certain and gives debug mode a per-layer identity equal on every rank.
+    Wrappers are looked through, so names read as in the bare model.
 
     Args:
         model: the model, or a wrapper around it.

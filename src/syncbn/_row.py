@@ -1,14 +1,12 @@
 """The row each rank contributes to a consistency check: its fields, their codes, their words.
 
-A field holds a float64 that is equal on every rank that agrees (a hash, a code or the value
-itself); a disagreement reads back through the describer of that field. See
-docs/internals/layers.md.
+A field holds a float64 equal on every rank that agrees (a hash, a code or the value itself); a
+disagreement reads back through that field's describer. See docs/internals/layers.md.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 import zlib
 from typing import Callable
 
@@ -64,22 +62,13 @@ def _describe_config(code: float) -> str:
     )
 
 
-_class_codes: weakref.WeakKeyDictionary[type, float] = weakref.WeakKeyDictionary()
-
-
 def _class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _class_code(layer: nn.Module | None) -> float:
     """CRC-32 of the layer's class's qualified name (equal on every rank for one class), 0 without one."""
-    if layer is None:
-        return 0.0
-    cls = type(layer)
-    code = _class_codes.get(cls)
-    if code is None:
-        code = _class_codes[cls] = _identity_hash(_class_name(cls))
-    return code
+    return 0.0 if layer is None else _identity_hash(_class_name(type(layer)))
 
 
 def _describe_class(code: float) -> str:

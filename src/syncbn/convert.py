@@ -1,6 +1,4 @@
-"""Swap a model's BatchNorm layers for syncbn layers (:func:`convert_sync_batchnorm`) and back
-(:func:`revert_sync_batchnorm`), *moving* each layer's state instead of copying it: only the class changes.
-"""
+"""Swap BatchNorm layers for syncbn layers and back, *moving* each layer's state: only the class changes."""
 
 from __future__ import annotations
 
@@ -30,10 +28,9 @@ class ConversionWarning(UserWarning):
 class BatchNorm(_BatchNorm):
     """Plain (unsynchronised) batch normalization for input of any rank of at least 2.
 
-    What :func:`revert_sync_batchnorm` turns the generic :class:`syncbn.SyncBatchNorm`
-    and ``torch.nn.SyncBatchNorm`` into: ``nn.BatchNorm1d/2d/3d`` (same kernels,
-    parameters, buffers, ``state_dict`` keys) without the check on the number of
-    dimensions. Scriptable with ``torch.jit.script``.
+    What :func:`revert_sync_batchnorm` turns the generic :class:`syncbn.SyncBatchNorm` and
+    ``torch.nn.SyncBatchNorm`` into: ``nn.BatchNorm1d/2d/3d`` (same kernels, parameters, buffers,
+    ``state_dict`` keys) without the dimension check. Scriptable with ``torch.jit.script``.
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
@@ -61,7 +58,6 @@ class BatchNorm(_BatchNorm):
 
 
 # Forwards with no behaviour beyond batch norm (a class says so with ``_syncbn_plain_forward = True``).
-# SyncBatchNorm1d/2d/3d inherit SyncBatchNorm.forward.
 _PLAIN_FORWARDS = frozenset({_BatchNorm.forward, nn.SyncBatchNorm.forward, SyncBatchNorm.forward})
 
 _ClassTable = list[tuple[type[_BatchNorm], type[SyncBatchNorm]]]  # (plain class, its syncbn class)
@@ -136,8 +132,8 @@ def _keeps_behaviour(layer: _BatchNorm, prefix: str, left: list[str]) -> bool:
 
 
 def _transplant(old: nn.Module, new: nn.Module, skip: frozenset[str]) -> None:
-    """Move ``old``'s instance attributes but ``skip`` into ``new`` (the containers themselves, so
-    hook handles taken on ``old`` still remove hooks from ``new``), and its parametrized properties."""
+    """Move ``old``'s instance attributes but ``skip`` into ``new`` (the containers themselves: hook
+    handles taken on ``old`` still work), and its parametrized properties."""
     new.__dict__.update({key: value for key, value in old.__dict__.items() if key not in skip})
     if not parametrize.is_parametrized(old):
         return
@@ -152,7 +148,7 @@ _REVERTS_TO = "_syncbn_reverts_to"
 
 
 def _to_sync(
-    layer: _BatchNorm, prefix: str, process_group: Any, classes: _ClassTable, left: list[str]
+    layer: _BatchNorm, prefix: str, left: list[str], process_group: Any, classes: _ClassTable
 ) -> nn.Module:
     if isinstance(layer, SyncBatchNorm) or not _keeps_behaviour(layer, prefix, left):
         return layer
@@ -204,20 +200,27 @@ def _to_plain(layer: nn.Module, prefix: str, left: list[str]) -> nn.Module:
     return new
 
 
-def _replace(module: nn.Module, swap: Callable[[nn.Module, str], nn.Module]) -> nn.Module:
-    """Apply ``swap`` to every module, depth first, keeping shared modules shared."""
+def _replace(
+    module: nn.Module, swap: Callable[[nn.Module, str, list[str]], nn.Module], user_depth: int
+) -> nn.Module:
+    """Apply ``swap`` to every module, depth first, keeping shared modules shared; then warn of each
+    layer ``swap`` left as it was, at the user's line (``user_depth`` frames above the caller)."""
     done: dict[int, nn.Module] = {}
+    left: list[str] = []
 
     def visit(mod: nn.Module, prefix: str) -> nn.Module:
         if id(mod) in done:
             return done[id(mod)]
-        new = done[id(mod)] = swap(mod, prefix)
+        new = done[id(mod)] = swap(mod, prefix, left)
         for name, child in list(new._modules.items()):
             if child is not None:
                 new._modules[name] = visit(child, f"{prefix}.{name}" if prefix else name)
         return new
 
-    return visit(module, "")
+    replaced = visit(module, "")
+    for message in left:
+        warnings.warn(message, ConversionWarning, stacklevel=2 + user_depth)
+    return replaced
 
 
 def convert_sync_batchnorm(
@@ -230,46 +233,38 @@ def convert_sync_batchnorm(
     """Replace every BatchNorm layer of ``module`` by a syncbn layer.
 
     ``nn.BatchNorm1d/2d/3d`` become :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``;
-    ``torch.nn.SyncBatchNorm`` and other ``_BatchNorm`` subclasses the generic
-    :class:`~syncbn.SyncBatchNorm`; timm's ``BatchNormAct2d``
-    :class:`syncbn.integrations.timm.SyncBatchNormAct2d`. Each layer keeps its
-    ``Parameter`` objects (optimizers built before keep working), buffers,
-    ``requires_grad``, mode, device, dtype, hooks, parametrizations and
-    user-set attributes; a layer used at several places stays shared. Layers
-    are named for error messages (:func:`syncbn.name_layers`) and remember
-    their class for :func:`revert_sync_batchnorm`. A BatchNorm subclass with its
-    own ``forward`` is left alone, with a :class:`ConversionWarning`. The
-    Migration guide page of the documentation lists every case.
+    ``torch.nn.SyncBatchNorm`` and other ``_BatchNorm`` subclasses the generic :class:`~syncbn.SyncBatchNorm`;
+    timm's ``BatchNormAct2d`` :class:`syncbn.integrations.timm.SyncBatchNormAct2d`. Each layer keeps its
+    ``Parameter`` objects (optimizers built before keep working), buffers, ``requires_grad``, mode, device,
+    dtype, hooks, parametrizations and user-set attributes; a layer used at several places stays shared.
+    Layers are named for error messages (:func:`syncbn.name_layers`) and remember their class for
+    :func:`revert_sync_batchnorm`. A BatchNorm subclass with its own ``forward`` is left alone, with a
+    :class:`ConversionWarning`. The Migration guide page of the documentation lists every case.
 
     Args:
-        module: the model (or a single BatchNorm layer, which is converted and
-            returned). Converted in place, except for a root that is itself a
-            BatchNorm layer.
-        process_group: ``torch.distributed`` group the new layers synchronise
-            over; ``None`` is the default group, looked up at call time. A
-            ``torch.nn.SyncBatchNorm`` keeps the group it was built with when
-            this is ``None``. :class:`~syncbn.InPlaceSyncBatchNorm` layers (and the
-            compat ``InPlaceABNSync``) stay as they are, taking ``process_group`` when it is given.
-            A ``torch.distributed.device_mesh.DeviceMesh`` is taken as ``device_mesh``.
+        module: the model (or a single BatchNorm layer, which is converted and returned). Converted in
+            place, except for a root that is itself a BatchNorm layer.
+        process_group: ``torch.distributed`` group the new layers synchronise over; ``None`` is the
+            default group, looked up at call time (a ``torch.nn.SyncBatchNorm`` then keeps the group it
+            was built with). :class:`~syncbn.InPlaceSyncBatchNorm` layers (and the compat
+            ``InPlaceABNSync``) stay as they are, taking ``process_group`` when it is given. A
+            ``torch.distributed.device_mesh.DeviceMesh`` is taken as ``device_mesh``.
         group_size: ``k`` (groups of k consecutive ranks) or ``"node"``: the same as
-            ``process_group=syncbn.groups.subgroup(group_size)``, whose rules apply
-            (every rank calls it, after ``init_process_group``; not with ``process_group``).
-        device_mesh: a ``DeviceMesh`` of the data-parallel ranks: a 1-D mesh or submesh
-            (``mesh["dp"]``) synchronises over its group, a multi-dimensional one
-            (HSDP's ``mesh["dp_replicate", "dp_shard"]``) over all its ranks (one
-            flattened group, made at the first training call on every rank of the job
-            and cached). The layers keep the mesh, resolved when they run, so they
-            pickle and deep-copy. Not with ``process_group`` or ``group_size``.
+            ``process_group=syncbn.groups.subgroup(group_size)``, whose rules apply (every rank calls
+            it, after ``init_process_group``; not with ``process_group``).
+        device_mesh: a ``DeviceMesh`` of the data-parallel ranks: a 1-D mesh or submesh (``mesh["dp"]``)
+            synchronises over its group, a multi-dimensional one (HSDP's ``mesh["dp_replicate",
+            "dp_shard"]``) over all its ranks (one flattened group, made at the first training call on
+            every rank of the job and cached). The layers keep the mesh, resolved when they run, so
+            they pickle and deep-copy. Not with ``process_group`` or ``group_size``.
 
     Returns:
-        ``module`` with its BatchNorm layers swapped, or the new layer when
-        ``module`` is itself a BatchNorm layer.
+        ``module`` with its BatchNorm layers swapped, or the new layer when ``module`` is itself one.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, or ``device_mesh`` is not a ``DeviceMesh``.
-        ValueError: the model holds an uninitialised ``nn.LazyBatchNorm*d``
-            (run one forward pass first), or more than one of ``process_group``,
-            ``group_size`` and ``device_mesh`` is given.
+        ValueError: the model holds an uninitialised ``nn.LazyBatchNorm*d`` (run one forward pass
+            first), or more than one of ``process_group``, ``group_size`` and ``device_mesh`` is given.
 
     Example::
 
@@ -289,23 +284,18 @@ def convert_sync_batchnorm(
 
 
 def _from_the_classmethod(module: nn.Module, process_group: Any = None) -> nn.Module:
-    """``SyncBatchNorm.convert_sync_batchnorm(module, process_group)``: warnings at its caller's line."""
+    """``SyncBatchNorm.convert_sync_batchnorm``, torch's spelling: warnings at its caller's line."""
     check_module(module, "convert_sync_batchnorm")
     return _convert(module, process_group, _TO_SYNC, user_depth=3)
 
 
-set_converter(_from_the_classmethod)  # SyncBatchNorm.convert_sync_batchnorm, torch's spelling
+set_converter(_from_the_classmethod)
 
 
 def _convert(
     module: nn.Module, process_group: Any, classes: _ClassTable, *, user_depth: int = 2
 ) -> nn.Module:
-    """:func:`convert_sync_batchnorm` with a chosen plain-to-sync class table.
-
-    ``user_depth``: how many frames above this one the user's call is (2: this function's caller
-    is the public function the user called), for the :class:`ConversionWarning` of a layer left
-    as it was.
-    """
+    """:func:`convert_sync_batchnorm` with a class table; warnings ``user_depth`` frames above this one."""
     # Check everything first: an error leaves the model untouched.
     for name, mod in module.named_modules():
         if isinstance(mod, _LazyNormBase) and mod.has_uninitialized_params():
@@ -316,46 +306,39 @@ def _convert(
                 "uninitialised parameters)"
             )
 
-    left: list[str] = []
-
-    def swap(mod: nn.Module, prefix: str) -> nn.Module:
+    def swap(mod: nn.Module, prefix: str, left: list[str]) -> nn.Module:
         if isinstance(mod, _BatchNorm):
-            return _to_sync(mod, prefix, process_group, classes, left)
+            return _to_sync(mod, prefix, left, process_group, classes)
         if isinstance(mod, ActivatedBatchNormBase) and mod._group_attr and process_group is not None:
             # already synchronised (InPlaceSyncBatchNorm, compat InPlaceABNSync): only the group is set
             setattr(mod, mod._group_attr, process_group)
         return mod
 
-    converted = _replace(module, swap)
+    converted = _replace(module, swap, user_depth)
     name_layers(converted)  # error messages and debug mode name layers as in this model
-    for message in left:  # one per layer left as it was, at the user's line
-        warnings.warn(message, ConversionWarning, stacklevel=1 + user_depth)
     return converted
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every syncbn layer (and ``torch.nn.SyncBatchNorm``) of ``module`` by plain BatchNorm.
 
-    For CPU inference, ``torch.jit.script``/``torch.export``/ONNX export and
-    deployment without ``torch.distributed``. :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d``
-    (and subclasses that only add constructor conveniences, such as the
-    ``syncbn.compat.sync_batchnorm`` classes) become ``nn.BatchNorm1d/2d/3d``; a
-    converted layer becomes the class it was converted from; the generic
-    :class:`~syncbn.SyncBatchNorm`, ``torch.nn.SyncBatchNorm`` and other syncbn
-    subclasses become :class:`syncbn.convert.BatchNorm`; an
-    :class:`~syncbn.InPlaceSyncBatchNorm` becomes ``nn.Sequential(BatchNorm, activation)``
-    computing the same function (weight ``|w| + eps``; ``state_dict`` keys gain
-    ``.0``). State is kept as by :func:`convert_sync_batchnorm`; ``process_group``
-    and ``freeze`` are dropped (a reverted layer in training updates its running
-    statistics and trains weight and bias even if the syncbn layer was frozen).
-    Converting then reverting leaves ``state_dict`` and eval outputs bit-identical.
+    For CPU inference, ``torch.jit.script``/``torch.export``/ONNX export and deployment without
+    ``torch.distributed``. :class:`~syncbn.SyncBatchNorm1d`/``2d``/``3d`` (and subclasses that only add
+    constructor conveniences, such as the ``syncbn.compat.sync_batchnorm`` classes) become
+    ``nn.BatchNorm1d/2d/3d``; a converted layer becomes the class it was converted from; the generic
+    :class:`~syncbn.SyncBatchNorm`, ``torch.nn.SyncBatchNorm`` and other syncbn subclasses become
+    :class:`syncbn.convert.BatchNorm`; an :class:`~syncbn.InPlaceSyncBatchNorm` becomes
+    ``nn.Sequential(BatchNorm, activation)`` computing the same function (weight ``|w| + eps``;
+    ``state_dict`` keys gain ``.0``). State is kept as by :func:`convert_sync_batchnorm`;
+    ``process_group`` and ``freeze`` are dropped (a reverted layer in training updates its running
+    statistics and trains weight and bias even if the syncbn layer was frozen). Converting then
+    reverting leaves ``state_dict`` and eval outputs bit-identical.
 
     Args:
         module: the model, or a single syncbn layer (which is reverted and returned).
 
     Returns:
-        ``module`` with its synchronised layers swapped, or the new layer when
-        ``module`` is itself one.
+        ``module`` with its synchronised layers swapped, or the new layer when ``module`` is itself one.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -367,8 +350,4 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         >>> scripted = torch.jit.script(plain)
     """
     check_module(module, "revert_sync_batchnorm")
-    left: list[str] = []
-    reverted = _replace(module, lambda mod, prefix: _to_plain(mod, prefix, left))
-    for message in left:
-        warnings.warn(message, ConversionWarning, stacklevel=2)
-    return reverted
+    return _replace(module, _to_plain, user_depth=1)

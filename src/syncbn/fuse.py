@@ -50,24 +50,21 @@ def fuse_batchnorm_activation(
     """Replace ``BatchNorm`` -> ``LeakyReLU``/``ELU`` neighbours of ``nn.Sequential`` containers, in place.
 
     Each pair ``(bn, act)`` at positions ``i, i+1`` becomes
-    ``(InPlaceSyncBatchNorm, nn.Identity())``: the ``state_dict`` keys stay
-    those of the BatchNorm, the ``Parameter`` objects and buffers are the
-    BatchNorm's own (an optimizer built before keeps working).
-    ``nn.BatchNorm2d`` becomes :class:`~syncbn.InPlaceSyncBatchNorm2d`, the
-    others the generic :class:`~syncbn.InPlaceSyncBatchNorm`. Only
-    ``nn.LeakyReLU`` with a positive slope and ``nn.ELU`` qualify (``ReLU`` is
-    not invertible). Batch Renormalization layers (``SyncBatchRenorm*``) and frozen
-    layers (``freeze=True``) are left as they are: their training is not batch norm's.
+    ``(InPlaceSyncBatchNorm, nn.Identity())``: the ``state_dict`` keys stay those of the BatchNorm,
+    the ``Parameter`` objects and buffers are the BatchNorm's own (an optimizer built before keeps
+    working). ``nn.BatchNorm2d`` becomes :class:`~syncbn.InPlaceSyncBatchNorm2d`, the others the
+    generic :class:`~syncbn.InPlaceSyncBatchNorm`. Only ``nn.LeakyReLU`` with a positive slope and
+    ``nn.ELU`` qualify (``ReLU`` is not invertible). Batch Renormalization layers
+    (``SyncBatchRenorm*``) and frozen layers (``freeze=True``) are left as they are: their training
+    is not batch norm's.
 
-    The in-place scale is :math:`|w| + \\epsilon`, so the fused weight is
-    :math:`w - \\epsilon`: exact when :math:`w \\ge \\epsilon`. Channels below
-    cannot be represented (``strict``: refused; else clamped to 0, scale
-    :math:`\\epsilon`, which changes the model there).
+    The in-place scale is :math:`|w| + \\epsilon`, so the fused weight is :math:`w - \\epsilon`:
+    exact when :math:`w \\ge \\epsilon`. Channels below cannot be represented (``strict``: refused;
+    else clamped to 0, scale :math:`\\epsilon`, which changes the model there).
 
-    A BatchNorm held in several places is fused once: the same new layer
-    object at each of its pairs. One that is also used elsewhere (outside a
-    pair, or in pairs with different activations) is left unfused, with a
-    warning: its fused weight would change those other uses.
+    A BatchNorm held in several places is fused once: the same new layer object at each of its
+    pairs. One that is also used elsewhere (outside a pair, or in pairs with different activations)
+    is left unfused, with a warning: its fused weight would change those other uses.
 
     Args:
         module: the model.

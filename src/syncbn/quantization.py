@@ -1,14 +1,13 @@
 """Eager-mode quantization with syncbn's layers: ``fuse_modules``, ``fuse_modules_qat``, ``prepare_qat``.
 
-Importing :mod:`syncbn` adds syncbn's layer types (only those) to ``torch.ao.quantization``'s
-fuser and QAT tables. On a converted model, ``fuse_modules`` folds the batch norm in eval, as for
-``nn.BatchNorm``; ``fuse_modules_qat`` gives :class:`ConvSyncBn2d` and its siblings, which
-``prepare_qat`` turns into torch's QAT modules whose ``bn`` is the synchronised layer itself, so
-their batch statistics span every rank. ``[bn, relu]`` pairs fuse in eval only, never for QAT
-(``ValueError``: torch's ``BNReLU`` holds a plain batch norm, which does not synchronise).
-Renorm layers (:class:`~syncbn.SyncBatchRenorm` and its 1d/2d/3d classes) fold in eval, where they
-are batch norm with their running statistics; QAT fusion refuses them (``ValueError``).
-The recipes page (FX, quantization and export) has the details and limits.
+Importing :mod:`syncbn` adds syncbn's layer types (only those) to ``torch.ao.quantization``'s fuser and
+QAT tables. On a converted model, ``fuse_modules`` folds the batch norm in eval, as for ``nn.BatchNorm``;
+``fuse_modules_qat`` gives :class:`ConvSyncBn2d` and its siblings, which ``prepare_qat`` turns into
+torch's QAT modules whose ``bn`` is the synchronised layer itself (batch statistics over every rank).
+``[bn, relu]`` pairs fuse in eval only, never for QAT (``ValueError``: torch's ``BNReLU`` holds a plain
+batch norm, which does not synchronise). Renorm layers (:class:`~syncbn.SyncBatchRenorm` and its
+1d/2d/3d classes) fold in eval, where they are batch norm with their running statistics; QAT fusion
+refuses them (``ValueError``). The recipes page (FX, quantization and export) has details and limits.
 
 Example::
 
@@ -89,8 +88,7 @@ def _fused(torch_cls: type, kind: type) -> type:
 
 _DOC = """Torch's fused ``{torch}`` holding a synchronised batch norm (``fuse_modules_qat``'s output).
 
-    ``prepare_qat`` turns it into torch's QAT ``{torch}`` whose ``bn`` is the
-    synchronised layer itself.
+    ``prepare_qat`` turns it into torch's QAT ``{torch}`` whose ``bn`` is the synchronised layer itself.
     """
 ConvSyncBn1d = _fused(nni.ConvBn1d, nn.Conv1d)
 ConvSyncBn2d = _fused(nni.ConvBn2d, nn.Conv2d)
@@ -128,8 +126,7 @@ def qat_module_mappings() -> dict[type, Any]:
 
 
 def _fuser(renorm: bool, default: _Method, ours: type | None = None) -> _Method:
-    """Torch's ``default`` fuser method, but for QAT syncbn's fused class ``ours`` or, for a renorm
-    layer, a ``ValueError`` (in eval it is batch norm with its running statistics: torch folds it)."""
+    """Torch's fuser ``default``; for QAT, syncbn's fused class ``ours`` or, for renorm, ``ValueError``."""
     if ours is None and not renorm:
         return default  # for QAT too (torch's own method, or its error)
 

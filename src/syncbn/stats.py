@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import groups
 from ._abn_layer import ActivatedBatchNormBase
+from ._accumulating import Moments
 from ._layer import check_module
 from .recovery import layout_checksum
 
@@ -79,37 +80,32 @@ def _sum_checked(
 def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module:
     """Replace every BatchNorm layer's running statistics by their merge over the ranks.
 
-    For a model trained with per-rank (unsynchronised) BatchNorm, or whose
-    ranks drifted apart: afterwards every rank holds the running mean and
-    variance of the mixture of all ranks' data, rank :math:`r`'s weighted by
-    :math:`w_r`, the batches it has seen (``num_batches_tracked``):
+    For a model trained with per-rank (unsynchronised) BatchNorm, or whose ranks drifted apart:
+    afterwards every rank holds the running mean and variance of the mixture of all ranks' data,
+    rank :math:`r`'s weighted by :math:`w_r`, the batches it has seen (``num_batches_tracked``):
 
     .. math::
         \\mu = \\frac{\\sum_r w_r \\mu_r}{\\sum_r w_r}, \\qquad
         \\sigma^2 = \\underbrace{\\frac{\\sum_r w_r \\sigma_r^2}{\\sum_r w_r}}_{\\text{within ranks}}
           + \\underbrace{\\frac{\\sum_r w_r (\\mu_r - \\mu)^2}{\\sum_r w_r}}_{\\text{between ranks}}
 
-    (the law of total variance), applied to the stored ``running_var``.
-    BatchNorm stores the *unbiased* variance and counts batches, not samples,
-    so for :math:`n` values per channel on each rank the result differs from
-    the unbiased variance of all ranks' values by less than :math:`1/n` of the
-    variance (derived in docs/statistics.md; for the statistics of the data
-    themselves, use :func:`recompute_running_stats`). A rank that has seen no
-    batch carries no weight; where no rank has seen one, or a layer keeps no
-    ``num_batches_tracked``, the ranks weigh equally. (``timm.utils.distribute_bn``
-    averages the variances alone, dropping the between-rank part.)
+    (the law of total variance), applied to the stored ``running_var``. BatchNorm stores the
+    *unbiased* variance and counts batches, not samples, so for :math:`n` values per channel on each
+    rank the result differs from the unbiased variance of all ranks' values by less than :math:`1/n`
+    of the variance (derived in docs/statistics.md; for the statistics of the data themselves, use
+    :func:`recompute_running_stats`). A rank that has seen no batch carries no weight; where no rank
+    has seen one, or a layer keeps no ``num_batches_tracked``, the ranks weigh equally.
+    (``timm.utils.distribute_bn`` averages the variances alone, dropping the between-rank part.)
 
-    All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked``
-    becomes the mean over ranks, rounded. Every rank of the group must call
-    this; outside ``torch.distributed``, or in a group of one, the model is
-    returned unchanged.
+    All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked`` becomes the mean
+    over ranks, rounded. Every rank of the group must call this; outside ``torch.distributed``, or
+    in a group of one, the model is returned unchanged.
 
     Args:
         model: the model (or a single layer); any ``_BatchNorm`` layer with
             running statistics takes part, and syncbn's in-place activated
             layers (``InPlaceSyncBatchNorm*``, ``syncbn.compat.inplace_abn``).
-        process_group: the ``torch.distributed`` group to merge over; ``None``
-            is the default group.
+        process_group: the ``torch.distributed`` group to merge over; ``None`` is the default group.
 
     Returns:
         ``model``, its running statistics updated in place.
@@ -154,33 +150,6 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
     return model
 
 
-class _Moments:
-    """Per-channel count, mean and sum of squared deviations, merged batch by batch in float64."""
-
-    def __init__(self) -> None:
-        self.count = 0.0
-        self.mean: Tensor | None = None
-        self.m2: Tensor | None = None
-
-    def add(self, x: Tensor) -> None:
-        """Merge the ``(M, C, *)`` values ``x`` (Chan et al.'s pairwise update: exact, stable)."""
-        c = x.shape[1]
-        values = x.detach().to(torch.float64).transpose(0, 1).reshape(c, -1)
-        n = values.shape[1]
-        if n == 0:
-            return
-        mean = values.mean(1)
-        m2 = (values - mean[:, None]).square().sum(1)
-        if self.mean is None or self.m2 is None:
-            self.count, self.mean, self.m2 = float(n), mean, m2
-            return
-        total = self.count + n
-        delta = mean - self.mean
-        self.mean = self.mean + delta * (n / total)
-        self.m2 = self.m2 + m2 + delta.square() * (self.count * n / total)
-        self.count = total
-
-
 def _storage(t: Tensor) -> int:
     try:
         return int(t.untyped_storage().data_ptr())
@@ -212,6 +181,7 @@ def _with_progress(batches: Iterable[Any], enabled: bool) -> Iterator[Any]:
         draw(time.monotonic(), "\n")
 
 
+@torch.no_grad()
 def recompute_running_stats(
     model: nn.Module,
     batches: Iterable[Any],
@@ -222,28 +192,24 @@ def recompute_running_stats(
 ) -> nn.Module:
     """Set every BatchNorm layer's running statistics to the exact statistics of the given data.
 
-    Runs ``model`` in training mode, without gradients, over ``batches`` on
-    every rank, and sets each BatchNorm layer's ``running_mean`` and
-    ``running_var`` to the mean and unbiased variance of everything that
-    reached it over all batches of all ranks (merged exactly in float64): the
-    population statistics, not an average of per-batch ones. Masked calls
-    count their valid positions only. The in-place activated layers take part
-    too; one handed a tensor of a batch (or a view of it) works on a copy, so
-    the batches are never written over.
+    Runs ``model`` in training mode, without gradients, over ``batches`` on every rank, and sets
+    each BatchNorm layer's ``running_mean`` and ``running_var`` to the mean and unbiased variance of
+    everything that reached it over all batches of all ranks (merged exactly in float64): the
+    population statistics, not an average of per-batch ones. Masked calls count their valid
+    positions only. The in-place activated layers take part too; one handed a tensor of a batch (or
+    a view of it) works on a copy, so the batches are never written over.
 
-    syncbn layers normalise over all ranks' batches, so every rank must then
-    pass the same number of batches. Modes and ``num_batches_tracked`` are
-    restored afterwards (on an error, the running statistics too). Layers no
-    value reached, and frozen syncbn layers, keep their statistics (a layer a
-    single value reached keeps its variance). See docs/statistics.md.
+    syncbn layers normalise over all ranks' batches, so every rank must then pass the same number of
+    batches. Modes and ``num_batches_tracked`` are restored afterwards (on an error, the running
+    statistics too). Layers no value reached, and frozen syncbn layers, keep their statistics (a
+    layer a single value reached keeps its variance). See docs/statistics.md.
 
     Args:
         model: the model; pass the module itself rather than a DDP wrapper.
         batches: an iterable of batches (a ``DataLoader``, a list of tensors);
             each is passed to ``forward``.
-        process_group: the ``torch.distributed`` group whose batches count
-            together; ``None`` is the default group. Outside
-            ``torch.distributed``, the statistics are this process's.
+        process_group: the ``torch.distributed`` group whose batches count together; ``None`` is the
+            default group. Outside ``torch.distributed``, the statistics are this process's.
         forward: how to run the model on one batch; default ``model(batch)``
             (use e.g. ``lambda m, b: m(b[0])`` for ``(input, label)`` pairs).
         progress: draw a progress bar on stderr (on the group's rank 0);
@@ -268,12 +234,15 @@ def recompute_running_stats(
     layers = [(name, layer) for name, layer in layers if not getattr(layer, "freeze", False)]
     group = groups.resolve(process_group)
     run = forward if forward is not None else (lambda m, batch: m(batch))
-    moments = {id(layer): _Moments() for _, layer in layers}
+    moments = {id(layer): Moments(layer.running_mean) for _, layer in layers}  # type: ignore[arg-type]
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if args and isinstance(args[0], Tensor):  # the input it normalises: where a mask is, (M, C) valid
             mask = kwargs.get("mask", args[1] if len(args) > 1 else None)
-            moments[id(module)].add(args[0].movedim(1, -1)[mask] if isinstance(mask, Tensor) else args[0])
+            x = args[0].movedim(1, -1)[mask] if isinstance(mask, Tensor) else args[0]
+            values = x.detach().to(torch.float64).transpose(0, 1).reshape(x.shape[1], -1)
+            if values.shape[1]:  # an empty batch adds nothing
+                moments[id(module)].add(values.shape[1], values.mean(1), values.var(1, unbiased=False))
 
     feeding: set[int] = set()  # the storages of the batch being run (nested in containers too)
 
@@ -295,59 +264,43 @@ def recompute_running_stats(
     try:
         show = sys.stderr.isatty() if progress is None else progress
         model.train()
-        with torch.no_grad():
-            for batch in _with_progress(batches, bool(show) and (group is None or group.rank == 0)):
-                feeding = {_storage(t) for t in tree_leaves(batch) if isinstance(t, Tensor)} - {0}
-                run(model, batch)
+        for batch in _with_progress(batches, bool(show) and (group is None or group.rank == 0)):
+            feeding = {_storage(t) for t in tree_leaves(batch) if isinstance(t, Tensor)} - {0}
+            run(model, batch)
         _set_population_stats(layers, moments, group)
     except BaseException:
-        with torch.no_grad():
-            for tensor, value in saved:
-                tensor.copy_(value)  # type: ignore[union-attr]
+        for tensor, value in saved:
+            tensor.copy_(value)  # type: ignore[union-attr]
         raise
     finally:
         for handle in handles:
             handle.remove()
         for mod, training in modes:
             mod.training = training
-        with torch.no_grad():
-            for tracked, value in counters:
-                tracked.copy_(value)
+        for tracked, value in counters:
+            tracked.copy_(value)
     return model
 
 
 def _set_population_stats(
-    layers: list[tuple[str, _Tracked]], moments: dict[int, _Moments], group: Any
+    layers: list[tuple[str, _Tracked]], moments: dict[int, Moments], group: Any
 ) -> None:
     """Merge each layer's moments across ranks (two float64 all_reduces) and write its running stats."""
-    # On the layers' device (NCCL needs accelerator tensors).
-    device = layers[0][1].running_mean.device if layers else torch.device("cpu")  # type: ignore[union-attr]
-    f64: dict[str, Any] = {"dtype": torch.float64, "device": device}
-    first: list[Tensor] = []
-    for _, layer in layers:
-        m = moments[id(layer)]
-        mean = m.mean.to(device) if m.mean is not None else torch.zeros(layer.running_mean.numel(), **f64)  # type: ignore[union-attr]
-        first += [torch.tensor([m.count], **f64), m.count * mean]
+    seen = [moments[id(layer)].result() for _, layer in layers]  # (count, mean, m2) of this rank
+    first = [torch.cat([mean.new_tensor([count]), count * mean]) for count, mean, _ in seen]
     _, sums = _sum_checked(group, layers, first, "recompute_running_stats")
-    # Global means, then each rank's squared deviations about them (no cancellation).
-    chunks = sums.split([1 + layer.running_mean.numel() for _, layer in layers])  # type: ignore[union-attr]
+    if not layers:
+        return
+    chunks = sums.split([1 + mean.numel() for _, mean, _ in seen])
     means = [chunk[1:] / chunk[0].clamp_min(1.0) for chunk in chunks]
-    counts = [float(chunk[0].item()) for chunk in chunks]
-    second: list[Tensor] = []
-    for (_, layer), mean in zip(layers, means):
-        m = moments[id(layer)]
-        if m.mean is None or m.m2 is None:
-            second.append(torch.zeros_like(mean))
-        else:
-            second.append(m.m2.to(device) + m.count * (m.mean.to(device) - mean).square())
-    m2 = torch.cat(second) if second else torch.zeros(0, **f64)
-    if group is not None and m2.numel():
+    # Each rank's squared deviations about the global means (no cancellation).
+    m2 = torch.cat([own.to(g) + n * (mean.to(g) - g).square() for (n, mean, own), g in zip(seen, means)])
+    if group is not None:
         group.all_reduce_sum(m2)
-    per_layer = m2.split([mean.numel() for mean in means])
-    with torch.no_grad():
-        for (_, layer), mean, count, layer_m2 in zip(layers, means, counts, per_layer):
-            if count == 0:
-                continue  # no value reached this layer on any rank: keep its statistics
-            layer.running_mean.copy_(mean)  # type: ignore[union-attr]
-            if count > 1:  # one value has no unbiased variance: keep the running one
-                layer.running_var.copy_(layer_m2 / (count - 1))  # type: ignore[union-attr]
+    for (_, layer), chunk, mean, layer_m2 in zip(layers, chunks, means, m2.split([g.numel() for g in means])):
+        count = float(chunk[0].item())
+        if count == 0:
+            continue  # no value reached this layer on any rank: keep its statistics
+        layer.running_mean.copy_(mean)  # type: ignore[union-attr]
+        if count > 1:  # one value has no unbiased variance: keep the running one
+            layer.running_var.copy_(layer_m2 / (count - 1))  # type: ignore[union-attr]

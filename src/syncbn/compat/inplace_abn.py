@@ -216,10 +216,9 @@ def inplace_abn(
 ) -> Tensor:
     """In-place activated batch norm of ``x`` (local), written over ``x`` and returned.
 
-    ``x <- act((x - mu) / sqrt(var + eps) * (|weight| + eps) + bias)``, ``mu`` and
-    ``var`` the batch's (``training``) or the running statistics, which training
-    updates as ``running <- (1 - momentum) * running + momentum * batch``
-    (unbiased variance).
+    ``x <- act((x - mu) / sqrt(var + eps) * (|weight| + eps) + bias)``, ``mu`` and ``var`` the
+    batch's (``training``) or the running statistics, which training updates as
+    ``running <- (1 - momentum) * running + momentum * batch`` (unbiased variance).
 
     Args:
 
@@ -254,9 +253,8 @@ def inplace_abn_sync(
 ) -> Tensor:
     """:func:`inplace_abn` with training statistics over every rank of ``group``.
 
-    Without an initialised process group it warns (``RuntimeWarning``, as the
-    package) and runs the local :func:`inplace_abn`. Per-rank batch sizes may
-    differ, and may be 0 on some ranks.
+    Without an initialised process group it warns (``RuntimeWarning``, as the package) and runs the
+    local :func:`inplace_abn`. Per-rank batch sizes may differ, and may be 0 on some ranks.
 
     Args:
         group: the ``torch.distributed`` group, or ``None`` for the default group.

@@ -53,8 +53,7 @@ class SyncBatchNorm(_SyncBatchNorm):
         - Output: same as input.
 
     Raises:
-        TypeError: ``momentum`` is not a real number; ``name`` is neither a
-            string nor ``None``.
+        TypeError: ``momentum`` is not a real number; ``name`` is neither a string nor ``None``.
         ValueError: ``freeze=True`` with ``track_running_stats=False``; an empty
             ``name``; in forward, input that is not 2D, 3D or 4D.
 

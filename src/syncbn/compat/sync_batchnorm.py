@@ -184,12 +184,11 @@ def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
 def convert_model(module: nn.Module) -> nn.Module:
     """Swap a model's BatchNorm layers for ``SynchronizedBatchNorm*d`` layers.
 
-    ``nn.BatchNorm1d/2d/3d`` become :class:`SynchronizedBatchNorm1d`/``2d``/``3d``
-    and other BatchNorm layers the generic :class:`syncbn.SyncBatchNorm`: this is
-    :func:`syncbn.convert_sync_batchnorm` with these classes (the same parameters,
-    buffers, modes and hooks). An ``nn.DataParallel`` root comes back as a
-    :class:`DataParallelWithCallback` with the same ``device_ids``,
-    ``output_device`` and ``dim``.
+    ``nn.BatchNorm1d/2d/3d`` become :class:`SynchronizedBatchNorm1d`/``2d``/``3d`` and other
+    BatchNorm layers the generic :class:`syncbn.SyncBatchNorm`: this is
+    :func:`syncbn.convert_sync_batchnorm` with these classes (the same parameters, buffers, modes
+    and hooks). An ``nn.DataParallel`` root comes back as a :class:`DataParallelWithCallback` with
+    the same ``device_ids``, ``output_device`` and ``dim``.
 
     Args:
         module: the model, possibly wrapped in ``nn.DataParallel``.
@@ -243,9 +242,8 @@ def patch_sync_batchnorm() -> Iterator[None]:
 def set_sbn_eps_mode(mode: str) -> None:
     """Accept the package's eps-mode switch; syncbn always adds eps to the variance.
 
-    ``"plus"`` (``sqrt(var + eps)``, as ``nn.BatchNorm``) is what syncbn does.
-    ``"clamp"`` (``sqrt(max(var, eps))``, the package's default) warns and
-    changes nothing.
+    ``"plus"`` (``sqrt(var + eps)``, as ``nn.BatchNorm``) is what syncbn does. ``"clamp"``
+    (``sqrt(max(var, eps))``, the package's default) warns and changes nothing.
 
     Args:
         mode: ``"clamp"`` or ``"plus"``.

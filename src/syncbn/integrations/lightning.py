@@ -1,9 +1,9 @@
 """PyTorch Lightning plugin and callback: train with syncbn's synchronized BatchNorm.
 
-``Trainer(sync_batchnorm=True)`` picks ``torch.nn.SyncBatchNorm`` (no CPU, and syncbn's layers
-turned back into torch's): pass ``plugins=[syncbn.lightning.SyncBatchNorm()]`` instead. Importing
-this module imports Lightning (``lightning.pytorch``, else ``pytorch_lightning``); ``import syncbn``
-alone never does. See docs/integrations.md.
+``Trainer(sync_batchnorm=True)`` picks ``torch.nn.SyncBatchNorm`` (no CPU, and syncbn's layers turned
+back into torch's): pass ``plugins=[syncbn.lightning.SyncBatchNorm()]`` instead. Importing this module
+imports Lightning (``lightning.pytorch``, else ``pytorch_lightning``); ``import syncbn`` alone never
+does. See docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -34,22 +34,17 @@ __all__ = ["SyncBatchNorm", "AccumulatedStatistics"]
 class SyncBatchNorm(LayerSync):  # type: ignore[misc]
     """Lightning ``LayerSync`` plugin that converts the model with :func:`syncbn.convert_sync_batchnorm`.
 
-    The Trainer calls :meth:`apply` when it sets up a distributed strategy
-    (``ddp``, ``ddp_spawn``, ...) and :meth:`revert` when asked to undo it.
-    Everything the converter keeps is kept (parameters, so optimizers stay
-    valid, buffers, hooks, subclasses, timm's ``BatchNormAct2d``); syncbn
-    layers stay as they are. Works on CPU (gloo) and GPU (NCCL). Do not also
-    pass ``sync_batchnorm=True``.
+    The Trainer calls :meth:`apply` when it sets up a distributed strategy (``ddp``, ``ddp_spawn``, ...)
+    and :meth:`revert` when asked to undo it. Whatever the converter keeps is kept (parameters, so
+    optimizers stay valid); syncbn layers stay as they are. Works on CPU (gloo) and GPU (NCCL). Do not
+    also pass ``sync_batchnorm=True``.
 
     Args:
-        process_group: the group the layers synchronise over; ``None`` (the
-            default) is the default group, looked up when the layers run, so
-            the plugin can be built before the processes start.
-        group_size: synchronise over groups of this many consecutive ranks, or
-            ``"node"`` for each machine's ranks (:func:`syncbn.groups.subgroup`,
-            made when the Trainer sets the strategy up, on every rank).
-        device_mesh: synchronise over a ``DeviceMesh`` of the data-parallel ranks
-            (``convert_sync_batchnorm(..., device_mesh=)``: a 1-D mesh over its group, a
+        process_group: as :func:`syncbn.convert_sync_batchnorm`; ``None`` (the default group) is looked
+            up when the layers run, so the plugin can be built before the processes start.
+        group_size: as :func:`syncbn.convert_sync_batchnorm` (``k`` consecutive ranks, or ``"node"``),
+            the groups made when the Trainer sets the strategy up, on every rank.
+        device_mesh: as :func:`syncbn.convert_sync_batchnorm` (a 1-D ``DeviceMesh`` over its group, a
             multi-dimensional one over all its ranks). Not with the other two.
 
     Example::
@@ -101,12 +96,11 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
 class AccumulatedStatistics(Callback):  # type: ignore[misc]
     """Lightning callback: one running-statistics update per optimizer step under gradient accumulation.
 
-    For ``Trainer(accumulate_grad_batches=k)``: a :class:`syncbn.accumulation`
-    block opens at the first micro-batch of each step and commits in
-    ``on_before_optimizer_step``, so the running statistics take one exact
-    update over all micro-batches of all ranks instead of ``k``. A step
-    Lightning skips leaves its micro-batches to the next update; the block is
-    committed at the end of each training epoch, and discarded when training raises.
+    For ``Trainer(accumulate_grad_batches=k)``: a :class:`syncbn.accumulation` block opens at the
+    first micro-batch of each step and commits in ``on_before_optimizer_step``, so the running
+    statistics take one exact update over all micro-batches of all ranks instead of ``k``. A step
+    Lightning skips leaves its micro-batches to the next update; the block is committed at the end
+    of each training epoch, and discarded when training raises.
 
     Args:
         normalize: the blocks' ``normalize`` (:class:`syncbn.accumulation`):

@@ -1,10 +1,9 @@
 """syncbn's layers by name in OpenMMLab configs (mmengine's ``MODELS``, mmcv's ``build_norm_layer``).
 
-Importing this module registers, in mmengine's root ``MODELS`` registry (which mmdetection's,
-mmsegmentation's and mmpretrain's fall back to), the names of :data:`NAMES`: ``"ExactSyncBN"``
-(:class:`syncbn.SyncBatchNorm`, any input of 2+ dims, as mmcv's ``"SyncBN"``), ``"ExactSyncBN1d"``
-to ``"ExactSyncBN3d"``, ``"ExactInPlaceSyncBN"`` (:class:`syncbn.InPlaceSyncBatchNorm`: give the
-``ConvModule`` ``act_cfg=None``) and ``"ExactSyncBNRenorm"``. A config names them with
+Importing this module registers the names of :data:`NAMES` in mmengine's root ``MODELS`` registry
+(which mmdetection's, mmsegmentation's and mmpretrain's fall back to): ``"ExactSyncBN"`` is
+:class:`syncbn.SyncBatchNorm` (any input of 2+ dims, as mmcv's ``"SyncBN"``); with
+``"ExactInPlaceSyncBN"`` give the ``ConvModule`` ``act_cfg=None``. A config names them with
 ``norm_cfg=dict(type="ExactSyncBN", requires_grad=True)`` and
 ``custom_imports=dict(imports=["syncbn.integrations.mmengine"], allow_failed_imports=False)``.
 
@@ -70,14 +69,12 @@ def replace_syncbn(enable: bool = True) -> None:
     """Make ``"SyncBN"`` in configs build :class:`syncbn.SyncBatchNorm` (``enable=False`` undoes it).
 
     Process-wide: every later ``build_norm_layer(dict(type="SyncBN"), ...)`` or
-    ``MODELS.build(dict(type="SyncBN", ...))`` builds syncbn's layer. Call it on
-    every rank before the model is built (a config's ``custom_imports`` of
-    :mod:`syncbn.integrations.mmengine_syncbn` does).
+    ``MODELS.build(dict(type="SyncBN", ...))`` builds syncbn's layer. Call it on every rank before the
+    model is built (a config's ``custom_imports`` of :mod:`syncbn.integrations.mmengine_syncbn` does).
 
     Args:
-        enable: ``True`` to map ``"SyncBN"`` to :class:`syncbn.SyncBatchNorm`,
-            ``False`` to restore what it meant before (mmcv's ``torch.nn.SyncBatchNorm``;
-            without mmcv, no entry: the name is unregistered again).
+        enable: ``True`` to map ``"SyncBN"`` to :class:`syncbn.SyncBatchNorm`, ``False`` to restore what
+            it meant before (mmcv's ``torch.nn.SyncBatchNorm``; without mmcv, unregistered again).
     """
     # mmcv registers "SyncBN" (without force) when mmcv.cnn is imported: first, or that would fail.
     if importlib.util.find_spec("mmcv") is not None:

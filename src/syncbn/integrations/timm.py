@@ -24,12 +24,11 @@ __all__ = ["SyncBatchNormAct2d", "BatchNormAct2d", "SyncBatchNormAct"]
 class SyncBatchNormAct2d(SyncBatchNorm2d, BatchNormAct2d):  # type: ignore[misc]
     """timm's ``BatchNormAct2d`` with syncbn's synchronised batch norm.
 
-    Batch norm over every rank's batch, then the layer's ``drop`` and ``act``
-    modules. It is both a :class:`syncbn.SyncBatchNorm2d` and a timm
-    ``BatchNormAct2d``, so timm's utilities (``freeze_batch_norm_2d``, ...)
-    recognise it. :func:`syncbn.convert_sync_batchnorm` makes it from a
-    ``BatchNormAct2d`` (keeping every attribute), and
-    :func:`syncbn.revert_sync_batchnorm` turns it back into that very class.
+    Batch norm over every rank's batch, then the layer's ``drop`` and ``act`` modules. It is both a
+    :class:`syncbn.SyncBatchNorm2d` and a timm ``BatchNormAct2d``, so timm's utilities
+    (``freeze_batch_norm_2d``, ...) recognise it. :func:`syncbn.convert_sync_batchnorm` makes it
+    from a ``BatchNormAct2d`` (keeping every attribute), and :func:`syncbn.revert_sync_batchnorm`
+    turns it back into that very class.
 
     Args:
         *args: as ``timm.layers.BatchNormAct2d``.
