@@ -1,7 +1,4 @@
-"""CmBN: the statistics hook that pools an accumulation block's micro-batches.
-
-The math: docs/cmbn.md; one block through the engine: docs/architecture.md.
-"""
+"""CmBN: the statistics hook that pools a block's micro-batches (docs/cmbn.md, docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -26,15 +23,12 @@ def _zeros(channels: int, device: torch.device) -> State:
 
 
 class Carry:
-    """One layer's pooled moments of the block so far, float64, per channel.
-
-    Eager calls replace the tensors (DataParallel replicas share the carry, each reads the state it
-    started from); traced calls update them in place. ``before``: the state a recomputation pools with.
-    """
+    """One layer's pooled moments of the block so far (float64, per channel); eager calls replace the
+    tensors (replicas share the carry), traced ones update them in place."""
 
     def __init__(self, channels: int, device: torch.device) -> None:
         self.count, self.mean, self.m2, self.started = _zeros(channels, device)
-        self.before: State = _zeros(channels, device)
+        self.before: State = _zeros(channels, device)  # (a recomputation pools with the state before)
 
     def result(self) -> tuple[float, Tensor, Tensor]:
         """``(count, mean, m2)`` of every micro-batch pooled (reads the count on the host)."""
@@ -50,8 +44,7 @@ class Pool(NamedTuple):
 
     def pool(self, packed: Tensor) -> Tensor:
         """The group-summed ``[n, sum x, sum x^2]`` merged into the carry (Chan et al.), packed alike
-        (the block's first micro-batch: ``packed`` itself). Traceable.
-        """
+        (the block's first micro-batch: ``packed`` itself). Traceable."""
         count, mean, m2, started = self.state
         channels = mean.shape[0]
         n_b, sums = packed[:1], packed[1:].view(2, channels)

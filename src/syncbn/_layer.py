@@ -54,11 +54,10 @@ class TrainingCall(NamedTuple):
 
 
 def training_call(layer: Any, recomputing: bool | None = None, traced: bool = False) -> TrainingCall:
-    """The bookkeeping of a training call of ``layer`` (any layer with ``nn.BatchNorm``'s attributes).
+    """The bookkeeping of a training call of ``layer`` (``recomputing`` ``None``: detected).
 
-    ``recomputing`` ``None``: detected (a forward in backward, or a replica made by one). The factor is
-    ``momentum``, 0 when recomputing; ``momentum=None``: 1 / (batches seen, this one included), with
-    ``traced`` a tensor (no host read, no recompilation per step); 0 without a counter.
+    The factor is ``momentum``, 0 when recomputing; ``momentum=None``: 1 / (batches seen, this one
+    included), with ``traced`` a tensor (no host read, no recompilation per step).
     """
     if recomputing is None:
         replica = layer.__dict__.get("_syncbn_replica")

@@ -1,7 +1,6 @@
-"""The training layer as traced operations around the collective, for ``torch.compile``.
+"""The training layer as traced operations around the one opaque collective, for ``torch.compile``.
 
-One Function for every family; only ``syncbn::all_reduce_sum`` is opaque. Why the backward is
-explicit: docs/internals/engine.md.
+One Function for every family; why its backward is explicit: docs/internals/engine.md.
 """
 
 from __future__ import annotations
@@ -15,10 +14,7 @@ from .. import _accumulating
 from ..families._protocol import THIS_CALL, Record
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
-
-
-def _layout(x: Tensor) -> tuple[list[int], list[int]]:
-    return [0, *range(2, x.dim())], [1, x.shape[1]] + [1] * (x.dim() - 2)
+from ._double_backward import _layout
 
 
 def traced_moments(
@@ -82,10 +78,10 @@ def _traced_forward(
 
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
-    """Training batch norm of any family over a group, in traceable operations.
+    """Training batch norm of any family over a group, traceable; no running update.
 
     Returns ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable (constant statistics:
-    ``out`` alone), a new tensor; ``params`` in traced form. No running update here.
+    ``out`` alone).
     """
 
     @staticmethod

@@ -40,8 +40,7 @@ def _normalised(
     x: Tensor, stats: Any, summed: Tensor, pooled: bool = False
 ) -> tuple[Tensor, Tensor, float | Tensor]:
     """``(xhat, invstd, n)``: the forward's values (``stats``) with the derivatives of ``summed``;
-    ``pooled``: ``stats`` count constant sums too (the variance's derivative centres on their mean).
-    """
+    ``pooled``: ``stats`` count constant sums too (the variance's derivative centres on their mean)."""
     mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
     stat = mean.dtype
     n: float | Tensor = total.to(torch.float64) if isinstance(total, Tensor) else float(total)
@@ -65,8 +64,7 @@ def joint_input_grads(
     pooled: bool = False,
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Each member's ``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight``, ``dy``;
-    ``total(parts, phase)`` sums the members' tensors, differentiably.
-    """
+    ``total(parts, phase)`` sums the members' tensors, differentiably."""
     moments = []  # [sum x, sum x^2] per channel, float64, differentiable in x
     for x in xs:
         x64, dims = x.to(torch.float64), _layout(x)[0]

@@ -1,7 +1,4 @@
-"""The eager engine: every family's synchronised training step and its autograd Functions.
-
-One step through it: docs/architecture.md; the details: docs/internals/engine.md.
-"""
+"""The eager engine: every family's training step and autograd Functions (docs/architecture.md)."""
 
 from __future__ import annotations
 

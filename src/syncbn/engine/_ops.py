@@ -1,7 +1,6 @@
 """The collective as one ordered, effectful ``torch.library`` operator, for ``torch.compile``.
 
-Its schema and registration: docs/internals/engine.md; :func:`all_reduce_sum` is the entry point
-for other layers' traced code.
+Schema and registration: docs/internals/engine.md; :func:`all_reduce_sum`: for other layers' traced code.
 """
 
 from __future__ import annotations
@@ -108,8 +107,7 @@ def layer_token(layer: Any) -> Tensor | None:
 @torch._dynamo.assume_constant_result
 def tracing_a_checkpointed_region() -> bool:
     """Whether dynamo is tracing the body of ``torch.utils.checkpoint`` now (where torch 2.13's AOTAutograd
-    cannot recompute the collective).
-    """
+    cannot recompute the collective)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -215,11 +213,8 @@ _direct: dict[int, bool] = {}
 def _all_reduce_autograd(
     keyset: Any, tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Any, flags: int
 ) -> Tensor:
-    """The Autograd kernel: record the adjoint where a gradient flows, else the sum.
-
-    A plain device tensor (the keyset below autograd leads to a device kernel) calls
-    :func:`_all_reduce_impl` directly, saving a redispatch; anything else (fake, modes) redispatches.
-    """
+    """The Autograd kernel: the adjoint where a gradient flows, else the sum (a plain device tensor's
+    directly, saving a redispatch)."""
     if _grad_enabled() and (tensor.requires_grad or (source is not None and source.requires_grad)):
         return _Adjoint.apply(keyset, tensor, group, layer, phase, source, flags)
     raw = keyset.raw_repr()

@@ -1,7 +1,4 @@
-"""The packed moments one collective sums, their unpacking, and this thread's buffers.
-
-See docs/internals/engine.md.
-"""
+"""The packed moments one collective sums, their unpacking, the buffers (docs/internals/engine.md)."""
 
 from __future__ import annotations
 
@@ -109,8 +106,7 @@ def unpack_moments(
     buffer: MomentBuffer | None = None,
 ) -> tuple[float | Tensor, tuple[Tensor, Tensor, Tensor]]:
     """``(count, (mean, var, unbiased))`` from the summed packed vector, statistics in ``dtype``; ``count``
-    a float when read on the host (``read_count``, default: a CPU ``packed``), else a 0-dim tensor.
-    """
+    a float when read on the host (``read_count``, default: a CPU ``packed``), else a 0-dim tensor."""
     mine = buffer if buffer is not None and packed is buffer.packed else None
     sums = mine.sums if mine is not None else packed[1:].view(2, channels)  # [S, Q]
     count: float | Tensor

@@ -59,11 +59,8 @@ class Record(NamedTuple):
 
 
 class Family(Protocol):
-    """A layer family: the phases of its training call that the engine runs (docs/architecture.md).
-
-    ``saved`` is the tensor saved for backward (the input, or the output when :attr:`saves_output`);
-    ``weight`` the weight its map used.
-    """
+    """A layer family: the phases the engine runs (docs/architecture.md); ``saved``: the input, or the
+    output when :attr:`saves_output`; ``weight``: the weight its map used."""
 
     # Protocol questions: what differs between families, answered by each.
     training: bool  # False: normalise with the running statistics (constants: no collective, no update)

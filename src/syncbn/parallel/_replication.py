@@ -1,7 +1,4 @@
-"""Which replicas of a layer belong together: one *replication* per ``replicate`` call.
-
-See docs/internals/transports.md.
-"""
+"""Which replicas of a layer belong together (one per ``replicate`` call; docs/internals/transports.md)."""
 
 from __future__ import annotations
 
@@ -88,8 +85,7 @@ class _Replication:
 
     def being_made(self) -> bool:
         """Whether every member is alive and still being made (torch's ``replicate`` gives the replicas
-        their parameters only after making them all).
-        """
+        their parameters only after making them all)."""
         members = [ref() for ref in self._members]
         return all(m is not None and not m._parameters for m in members)
 
