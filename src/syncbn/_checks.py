@@ -16,16 +16,6 @@ from . import _config, _names, _row
 from ._row import FIELDS, SETTINGS
 from .groups import CollectiveError, ProcessGroupSum
 
-__all__ = [
-    "LayerState",
-    "name_layers",
-    "layer_name",
-    "layer_for_token",
-    "before_forward",
-    "before_backward",
-    "check_running_stats",
-]
-
 _counter = itertools.count()
 _known_names: dict[float, str] = {}  # identity hash -> name, from name_layers (names other ranks')
 _token_counter = itertools.count(1)
