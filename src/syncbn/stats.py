@@ -93,7 +93,6 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
     :func:`recompute_running_stats`). A rank that has seen no batch carries no weight; where no rank
     has seen one, or a layer keeps no ``num_batches_tracked``, the ranks weigh equally.
     (``timm.utils.distribute_bn`` averages the variances alone, dropping the between-rank part.)
-
     All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked`` becomes the mean
     over ranks, rounded. Every rank of the group must call this; outside ``torch.distributed``, or
     in a group of one, the model is returned unchanged.

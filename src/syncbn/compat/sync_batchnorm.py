@@ -4,13 +4,12 @@ Change only the import line (``from sync_batchnorm import ...`` becomes)::
 
     from syncbn.compat.sync_batchnorm import SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model
 
-The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d``, whose first five constructor
-arguments are that package's. They synchronise across the replicas of a plain ``nn.DataParallel``
-(no replication callback needed) and across ``torch.distributed`` processes;
-:class:`DataParallelWithCallback` and :func:`patch_replication_callback` still run the package's
-callbacks for other modules. Numerics follow ``nn.BatchNorm`` (``eps`` added to the variance, not a
-clamp; float64 sums of centred moments, where the original's cancel when ``|mean| >> std``).
-The Migration guide lists every difference.
+The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d``, whose first five constructor arguments are
+that package's. They synchronise across the replicas of a plain ``nn.DataParallel`` (no replication
+callback needed) and across ``torch.distributed`` processes; :class:`DataParallelWithCallback` and
+:func:`patch_replication_callback` still run the package's callbacks for other modules. Numerics follow
+``nn.BatchNorm`` (``eps`` added to the variance, not a clamp; float64 sums of centred moments, where the
+original's cancel when ``|mean| >> std``). The Migration guide lists every difference.
 """
 
 from __future__ import annotations
