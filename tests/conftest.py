@@ -27,7 +27,6 @@ import pytest  # noqa: E402
 import syncbn  # noqa: E402
 from syncbn import parallel  # noqa: E402
 
-
 # The files that take longest (seconds of test time in a quiet `-n 2` run of 923 tests on 2 cores,
 # db2c5d2), started first: with `--dist loadfile` each xdist worker takes the next whole file in
 # collection order, and a long file taken last leaves the other worker idle until it ends. The
