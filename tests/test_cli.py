@@ -1,7 +1,13 @@
-"""The command line, run as a user runs it: ``python -m syncbn <command>`` in a subprocess."""
+"""The command line as a user runs it: ``python -m syncbn <command>``.
+
+``python -m syncbn`` is ``SystemExit(main())``: most runs call ``main`` in this process (the ranks
+fork from it, no interpreter to start); a real process where the process is the point (the exit
+code of a usage error, torchrun).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,12 +42,26 @@ def _syncbn(*args: str, cwd: Path, timeout: float = 150, extra_path: str | None 
     )
 
 
+def _in_process(tmp: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m syncbn ARGV`` run in this process (``SystemExit(main())``): its exit code and output.
+
+    Output goes to files, so that what a forked rank prints is kept too (flushed as the rank exits).
+    """
+    from syncbn.cli import main
+
+    with open(tmp / "stdout", "a") as out, open(tmp / "stderr", "a") as err:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    return subprocess.CompletedProcess(
+        list(argv), code, (tmp / "stdout").read_text(), (tmp / "stderr").read_text()
+    )
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("demo")
     out = tmp / "out"
-    proc = _syncbn("demo", "--steps", "30", "--batch", "3", "--seed", "1", "--out", str(out), cwd=tmp)
-    return proc, out
+    return _in_process(tmp, "demo", "--steps", "30", "--batch", "3", "--seed", "1", "--out", str(out)), out
 
 
 def test_demo_prints_the_table_and_a_progress_bar(demo_run) -> None:
@@ -102,8 +122,9 @@ def test_demo_without_extras_names_the_extra(
 @pytest.fixture(scope="module")
 def verify_run(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("verify")
-    proc = _syncbn("verify", "--world-size", "2", "--json", str(tmp / "verify.json"), cwd=tmp)
-    return proc, tmp / "verify.json"
+    return _in_process(
+        tmp, "verify", "--world-size", "2", "--json", str(tmp / "verify.json")
+    ), tmp / "verify.json"
 
 
 def test_verify_passes_and_prints_a_table(verify_run) -> None:
@@ -129,9 +150,8 @@ def test_verify_passes_and_prints_a_table(verify_run) -> None:
 def test_verify_group_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from syncbn.cli import main
 
-    proc = _syncbn(
-        "verify", "--world-size", "4", "--group-size", "2", "--json", str(tmp_path / "v.json"), cwd=tmp_path
-    )
+    code = main(["verify", "--world-size", "4", "--group-size", "2", "--json", str(tmp_path / "v.json")])
+    proc = subprocess.CompletedProcess(["verify"], code, capsys.readouterr().out, "")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 ranks in groups of subgroup(2)" in proc.stdout
     assert "groups (global ranks): [0, 1], [2, 3]" in proc.stdout
