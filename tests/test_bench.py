@@ -14,7 +14,7 @@ from torch import nn
 
 from _helpers.processes import run_in_session
 from syncbn.cli import main
-from syncbn.cli._bench_targets import MANY_FAULTS, TARGETS, allocator_note, format_targets, targets
+from syncbn.cli._bench_report import MANY_FAULTS, TARGETS, allocator_note, format_targets, targets
 from syncbn.cli.bench import NaiveSyncBatchNorm, parse_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,17 +42,12 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         "s/local",
         "local",
         "2xAR",
-        "2xAR-shm",
-        "local+AR",
         "syncbn",
         "alone",
         "a/local",
-        "sync-pg",
         "naive",
         "torch",
         "s/floor",
-        "s/floor-shm",
-        "pg/l+AR",
         "s/naive",
     ):
         assert column in proc.stdout
@@ -63,8 +58,8 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     assert data["machine"]["torch"] == torch.__version__
     assert [r["shape"] for r in data["results"]] == [list(s) for s in parse_shapes(shapes)]
     for rec in data["results"]:
-        methods = {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "alone", "syncbn-pg", "naive"}
-        assert set(rec["median_ms"]) == methods  # no torch on CPU
+        methods = {"local", "2xAR", "syncbn", "alone", "naive"}
+        assert set(rec["median_ms"]) == methods  # no torch on CPU (the developers' methods: layers.py)
         if sys.platform.startswith("linux"):  # minor page faults per call, counted per thread
             assert set(rec["faults_per_call"]) == methods
             assert all(v >= 0 for v in rec["faults_per_call"].values())
@@ -72,7 +67,6 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         assert len(rec["per_rank_median_ms"]) == 2
         ratios = rec["ratios"]
         assert ratios["syncbn_over_floor"] > 0 and ratios["syncbn_over_naive"] > 0
-        assert ratios["syncbn_over_own_floor"] > 0 and ratios["syncbn_pg_over_interleaved_floor"] > 0
         assert ratios["syncbn_over_torch"] is None
         ms = rec["median_ms"]
         assert ratios["syncbn_over_local"] == pytest.approx(ms["syncbn"] / ms["local"])
@@ -237,15 +231,34 @@ def test_memory_per_layer_saves_at_most_one_extra_activation() -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_force_sync_on_one_rank(tmp_path) -> None:
+    # The forced synchronised paths on a group of one: a developer's measurement (benchmarks/speed/layers.py).
     out = tmp_path / "forced.json"
     proc = _run(
-        ["-m", "syncbn", "bench", "--world-size", "1", "--force-sync", "--shapes", "4x3x4x4"]
+        [os.path.join(SPEED, "layers.py"), "--world-size", "1", "--force-sync", "--shapes", "4x3x4x4"]
         + ["--iters", "1", "--warmup", "0", "--json", str(out)]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["config"]["force_sync"] is True
     assert data["results"][0]["median_ms"]["syncbn"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_layers_script_reports_the_developer_methods(tmp_path) -> None:
+    out = tmp_path / "layers.json"
+    proc = _run(
+        [os.path.join(SPEED, "layers.py"), "--shapes", "4x3x5x5,16x4", "--iters", "2", "--warmup", "1"]
+        + ["--json", str(out)]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for column in ("2xAR-shm", "local+AR", "sync-pg", "s/floor-shm", "pg/l+AR", "s/local", "a/local"):
+        assert column in proc.stdout
+    for rec in json.loads(out.read_text())["results"]:
+        methods = {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "alone", "syncbn-pg", "naive"}
+        assert set(rec["median_ms"]) == methods and all(v > 0 for v in rec["median_ms"].values())
+        ratios = rec["ratios"]
+        assert ratios["syncbn_over_own_floor"] > 0 and ratios["syncbn_pg_over_interleaved_floor"] > 0
+        assert ratios["syncbn_over_local"] > 0 and ratios["syncbn_over_floor"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
@@ -351,7 +364,7 @@ class _CountingSum:
 def test_fused_bound_is_a_batch_norm_with_the_layers_two_collectives() -> None:
     # The emulated compiled-kernel bound must do a real batch norm's work (its timing stands
     # for one), and hand the group a layer's two buffers: 2C + 1 values forward, 2C backward.
-    from syncbn.cli._bench_floor import FusedBoundBatchNorm2d
+    from syncbn.cli._bench_methods import FusedBoundBatchNorm2d
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 5, 3, 4, generator=gen) * 3 + 2

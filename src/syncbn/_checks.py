@@ -16,16 +16,6 @@ from . import _config, _names, _row
 from ._row import FIELDS, SETTINGS
 from .groups import CollectiveError, ProcessGroupSum
 
-__all__ = [
-    "LayerState",
-    "name_layers",
-    "layer_name",
-    "layer_for_token",
-    "before_forward",
-    "before_backward",
-    "check_running_stats",
-]
-
 _counter = itertools.count()
 _known_names: dict[float, str] = {}  # identity hash -> name, from name_layers (names other ranks')
 _token_counter = itertools.count(1)
@@ -101,24 +91,17 @@ def layer_for_token(token: int) -> nn.Module | None:
     return owner
 
 
-def bind_state(module: nn.Module) -> None:
+def bind_state(module: nn.Module | None) -> None:
     """Bind a syncbn layer's state to ``module`` (a layer copied, unpickled or placed into a parent)."""
-    state = module.__dict__.get("_syncbn_state")
-    if isinstance(state, LayerState):
-        state.bind(module)
-
-
-def _bind_child(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    """Module registration hook: a syncbn layer placed into a parent is bound to its state."""
-    if child is not None:
-        bind_state(child)
+    if module is not None and isinstance(module.__dict__.get("_syncbn_state"), LayerState):
+        module.__dict__["_syncbn_state"].bind(module)
 
 
 @functools.cache  # once per process
 def _install_hooks() -> None:
     # Parent links for error messages; a model wrapped in DDP or DataParallel names its unnamed layers.
     _names.install(on_wrap=functools.partial(_assign_names, prefix="", overwrite=False))
-    nn.modules.module.register_module_module_registration_hook(_bind_child)
+    nn.modules.module.register_module_module_registration_hook(lambda parent, name, child: bind_state(child))
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> int:

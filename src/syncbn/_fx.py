@@ -39,19 +39,12 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_FORWARDS: dict[tuple[type, str], Callable[..., Any]] = {}
-
-
 def call_forward(layer: nn.Module, owner: str, *args: Any) -> Any:
     """Run on ``layer`` the ``forward`` of ``owner`` (``"module.QualifiedName"``, a class of its MRO).
 
     What a traced subclass's graph calls for the layer's part (importable, so the graph pickles).
     """
-    key = (type(layer), owner)
-    forward = _FORWARDS.get(key)
-    if forward is None:
-        found = [cls for cls in type(layer).__mro__ if _name(cls) == owner and "forward" in cls.__dict__]
-        if not found:
-            raise TypeError(f"{type(layer).__name__} has no class {owner} with a forward in its MRO")
-        forward = _FORWARDS[key] = found[0].__dict__["forward"]
-    return forward(layer, *args)
+    for cls in type(layer).__mro__:
+        if _name(cls) == owner and "forward" in cls.__dict__:
+            return cls.__dict__["forward"](layer, *args)
+    raise TypeError(f"{type(layer).__name__} has no class {owner} with a forward in its MRO")

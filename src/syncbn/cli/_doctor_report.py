@@ -5,6 +5,7 @@ The report's keys are documented in docs/doctor.md; the text is made from the re
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -91,16 +92,15 @@ def group_rows(
 
 def build_report(
     audit: Audit,
-    *,
-    model: str,
-    input_shape: list[int] | None,
-    batch: int | None,
+    args: argparse.Namespace,
     world: int | None,
     chosen: list[int],
     live: dict[str, Any] | None = None,
     extra: list[Finding] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
-    """The report as the JSON document (keys in docs/doctor.md)."""
+    """The report as the JSON document (keys in docs/doctor.md); ``args``: the command's flags."""
+    input_shape = args.input_shape
+    batch = args.batch_size or (input_shape[0] if input_shape else None)
     rows, group_findings = group_rows(audit, batch, world, chosen)
     findings = [*audit.findings, *group_findings, *extra]
     layers = [dataclasses.asdict(layer) for layer in audit.layers]
@@ -109,7 +109,7 @@ def build_report(
     return {
         "syncbn_version": __version__,
         "torch_version": torch.__version__,
-        "model": model,
+        "model": args.model,
         "input_shape": input_shape,
         "batch_size": batch,
         "world_size": world,

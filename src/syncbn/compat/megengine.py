@@ -2,9 +2,8 @@
 
     from syncbn.compat.megengine import SyncBatchNorm   # was: from megengine.module import SyncBatchNorm
 
-It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics (momentum
-convention, ``freeze``, ``group``, ``name``, eval without running statistics); the Migration guide
-maps each of them.
+It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics (momentum convention,
+``freeze``, ``group``, ``name``, eval without running statistics); the Migration guide maps each of them.
 """
 
 from __future__ import annotations
@@ -32,10 +31,9 @@ class SyncBatchNorm(_SyncBatchNorm):
     Args:
         num_features: number of channels :math:`C`.
         eps: added to the variance for numerical stability. Default: 1e-5.
-        momentum: fraction of the old running statistics kept at each training
-            step (MegEngine convention; the ``momentum`` attribute stores PyTorch's
-            ``1 - momentum``, so :func:`syncbn.revert_sync_batchnorm` gives an equivalent
-            ``nn.BatchNorm``). Default: 0.9.
+        momentum: fraction of the old running statistics kept at each training step (MegEngine
+            convention; the ``momentum`` attribute stores PyTorch's ``1 - momentum``, so
+            :func:`syncbn.revert_sync_batchnorm` gives an equivalent ``nn.BatchNorm``). Default: 0.9.
         affine: learnable per-channel scale and shift. Default: ``True``.
         track_running_stats: keep running statistics; without them eval uses the
             whole group's batch statistics (and communicates). Default: ``True``.
