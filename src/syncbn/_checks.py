@@ -221,10 +221,8 @@ def _compare(
     rows: list[list[float]], debug: bool, layer: nn.Module | None, identities: dict[float, str]
 ) -> None:
     """Raise the same ``ValueError`` on every rank when the rows disagree."""
-    fields: tuple[str, ...] = ("identity", "call", "phase", "config", "class", "channels", "dtype")
-    if not debug:
-        fields = ("phase", "channels", "dtype", "class")
-    for name in fields + SETTINGS:
+    everything = ("identity", "call", "phase", "config", "class", "channels", "dtype")
+    for name in (everything if debug else ("phase", "channels", "dtype", "class")) + SETTINGS:
         i = FIELDS.index(name)
         equal = _row._same if name in SETTINGS else operator.eq
         if all(equal(row[i], rows[0][i]) for row in rows):
