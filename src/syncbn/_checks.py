@@ -1,10 +1,15 @@
-"""Cross-rank consistency checks (first-use handshake, debug mode) and layer names: internals/layers.md."""
+"""Cross-rank consistency checks (first-use handshake, debug mode) and layer names: internals/layers.md.
+
+Names come from weak ``(parent, attribute)`` links that a module registration hook records per child;
+:func:`qualified_name` walks them up.
+"""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import operator
+import threading
 import weakref
 import zlib
 from typing import Any
@@ -12,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _config, _names, _row
+from . import _config, _row
 from ._row import FIELDS, SETTINGS
 from .groups import CollectiveError, ProcessGroupSum
 
@@ -20,6 +25,12 @@ _counter = itertools.count()
 _known_names: dict[float, str] = {}  # identity hash -> name, from name_layers (names other ranks')
 _token_counter = itertools.count(1)
 _tokens: weakref.WeakValueDictionary[int, LayerState] = weakref.WeakValueDictionary()
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+_MAX_LINKS = 8  # parents remembered per child (a module may be placed in several containers)
+_links: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref[nn.Module], str]]] = (
+    weakref.WeakKeyDictionary()
+)
+_lock = threading.Lock()
 
 
 class LayerState:
@@ -97,11 +108,54 @@ def bind_state(module: nn.Module | None) -> None:
         module.__dict__["_syncbn_state"].bind(module)
 
 
+def _registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """The module registration hook: remember that ``parent.<name>`` is ``child``, name a model's unnamed
+    layers when it is placed into a DDP or DataParallel wrapper, and bind a syncbn layer's state."""
+    # ``parent.__dict__``, not getattr: torch.compile's OptimizedModule runs this hook before its own
+    # attributes exist (its __getattr__ would recurse). Its ``_orig_mod`` link is not a place in the model.
+    if child is not None and name != "_orig_mod" and not parent.__dict__.get("_is_replica", False):
+        with _lock:
+            links = _links.setdefault(child, [])
+            links[:] = [(r, k) for r, k in links if r() is not None and (r() is not parent or k != name)]
+            links.append((weakref.ref(parent), name))
+            del links[:-_MAX_LINKS]
+        if name == "module" and isinstance(parent, _WRAPPERS):
+            _assign_names(child, "", overwrite=False)
+    bind_state(child)
+
+
 @functools.cache  # once per process
 def _install_hooks() -> None:
-    # Parent links for error messages; a model wrapped in DDP or DataParallel names its unnamed layers.
-    _names.install(on_wrap=functools.partial(_assign_names, prefix="", overwrite=False))
-    nn.modules.module.register_module_module_registration_hook(lambda parent, name, child: bind_state(child))
+    nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+def _holder(child: nn.Module) -> tuple[nn.Module, str] | None:
+    """The first-recorded parent that still holds ``child``, and the attribute it holds it under."""
+    with _lock:
+        links = list(_links.get(child, ()))
+    for ref, key in links:
+        parent = ref()
+        if parent is not None and parent._modules.get(key) is child:
+            return parent, key
+    return None
+
+
+def qualified_name(module: nn.Module) -> str | None:
+    """``module``'s dotted path (``'layer2.0.bn1'``) from the outermost recorded model, or ``None``.
+
+    Stops at a DDP/DataParallel wrapper, so names read as in the bare model.
+    """
+    parts: list[str] = []
+    current = module
+    seen = {id(module)}
+    while (found := _holder(current)) is not None:
+        parent, key = found
+        if (key == "module" and isinstance(parent, _WRAPPERS)) or id(parent) in seen:  # seen: a cycle
+            break
+        seen.add(id(parent))
+        parts.append(key)
+        current = parent
+    return ".".join(reversed(parts)) if parts else None
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> int:
@@ -132,7 +186,7 @@ def name_layers(model: nn.Module, prefix: str = "") -> int:
 
 
 def _assign_names(model: nn.Module, prefix: str, overwrite: bool) -> int:
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+    while isinstance(model, _WRAPPERS):
         model = model.module
     count = 0
     for name, module in model.named_modules():
@@ -156,7 +210,7 @@ def layer_name(layer: nn.Module | None) -> str:
     if name is None:
         # Not ``state.name``: a name found on one rank's error path must not change its frame identity.
         if state.found_name is None:
-            state.found_name = _names.qualified_name(layer)
+            state.found_name = qualified_name(layer)
         name = state.found_name
     shape = f"{type(layer).__name__}({getattr(layer, 'num_features', '?')})"
     if name is None:
