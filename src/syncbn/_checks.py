@@ -34,11 +34,9 @@ _lock = threading.Lock()
 
 
 class LayerState:
-    """Per-layer bookkeeping: its name, construction index, call count, verified groups.
+    """Per-layer bookkeeping: name, construction index, call count, verified groups, compile token.
 
-    Pickling and deep copies keep the name and index and drop the rest (a loaded
-    or copied layer handshakes again on first use, with a token of its own).
-    """
+    Pickles and deep copies keep name and index only: they handshake again, with a token of their own."""
 
     def __init__(self) -> None:
         _install_hooks()
@@ -91,10 +89,7 @@ def state_of(layer: nn.Module) -> LayerState:
 
 
 def layer_for_token(token: int) -> nn.Module | None:
-    """The live layer whose :attr:`LayerState.token` holds ``token``, or ``None`` (an anonymous call).
-
-    States are bound when a layer is built, copied, unpickled, placed into a parent or used eagerly.
-    """
+    """The live layer whose :attr:`LayerState.token` holds ``token``, or ``None`` (an anonymous call)."""
     state = _tokens.get(token)
     owner = None if state is None or state.owner is None else state.owner()
     if owner is not None and owner.__dict__.get("_syncbn_state") is not state:
@@ -141,10 +136,8 @@ def _holder(child: nn.Module) -> tuple[nn.Module, str] | None:
 
 
 def qualified_name(module: nn.Module) -> str | None:
-    """``module``'s dotted path (``'layer2.0.bn1'``) from the outermost recorded model, or ``None``.
-
-    Stops at a DDP/DataParallel wrapper, so names read as in the bare model.
-    """
+    """``module``'s dotted path (``'layer2.0.bn1'``) from the outermost recorded model (a DDP or
+    DataParallel wrapper excluded), or ``None``."""
     parts: list[str] = []
     current = module
     seen = {id(module)}
@@ -219,11 +212,8 @@ def layer_name(layer: nn.Module | None) -> str:
 
 
 def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
-    """The 32-bit identity a layer's frames carry over ``group`` (:mod:`syncbn.groups`).
-
-    A hash of the name of a named layer, ``0x80000000 | ordinal`` of its first framed
-    call over ``group`` for an unnamed one, ``0`` for ``None`` (see docs/internals/layers.md).
-    """
+    """The 32-bit identity a layer's frames carry over ``group``: a hash of a named layer's name,
+    ``0x80000000 | ordinal`` of an unnamed one's first framed call over ``group``, ``0`` for ``None``."""
     if layer is None:
         return 0
     state = layer.__dict__.get("_syncbn_state") or state_of(layer)
@@ -261,11 +251,8 @@ def _stats_error(layer: nn.Module | None, where: str) -> ValueError:
 
 
 def check_running_stats(layer: nn.Module, running_mean: Tensor, running_var: Tensor) -> None:
-    """Debug mode without a process group: raise ``ValueError`` for NaN/Inf or negative statistics.
-
-    Over a process group the consistency check makes the same test on every rank (field ``stats``),
-    so every rank raises alike; a layer calls this only when no such check runs.
-    """
+    """Debug mode without a process group: raise ``ValueError`` for NaN/Inf or negative statistics
+    (over a group, the consistency check's field ``stats`` makes this test, raised on every rank)."""
     bits = _row._stats_fault(running_mean, running_var)
     if bits:
         raise _stats_error(layer, _row._describe_stats(float(bits)))
@@ -333,11 +320,9 @@ def _check(
 
 
 def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
-    """Run the first-use handshake or the debug check before a forward collective.
-
-    Returns the call number recorded for debug mode (0 outside it). Raises ``ValueError`` on
-    every rank when the ranks disagree, ``CollectiveError`` when the check's collective fails.
-    """
+    """Run the first-use handshake or the debug check before a forward collective; the call number
+    for debug mode (0 outside it). ``ValueError`` on every rank when the ranks disagree,
+    ``CollectiveError`` when the check's collective fails."""
     if not isinstance(group, ProcessGroupSum):
         return 0
     if _config.debug_enabled():
