@@ -10,7 +10,9 @@ after each micro-batch the count and mean of the step's inputs of both ranks so 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -20,9 +22,9 @@ import syncbn
 from _helpers import torchvision_shim
 from _helpers.integration_models import SubclassBN, make_net, max_error, reference_state, run_script
 
-torchvision_shim.install()
-L = pytest.importorskip("lightning.pytorch")
-import syncbn.lightning  # noqa: E402
+# Lightning is imported by the test that runs it in this process (the `lightning` fixture), not at
+# collection: every xdist worker collects every file, and the import costs about 2 s of CPU.
+pytestmark = pytest.mark.skipif(not importlib.util.find_spec("lightning"), reason="lightning not installed")
 
 PLAIN_TYPES = [
     "Conv2d",
@@ -50,7 +52,18 @@ SYNC_TYPES = [
 ]
 
 
-def test_plugin_is_a_layersync_that_converts_and_reverts_like_the_converter() -> None:
+@pytest.fixture(scope="module")
+def lightning() -> Any:
+    """``lightning.pytorch``, imported here (torchvision's shim first); ``syncbn.lightning`` with it."""
+    torchvision_shim.install()
+    L = pytest.importorskip("lightning.pytorch")
+    import syncbn.lightning  # noqa: F401
+
+    return L
+
+
+def test_plugin_is_a_layersync_that_converts_and_reverts_like_the_converter(lightning: Any) -> None:
+    L = lightning
     plugin = syncbn.lightning.SyncBatchNorm()
     assert isinstance(plugin, L.plugins.LayerSync)
     net = make_net()

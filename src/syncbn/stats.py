@@ -193,7 +193,6 @@ def recompute_running_stats(
     population statistics, not an average of per-batch ones. Masked calls count their valid
     positions only. The in-place activated layers take part too; one handed a tensor of a batch (or
     a view of it) works on a copy, so the batches are never written over.
-
     syncbn layers normalise over all ranks' batches, so every rank must then pass the same number of
     batches. Modes and ``num_batches_tracked`` are restored afterwards (on an error, the running
     statistics too). Layers no value reached, and frozen syncbn layers, keep their statistics (a
@@ -204,10 +203,8 @@ def recompute_running_stats(
         batches: an iterable of batches (a ``DataLoader``, a list of tensors), each passed to ``forward``.
         process_group: the ``torch.distributed`` group whose batches count together; ``None`` is the
             default group. Outside ``torch.distributed``, the statistics are this process's.
-        forward: how to run the model on one batch; default ``model(batch)``
-            (use e.g. ``lambda m, b: m(b[0])`` for ``(input, label)`` pairs).
-        progress: draw a progress bar on stderr (on the group's rank 0);
-            ``None`` draws it where stderr is a terminal.
+        forward: how to run the model on a batch (default ``model(batch)``; ``lambda m, b: m(b[0])``: pairs).
+        progress: draw a progress bar on stderr (the group's rank 0); ``None``: where stderr is a terminal.
 
     Returns:
         ``model``, its running statistics set in place to those of ``batches``.

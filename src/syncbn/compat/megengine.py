@@ -35,13 +35,11 @@ class SyncBatchNorm(_SyncBatchNorm):
             convention; the ``momentum`` attribute stores PyTorch's ``1 - momentum``, so
             :func:`syncbn.revert_sync_batchnorm` gives an equivalent ``nn.BatchNorm``). Default: 0.9.
         affine: learnable per-channel scale and shift. Default: ``True``.
-        track_running_stats: keep running statistics; without them eval uses the
-            whole group's batch statistics (and communicates). Default: ``True``.
-        freeze: normalise with the running statistics, never update them nor
-            communicate, and do not train weight and bias (``requires_grad=False``
-            on them, so DDP expects no gradient). Default: ``False``.
-        group: ``torch.distributed`` group to synchronise over; ``None`` is the
-            default group. Also readable and settable as ``process_group``.
+        track_running_stats: keep running statistics; without them eval uses the whole group's batch
+            statistics (and communicates). Default: ``True``.
+        freeze: normalise with the running statistics, never update them nor communicate, and do not
+            train weight and bias (``requires_grad=False``, so DDP expects no gradient). Default: ``False``.
+        group: ``torch.distributed`` group (``None``: the default group); also ``process_group``.
         name: keyword-only; MegEngine's module name, a non-empty string or ``None``.
         device: keyword-only; device of the parameters and buffers.
         dtype: keyword-only; dtype of the parameters and buffers.

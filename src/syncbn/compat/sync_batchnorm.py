@@ -211,8 +211,7 @@ def convert_model(module: nn.Module) -> nn.Module:
 def patch_sync_batchnorm() -> Iterator[None]:
     """Within the block, ``torch.nn.BatchNorm1d/2d/3d`` build ``SynchronizedBatchNorm1d/2d/3d``.
 
-    For models whose construction code cannot be edited; the ``torch.nn`` classes
-    are restored on exit, also on error.
+    For models whose construction code cannot be edited; ``torch.nn``'s classes return on exit, even on error.
 
     Example::
 

@@ -103,9 +103,8 @@ class AccumulatedStatistics(Callback):  # type: ignore[misc]
     of each training epoch, and discarded when training raises.
 
     Args:
-        normalize: the blocks' ``normalize`` (:class:`syncbn.accumulation`):
-            ``"micro-batch"`` (default) or ``"cumulative"`` (CmBN: micro-batch ``t``
-            normalised with the pooled statistics of micro-batches ``1..t`` of all ranks).
+        normalize: the blocks' ``normalize`` (:class:`syncbn.accumulation`): ``"micro-batch"`` (default) or
+            ``"cumulative"`` (CmBN: micro-batch ``t`` normalised with all ranks' micro-batches ``1..t``).
 
     Example::
 
