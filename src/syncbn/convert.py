@@ -35,8 +35,7 @@ class BatchNorm(_BatchNorm):
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
         eps: value added to the variance for numerical stability. Default: 1e-5.
-        momentum: running-statistics update factor, or ``None`` for a cumulative
-            moving average. Default: 0.1.
+        momentum: running-statistics update factor, or ``None`` (cumulative moving average). Default: 0.1.
         affine: learnable per-channel scale and shift. Default: ``True``.
         track_running_stats: keep running mean and variance for eval. Default: ``True``.
         device: device of the parameters and buffers.
@@ -116,12 +115,8 @@ def _unparametrized_class(layer: nn.Module) -> type:
 
 def _keeps_behaviour(layer: _BatchNorm, prefix: str, left: list[str]) -> bool:
     """Whether swapping ``layer``'s class keeps its behaviour; when not, say why in ``left``."""
-    if (
-        type(layer).forward in _PLAIN_FORWARDS
-        or _is_timm_act(layer)
-        or _is_sync_act(layer)
-        or getattr(layer, "_syncbn_plain_forward", False)
-    ):
+    plain = type(layer).forward in _PLAIN_FORWARDS or getattr(layer, "_syncbn_plain_forward", False)
+    if plain or _is_timm_act(layer) or _is_sync_act(layer):
         return True
     left.append(
         f"syncbn: left {_path(prefix)} ({type(layer).__qualname__}) as it is because "
