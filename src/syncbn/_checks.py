@@ -1,8 +1,6 @@
 """Cross-rank consistency checks (first-use handshake, debug mode) and layer names: internals/layers.md.
 
-Names come from weak ``(parent, attribute)`` links that a module registration hook records per child;
-:func:`qualified_name` walks them up.
-"""
+Names come from the weak ``(parent, attribute)`` links a module registration hook records per child."""
 
 from __future__ import annotations
 

@@ -115,7 +115,6 @@ def fuse_batchnorm_activation(
         warnings.warn(
             "syncbn: fused BatchNorm layers with weights below eps, clamped to 0 (the scale becomes eps): "
             + ", ".join(bad),
-            UserWarning,
             stacklevel=2,
         )
     if shared:
@@ -124,7 +123,6 @@ def fuse_batchnorm_activation(
             "LeakyReLU/ELU pair, or with different activations, where its fused weight (w - eps) "
             "would change the model: "
             + ", ".join(f"{name + '.' if name else ''}{key}" for (name, _, key, _), *_ in shared),
-            UserWarning,
             stacklevel=2,
         )
     for pairs in fused:

@@ -250,6 +250,5 @@ def set_sbn_eps_mode(mode: str) -> None:
         warnings.warn(
             "syncbn always adds eps to the variance, as nn.BatchNorm does; "
             "set_sbn_eps_mode('clamp') has no effect",
-            UserWarning,
             stacklevel=2,
         )

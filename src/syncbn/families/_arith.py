@@ -131,7 +131,7 @@ def input_grad(
     mean, var, eps, count = stats.mean, stats.var, stats.eps, stats.total
     zero = _ZERO.get(var.dtype) if x.is_cpu and isinstance(count, float) else None
     mine = zero is not None and var.is_cpu and sums.dtype is var.dtype is mean.dtype  # (see GradBuffer)
-    mine = mine and not torch.is_grad_enabled()
+    mine = mine and not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
     buffer = grad_buffer(x.shape[1], var.dtype, x.dim()) if mine else None
     scale = (var + eps if buffer is None else torch.add(var, eps, out=buffer.scale)).rsqrt_()  # invstd
     if weight is not None:
