@@ -145,7 +145,7 @@ def _probe(model: nn.Module, shape: list[int], layers: dict[str, nn.Module]) -> 
     return seen
 
 
-def _classify(old: type, new: nn.Module, training: bool) -> str:
+def _classify(new: nn.Module, training: bool) -> str:
     if not isinstance(new, (SyncBatchNorm, ActivatedBatchNormBase)):
         return FIXED if not isinstance(new, _BatchNorm) else UNCONVERTED
     if getattr(new, "freeze", False):
@@ -230,7 +230,7 @@ def audit(model: nn.Module, input_shape: list[int] | None = None, process_group:
             converts_to=type(new).__qualname__ if type(new) is not old else "",
             channels=channels(new),
             dtype=str(dtype).removeprefix("torch."),
-            state=_classify(old, new, training),
+            state=_classify(new, training),
         )
         if shapes is not None:
             calls = shapes.get(name, [])
