@@ -173,3 +173,27 @@ def _top(module: str) -> str:
     while module and module not in LAYERS:
         module = module.rpartition(".")[0]
     return module
+
+
+def test_import_syncbn_leaves_dynamo_unimported_and_its_constant_mark_is_torchs() -> None:
+    """``import syncbn`` does not import ``torch._dynamo`` (about 1.5 s of every process's start);
+    the mark syncbn puts on its trace-time functions is the one torch's decorator puts."""
+    import subprocess
+    import sys
+
+    code = "import sys, syncbn; print('torch._dynamo' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+
+    import torch._dynamo
+
+    from syncbn.engine import _ops, _rules
+
+    def ours() -> None: ...
+
+    def torchs() -> None: ...
+
+    assert vars(_rules.constant_while_tracing(ours)) == vars(torch._dynamo.assume_constant_result(torchs))
+    for fn in (_rules.warn_while_tracing, _ops.group_handle, _ops.tracing_a_checkpointed_region):
+        assert vars(fn) == vars(torchs), fn

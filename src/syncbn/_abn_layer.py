@@ -102,6 +102,11 @@ class ActivatedBatchNormBase(LayerMixin):
         self.register_buffer("num_batches_tracked", count)
         self._init_state()  # the compile token finds this layer
         self.reset_parameters()  # type: ignore[misc]
+        _make_opaque()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _make_opaque()
 
     # nn.BatchNorm's own: running mean 0, variance 1, num_batches_tracked 0; weight 1, bias 0.
     reset_running_stats = _NormBase.reset_running_stats
@@ -226,5 +231,12 @@ class ActivatedBatchNormBase(LayerMixin):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
 
-# What torch.compile runs for the in-place layers: the eager layer, opaque to the compiler.
-_eager_forward = torch._dynamo.disable(ActivatedBatchNormBase._eager_forward)
+# What torch.compile runs for the in-place layers: the eager layer, opaque to the compiler. Made by the
+# first layer's construction or unpickling, not at import: importing dynamo costs every process ~1.5 s.
+_eager_forward: Any = None
+
+
+def _make_opaque() -> None:
+    global _eager_forward
+    if _eager_forward is None:
+        _eager_forward = torch._dynamo.disable(ActivatedBatchNormBase._eager_forward)

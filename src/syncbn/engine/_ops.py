@@ -46,7 +46,7 @@ backward_calls = 0
 _is_compiling = _rules.is_compiling
 
 
-@torch._dynamo.assume_constant_result
+@_rules.constant_while_tracing
 def group_handle(process_group: Any) -> int:
     """The integer standing for the group ``process_group`` resolves to now (0: none, run locally)."""
     group = groups.resolve(process_group)
@@ -104,7 +104,7 @@ def layer_token(layer: Any) -> Tensor | None:
     return token
 
 
-@torch._dynamo.assume_constant_result
+@_rules.constant_while_tracing
 def tracing_a_checkpointed_region() -> bool:
     """Whether dynamo is tracing the body of ``torch.utils.checkpoint`` now (where torch 2.13's AOTAutograd
     cannot recompute the collective)."""

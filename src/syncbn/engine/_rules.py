@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -14,9 +14,18 @@ from . import _math
 # torch.compiler.is_compiling exists from torch 2.3 on; torch 2.2 has the dynamo spelling.
 is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id  # torch 2.2 has it (checked)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-@torch._dynamo.assume_constant_result
+def constant_while_tracing(fn: _F) -> _F:
+    """``torch._dynamo.assume_constant_result`` without importing dynamo at ``import syncbn`` (about
+    1.5 s of every process's start): the decorator only marks the function so, and dynamo reads the mark
+    when it traces a call (tests/test_imports.py checks the mark is torch's)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@constant_while_tracing
 def warn_while_tracing(message: str) -> bool:
     """Warn once per traced graph (dynamo runs this while tracing, never in the compiled code)."""
     warnings.warn(message, stacklevel=2)
