@@ -33,8 +33,6 @@ def _per_thread(slot: str, make: Callable[..., _Buffer], *key: Any) -> _Buffer:
 class GradBuffer:
     """One thread's reusable per-channel buffers of the host input gradient (one dtype and rank)."""
 
-    __slots__ = ("scale", "scale_view", "corrections", "shift", "slope")
-
     def __init__(self, channels: int, dtype: torch.dtype, ndim: int) -> None:
         with torch.inference_mode(False):  # usable in place inside and outside inference mode
             self.scale = torch.empty(channels, dtype=dtype)
@@ -131,7 +129,7 @@ def input_grad(
     mean, var, eps, count = stats.mean, stats.var, stats.eps, stats.total
     zero = _ZERO.get(var.dtype) if x.is_cpu and isinstance(count, float) else None
     mine = zero is not None and var.is_cpu and sums.dtype is var.dtype is mean.dtype  # (see GradBuffer)
-    mine = mine and not torch.is_grad_enabled()
+    mine = mine and not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
     buffer = grad_buffer(x.shape[1], var.dtype, x.dim()) if mine else None
     scale = (var + eps if buffer is None else torch.add(var, eps, out=buffer.scale)).rsqrt_()  # invstd
     if weight is not None:
