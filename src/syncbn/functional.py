@@ -1,8 +1,5 @@
-"""Functional form of synchronized batch normalization.
-
-:func:`sync_batch_norm` is to :class:`syncbn.SyncBatchNorm` what
-``torch.nn.functional.batch_norm`` is to ``nn.BatchNorm2d``.
-"""
+"""Functional form of synchronized batch normalization: :func:`sync_batch_norm` is to
+:class:`syncbn.SyncBatchNorm` what ``torch.nn.functional.batch_norm`` is to ``nn.BatchNorm2d``."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from . import _fx, groups, parallel
 from ._layer import LayerMixin, dims_doc
 from .engine import _rules
 from .engine._function import BATCH_NORM, LOCAL, apply
-from .engine._rules import is_compiling, warn_while_tracing
 
 try:
     from .engine import _compiled, _ops
@@ -36,6 +35,10 @@ def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -
     """Install the function :meth:`SyncBatchNorm.convert_sync_batchnorm` calls."""
     global _converter
     _converter = function
+
+
+_is_compiling = _rules.is_compiling  # (benchmarks/compile/compile_step.py replaces it)
+_warn_while_tracing = _rules.warn_while_tracing
 
 
 class SyncBatchNorm(LayerMixin, _BatchNorm):
@@ -148,8 +151,8 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         self._check_input_dim(input)
         if mask is None:
             return self._normalize(input)
-        if is_compiling():
-            warn_while_tracing(
+        if _is_compiling():
+            _warn_while_tracing(
                 f"syncbn: {type(self).__name__}({self.num_features}) called with a mask under "
                 "torch.compile: selecting the valid positions has a data-dependent shape, so "
                 "dynamo breaks the graph at this layer (the layer itself still runs exactly)"
@@ -175,11 +178,11 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             call = self._training_call()
             family = self._replica_family(replica.replication, replica.index, input)
             return replica.forward(self, input, call, family)  # type: ignore[no-any-return]
-        compiling = is_compiling()
+        compiling = _is_compiling()
         if compiling and _ops is not None:
             return self._compiled_training_forward(input)
         if compiling:
-            warn_while_tracing(
+            _warn_while_tracing(
                 f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile: torch "
                 f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
                 "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
@@ -197,7 +200,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         # Traced arithmetic around the opaque collective; the layer travels as its token (no guard on it).
         handle = _ops.group_handle(self.process_group)
         if handle and _ops.tracing_a_checkpointed_region():
-            warn_while_tracing(
+            _warn_while_tracing(
                 f"syncbn: {type(self).__name__}({self.num_features}) inside torch.utils.checkpoint "
                 "under torch.compile: torch's AOTAutograd cannot recompute syncbn's collective "
                 "operator in a checkpointed region, so dynamo breaks the graph there and runs "
