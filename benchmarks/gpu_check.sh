@@ -25,8 +25,8 @@ SHAPES=64x64x64x64,128x256x16x16,4096x512,16x32x16x32x32,64x128x56x56
 timeout 240 "$PY" -m syncbn bench --device cuda --world-size 2 --backend gloo --shapes "$SHAPES" \
     --iters 30 --warmup 5 --json "$OUT/gpu_bench_w2_gloo.json" 2>&1 | tee "$OUT/gpu_bench_w2_gloo.txt"
 
-echo "== 3. bench: 1 rank with the synchronised paths forced (NCCL group of one)"
-timeout 180 "$PY" -m syncbn bench --device cuda --world-size 1 --force-sync --backend nccl --shapes "$SHAPES" \
+echo "== 3. per layer: 1 rank with the synchronised paths forced (NCCL group of one), benchmarks/speed/layers.py"
+timeout 180 "$PY" benchmarks/speed/layers.py --device cuda --world-size 1 --force-sync --backend nccl --shapes "$SHAPES" \
     --iters 50 --warmup 5 --json "$OUT/gpu_bench_w1_forced.json" 2>&1 | tee "$OUT/gpu_bench_w1_forced.txt"
 
 exit $status

@@ -3,7 +3,8 @@
     python benchmarks/run.py            # full run (about 5-10 minutes on 2 cores)
     python benchmarks/run.py --quick    # small settings, a smoke test
 
-1. per-layer timing on 2 gloo ranks: ``python -m syncbn bench`` (the same code);
+1. per-layer timing on 2 gloo ranks: ``benchmarks/speed/layers.py`` (``syncbn bench``'s layer table
+   with the developers' methods);
 2. memory per layer (``benchmarks/memory/memory.py``);
 3. end-to-end ResNet-style training step on 2 ranks (``benchmarks/speed/e2e.py``);
 4. traffic/latency table for W = 2..1024 (``benchmarks/speed/scaling.py``);
@@ -27,10 +28,9 @@ sys.path[:0] = [os.path.join(HERE, "speed"), os.path.join(HERE, "memory")]
 
 import e2e  # noqa: E402
 import floor  # noqa: E402
+import layers  # noqa: E402
 import memory  # noqa: E402
 import scaling  # noqa: E402
-
-from syncbn.cli import main as syncbn_main  # noqa: E402
 
 
 def _tee(path: str, fn: object, *args: object) -> int:
@@ -58,11 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     code = 0
     if "layers" not in skip:
-        bench = ["bench", "--json", os.path.join(out, "layers.json")]
+        layer_args = ["--json", os.path.join(out, "layers.json")]
         if args.quick:
-            bench += ["--shapes", "4x8x6x6,64x16", "--iters", "5", "--warmup", "1"]
-        # bench's ranks print from child processes: their output goes straight to stdout.
-        code |= syncbn_main(bench)
+            layer_args += ["--shapes", "4x8x6x6,64x16", "--iters", "5", "--warmup", "1"]
+        code |= layers.main(layer_args)
     if "memory" not in skip:
         shapes = ["--shapes", "4x8x6x6,64x16"] if args.quick else []
         code |= _tee(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,14 +15,38 @@ from torch import nn
 
 from _helpers.processes import run_in_session
 from syncbn.cli import main
-from syncbn.cli._bench_targets import MANY_FAULTS, TARGETS, allocator_note, format_targets, targets
+from syncbn.cli._bench_report import MANY_FAULTS, TARGETS, allocator_note, format_targets, targets
 from syncbn.cli.bench import NaiveSyncBatchNorm, parse_shapes
 
+Capture = pytest.CaptureFixture[str]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 SPEED = os.path.join(BENCHMARKS, "speed")  # benchmarks/ keeps its scripts in folders by purpose
 MEMORY = os.path.join(BENCHMARKS, "memory")
 ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _script(folder: str, name: str) -> Any:
+    """A benchmark script as a module: its ``main`` runs here, its ranks fork from this process.
+
+    No new interpreter (importing torch and syncbn again is most of a small run's time).
+    """
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
+
+
+def _printed(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> str:
+    """What ``speed/<script>.py``'s ``main()`` (reading ``sys.argv``) prints, run in this process.
+
+    Processes it starts itself import this checkout's ``src`` (``PYTHONPATH``).
+    """
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])
+    _script(SPEED, script).main()
+    return str(capsys.readouterr().out)
 
 
 def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -42,17 +67,12 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         "s/local",
         "local",
         "2xAR",
-        "2xAR-shm",
-        "local+AR",
         "syncbn",
         "alone",
         "a/local",
-        "sync-pg",
         "naive",
         "torch",
         "s/floor",
-        "s/floor-shm",
-        "pg/l+AR",
         "s/naive",
     ):
         assert column in proc.stdout
@@ -63,8 +83,8 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
     assert data["machine"]["torch"] == torch.__version__
     assert [r["shape"] for r in data["results"]] == [list(s) for s in parse_shapes(shapes)]
     for rec in data["results"]:
-        methods = {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "alone", "syncbn-pg", "naive"}
-        assert set(rec["median_ms"]) == methods  # no torch on CPU
+        methods = {"local", "2xAR", "syncbn", "alone", "naive"}
+        assert set(rec["median_ms"]) == methods  # no torch on CPU (the developers' methods: layers.py)
         if sys.platform.startswith("linux"):  # minor page faults per call, counted per thread
             assert set(rec["faults_per_call"]) == methods
             assert all(v >= 0 for v in rec["faults_per_call"].values())
@@ -72,7 +92,6 @@ def test_bench_command_prints_table_and_writes_json(tmp_path) -> None:
         assert len(rec["per_rank_median_ms"]) == 2
         ratios = rec["ratios"]
         assert ratios["syncbn_over_floor"] > 0 and ratios["syncbn_over_naive"] > 0
-        assert ratios["syncbn_over_own_floor"] > 0 and ratios["syncbn_pg_over_interleaved_floor"] > 0
         assert ratios["syncbn_over_torch"] is None
         ms = rec["median_ms"]
         assert ratios["syncbn_over_local"] == pytest.approx(ms["syncbn"] / ms["local"])
@@ -160,12 +179,10 @@ def test_targets_detail_shows_own_work_and_the_allocator_note_names_the_worst_fa
     assert "up to 3100 per layer call (32x64x56x56)" in note and "MALLOC_TRIM_THRESHOLD_" in note
 
 
-def test_bench_single_process_runs_without_a_group() -> None:
-    proc = _run(
-        ["-m", "syncbn", "bench", "--world-size", "1", "--shapes", "8x2", "--iters", "1", "--warmup", "0"]
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "8x2" in proc.stdout
+def test_bench_single_process_runs_without_a_group(capsys: pytest.CaptureFixture[str]) -> None:
+    # No group, no rank process: the command runs in the calling process (here, this one).
+    assert main(["bench", "--world-size", "1", "--shapes", "8x2", "--iters", "1", "--warmup", "0"]) == 0
+    assert "8x2" in capsys.readouterr().out
 
 
 def test_bench_rejects_bad_shapes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -224,28 +241,38 @@ def test_naive_reference_is_batchnorm_in_one_process() -> None:
 
 
 def test_memory_per_layer_saves_at_most_one_extra_activation() -> None:
-    sys.path.insert(0, MEMORY)
-    try:
-        import memory
-    finally:
-        sys.path.remove(MEMORY)
-    rec = memory.run_memory([(4, 8, 6, 6)])[0]
+    rec = _script(MEMORY, "memory").run_memory([(4, 8, 6, 6)])[0]
     assert rec["local"]["saved_activations"] >= 1.0
     assert rec["syncbn_extra_saved_activations"] <= 1.0
     assert rec["syncbn"]["peak_activations"] <= rec["local"]["peak_activations"] + 1.0
 
 
 @pytest.mark.timeout(120)
-def test_bench_force_sync_on_one_rank(tmp_path) -> None:
+def test_bench_force_sync_on_one_rank(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The forced synchronised paths on a group of one: a developer's measurement (benchmarks/speed/layers.py).
     out = tmp_path / "forced.json"
-    proc = _run(
-        ["-m", "syncbn", "bench", "--world-size", "1", "--force-sync", "--shapes", "4x3x4x4"]
-        + ["--iters", "1", "--warmup", "0", "--json", str(out)]
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    argv = ["--world-size", "1", "--force-sync", "--shapes", "4x3x4x4", "--iters", "1", "--warmup", "0"]
+    assert _script(SPEED, "layers").main([*argv, "--json", str(out)]) == 0
+    assert "syncbn and torch forced" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["config"]["force_sync"] is True
     assert data["results"][0]["median_ms"]["syncbn"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_layers_script_reports_the_developer_methods(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "layers.json"
+    argv = ["--shapes", "4x3x5x5,16x4", "--iters", "2", "--warmup", "1", "--json", str(out)]
+    assert _script(SPEED, "layers").main(argv) == 0
+    printed = capsys.readouterr().out
+    for column in ("2xAR-shm", "local+AR", "sync-pg", "s/floor-shm", "pg/l+AR", "s/local", "a/local"):
+        assert column in printed
+    for rec in json.loads(out.read_text())["results"]:
+        methods = {"local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "alone", "syncbn-pg", "naive"}
+        assert set(rec["median_ms"]) == methods and all(v > 0 for v in rec["median_ms"].values())
+        ratios = rec["ratios"]
+        assert ratios["syncbn_over_own_floor"] > 0 and ratios["syncbn_pg_over_interleaved_floor"] > 0
+        assert ratios["syncbn_over_local"] > 0 and ratios["syncbn_over_floor"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
@@ -257,12 +284,8 @@ def test_bench_cuda_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) ->
 @pytest.mark.timeout(300)
 def test_e2e_script_reports_both_models(tmp_path) -> None:
     out = tmp_path / "e2e.json"
-    proc = _run(
-        [os.path.join(SPEED, "e2e.py"), "--steps", "1", "--warmup", "0", "--batch", "4"]
-        + ["--fused-bound", "--json", str(out)],
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    argv = ["--steps", "1", "--warmup", "0", "--batch", "4", "--fused-bound", "--json", str(out)]
+    assert _script(SPEED, "e2e").main(argv) == 0
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"deep", "resnet"}
     for rec in data["results"].values():
@@ -276,12 +299,8 @@ def test_e2e_script_reports_both_models(tmp_path) -> None:
 @pytest.mark.timeout(200)
 def test_floor_script_reports_the_decomposition(tmp_path) -> None:
     out = tmp_path / "floor.json"
-    proc = _run(
-        [os.path.join(SPEED, "floor.py"), "--shapes", "8x4,4x3x2x2", "--steps", "2", "--blocks", "1"]
-        + ["--json", str(out)],
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    argv = ["--shapes", "8x4,4x3x2x2", "--steps", "2", "--blocks", "1", "--json", str(out)]
+    assert _script(SPEED, "floor").main(argv) == 0
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"8x4", "4x3x2x2"}
     for rec in data["results"].values():
@@ -293,13 +312,11 @@ def test_floor_script_reports_the_decomposition(tmp_path) -> None:
         assert rec["lockstep_ms"] == pytest.approx(ms["syncbn"] - ms["own"] - ms["2rounds"])
 
 
-def test_skew_script_compares_the_allocators(tmp_path) -> None:
-    proc = _run(
-        [os.path.join(SPEED, "skew.py"), "--shapes", "4x3x4x4", "--iters", "3", "--rounds", "1"],
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines() if "4x3x4x4" in line]
+def test_skew_script_compares_the_allocators(monkeypatch: pytest.MonkeyPatch, capsys: Capture) -> None:
+    # Each allocator runs in fresh processes of the script's own; the parent runs here.
+    argv = ["--shapes", "4x3x4x4", "--iters", "3", "--rounds", "1"]
+    printed = _printed("skew", argv, monkeypatch, capsys)
+    rows = [line.split() for line in printed.splitlines() if "4x3x4x4" in line]
     assert [row[0] for row in rows] == ["glibc", "no-trim"]
     for row in rows:
         local, syncbn, arith, s_local, a_local = map(float, row[2:7])
@@ -308,31 +325,16 @@ def test_skew_script_compares_the_allocators(tmp_path) -> None:
         assert s_local == pytest.approx(syncbn / local, rel=0.05)
         assert a_local == pytest.approx(arith / local, rel=0.05)
         assert 0.0 <= float(row[-1]) <= 1.0  # the share of collectives where one rank waited
-    assert "load average" in proc.stdout
+    assert "load average" in printed
 
 
 @pytest.mark.timeout(660)
-def test_eager_overhead_script_compares_two_trees() -> None:
+def test_eager_overhead_script_compares_two_trees(monkeypatch: pytest.MonkeyPatch, capsys: Capture) -> None:
     # Fresh processes, each importing torch: minutes on a loaded 2-core machine (a bound, not a timing).
     src = os.path.join(ROOT, "src")
-    proc = _run(
-        [
-            os.path.join(SPEED, "eager_overhead.py"),
-            "--src",
-            src,
-            "--src",
-            src,
-            "--rounds",
-            "1",
-            "--shapes",
-            "8x4",
-            "--iters",
-            "1",
-        ],
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (row,) = [line.split() for line in proc.stdout.splitlines() if line.lstrip().startswith("8x4")]
+    argv = ["--src", src, "--src", src, "--rounds", "1", "--shapes", "8x4", "--iters", "1"]
+    printed = _printed("eager_overhead", argv, monkeypatch, capsys)
+    (row,) = [line.split() for line in printed.splitlines() if line.lstrip().startswith("8x4")]
     assert float(row[1]) > 0 and float(row[2]) > 0
     assert float(row[3]) == pytest.approx(float(row[2]) / float(row[1]), abs=0.002)
 
@@ -351,7 +353,7 @@ class _CountingSum:
 def test_fused_bound_is_a_batch_norm_with_the_layers_two_collectives() -> None:
     # The emulated compiled-kernel bound must do a real batch norm's work (its timing stands
     # for one), and hand the group a layer's two buffers: 2C + 1 values forward, 2C backward.
-    from syncbn.cli._bench_floor import FusedBoundBatchNorm2d
+    from syncbn.cli._bench_methods import FusedBoundBatchNorm2d
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 5, 3, 4, generator=gen) * 3 + 2
@@ -383,18 +385,15 @@ def test_deep_narrow_net_has_24_small_bn_layers() -> None:
 
 
 @pytest.mark.timeout(200)
-def test_breakdown_script_splits_each_collective(tmp_path) -> None:
+def test_breakdown_script_splits_each_collective(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "breakdown.json"
     variants = "plain,syncbn,plain-noddp,syncbn-noddp,own-noddp,syncbn-spin0"
-    proc = _run(
-        [os.path.join(SPEED, "breakdown.py"), "--rounds", "1", "--steps", "1", "--warmup", "1"]
-        + ["--variants", variants, "--json", str(out)],
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    argv = ["--rounds", "1", "--steps", "1", "--warmup", "1", "--variants", variants, "--json", str(out)]
+    assert _script(SPEED, "breakdown").main(argv) == 0
+    printed = capfd.readouterr().out  # printed by rank 0, a forked process
     columns = ("x plain", "outside", "inside", "wait", "frame", "release", "wake-spin", "same-core")
     for column in (*columns, "load average"):
-        assert column in proc.stdout
+        assert column in printed
     res = json.loads(out.read_text())["results"]
     assert set(res["step_ms"]) == set(variants.split(","))
     assert set(res["rows"]) == {"syncbn", "syncbn-noddp", "syncbn-spin0"}
@@ -409,17 +408,15 @@ def test_breakdown_script_splits_each_collective(tmp_path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_call_split_script_reports_each_part() -> None:
-    proc = _run(
-        [os.path.join(SPEED, "call_split.py"), "--shapes", "8x4", "--iters", "2", "--rounds", "1"],
-        timeout=240,
+def test_call_split_script_reports_each_part(monkeypatch: pytest.MonkeyPatch, capsys: Capture) -> None:
+    printed = _printed(
+        "call_split", ["--shapes", "8x4", "--iters", "2", "--rounds", "1"], monkeypatch, capsys
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {
         line.split()[0]: line.split()
-        for line in proc.stdout.splitlines()
+        for line in printed.splitlines()
         if line.startswith("  ") and "x" in line
     }
     for name in ("local", "ops", "ops+fn", "engine", "module"):
-        assert float(rows[name][1]) > 0, proc.stdout
-    assert "engine's Python" in proc.stdout
+        assert float(rows[name][1]) > 0, printed
+    assert "engine's Python" in printed

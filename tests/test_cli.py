@@ -1,7 +1,13 @@
-"""The command line, run as a user runs it: ``python -m syncbn <command>`` in a subprocess."""
+"""The command line as a user runs it: ``python -m syncbn <command>``.
+
+``python -m syncbn`` is ``SystemExit(main())``: most runs call ``main`` in this process (the ranks
+fork from it, no interpreter to start); a real process where the process is the point (the exit
+code of a usage error, torchrun).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,12 +42,26 @@ def _syncbn(*args: str, cwd: Path, timeout: float = 150, extra_path: str | None 
     )
 
 
+def _in_process(tmp: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m syncbn ARGV`` run in this process (``SystemExit(main())``): its exit code and output.
+
+    Output goes to files, so that what a forked rank prints is kept too (flushed as the rank exits).
+    """
+    from syncbn.cli import main
+
+    with open(tmp / "stdout", "a") as out, open(tmp / "stderr", "a") as err:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    return subprocess.CompletedProcess(
+        list(argv), code, (tmp / "stdout").read_text(), (tmp / "stderr").read_text()
+    )
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("demo")
     out = tmp / "out"
-    proc = _syncbn("demo", "--steps", "30", "--batch", "3", "--seed", "1", "--out", str(out), cwd=tmp)
-    return proc, out
+    return _in_process(tmp, "demo", "--steps", "30", "--batch", "3", "--seed", "1", "--out", str(out)), out
 
 
 def test_demo_prints_the_table_and_a_progress_bar(demo_run) -> None:
@@ -85,21 +105,26 @@ def test_demo_syncbn_matches_the_single_process_run(demo_run) -> None:
     assert runs["local"]["max_param_diff"] > 1e-4
 
 
-def test_demo_without_extras_names_the_extra(tmp_path: Path) -> None:
-    fake = tmp_path / "fake"
-    (fake / "sklearn").mkdir(parents=True)
-    (fake / "sklearn" / "__init__.py").write_text("raise ImportError('no sklearn here')\n")
-    proc = _syncbn("demo", "--steps", "1", cwd=tmp_path, extra_path=str(fake), timeout=60)
-    assert proc.returncode == 2
-    assert "syncbn[demo]" in proc.stderr and "scikit-learn" in proc.stderr
+def test_demo_without_extras_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In this process (`python -m syncbn` exits with main's return value): sklearn made unimportable.
+    from syncbn.cli import main
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn` raises ImportError
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "syncbn[demo]" in err and "scikit-learn" in err
     assert not (tmp_path / "syncbn-demo").exists()
 
 
 @pytest.fixture(scope="module")
 def verify_run(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("verify")
-    proc = _syncbn("verify", "--world-size", "2", "--json", str(tmp / "verify.json"), cwd=tmp)
-    return proc, tmp / "verify.json"
+    return _in_process(
+        tmp, "verify", "--world-size", "2", "--json", str(tmp / "verify.json")
+    ), tmp / "verify.json"
 
 
 def test_verify_passes_and_prints_a_table(verify_run) -> None:
@@ -125,9 +150,8 @@ def test_verify_passes_and_prints_a_table(verify_run) -> None:
 def test_verify_group_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from syncbn.cli import main
 
-    proc = _syncbn(
-        "verify", "--world-size", "4", "--group-size", "2", "--json", str(tmp_path / "v.json"), cwd=tmp_path
-    )
+    code = main(["verify", "--world-size", "4", "--group-size", "2", "--json", str(tmp_path / "v.json")])
+    proc = subprocess.CompletedProcess(["verify"], code, capsys.readouterr().out, "")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 ranks in groups of subgroup(2)" in proc.stdout
     assert "groups (global ranks): [0, 1], [2, 3]" in proc.stdout

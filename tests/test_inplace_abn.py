@@ -6,6 +6,7 @@ upstream gradients (see ``_abn_reference``).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import pickle
@@ -734,6 +735,9 @@ def _func_cases(rank: int, world_size: int, sizes: tuple[int, ...] = (7,)) -> di
     xs, gs = x[lo : lo + sizes[rank]], g[lo : lo + sizes[rank]]
     params = {k: v.detach().clone() for k, v in layer.named_parameters()}
     buffers = {k: v.clone() for k, v in layer.named_buffers()}
+    # A plain step first: the thread's cached backward buffers exist before the transform (a captured
+    # tensor it must not write into: once failed only after another test file had run in the process).
+    copy.deepcopy(layer)(xs.clone().requires_grad_() * 1.0).backward(gs)
 
     def loss(p: dict, b: dict, t: torch.Tensor) -> torch.Tensor:
         return (functional_call(layer, (p, b), (t.clone(),)) * gs).sum()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import syncbn
-from syncbn import _checks, _names
+from syncbn import _checks
 
 
 class Block(nn.Module):
@@ -39,7 +39,7 @@ def test_name_layers_reads_through_torch_compile() -> None:
     net = make_net()
     outer = nn.Sequential(torch.compile(nn.Sequential(syncbn.SyncBatchNorm1d(2))))
     assert syncbn.name_layers(torch.compile(net)) == 2 and syncbn.name_layers(outer) == 1
-    assert _checks.state_of(net[0][0].bn1).name == "0.0.bn1" == _names.qualified_name(net[0][0].bn1)
+    assert _checks.state_of(net[0][0].bn1).name == "0.0.bn1" == _checks.qualified_name(net[0][0].bn1)
     assert _checks.state_of(outer[0]._orig_mod[0]).name == "0.0"
     single = syncbn.SyncBatchNorm1d(2)
     syncbn.name_layers(torch.compile(single))
@@ -78,6 +78,6 @@ def test_wrapping_keeps_the_names_given_by_name_layers() -> None:
 def test_replicas_record_no_parents() -> None:
     net = make_net()
     replicas = syncbn.parallel.replicate(net, 2)
-    assert _names.qualified_name(replicas[1][0][0].bn1) is None
-    assert _names.qualified_name(net[0][0].bn1) == "0.0.bn1"
+    assert _checks.qualified_name(replicas[1][0][0].bn1) is None
+    assert _checks.qualified_name(net[0][0].bn1) == "0.0.bn1"
     torch.testing.assert_close(replicas[1][0][0].bn1.weight, net[0][0].bn1.weight)

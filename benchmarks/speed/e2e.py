@@ -8,7 +8,7 @@ synchronised layer), and ``resnet``, a ResNet-style CIFAR model (15 BN layers,
 rank is on one machine, the default), with ``syncbn.SyncBatchNorm2d`` on the
 process group's own transport (``syncbn-pg``: gloo), and with plain
 ``nn.BatchNorm2d`` (unsynchronised: what DDP gives by default), and, with
-``--fused-bound``, with :class:`syncbn.cli._bench_floor.FusedBoundBatchNorm2d` (``fused``: the
+``--fused-bound``, with :class:`syncbn.cli._bench_methods.FusedBoundBatchNorm2d` (``fused``: the
 cost a compiled, fused-kernel syncbn could reach, the floor ``syncbn bench`` measures too). Steps
 of all variants alternate in one loop; each rank's median step time is taken and the
 slowest rank reported, with the ratios to plain (targets: deep <= 1.10,
@@ -31,7 +31,7 @@ from torch import nn
 
 from syncbn import SyncBatchNorm2d
 from syncbn.cli._bench_e2e import MODELS, format_e2e, slowest, time_steps
-from syncbn.cli._bench_floor import FusedBoundBatchNorm2d
+from syncbn.cli._bench_methods import FusedBoundBatchNorm2d
 from syncbn.cli._launch import run_ranks
 from syncbn.cli.bench import machine_info
 from syncbn.groups import ProcessGroupSum
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--fused-bound", action="store_true", help="also time the fused floor (syncbn.cli._bench_floor)"
+        "--fused-bound", action="store_true", help="also time the fused floor (syncbn.cli._bench_methods)"
     )
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)

@@ -17,7 +17,7 @@ synchronised methods), interleaved block by block:
   with no compute between them: their latency between real processes;
 * ``fused``: what a compiled (fused-kernel) syncbn could cost from Python, with
   the lockstep: one native kernel either side of each of the layer's two
-  collectives, in a minimal autograd function (:mod:`syncbn.cli._bench_floor`, the floor ``syncbn bench``
+  collectives, in a minimal autograd function (:mod:`syncbn.cli._bench_methods`, the floor ``syncbn bench``
   measures for its nets);
 * ``syncbn``: ``syncbn.SyncBatchNorm`` forward + backward over the group.
 
@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 import syncbn
 from syncbn import groups
-from syncbn.cli._bench_floor import TAGS, FusedBound, collective_buffers
+from syncbn.cli._bench_methods import TAGS, FusedBound, collective_buffers
 from syncbn.cli._launch import run_ranks
 
 

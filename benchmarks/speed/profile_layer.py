@@ -16,7 +16,7 @@ median thread CPU time (ms) of:
   and ``2C`` values), tagged as the layer tags them;
 * ``2shm``: the two ``SharedMemorySum.all_reduce_sum`` rounds alone (header
   fields precomputed): the shared-memory exchange itself;
-* ``floor``: the fused floor (:mod:`syncbn.cli._bench_floor`: one native kernel either side
+* ``floor``: the fused floor (:mod:`syncbn.cli._bench_methods`: one native kernel either side
   of each collective) over the same one-member group: ``seam / floor`` is syncbn's per-layer
   cost against what a fused-kernel layer could reach, without peers or their lockstep.
 
@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 import syncbn
 from syncbn import groups
-from syncbn.cli._bench_floor import FusedBound, collective_buffers
+from syncbn.cli._bench_methods import FusedBound, collective_buffers
 from syncbn.engine._function import Params, SyncBatchNormFunction
 
 

@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, shapes: list[tuple[int, ...]], iters: int) -> l
     for shape in shapes:
         gen = torch.Generator().manual_seed(rank)
         x_data, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-        steps = {name: training_step(build(name, x_data, False), x_data, grad) for name in METHODS}
+        steps = {name: training_step(build(name, x_data), x_data, grad) for name in METHODS}
         faults: dict[str, list[int]] = {}
         log.clear()
         times = time_interleaved(steps, iters, WARMUP, barrier=False, cuda=False, faults=faults)

@@ -1,8 +1,4 @@
-"""The layer machinery of the in-place activated layers, shared with :mod:`syncbn.compat.inplace_abn`.
-
-``nn.BatchNorm``'s parameter and buffer names and momentum convention; training, eval,
-``nn.DataParallel`` replicas, ``torch.compile``, activation checkpointing, checkpoint loading.
-"""
+"""The layer machinery of the in-place activated layers, shared with :mod:`syncbn.compat.inplace_abn`."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ __all__ = ["ActivatedBatchNormBase"]
 _is_compiling = _rules.is_compiling
 _warn_while_tracing = _rules.warn_while_tracing
 
-# Tensors an in-place layer wrote over outside a recomputation: id -> (weak reference, version after
-# the write). A recomputation handed one of these, unchanged since, would read overwritten values.
+# Tensors an in-place layer wrote over (not recomputing): id -> (weak reference, version after the write).
 _written: dict[int, tuple[weakref.ref[Tensor], int]] = {}
 
 
@@ -67,8 +62,7 @@ OVERWRITTEN_CHECKPOINT_INPUT = (
 class ActivatedBatchNormBase(LayerMixin):
     """State and forward machinery of the activated batch norm layers (not used directly).
 
-    Subclasses set ``_in_place`` and ``_group_attr`` (the attribute naming the group; ``None``: none).
-    The in-place layers scale by ``|weight| + eps`` (invertible whatever the weight's sign).
+    Subclasses set ``_in_place`` and ``_group_attr`` (``None``: no group); the scale is ``|weight| + eps``.
     """
 
     _version = 2
@@ -132,10 +126,8 @@ class ActivatedBatchNormBase(LayerMixin):
                 not self._local
                 and self.training
                 and _ops.group_handle(self._group())
-                and _ops.tracing_a_checkpointed_region()
+                and _ops.tracing_a_checkpointed_region()  # (AOTAutograd cannot recompute the collective)
             ):
-                # No collective operator, or inside torch.utils.checkpoint (AOTAutograd cannot
-                # recompute an effectful operator): dynamo runs this layer or region eagerly.
                 where = f"on torch {torch.__version__}" if _ops is None else "inside torch.utils.checkpoint"
                 _warn_while_tracing(
                     f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile {where}: "
@@ -172,14 +164,9 @@ class ActivatedBatchNormBase(LayerMixin):
         check_activation(self.activation, self.activation_param, in_place=self._in_place)
 
     def _compiled_forward(self, x: Tensor) -> Tensor:
-        # Only the collective is opaque; nothing guards on which layer this is (it is its token).
-        # nn.DataParallel replicas run eagerly (one graph break per layer).
-        if self.__dict__.get("_syncbn_replica") is not None:
+        if self.__dict__.get("_syncbn_replica") is not None:  # (replicas run eagerly)
             return _eager_forward(self, x)
-        if self.training and x._base is not None:  # (dynamo reads _base without a graph break)
-            # The traced Function returns the statistics besides the output it writes over x, and
-            # autograd refuses that for an input that is a view (t[:, ::2], x.transpose(...)):
-            # dynamo breaks the graph and the eager layer, which returns the output alone, runs.
+        if self.training and x._base is not None:  # a view: autograd refuses the traced Function's outputs
             _warn_while_tracing(
                 f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile on an input "
                 "that is a view of another tensor: dynamo breaks the graph here and runs the layer "
@@ -206,13 +193,10 @@ class ActivatedBatchNormBase(LayerMixin):
         act, param = self.activation, float(self.activation_param)
         weight, bias = _rules.affine_for_statistics(self.running_mean, self.weight, self.bias)
         if not self.training:  # no communication: the running statistics, or without them the batch's
-            mean, var = self.running_mean, self.running_var
-            return inplace_abn_apply(
-                x, weight, bias, mean, var, mean is None, 0.0, self.eps, act, param, None
-            )
+            mean, var, eps = self.running_mean, self.running_var, self.eps
+            return inplace_abn_apply(x, weight, bias, mean, var, mean is None, 0.0, eps, act, param, None)
         call = self._training_call()
-        if call.recomputing and (_was_overwritten(x) or (x.is_leaf and x.requires_grad)):
-            # (a reentrant checkpoint hands its region detached copies of its inputs: leaves)
+        if call.recomputing and (_was_overwritten(x) or (x.is_leaf and x.requires_grad)):  # (leaf: copied in)
             raise RuntimeError(OVERWRITTEN_CHECKPOINT_INPUT)
         replica = self.__dict__.get("_syncbn_replica")
         if replica is not None:

@@ -1,8 +1,4 @@
-"""The running-statistics hook that :class:`syncbn.accumulation` listens on (docs/internals/tools.md).
-
-The engine calls :func:`observe` with a batch's global moments where it updates a layer's running
-statistics; the layer is recognised by its ``running_mean`` tensor.
-"""
+"""The running-statistics hook that :class:`syncbn.accumulation` listens on (docs/internals/tools.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ _listeners: dict[int, Moments] = {}
 class Moments:
     """The count, mean and sum of squared deviations per channel of the batches seen, in float64.
 
-    Eager batches are kept and merged at the end, traced ones on the spot (docs/internals/tools.md).
     ``running_mean`` is kept alive while listening, so its ``id`` cannot be reused.
     """
 
@@ -40,10 +35,7 @@ class Moments:
         self.local = False  # a batch came from nn.DataParallel replicas (not the layer's group)
 
     def add(self, count: float | Tensor, mean: Tensor, var: Tensor, unbiased: bool = False) -> None:
-        """Add one batch of ``count`` values per channel, ``mean`` and biased (or ``unbiased``) ``var``.
-
-        Under ``torch.compile`` only tensor operations run, so dynamo adds no guard on the values.
-        """
+        """Add one batch: ``count`` values per channel, ``mean`` and biased (or ``unbiased``) ``var``."""
         if unbiased or _is_compiling():
             self._merge(count, mean, var, unbiased)
             return
@@ -98,9 +90,7 @@ def observe(
 ) -> None:
     """Tell a listening block about a batch's global moments, where the engine updates ``running_mean``.
 
-    ``momentum`` is the update factor about to be used: exactly 0 (a checkpointed recomputation)
-    is not a new batch and is ignored. ``local``: the moments are one process's DataParallel
-    replicas', not the layer's group's. Traceable by ``torch.compile``.
+    A ``momentum`` of exactly 0 (a recomputation) is ignored; ``local``: DataParallel replicas' moments.
     """
     if not _listeners or running_mean is None or (isinstance(momentum, float) and momentum == 0.0):
         return

@@ -1,10 +1,13 @@
-"""Cross-rank consistency checks (first-use handshake, debug mode) and layer names: internals/layers.md."""
+"""Cross-rank consistency checks (first-use handshake, debug mode) and layer names: internals/layers.md.
+
+Names come from the weak ``(parent, attribute)`` links a module registration hook records per child."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import operator
+import threading
 import weakref
 import zlib
 from typing import Any
@@ -12,32 +15,26 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _config, _names, _row
+from . import _config, _row
 from ._row import FIELDS, SETTINGS
 from .groups import CollectiveError, ProcessGroupSum
-
-__all__ = [
-    "LayerState",
-    "name_layers",
-    "layer_name",
-    "layer_for_token",
-    "before_forward",
-    "before_backward",
-    "check_running_stats",
-]
 
 _counter = itertools.count()
 _known_names: dict[float, str] = {}  # identity hash -> name, from name_layers (names other ranks')
 _token_counter = itertools.count(1)
 _tokens: weakref.WeakValueDictionary[int, LayerState] = weakref.WeakValueDictionary()
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+_MAX_LINKS = 8  # parents remembered per child (a module may be placed in several containers)
+_links: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref[nn.Module], str]]] = (
+    weakref.WeakKeyDictionary()
+)
+_lock = threading.Lock()
 
 
 class LayerState:
-    """Per-layer bookkeeping: its name, construction index, call count, verified groups.
+    """Per-layer bookkeeping: name, construction index, call count, verified groups, compile token.
 
-    Pickling and deep copies keep the name and index and drop the rest (a loaded
-    or copied layer handshakes again on first use, with a token of its own).
-    """
+    Pickles and deep copies keep name and index only: they handshake again, with a token of their own."""
 
     def __init__(self) -> None:
         _install_hooks()
@@ -90,10 +87,7 @@ def state_of(layer: nn.Module) -> LayerState:
 
 
 def layer_for_token(token: int) -> nn.Module | None:
-    """The live layer whose :attr:`LayerState.token` holds ``token``, or ``None`` (an anonymous call).
-
-    States are bound when a layer is built, copied, unpickled, placed into a parent or used eagerly.
-    """
+    """The live layer whose :attr:`LayerState.token` holds ``token``, or ``None`` (an anonymous call)."""
     state = _tokens.get(token)
     owner = None if state is None or state.owner is None else state.owner()
     if owner is not None and owner.__dict__.get("_syncbn_state") is not state:
@@ -101,24 +95,58 @@ def layer_for_token(token: int) -> nn.Module | None:
     return owner
 
 
-def bind_state(module: nn.Module) -> None:
+def bind_state(module: nn.Module | None) -> None:
     """Bind a syncbn layer's state to ``module`` (a layer copied, unpickled or placed into a parent)."""
-    state = module.__dict__.get("_syncbn_state")
-    if isinstance(state, LayerState):
-        state.bind(module)
+    if module is not None and isinstance(module.__dict__.get("_syncbn_state"), LayerState):
+        module.__dict__["_syncbn_state"].bind(module)
 
 
-def _bind_child(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    """Module registration hook: a syncbn layer placed into a parent is bound to its state."""
-    if child is not None:
-        bind_state(child)
+def _registered(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """The module registration hook: remember that ``parent.<name>`` is ``child``, name a model's unnamed
+    layers when it is placed into a DDP or DataParallel wrapper, and bind a syncbn layer's state."""
+    # ``parent.__dict__``, not getattr: torch.compile's OptimizedModule runs this hook before its own
+    # attributes exist (its __getattr__ would recurse). Its ``_orig_mod`` link is not a place in the model.
+    if child is not None and name != "_orig_mod" and not parent.__dict__.get("_is_replica", False):
+        with _lock:
+            links = _links.setdefault(child, [])
+            links[:] = [(r, k) for r, k in links if r() is not None and (r() is not parent or k != name)]
+            links.append((weakref.ref(parent), name))
+            del links[:-_MAX_LINKS]
+        if name == "module" and isinstance(parent, _WRAPPERS):
+            _assign_names(child, "", overwrite=False)
+    bind_state(child)
 
 
 @functools.cache  # once per process
 def _install_hooks() -> None:
-    # Parent links for error messages; a model wrapped in DDP or DataParallel names its unnamed layers.
-    _names.install(on_wrap=functools.partial(_assign_names, prefix="", overwrite=False))
-    nn.modules.module.register_module_module_registration_hook(_bind_child)
+    nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+def _holder(child: nn.Module) -> tuple[nn.Module, str] | None:
+    """The first-recorded parent that still holds ``child``, and the attribute it holds it under."""
+    with _lock:
+        links = list(_links.get(child, ()))
+    for ref, key in links:
+        parent = ref()
+        if parent is not None and parent._modules.get(key) is child:
+            return parent, key
+    return None
+
+
+def qualified_name(module: nn.Module) -> str | None:
+    """``module``'s dotted path (``'layer2.0.bn1'``) from the outermost recorded model (a DDP or
+    DataParallel wrapper excluded), or ``None``."""
+    parts: list[str] = []
+    current = module
+    seen = {id(module)}
+    while (found := _holder(current)) is not None:
+        parent, key = found
+        if (key == "module" and isinstance(parent, _WRAPPERS)) or id(parent) in seen:  # seen: a cycle
+            break
+        seen.add(id(parent))
+        parts.append(key)
+        current = parent
+    return ".".join(reversed(parts)) if parts else None
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> int:
@@ -149,7 +177,7 @@ def name_layers(model: nn.Module, prefix: str = "") -> int:
 
 
 def _assign_names(model: nn.Module, prefix: str, overwrite: bool) -> int:
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+    while isinstance(model, _WRAPPERS):
         model = model.module
     count = 0
     for name, module in model.named_modules():
@@ -173,7 +201,7 @@ def layer_name(layer: nn.Module | None) -> str:
     if name is None:
         # Not ``state.name``: a name found on one rank's error path must not change its frame identity.
         if state.found_name is None:
-            state.found_name = _names.qualified_name(layer)
+            state.found_name = qualified_name(layer)
         name = state.found_name
     shape = f"{type(layer).__name__}({getattr(layer, 'num_features', '?')})"
     if name is None:
@@ -182,11 +210,8 @@ def layer_name(layer: nn.Module | None) -> str:
 
 
 def layer_identity(layer: nn.Module | None, group: ProcessGroupSum) -> int:
-    """The 32-bit identity a layer's frames carry over ``group`` (:mod:`syncbn.groups`).
-
-    A hash of the name of a named layer, ``0x80000000 | ordinal`` of its first framed
-    call over ``group`` for an unnamed one, ``0`` for ``None`` (see docs/internals/layers.md).
-    """
+    """The 32-bit identity a layer's frames carry over ``group``: a hash of a named layer's name,
+    ``0x80000000 | ordinal`` of an unnamed one's first framed call over ``group``, ``0`` for ``None``."""
     if layer is None:
         return 0
     state = layer.__dict__.get("_syncbn_state") or state_of(layer)
@@ -224,11 +249,8 @@ def _stats_error(layer: nn.Module | None, where: str) -> ValueError:
 
 
 def check_running_stats(layer: nn.Module, running_mean: Tensor, running_var: Tensor) -> None:
-    """Debug mode without a process group: raise ``ValueError`` for NaN/Inf or negative statistics.
-
-    Over a process group the consistency check makes the same test on every rank (field ``stats``),
-    so every rank raises alike; a layer calls this only when no such check runs.
-    """
+    """Debug mode without a process group: raise ``ValueError`` for NaN/Inf or negative statistics
+    (over a group, the consistency check's field ``stats`` makes this test, raised on every rank)."""
     bits = _row._stats_fault(running_mean, running_var)
     if bits:
         raise _stats_error(layer, _row._describe_stats(float(bits)))
@@ -238,10 +260,8 @@ def _compare(
     rows: list[list[float]], debug: bool, layer: nn.Module | None, identities: dict[float, str]
 ) -> None:
     """Raise the same ``ValueError`` on every rank when the rows disagree."""
-    fields: tuple[str, ...] = ("identity", "call", "phase", "config", "class", "channels", "dtype")
-    if not debug:
-        fields = ("phase", "channels", "dtype", "class")
-    for name in fields + SETTINGS:
+    everything = ("identity", "call", "phase", "config", "class", "channels", "dtype")
+    for name in (everything if debug else ("phase", "channels", "dtype", "class")) + SETTINGS:
         i = FIELDS.index(name)
         equal = _row._same if name in SETTINGS else operator.eq
         if all(equal(row[i], rows[0][i]) for row in rows):
@@ -298,11 +318,9 @@ def _check(
 
 
 def before_forward(group: Any, layer: nn.Module | None, x: Tensor) -> int:
-    """Run the first-use handshake or the debug check before a forward collective.
-
-    Returns the call number recorded for debug mode (0 outside it). Raises ``ValueError`` on
-    every rank when the ranks disagree, ``CollectiveError`` when the check's collective fails.
-    """
+    """Run the first-use handshake or the debug check before a forward collective; the call number
+    for debug mode (0 outside it). ``ValueError`` on every rank when the ranks disagree,
+    ``CollectiveError`` when the check's collective fails."""
     if not isinstance(group, ProcessGroupSum):
         return 0
     if _config.debug_enabled():

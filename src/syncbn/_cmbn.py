@@ -1,14 +1,4 @@
-"""CmBN: the statistics hook that pools an accumulation block's micro-batches (docs/cmbn.md).
-
-Inside ``syncbn.accumulation(model, normalize="cumulative")`` each covered layer carries a
-:class:`Carry`: the count, mean and sum of squared deviations per channel (float64) of the block's
-micro-batches so far, every rank's together. A training call hands the engine a :class:`Pool`
-(``Params.statistics``); after the one group sum of the packed moments ``[n, sum x, sum x^2]`` the
-engine calls ``pool(packed)``, which merges this micro-batch into the carry (Chan et al.) and returns
-the pooled moments, packed alike: the engine normalises with them and its backward divides by their
-count. The earlier micro-batches enter as constants, so the gradient is batch norm's with the pooled
-count in place of the micro-batch's. No collective is added: the carry is the layer's own.
-"""
+"""CmBN: the statistics hook that pools a block's micro-batches (docs/cmbn.md, docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -33,17 +23,12 @@ def _zeros(channels: int, device: torch.device) -> State:
 
 
 class Carry:
-    """One layer's pooled moments of the block so far (float64 tensors, one element per channel).
-
-    Eager calls replace the tensors (``nn.DataParallel``'s replicas share the carry and each reads
-    the state it started from); traced calls update them in place (one compiled graph serves every
-    micro-batch). ``before``: the state before the layer's last eager forward, which a checkpoint's
-    recomputation pools with (exact for a layer called once per checkpointed micro-batch).
-    """
+    """One layer's pooled moments of the block so far (float64, per channel); eager calls replace the
+    tensors (replicas share the carry), traced ones update them in place."""
 
     def __init__(self, channels: int, device: torch.device) -> None:
         self.count, self.mean, self.m2, self.started = _zeros(channels, device)
-        self.before: State = _zeros(channels, device)
+        self.before: State = _zeros(channels, device)  # (a recomputation pools with the state before)
 
     def result(self) -> tuple[float, Tensor, Tensor]:
         """``(count, mean, m2)`` of every micro-batch pooled (reads the count on the host)."""
@@ -58,12 +43,8 @@ class Pool(NamedTuple):
     recomputing: bool  # a checkpoint's recomputation: pools with the state before, does not advance
 
     def pool(self, packed: Tensor) -> Tensor:
-        """The group-summed ``[n, sum x, sum x^2]`` (float64, ``(2C + 1,)``) merged with the carry.
-
-        Returns the pooled moments in the same packing (a new tensor; ``packed`` itself for the
-        first micro-batch of the block, which is plain synchronised batch norm). An empty micro-batch
-        changes nothing. Traceable: under ``torch.compile`` only tensor operations run.
-        """
+        """The group-summed ``[n, sum x, sum x^2]`` merged into the carry (Chan et al.), packed alike
+        (the block's first micro-batch: ``packed`` itself). Traceable."""
         count, mean, m2, started = self.state
         channels = mean.shape[0]
         n_b, sums = packed[:1], packed[1:].view(2, channels)
@@ -89,10 +70,7 @@ class Pool(NamedTuple):
 
 
 def statistics(layer: Any, recomputing: bool = False) -> Pool | ThisCall:
-    """The statistics hook of ``layer``'s training call (outside a cumulative block: ``THIS_CALL``).
-
-    ``recomputing``: activation checkpointing's second forward (in backward).
-    """
+    """The statistics hook of ``layer``'s training call (outside a cumulative block: ``THIS_CALL``)."""
     carry: Carry | None = layer.__dict__.get(_ATTR)
     if carry is None:
         return THIS_CALL

@@ -1,9 +1,6 @@
-"""Process-wide settings: the collective timeout, debug mode and shared memory.
-
-Each has an environment variable (``SYNCBN_TIMEOUT``, ``SYNCBN_DEBUG``, ``SYNCBN_SHM``) and a
-Python override, which wins; see docs/robustness.md#settings. The environment is read once, at
-the first training call; ``set_timeout("default")`` and ``set_debug(None)`` read it again.
-"""
+"""Process-wide settings: each an environment variable and a Python override, which wins (docs/robustness.md,
+"Settings"). The environment is read at the first training call; ``set_timeout("default")`` and
+``set_debug(None)`` read it again."""
 
 from __future__ import annotations
 
@@ -30,12 +27,9 @@ DEFAULT_TIMEOUT_S = 300.0
 
 #: The largest bound accepted, in seconds (about 31.7 years): every wait syncbn makes takes it
 #: (``timedelta`` stops near 8.6e13 s, a thread's wait on Linux at ``threading.TIMEOUT_MAX``, 9.2e9 s).
-#: Not re-exported by ``syncbn``; for no bound of syncbn's own, pass ``None``, ``0`` or ``"none"``.
 MAX_TIMEOUT_S = 1e9
-
-#: The smallest bound, in seconds: a positive one below it is taken as it. ``torch.distributed``
-#: takes its timeouts in whole milliseconds and reads 0 ms as "wait forever" (a bound of 0.4 ms once
-#: meant no bound at all).
+#: The smallest bound, in seconds: ``torch.distributed`` takes whole milliseconds and reads 0 ms as
+#: "wait forever", so a positive bound below it is taken as it.
 MIN_TIMEOUT_S = 1e-3
 
 #: What ``SYNCBN_DEBUG`` and ``SYNCBN_SHM`` accept (any case; empty or unset: the default).
@@ -47,7 +41,7 @@ _timeout_override: object = _UNSET
 _debug_override: bool | None = None
 _shm_override: bool | None = None
 # Resolved values, read by training calls; None until first read.
-_timeout_resolved: tuple[float | None, timedelta | None, str] | None = None  # (seconds, as timedelta, source)
+_timeout_resolved: tuple[float | None, timedelta | None, str] | None = None  # (seconds, timedelta, source)
 _debug_resolved: bool | None = None
 
 
@@ -103,24 +97,21 @@ def _parse_switch(name: str, default: bool) -> bool:
 def set_timeout(seconds: float | None | str = "default") -> None:
     """Bound every wait of a SyncBatchNorm collective in this process.
 
-    Overrides ``SYNCBN_TIMEOUT``. When a peer does not arrive within the bound,
-    the waiting rank raises a ``RuntimeError`` naming the layer, the group, the
-    time waited and the likely causes.
+    Overrides ``SYNCBN_TIMEOUT``. When a peer does not arrive within the bound, the waiting rank
+    raises a ``RuntimeError`` naming the layer, the group, the time waited and the likely causes.
 
     Args:
-        seconds: the bound in seconds (any real number: ``int``, ``float``,
-            numpy scalars, ``Fraction``), at most ``1e9`` (about 31 years); a
-            positive bound below ``0.001`` is taken as ``0.001`` (1 ms, the finest
-            timeout ``torch.distributed`` takes: it reads 0 ms as "no timeout");
-            ``None``, ``0`` or ``inf`` (not a finite ``"1e400"``) for no bound of syncbn's own (the
-            process group's timeout then bounds every wait, shared memory
-            included); ``"default"`` to drop the override and use
-            ``SYNCBN_TIMEOUT`` or the default again.
+        seconds: the bound in seconds (any real number: ``int``, ``float``, numpy scalars,
+            ``Fraction``), at most ``1e9`` (about 31 years); a positive bound below ``0.001`` is
+            taken as ``0.001`` (1 ms, the finest timeout ``torch.distributed`` takes: it reads 0 ms
+            as "no timeout"); ``None``, ``0`` or ``inf`` (not a finite ``"1e400"``) for no bound of
+            syncbn's own (the process group's timeout then bounds every wait, shared memory
+            included); ``"default"`` to drop the override and use ``SYNCBN_TIMEOUT`` or the default.
 
     Raises:
-        ValueError: a negative or NaN number, a number above ``1e9``, or a string
-            that is not a number, here; the same for ``SYNCBN_TIMEOUT`` at the
-            first training call (or :func:`get_timeout`).
+        ValueError: a negative or NaN number, a number above ``1e9``, or a string that is not a
+            number, here; the same for ``SYNCBN_TIMEOUT`` at the first training call (or
+            :func:`get_timeout`).
         TypeError: neither a real number, a string nor ``None``.
 
     Example::
@@ -141,8 +132,8 @@ def get_timeout() -> float | None:
     """The bound, in seconds, on one SyncBatchNorm collective, or ``None`` for none.
 
     Returns:
-        The value of :func:`set_timeout` if set, else ``SYNCBN_TIMEOUT`` if set,
-        else :data:`DEFAULT_TIMEOUT_S`.
+        The value of :func:`set_timeout` if set, else ``SYNCBN_TIMEOUT`` if set, else
+        :data:`DEFAULT_TIMEOUT_S`.
 
     Example::
 
@@ -178,8 +169,8 @@ def timeout_delta() -> timedelta | None:
 def set_debug(enabled: bool | None) -> None:
     """Turn the per-call cross-rank consistency checks on or off in this process.
 
-    Overrides ``SYNCBN_DEBUG``. Every rank of a group must use the same setting
-    (the checks are collectives).
+    Overrides ``SYNCBN_DEBUG``. Every rank of a group must use the same setting (the checks are
+    collectives).
 
     Args:
         enabled: ``True`` or ``False``; ``None`` drops the override.
@@ -200,12 +191,12 @@ def set_debug(enabled: bool | None) -> None:
 def debug_enabled() -> bool:
     """Whether debug mode is on: :func:`set_debug`, else ``SYNCBN_DEBUG``.
 
-    ``SYNCBN_DEBUG`` takes ``1``/``0``, ``true``/``false``, ``yes``/``no`` or
-    ``on``/``off`` (any case; empty or unset: off).
+    ``SYNCBN_DEBUG`` takes ``1``/``0``, ``true``/``false``, ``yes``/``no`` or ``on``/``off`` (any
+    case; empty or unset: off).
 
     Raises:
-        ValueError: ``SYNCBN_DEBUG`` holds anything else (read at the first
-            training call: on every rank that has it, before any state changes).
+        ValueError: ``SYNCBN_DEBUG`` holds anything else (read at the first training call: on
+            every rank that has it, before any state changes).
 
     Example::
 
@@ -222,19 +213,17 @@ def debug_enabled() -> bool:
 def set_shared_memory(enabled: bool | None) -> None:
     """Allow or forbid the same-machine shared-memory path for CPU collectives.
 
-    By default, when every rank of a group runs on one machine (x86-64 Linux),
-    CPU collectives go through a shared-memory segment instead of the process
-    group's transport: about 40 us instead of 1-2 ms for gloo. Set it on every
-    rank before a group's first training call; the ranks agree when the group
-    is first used (any rank saying no means the process group for all), and
-    the choice then holds for that group.
+    By default, when every rank of a group runs on one machine (x86-64 Linux), CPU collectives go
+    through a shared-memory segment instead of the process group's transport: about 40 us instead
+    of 1-2 ms for gloo. Set it on every rank before a group's first training call; the ranks agree
+    when the group is first used (any rank saying no means the process group for all), and the
+    choice then holds for that group.
 
     Args:
-        enabled: ``True``/``False`` to override, ``None`` to follow
-            ``SYNCBN_SHM`` again: ``1``/``0``, ``true``/``false``, ``yes``/``no``
-            or ``on``/``off`` (any case; empty or unset: on). Any other value
-            of ``SYNCBN_SHM`` raises a ``ValueError`` at the group's first CPU
-            collective, before it sends anything.
+        enabled: ``True``/``False`` to override, ``None`` to follow ``SYNCBN_SHM`` again:
+            ``1``/``0``, ``true``/``false``, ``yes``/``no`` or ``on``/``off`` (any case; empty or
+            unset: on). Any other value of ``SYNCBN_SHM`` raises a ``ValueError`` at the group's
+            first CPU collective, before it sends anything.
 
     Example::
 
@@ -254,7 +243,7 @@ def shared_memory_enabled() -> bool:
     """Whether this rank allows the shared-memory path (:func:`set_shared_memory`, else ``SYNCBN_SHM``).
 
     Raises:
-        ValueError: ``SYNCBN_SHM`` is neither empty nor one of ``1``/``0``,
-            ``true``/``false``, ``yes``/``no``, ``on``/``off`` (any case).
+        ValueError: ``SYNCBN_SHM`` is neither empty nor one of ``1``/``0``, ``true``/``false``,
+            ``yes``/``no``, ``on``/``off`` (any case).
     """
     return _parse_switch("SYNCBN_SHM", True) if _shm_override is None else _shm_override

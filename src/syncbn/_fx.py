@@ -1,7 +1,6 @@
-"""How syncbn's layers appear in a ``torch.fx`` graph: as one call of the layer, like torch's own.
+"""How syncbn's layers appear in a ``torch.fx`` graph: one call of the layer, like torch's own.
 
-Each layer's ``forward`` calls :func:`leaf_call` when given a ``Proxy``. See docs/internals/tools.md.
-"""
+Each layer's ``forward`` calls :func:`leaf_call` when given a ``Proxy`` (docs/internals/tools.md)."""
 
 from __future__ import annotations
 
@@ -14,11 +13,9 @@ __all__ = ["call_forward", "leaf_call"]
 
 
 def leaf_call(module: nn.Module, forward: Callable[..., Any], *args: Any) -> Any:
-    """Record ``forward(module, *args)`` in the graph of ``args[0]``'s tracer; return the node's ``Proxy``.
-
-    ``forward`` is the running ``forward`` (the caller's class's); trailing ``None`` arguments are
-    dropped by the caller. ``TypeError`` if the tracer is no ``torch.fx.Tracer`` (no module paths).
-    """
+    """Record ``forward(module, *args)`` (the caller's class's ``forward``; trailing ``None`` arguments
+    dropped) in the graph of ``args[0]``'s tracer and return the node's ``Proxy``; ``TypeError`` if the
+    tracer is no ``torch.fx.Tracer`` (no module paths)."""
     tracer = args[0].tracer
     if not isinstance(tracer, torch.fx.Tracer):
         raise TypeError(
@@ -39,19 +36,10 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_FORWARDS: dict[tuple[type, str], Callable[..., Any]] = {}
-
-
 def call_forward(layer: nn.Module, owner: str, *args: Any) -> Any:
-    """Run on ``layer`` the ``forward`` of ``owner`` (``"module.QualifiedName"``, a class of its MRO).
-
-    What a traced subclass's graph calls for the layer's part (importable, so the graph pickles).
-    """
-    key = (type(layer), owner)
-    forward = _FORWARDS.get(key)
-    if forward is None:
-        found = [cls for cls in type(layer).__mro__ if _name(cls) == owner and "forward" in cls.__dict__]
-        if not found:
-            raise TypeError(f"{type(layer).__name__} has no class {owner} with a forward in its MRO")
-        forward = _FORWARDS[key] = found[0].__dict__["forward"]
-    return forward(layer, *args)
+    """Run on ``layer`` the ``forward`` of ``owner`` (``"module.QualifiedName"``, a class of its MRO):
+    what a traced subclass's graph calls for the layer's part (importable, so the graph pickles)."""
+    for cls in type(layer).__mro__:
+        if _name(cls) == owner and "forward" in cls.__dict__:
+            return cls.__dict__["forward"](layer, *args)
+    raise TypeError(f"{type(layer).__name__} has no class {owner} with a forward in its MRO")

@@ -19,12 +19,7 @@ _T = TypeVar("_T")
 
 
 class TrainingCall(NamedTuple):
-    """One training call's running-statistics bookkeeping, made once by :func:`training_call`.
-
-    The running statistics are passed whenever the layer tracks them; a checkpoint's
-    recomputation updates them with factor 0 (unchanged, the same operations run) and does not
-    count its batch.
-    """
+    """One training call's bookkeeping, made once by :func:`training_call` (docs/architecture.md)."""
 
     running_mean: Tensor | None  # the layer's, updated in place unless pooled (None: tracks none)
     running_var: Tensor | None
@@ -43,12 +38,8 @@ class TrainingCall(NamedTuple):
         return (self.running_mean, self.running_var) if self.statistics is _cmbn.THIS_CALL else (None, None)
 
     def params(self, eps: float, group: Any, layer: Any, family: Any) -> Params:
-        """The engine's per-call parameters of this call (:class:`syncbn.engine._function.Params`)
-        with ``family``, the call's family object (:class:`syncbn.families._protocol.Family`)."""
-        mean, var = (
-            (self.running_mean, self.running_var) if self.statistics is _cmbn.THIS_CALL else (None, None)
-        )
-        return Params(mean, var, eps, self.momentum, group, layer, family, self.statistics)
+        """The engine's :class:`~syncbn.engine._function.Params` of this call with ``family``."""
+        return Params(*self.updated(), eps, self.momentum, group, layer, family, self.statistics)
 
     def batch_norm(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
         """``nn.BatchNorm``'s own training kernel on a call of its own statistics, its batch counted."""
@@ -63,13 +54,10 @@ class TrainingCall(NamedTuple):
 
 
 def training_call(layer: Any, recomputing: bool | None = None, traced: bool = False) -> TrainingCall:
-    """The bookkeeping of a training call of ``layer`` (any layer with ``nn.BatchNorm``'s attributes).
+    """The bookkeeping of a training call of ``layer`` (``recomputing`` ``None``: detected).
 
-    ``recomputing`` ``None``: detected, a forward while autograd runs a backward on this thread
-    (eager), or an ``nn.DataParallel`` replica made by one (its thread cannot tell). The factor is
-    ``momentum``, 0 when recomputing; ``momentum=None`` is nn.BatchNorm's cumulative average,
-    1 / (batches seen, this one included): read on the host, or with ``traced`` a tensor (no host
-    read, no recompilation per step); 0 without a counter.
+    The factor is ``momentum``, 0 when recomputing; ``momentum=None``: 1 / (batches seen, this one
+    included), with ``traced`` a tensor (no host read, no recompilation per step).
     """
     if recomputing is None:
         replica = layer.__dict__.get("_syncbn_replica")
@@ -143,23 +131,18 @@ def like(cls: type[Any], layer: Any, **kwargs: Any) -> Any:
     )
 
 
-def dims_doc(
-    base: str, rank: str, shape: str, output: str, example: str, plain: str = "", args: str = ""
-) -> str:
-    """The docstring of the class of ``base`` for one input rank.
+def dims_doc(base: str, rank: str, shape: str, output: str, example: str, plain: str) -> str:
+    """The docstring of the class of ``base`` for one input rank, which is a ``plain`` (``nn.BatchNorm*d``).
 
-    ``example``: the constructor and the call, on two lines; ``plain``: the ``nn.BatchNorm*d``
-    it is an instance of; ``args``: an ``Args:`` section, placed before ``Shape:``.
+    ``example``: the constructor and the call, on two lines.
     """
-    text = f":class:`{base}` {rank}."
-    if plain:
-        text += (
-            f"\n\nSame arguments and math as :class:`{base}`; checks the input rank\nlike ``{plain}``, "
-            f"and is an ``{plain}``: ``isinstance(layer,\n{plain})`` is true, so code that finds "
-            "BatchNorm layers by type (freezing,\nweight-decay exclusion, initialisation loops) finds it too."
-        )
+    text = (
+        f":class:`{base}` {rank}.\n\nSame arguments and math as :class:`{base}`; checks the input rank\nlike "
+        f"``{plain}``, and is an ``{plain}``: ``isinstance(layer,\n{plain})`` is true, so code that finds "
+        "BatchNorm layers by type (freezing,\nweight-decay exclusion, initialisation loops) finds it too."
+    )
     construct, call = example.split("\n")
     return (
-        f"{text}\n\n{args}Shape:\n    - Input: {shape}\n    - Output: {output}\n\n"
+        f"{text}\n\nShape:\n    - Input: {shape}\n    - Output: {output}\n\n"
         f"Example::\n\n    >>> {construct}\n    >>> {call}\n"
     )

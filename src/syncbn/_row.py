@@ -1,11 +1,11 @@
 """The row each rank contributes to a consistency check: its fields, their codes, their words.
 
 A field holds a float64 equal on every rank that agrees (a hash, a code or the value itself); a
-disagreement reads back through that field's describer. See docs/internals/layers.md.
-"""
+disagreement reads back through that field's describer. See docs/internals/layers.md."""
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Callable
@@ -100,18 +100,15 @@ def _setting_code(layer: nn.Module | None, name: str) -> float:
         return math.nan
 
 
-def _show_setting(name: str) -> Callable[[float], str]:
-    def show(code: float) -> str:
-        if code == _NOT_SET:
-            return f"no {name}"
-        if math.isnan(code):
-            return f"{name}=None"
-        if name == "activation":
-            texts = {_identity_hash(t): t for t in _TEXTS}
-            return f"{name}={texts[code]!r}" if code in texts else f"{name} with CRC-32 {_whole(code)}"
-        return f"{name}={code!r}"
-
-    return show
+def _show_setting(name: str, code: float) -> str:
+    if code == _NOT_SET:
+        return f"no {name}"
+    if math.isnan(code):
+        return f"{name}=None"
+    if name == "activation":
+        texts = {_identity_hash(t): t for t in _TEXTS}
+        return f"{name}={texts[code]!r}" if code in texts else f"{name} with CRC-32 {_whole(code)}"
+    return f"{name}={code!r}"
 
 
 def _same(a: float, b: float) -> bool:
@@ -164,7 +161,7 @@ _DISAGREEMENTS: dict[str, tuple[str, Callable[[float], str]]] = {
     **{
         name: (
             f"the layer's {name} (every rank must use the same value; change it alike on every rank)",
-            _show_setting(name),
+            functools.partial(_show_setting, name),
         )
         for name in SETTINGS
     },

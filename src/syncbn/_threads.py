@@ -1,8 +1,5 @@
-"""In-process groups: threads of ``nn.DataParallel`` replicas meeting in a :class:`Rendezvous`, and ``LOCAL``.
-
-Rounds pair every member's ``i``-th call and combine the items in member order (the same bits
-whatever the timing); waits are bounded. See docs/internals/transports.md.
-"""
+"""In-process groups: ``nn.DataParallel`` replicas' threads meeting in a :class:`Rendezvous`, and ``LOCAL``.
+See docs/internals/transports.md#the-rendezvous."""
 
 from __future__ import annotations
 
@@ -49,10 +46,8 @@ class _Round:
 
 
 class Rendezvous:
-    """Rounds of exchange among ``size`` threads, each member waiting at most ``timeout`` seconds.
-
-    ``label`` names what they synchronise in errors; a callable is evaluated only then.
-    """
+    """Rounds of exchange among ``size`` threads, each waiting at most ``timeout`` seconds (``label``,
+    or a callable evaluated only then, names what they synchronise in errors)."""
 
     def __init__(self, size: int, timeout: float, label: str | Callable[[], str] = "") -> None:
         if size < 1:
@@ -69,18 +64,13 @@ class Rendezvous:
 
     @property
     def label(self) -> str:
-        """The label, evaluated."""
         return self._label() if callable(self._label) else self._label
 
     def exchange(
         self, rank: int, item: Any, *, what: str, combine: Callable[[list[Any]], Any] | None = None
     ) -> Any:
-        """Contribute ``item`` to this member's next round; return ``combine(items)``, the same for all.
-
-        ``combine`` runs once, by the last member to arrive, on the items in member order (``None``:
-        the list). Every member's ``i``-th round must be of the same kind ``what``. Raises
-        :class:`ReplicaSyncError` on a timeout, different kinds, or an already broken rendezvous.
-        """
+        """Contribute ``item`` to this member's next round, of kind ``what`` on every member; return
+        ``combine(items)`` (``None``: the list), run once, by the last to arrive, in member order."""
         if not 0 <= rank < self.size:
             raise ValueError(f"expected a rank in [0, {self.size}) (got {rank})")
         with self._cond:
@@ -169,7 +159,7 @@ class ThreadSumGroup:
 
 
 class LocalSum:
-    """The "none" reducer: a group of one, for families (renorm) that run the engine with no group."""
+    """A group of one, for families (renorm) that run the engine with no group."""
 
     size = 1
     rank = 0

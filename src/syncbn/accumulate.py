@@ -1,7 +1,4 @@
-"""One exact running-statistics update per optimizer step under gradient accumulation.
-
-How the micro-batches' moments are collected and merged: docs/internals/tools.md.
-"""
+"""One exact running-statistics update per optimizer step under accumulation (docs/internals/tools.md)."""
 
 from __future__ import annotations
 
@@ -157,8 +154,7 @@ def _vote(group: groups.ProcessGroupSum, vote: Tensor) -> Tensor:
 def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> list[_Seen] | None:
     """One vote of the group's ranks at the block's end: the layers' update, or ``None`` (discard).
 
-    Any discard: every rank discards; unequal counts: every rank takes the moments of the first
-    rank that saw the most (docs/internals/tools.md, gradient accumulation).
+    Any discard: every rank discards; unequal counts: the moments of the first rank that saw the most.
     """
     device = seen[0].mean.device
     vote = torch.zeros(1 + group.size, dtype=torch.float64, device=device)
@@ -192,8 +188,7 @@ def _decide(
 ) -> list[_Seen | None]:
     """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`).
 
-    One vote per group; local layers (and ``nn.DataParallel`` replicas') follow this rank. A discard
-    agreed in any group puts back every layer of this rank. No vote under an active ``Join``.
+    One vote per group; local layers and replicas' follow this rank; a discard anywhere puts back all.
     """
     # No vote when the process is going down, or after a failed collective (a timeout, a dead peer),
     # which left the group unusable on every rank.
@@ -235,12 +230,9 @@ def _decide(
 class accumulation:  # noqa: N801 - used like torch.no_grad
     """One exact running-statistics update for all micro-batches of a gradient-accumulation step.
 
-    Use it around the ``k`` forward/backward passes of one optimizer step.
-    Inside, every batch-norm layer of ``model`` normalises each micro-batch
-    with that micro-batch's statistics (synchronised as always), or, with
-    ``normalize="cumulative"`` (CmBN, docs/cmbn.md), micro-batch ``t`` with the
-    pooled statistics of micro-batches ``1..t`` of all ranks. When the block
-    ends, each layer's ``running_mean`` and ``running_var`` take **one** momentum
+    Use it around the ``k`` forward/backward passes of one optimizer step
+    (how each micro-batch is normalised: ``normalize``). When the block ends,
+    each layer's ``running_mean`` and ``running_var`` take **one** momentum
     update with the mean and unbiased variance of all micro-batches of all ranks
     together, and ``num_batches_tracked`` goes up by one: exactly what one
     training forward over the concatenated ``k x W`` micro-batches would leave
@@ -268,9 +260,10 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
         model: the module whose batch-norm layers accumulate (DDP wrappers and
             the like too: every submodule is searched).
         normalize: ``"micro-batch"`` (default): each micro-batch is normalised
-            with its own statistics. ``"cumulative"``: micro-batch ``t`` with the
-            count, mean and biased variance of micro-batches ``1..t`` of all ranks
-            together, the earlier ones constants in backward (the gradient is
+            with its own statistics (synchronised as always). ``"cumulative"``
+            (CmBN, docs/cmbn.md): micro-batch ``t`` with the count, mean and biased
+            variance of micro-batches ``1..t`` of all ranks together, the earlier
+            ones constants in backward (the gradient is
             batch norm's with the pooled count); the first micro-batch is plain
             synchronised batch norm. Same collectives, one running update at the
             end. Needs syncbn's layers (``SyncBatchNorm``, ``SyncBatchRenorm``, the

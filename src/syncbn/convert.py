@@ -35,8 +35,7 @@ class BatchNorm(_BatchNorm):
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
         eps: value added to the variance for numerical stability. Default: 1e-5.
-        momentum: running-statistics update factor, or ``None`` for a cumulative
-            moving average. Default: 0.1.
+        momentum: running-statistics update factor, or ``None`` (cumulative moving average). Default: 0.1.
         affine: learnable per-channel scale and shift. Default: ``True``.
         track_running_stats: keep running mean and variance for eval. Default: ``True``.
         device: device of the parameters and buffers.
@@ -79,19 +78,17 @@ def _path(prefix: str) -> str:
     return f"'{prefix}'" if prefix else "the root module"
 
 
-def _timm_act_classes() -> tuple[type, ...]:
+def _timm_act_classes() -> tuple[type[_BatchNorm], ...]:
     """timm's norm-plus-activation BatchNorm classes, if timm is loaded (else no layer is one)."""
     norm_act = sys.modules.get("timm.layers.norm_act")  # None: no class found
     found = (getattr(norm_act, name, None) for name in ("BatchNormAct2d", "SyncBatchNormAct"))
-    return tuple(cls for cls in found if isinstance(cls, type))
+    return tuple(cls for cls in found if isinstance(cls, type) and issubclass(cls, _BatchNorm))
 
 
 def _is_timm_act(layer: nn.Module) -> bool:
     """Whether ``layer`` is a timm ``BatchNormAct2d``/``SyncBatchNormAct`` with timm's own forward."""
     classes = _timm_act_classes()
-    return isinstance(layer, classes) and type(layer).forward in {
-        getattr(cls, "forward", None) for cls in classes
-    }
+    return isinstance(layer, classes) and type(layer).forward in {cls.forward for cls in classes}
 
 
 def _is_sync_act(layer: nn.Module) -> bool:
@@ -116,12 +113,8 @@ def _unparametrized_class(layer: nn.Module) -> type:
 
 def _keeps_behaviour(layer: _BatchNorm, prefix: str, left: list[str]) -> bool:
     """Whether swapping ``layer``'s class keeps its behaviour; when not, say why in ``left``."""
-    if (
-        type(layer).forward in _PLAIN_FORWARDS
-        or _is_timm_act(layer)
-        or _is_sync_act(layer)
-        or getattr(layer, "_syncbn_plain_forward", False)
-    ):
+    plain = type(layer).forward in _PLAIN_FORWARDS or getattr(layer, "_syncbn_plain_forward", False)
+    if plain or _is_timm_act(layer) or _is_sync_act(layer):
         return True
     left.append(
         f"syncbn: left {_path(prefix)} ({type(layer).__qualname__}) as it is because "
@@ -153,9 +146,8 @@ def _to_sync(
     if isinstance(layer, SyncBatchNorm) or not _keeps_behaviour(layer, prefix, left):
         return layer
     original = _unparametrized_class(layer)
-    group = process_group
-    if group is None and isinstance(layer, nn.SyncBatchNorm):
-        group = layer.process_group  # keep the group the layer was built with
+    keep = process_group is None and isinstance(layer, nn.SyncBatchNorm)  # the group it was built with
+    group = layer.process_group if keep else process_group
     if _is_timm_act(layer):
         from .integrations.timm import SyncBatchNormAct2d
 
@@ -176,7 +168,7 @@ def _to_sync(
 def _plain_class_of(layer: nn.Module) -> type[_BatchNorm]:
     """The plain class a syncbn layer reverts to when it remembers none."""
     if _is_sync_act(layer):
-        return _timm_act_classes()[0]  # type: ignore[no-any-return]
+        return _timm_act_classes()[0]
     for plain, sync in _TO_SYNC:
         if _checks_as(layer, sync) and getattr(type(layer), "_input_dims", None) == sync._input_dims:
             return plain

@@ -49,14 +49,12 @@ def fuse_batchnorm_activation(
 ) -> nn.Module:
     """Replace ``BatchNorm`` -> ``LeakyReLU``/``ELU`` neighbours of ``nn.Sequential`` containers, in place.
 
-    Each pair ``(bn, act)`` at positions ``i, i+1`` becomes
-    ``(InPlaceSyncBatchNorm, nn.Identity())``: the ``state_dict`` keys stay those of the BatchNorm,
-    the ``Parameter`` objects and buffers are the BatchNorm's own (an optimizer built before keeps
-    working). ``nn.BatchNorm2d`` becomes :class:`~syncbn.InPlaceSyncBatchNorm2d`, the others the
-    generic :class:`~syncbn.InPlaceSyncBatchNorm`. Only ``nn.LeakyReLU`` with a positive slope and
-    ``nn.ELU`` qualify (``ReLU`` is not invertible). Batch Renormalization layers
-    (``SyncBatchRenorm*``) and frozen layers (``freeze=True``) are left as they are: their training
-    is not batch norm's.
+    Each pair ``(bn, act)`` at positions ``i, i+1`` becomes ``(InPlaceSyncBatchNorm, nn.Identity())``,
+    with the BatchNorm's ``state_dict`` keys, ``Parameter`` objects and buffers (an optimizer built
+    before keeps working); ``nn.BatchNorm2d`` becomes :class:`~syncbn.InPlaceSyncBatchNorm2d`, the
+    others the generic :class:`~syncbn.InPlaceSyncBatchNorm`. Only ``nn.LeakyReLU`` with a positive
+    slope and ``nn.ELU`` qualify (``ReLU`` is not invertible). Renorm (``SyncBatchRenorm*``) and frozen
+    (``freeze=True``) layers are left as they are: their training is not batch norm's.
 
     The in-place scale is :math:`|w| + \\epsilon`, so the fused weight is :math:`w - \\epsilon`:
     exact when :math:`w \\ge \\epsilon`. Channels below cannot be represented (``strict``: refused;
@@ -68,8 +66,7 @@ def fuse_batchnorm_activation(
 
     Args:
         module: the model.
-        process_group: the group the fused layers synchronise over (``None``:
-            the default group; a ``SyncBatchNorm``'s own group is kept).
+        process_group: the fused layers' group (``None``: the default group, or a ``SyncBatchNorm``'s own).
         strict: refuse weights below ``eps`` (``True``) or clamp them to 0 (``False``, with a warning).
 
     Returns:
@@ -118,7 +115,6 @@ def fuse_batchnorm_activation(
         warnings.warn(
             "syncbn: fused BatchNorm layers with weights below eps, clamped to 0 (the scale becomes eps): "
             + ", ".join(bad),
-            UserWarning,
             stacklevel=2,
         )
     if shared:
@@ -127,7 +123,6 @@ def fuse_batchnorm_activation(
             "LeakyReLU/ELU pair, or with different activations, where its fused weight (w - eps) "
             "would change the model: "
             + ", ".join(f"{name + '.' if name else ''}{key}" for (name, _, key, _), *_ in shared),
-            UserWarning,
             stacklevel=2,
         )
     for pairs in fused:

@@ -1,8 +1,4 @@
-"""Uneven inputs: SyncBatchNorm layers under ``torch.distributed.algorithms.Join``.
-
-A joined rank answers every SyncBatchNorm collective of the ranks still training with an empty
-batch's contribution. The protocol: docs/internals/tools.md.
-"""
+"""Uneven inputs: SyncBatchNorm layers under torch's ``Join``. The protocol: docs/internals/tools.md."""
 
 from __future__ import annotations
 
@@ -29,23 +25,21 @@ _HEADER = 4
 class JoinableSyncBatchNorm(Joinable):
     """Makes the SyncBatchNorm layers of ``model`` joinable, for uneven inputs.
 
-    Pass it to ``torch.distributed.algorithms.Join`` first, before the DDP model:
-    a rank that has run out of batches then contributes an empty batch to every
-    SyncBatchNorm collective of the ranks still training, and nothing hangs.
-    Create it on every rank at the same point (it creates a process group with
-    syncbn's bound as its timeout); the layers must synchronise over the default
-    group. Without it, ``Join([ddp])`` over SyncBatchNorm layers raises
-    :class:`syncbn.groups.PlainJoinError` on every rank at the first SyncBatchNorm
-    collective inside the ``Join``.
+    Pass it to ``torch.distributed.algorithms.Join`` first, before the DDP model: a rank that has
+    run out of batches then contributes an empty batch to every SyncBatchNorm collective of the
+    ranks still training, and nothing hangs. Create it on every rank at the same point (it creates
+    a process group with syncbn's bound as its timeout); the layers must synchronise over the
+    default group. Without it, ``Join([ddp])`` over SyncBatchNorm layers raises
+    :class:`syncbn.groups.PlainJoinError` on every rank at the first SyncBatchNorm collective
+    inside the ``Join``.
 
     Args:
         model: the model, bare or wrapped in ``DistributedDataParallel``.
 
     Raises:
-        ValueError: ``torch.distributed`` is not initialised, or a layer of any
-            family holds a process group of its own (``process_group``, or the
-            ``group`` of ``compat.inplace_abn``); at ``Join(...)``, when the
-            joinable is not first in the list.
+        ValueError: ``torch.distributed`` is not initialised, or a layer of any family holds a
+            process group of its own (``process_group``, or the ``group`` of
+            ``compat.inplace_abn``); at ``Join(...)``, when the joinable is not first in the list.
 
     Example::
 
@@ -103,7 +97,7 @@ class JoinableSyncBatchNorm(Joinable):
             _sum.set_join(self._wrap)
 
     def _wrapper(self, group: groups.ProcessGroupSum) -> Any:
-        """The default ``group`` as training calls use it in join mode (until :meth:`live` says no)."""
+        """The default ``group`` as training calls use it in join mode."""
         if not self.live():
             if _sum._join is self._wrap:
                 _sum.set_join(None)
@@ -129,11 +123,8 @@ class JoinableSyncBatchNorm(Joinable):
         return hook
 
     def live(self) -> bool:
-        """Whether the ``Join`` holding this joinable is still going.
-
-        A ``Join`` whose body raised runs no post-hooks; join mode then ends when the ``Join``
-        object is gone (as the plain-``Join`` watch of ``syncbn.groups`` does).
-        """
+        """Whether the ``Join`` holding this joinable is still going (one whose body raised runs no
+        post-hooks: join mode then ends when the ``Join`` object is gone)."""
         return self._hook() is not None
 
     @property
@@ -197,8 +188,7 @@ class JoinableSyncBatchNorm(Joinable):
 
 
 class _JoinedGroup:
-    """The default group under an active Join: a SumGroup whose every sum goes through the joinable
-    (header then payload on its own group); not framed, so the layers' checks do not run."""
+    """The default group under an active Join: every sum through the joinable (not framed: no checks)."""
 
     def __init__(self, all_reduce_sum: Callable[[Tensor], Tensor], base: groups.ProcessGroupSum) -> None:
         self.all_reduce_sum, self.base = all_reduce_sum, base

@@ -27,13 +27,12 @@ _BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).paramet
 
 __all__ = ["SyncBatchNorm", "SyncBatchNorm1d", "SyncBatchNorm2d", "SyncBatchNorm3d"]
 
-# The conversion behind SyncBatchNorm.convert_sync_batchnorm, handed down by syncbn.convert on import
-# (imports flow one way: convert -> modules).
+# SyncBatchNorm.convert_sync_batchnorm's function, handed down by syncbn.convert (imports flow one way).
 _converter: Callable[[torch.nn.Module, Any], torch.nn.Module] | None = None
 
 
 def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -> None:
-    """Install the function :meth:`SyncBatchNorm.convert_sync_batchnorm` calls (``syncbn.convert`` does)."""
+    """Install the function :meth:`SyncBatchNorm.convert_sync_batchnorm` calls."""
     global _converter
     _converter = function
 
@@ -164,13 +163,11 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
 
     def _normalize(self, input: Tensor) -> Tensor:
         """Normalise a checked ``input``: eval or frozen (never communicates), or one training call."""
-        if self.freeze or not self.training:
-            # The running statistics (frozen: weight and bias get no gradient), or in eval without
-            # them the local batch's.
+        if self.freeze or not self.training:  # the running statistics, or in eval without them the batch's
             weight: Tensor | None = self.weight
             bias: Tensor | None = self.bias
             mean = self.running_mean
-            if self.freeze:
+            if self.freeze:  # (no gradient for weight and bias)
                 weight, bias = (None if t is None else t.detach() for t in (weight, bias))
             weight, bias = _rules.affine_for_statistics(mean, weight, bias)
             batch = not self.freeze and mean is None
@@ -190,19 +187,17 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                 f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
                 "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
             )
-        call = self._training_call(not compiling and _rules.in_backward())  # (checkpointing: factor 0)
+        call = self._training_call()
         group = groups.resolve(self._group())
         family = self._family_call(call.recomputing, True)
         weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)
         if group is None and family is BATCH_NORM and not call.pooled:  # exactly nn.BatchNorm
             return call.batch_norm(input, weight, bias, self.eps)
-        # the input was checked above; without a group, a family's math alone (LOCAL)
         params = call.params(self.eps, LOCAL if group is None else group, self, family)
         return call.counted(apply(input, weight, bias, params))
 
     def _compiled_training_forward(self, input: Tensor) -> Tensor:
-        # Traced arithmetic around the opaque collective (syncbn.engine._compiled). Nothing guards
-        # on which layer this is (it travels as its token), so one compiled frame serves them all.
+        # Traced arithmetic around the opaque collective; the layer travels as its token (no guard on it).
         handle = _ops.group_handle(self.process_group)
         if handle and _ops.tracing_a_checkpointed_region():
             _warn_while_tracing(
@@ -221,15 +216,11 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         return call.counted(_compiled.sync_batch_norm(input, weight, bias, params))
 
     def _family_call(self, recomputing: bool = False, eager: bool = False) -> Any:
-        """This training call's family object (:mod:`syncbn.families`): batch norm's here.
-
-        ``recomputing``: activation checkpointing's second forward; ``eager``: not traced.
-        """
+        """This call's family object (:mod:`syncbn.families`), batch norm's here (``eager``: not traced)."""
         return BATCH_NORM
 
     def _replica_family(self, replication: Any, rank: int, input: Tensor) -> Any:
-        """The family of replica ``rank``'s training call (:mod:`syncbn.parallel`): a recomputation's
-        reads the forward's statistics; replica 0 has the layer the user holds keep them."""
+        """Replica ``rank``'s family; replica 0 has the user's layer keep what a recomputation reads."""
         family = self._family_call(replication.recomputing)
         if replication.recomputing:  # (the forward's statistics, on the input's device)
             return family.snapshot(lambda t: t.to(input.device))

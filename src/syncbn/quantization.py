@@ -109,9 +109,8 @@ class _ToQAT(NamedTuple):
         plain = self.plain.__new__(self.plain)  # torch's float fused class, the same children
         nn.Sequential.__init__(plain, *mod.children())
         plain.qconfig = mod.qconfig
-        kwargs = {}
-        if "use_precomputed_fake_quant" in inspect.signature(self.qat.from_float).parameters:
-            kwargs["use_precomputed_fake_quant"] = use_precomputed_fake_quant
+        accepts = "use_precomputed_fake_quant" in inspect.signature(self.qat.from_float).parameters
+        kwargs = {"use_precomputed_fake_quant": use_precomputed_fake_quant} if accepts else {}
         new: nn.Module = self.qat.from_float(plain, **kwargs)
         # from_float made a plain batch norm sharing the layer's Parameters and buffers: put the layer back.
         bn = mod[1]  # type: ignore[index]

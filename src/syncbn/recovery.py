@@ -1,7 +1,4 @@
-"""Re-aligning the ranks' batch-norm buffers after a failed collective: :func:`sync_buffers`.
-
-See docs/robustness.md (Recovery) for when the buffers can differ.
-"""
+"""Re-aligning the ranks' batch-norm buffers after a failed collective (docs/robustness.md, "Recovery")."""
 
 from __future__ import annotations
 
@@ -46,29 +43,26 @@ def _norm_buffers(model: nn.Module) -> tuple[list[Tensor], Tag]:
 def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> int:
     """Copy rank ``src``'s batch-norm buffers to every rank of the group.
 
-    Every normalisation layer of ``model`` with running statistics
-    (``syncbn.SyncBatchNorm*``, ``syncbn.InPlaceSyncBatchNorm*``, the
-    ``syncbn.compat.inplace_abn`` layers, ``nn.BatchNorm*d``,
-    ``nn.InstanceNorm*d`` with ``track_running_stats=True``) takes
-    ``running_mean``, ``running_var`` and ``num_batches_tracked`` from rank
-    ``src``, for instance after a :class:`~syncbn.CollectiveError`. The values
-    travel as one framed float64 sum (exact for float16/bfloat16/float32 values
-    and counts below ``2**53``) whose header carries a checksum of the layers'
-    names and the buffers' shapes, so models that differ between ranks (even
-    with equal total sizes) give a ``CollectiveError`` (``mismatch``) on every
-    rank, naming both sizes, and no buffer changes. A collective: call it on
-    every rank. Parameters are not touched (DDP broadcasts them at construction).
+    Every normalisation layer of ``model`` with running statistics (``syncbn.SyncBatchNorm*``,
+    ``syncbn.InPlaceSyncBatchNorm*``, the ``syncbn.compat.inplace_abn`` layers, ``nn.BatchNorm*d``,
+    ``nn.InstanceNorm*d`` with ``track_running_stats=True``) takes ``running_mean``,
+    ``running_var`` and ``num_batches_tracked`` from rank ``src``, for instance after a
+    :class:`~syncbn.CollectiveError`. The values travel as one framed float64 sum (exact for
+    float16/bfloat16/float32 values and counts below ``2**53``) whose header carries a checksum of
+    the layers' names and the buffers' shapes, so models that differ between ranks (even with equal
+    total sizes) give a ``CollectiveError`` (``mismatch``) on every rank, naming both sizes, and no
+    buffer changes. A collective: call it on every rank. Parameters are not touched (DDP
+    broadcasts them at construction).
 
     Args:
-        model: the model (``DistributedDataParallel``/``DataParallel`` wrappers
-            are looked through).
+        model: the model (``DistributedDataParallel``/``DataParallel`` wrappers are looked through).
         src: the group rank whose buffers every rank takes.
-        process_group: the group, ``None`` for the default group. A group whose
-            collective timed out or failed is unusable: pass a new one.
+        process_group: the group, ``None`` for the default group. A group whose collective timed
+            out or failed is unusable: pass a new one.
 
     Returns:
-        The number of buffers synchronised (0 when there is nothing to do: no
-        process group, or a group of one).
+        The number of buffers synchronised (0 when there is nothing to do: no process group, or a
+        group of one).
 
     Raises:
         ValueError: ``src`` is not a rank of the group.

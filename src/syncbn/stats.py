@@ -43,11 +43,8 @@ def _tracked_layers(model: nn.Module, function: str) -> list[tuple[str, _Tracked
 def _sum_checked(
     group: Any, layers: list[tuple[str, _Tracked]], parts: list[Tensor], function: str
 ) -> tuple[int, Tensor]:
-    """The group size and the float64 ``parts`` summed over ``group`` (on the last part's device).
-
-    A header ``[1, layout code]`` goes first, the code a number in [0, 1) of the layers' names and
-    sizes; raises on every rank when the ranks' models do not hold the same BatchNorm layers.
-    """
+    """The group size and the float64 ``parts`` summed over ``group`` (on the last part's device), after
+    a header ``[1, layout code in [0, 1)]``: raises on every rank when the ranks' layers differ."""
     own = layout_checksum(f"{name}:{layer.running_mean.numel()}" for name, layer in layers) / 2**32  # type: ignore[union-attr]
     device = parts[-1].device if parts else torch.device("cpu")
     packed = torch.cat(
@@ -96,15 +93,13 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
     :func:`recompute_running_stats`). A rank that has seen no batch carries no weight; where no rank
     has seen one, or a layer keeps no ``num_batches_tracked``, the ranks weigh equally.
     (``timm.utils.distribute_bn`` averages the variances alone, dropping the between-rank part.)
-
     All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked`` becomes the mean
     over ranks, rounded. Every rank of the group must call this; outside ``torch.distributed``, or
     in a group of one, the model is returned unchanged.
 
     Args:
-        model: the model (or a single layer); any ``_BatchNorm`` layer with
-            running statistics takes part, and syncbn's in-place activated
-            layers (``InPlaceSyncBatchNorm*``, ``syncbn.compat.inplace_abn``).
+        model: the model (or a single layer): every ``_BatchNorm`` layer with running statistics takes
+            part, and syncbn's in-place activated ones (``syncbn.compat.inplace_abn``'s too).
         process_group: the ``torch.distributed`` group to merge over; ``None`` is the default group.
 
     Returns:
@@ -198,7 +193,6 @@ def recompute_running_stats(
     population statistics, not an average of per-batch ones. Masked calls count their valid
     positions only. The in-place activated layers take part too; one handed a tensor of a batch (or
     a view of it) works on a copy, so the batches are never written over.
-
     syncbn layers normalise over all ranks' batches, so every rank must then pass the same number of
     batches. Modes and ``num_batches_tracked`` are restored afterwards (on an error, the running
     statistics too). Layers no value reached, and frozen syncbn layers, keep their statistics (a
@@ -206,14 +200,11 @@ def recompute_running_stats(
 
     Args:
         model: the model; pass the module itself rather than a DDP wrapper.
-        batches: an iterable of batches (a ``DataLoader``, a list of tensors);
-            each is passed to ``forward``.
+        batches: an iterable of batches (a ``DataLoader``, a list of tensors), each passed to ``forward``.
         process_group: the ``torch.distributed`` group whose batches count together; ``None`` is the
             default group. Outside ``torch.distributed``, the statistics are this process's.
-        forward: how to run the model on one batch; default ``model(batch)``
-            (use e.g. ``lambda m, b: m(b[0])`` for ``(input, label)`` pairs).
-        progress: draw a progress bar on stderr (on the group's rank 0);
-            ``None`` draws it where stderr is a terminal.
+        forward: how to run the model on a batch (default ``model(batch)``; ``lambda m, b: m(b[0])``: pairs).
+        progress: draw a progress bar on stderr (the group's rank 0); ``None``: where stderr is a terminal.
 
     Returns:
         ``model``, its running statistics set in place to those of ``batches``.

@@ -1,9 +1,5 @@
-"""Same-machine all_reduce over shared memory, for CPU tensors: set-up and segment lifetime.
-
-Every rank writes its vector into its slot of a shared memfd segment, raises its flag, waits
-for every flag and sums the slots (about 40 us against 1.5-2 ms for gloo). The per-call exchange
-is in ``_exchange``. See docs/internals/transports.md.
-"""
+"""Same-machine all_reduce over a shared memfd segment, for CPU tensors: set-up and segment lifetime
+(the per-call exchange: ``_exchange``). See docs/internals/transports.md."""
 
 from __future__ import annotations
 
@@ -39,10 +35,8 @@ def supported() -> bool:
 
 
 def _host_key() -> float:
-    """A 48-bit key (exact in float64) of the host name, boot id and PID namespace.
-
-    Containers sharing a host name but not a process table count as two machines.
-    """
+    """A 48-bit key (exact in float64) of the host name, boot id and PID namespace (two containers of
+    one host are two machines)."""
     boot = pid_ns = ""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
@@ -63,11 +57,8 @@ def machines(keys: list[float]) -> list[list[int]]:
 def connect(
     rank: int, world_size: int, enabled: bool, exchange: Callable[[Tensor], Tensor]
 ) -> SharedMemorySum | None:
-    """Set up the shared-memory path for one group, collectively; ``None`` on every rank where unusable.
-
-    Every rank calls this at the same point; ``exchange`` sums a float64 tensor over the group in
-    place. ``enabled`` is this rank's setting: any rank saying no turns the path off for all.
-    """
+    """Set up the shared-memory path for one group, collectively (``exchange`` sums a float64 tensor
+    over the group); ``None`` on every rank where unusable or any rank's ``enabled`` says no."""
     want = bool(enabled) and supported()
     fd = -1  # rank 0: the memfd, closed once every rank has mapped it (or failed)
     server: _Server | None = None  # rank 0: hands the memfd out where /proc is refused
@@ -137,11 +128,8 @@ def _create(name: str, size: int, token: int) -> tuple[int, mmap.mmap] | None:
 
 
 def _attach(pid: int, number: int, size: int, token: int, name: str = "") -> mmap.mmap | None:
-    """Map the segment that process ``pid`` holds as descriptor ``number``; ``None`` if not ours.
-
-    Opens ``/proc/<pid>/fd/<n>``, else asks the socket ``name`` (:func:`_receive`); the size and
-    token must match (in another PID namespace the number names another process).
-    """
+    """Map the segment that process ``pid`` holds as descriptor ``number`` (through ``/proc``, else the
+    socket ``name``); ``None`` unless its size and token match (another PID namespace)."""
     fd = _open_proc(pid, number)
     if fd is None and name:
         fd = _receive(name)
@@ -168,16 +156,13 @@ def _open_proc(pid: int, number: int) -> int | None:
         return None
 
 
-# Handing the segment's descriptor to peers over an abstract unix socket, where /proc/<pid>/fd/<n> is
-# refused: SCM_RIGHTS to same-user (or root) peers only, while the set-up lasts; no path.
+# Where /proc/<pid>/fd/<n> is refused: the descriptor over an abstract unix socket (same user, or root).
 _CREDENTIALS = struct.Struct("3i")  # pid, uid, gid
 
 
 class _Server:
-    """Hands ``fd`` to each same-user peer that connects to the abstract socket ``name`` (no NUL).
-
-    Raises ``OSError`` when the socket cannot be made.
-    """
+    """Hands ``fd`` to each same-user peer that connects to the abstract socket ``name``; ``OSError``
+    when the socket cannot be made."""
 
     def __init__(self, name: str, fd: int) -> None:
         self._fd = fd

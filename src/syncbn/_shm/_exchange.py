@@ -1,7 +1,4 @@
-"""The per-call exchange of :mod:`syncbn._shm`: the segment's layout and :class:`SharedMemorySum`.
-
-See docs/internals/transports.md for the layout, the rounds and their checks.
-"""
+"""The per-call exchange of :mod:`syncbn._shm`: layout, rounds, checks (docs/internals/transports.md)."""
 
 from __future__ import annotations
 
@@ -24,12 +21,8 @@ _CAPACITY = 64 * 1024  # bytes per slot: float64 vectors of up to 8,192 values (
 
 
 class SharedMemoryError(RuntimeError):
-    """The shared-memory all_reduce failed: a timeout, a peer that died, or mismatched calls.
-
-    ``timed_out``: the bound was reached; ``waited``: seconds waited; ``mismatch``: the ranks sent
-    different headers (the segment stays usable), and ``ranks`` holds each rank's seven header
-    fields (``None`` for a shadowing rank).
-    """
+    """The shared-memory all_reduce failed: a timeout, a peer that died, or mismatched calls
+    (``mismatch``: the segment stays usable; ``ranks``: each rank's header fields, ``None`` shadowing)."""
 
     def __init__(
         self, message: str, *, timed_out: bool = False, waited: float = 0.0, mismatch: bool = False
@@ -86,10 +79,7 @@ _CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class SharedMemorySum:
-    """Sum small CPU tensors across the ranks of one machine through a mapped segment.
-
-    Made by :func:`syncbn._shm.connect` on every rank at once; ``pids`` serve the liveness check.
-    """
+    """Sum small CPU tensors across the ranks of one machine through a mapped segment (:func:`connect`)."""
 
     def __init__(self, segment: mmap.mmap, rank: int, world_size: int, pids: list[int]) -> None:
         self._segment = segment
@@ -142,11 +132,8 @@ class SharedMemorySum:
         self._plan_views.clear()
 
     def all_reduce_sum(self, tensor: Tensor, timeout: float, fields: list[int]) -> Tensor:
-        """Sum ``tensor`` (any size) in place over the group, framed by the seven header ``fields``.
-
-        Raises :class:`SharedMemoryError` on a timeout, a dead or withdrawn peer or a bad checksum
-        (the segment is ``broken`` afterwards), or on mismatched headers (``mismatch``; still usable).
-        """
+        """Sum ``tensor`` (any size) in place over the group, framed by the seven header ``fields``;
+        :class:`SharedMemoryError` on any failure (``broken`` afterwards unless ``mismatch``)."""
         n = tensor.numel()
         per = _CAPACITY // tensor.element_size()
         if n <= per and tensor.dim() == 1 and tensor.is_contiguous():
@@ -162,10 +149,7 @@ class SharedMemorySum:
         return tensor
 
     def shadow(self, timeout: float) -> tuple[list[int], int, Tensor] | None:
-        """Take part in the next call without contributing: ``(fields, participants, float64 sum)``.
-
-        ``None`` when no rank participated.
-        """
+        """Shadow the next call: ``(fields, participants, float64 sum)``; ``None``: no rank took part."""
         first = self._round(None, [0] * 7, timeout)
         if first is None:
             return None
@@ -264,8 +248,7 @@ class SharedMemorySum:
         return SharedMemoryError(message, timed_out=timed_out, waited=waited)
 
     def _withdrawn(self, rank: int, waited: float) -> SharedMemoryError:
-        # A peer that withdrew because a process died: name the dead process, as the rank that
-        # found it does (the liveness check runs every 0.1 s; a withdrawal is seen at once).
+        # A peer that withdrew because a process died: name the dead process, as the rank that found it does.
         dead = [r for r, pid in enumerate(self._pids) if r != self._rank and not _alive(pid)]
         if dead:
             return self._died(

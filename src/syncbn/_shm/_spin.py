@@ -11,7 +11,6 @@ _SPIN_TYPICAL_TIMES = 4  # the budget, in typical waits
 
 
 def _cores() -> int:
-    """The cores this process may run on."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
@@ -19,10 +18,7 @@ def _cores() -> int:
 
 
 class SpinPolicy:
-    """How long a wait spins before it sleeps, from the cores and from recent waits.
-
-    The budget and its bounds are tabled in docs/internals/transports.md#the-wait.
-    """
+    """How long a wait spins before it sleeps, from the cores and from recent waits."""
 
     def __init__(self, ranks: int) -> None:
         self.typical = 0.0

@@ -1,11 +1,5 @@
-"""The wait of the shared-memory exchange (:mod:`syncbn._shm`): spin, then block in the kernel.
-
-Spin for the :class:`~syncbn._shm._spin.SpinPolicy` budget, then sleep on the futex of the first
-rank not arrived (its *sleep hint* published so that rank wakes it), or in steps of 20 us to 1 ms
-without futexes (shared ones on the segment's words through ``ctypes``; :func:`attach` gives
-``None`` where impossible). Bounded by the timeout; dead peers are checked every 0.1 s, withdrawals
-at once. See docs/internals/transports.md.
-"""
+"""The wait of the shared-memory exchange: spin, then sleep on a futex of the segment (else in steps),
+bounded, dead peers checked every 0.1 s. See docs/internals/transports.md#the-wait."""
 
 from __future__ import annotations
 
@@ -62,10 +56,7 @@ def available() -> bool:
 
 
 class SegmentFutex:
-    """Futex wait and wake on the words of one shared mapping, which must outlive its use.
-
-    ``number`` is ``SYS_futex`` on this architecture, ``call`` libc's ``syscall``.
-    """
+    """Futex wait and wake on the words of one shared mapping, which must outlive its use."""
 
     def __init__(self, segment: mmap.mmap, number: int, call: Any) -> None:
         view = ctypes.c_char.from_buffer(segment)
@@ -77,11 +68,8 @@ class SegmentFutex:
         self._timeout_ref = ctypes.byref(self._timeout)
 
     def wait(self, offset: int, expected: int, seconds: float) -> bool:
-        """Sleep while the 32-bit word at byte ``offset`` holds ``expected``, at most ``seconds``.
-
-        Returns at a wake, timeout or signal, or at once if the word differs; the caller re-reads.
-        ``False`` where the kernel refused the call itself (stop using it).
-        """
+        """Sleep while the 32-bit word at byte ``offset`` holds ``expected``, at most ``seconds`` (the
+        caller re-reads); ``False`` where the kernel refused the call itself (stop using it)."""
         seconds = max(seconds, 1e-6)
         whole = int(seconds)
         self._timeout.tv_sec = whole
@@ -133,10 +121,7 @@ def alive(pid: int) -> bool:
 
 
 class WaitFailure(Exception):
-    """Why a wait ended without every rank: ``kind`` is ``"withdrawn"``, ``"timeout"`` or ``"dead"``.
-
-    ``ranks``: the rank that withdrew or did not arrive, or those whose process died.
-    """
+    """Why a wait ended without every rank: ``kind`` (withdrawn, timeout, dead) and the ``ranks``."""
 
     def __init__(self, kind: str, ranks: list[int], waited: float) -> None:
         super().__init__(kind)
@@ -146,12 +131,8 @@ class WaitFailure(Exception):
 
 
 class Waiter:
-    """The wait of one rank of a segment, and the wake it owes the ranks that sleep on it.
-
-    ``flags`` is the segment as int64 words, ``flag_index`` every rank's flag word; ``futex``
-    ``None`` means sleeping in steps; ``spin`` is the spin policy. A rank whose futex waits the
-    kernel refuses sleeps in steps from then on but still wakes the peers asleep in the kernel.
-    """
+    """The wait of one rank of a segment (``flags``: int64 words; ``futex`` ``None``: sleep in steps),
+    and the wake it owes the ranks that sleep on it."""
 
     def __init__(
         self, flags: Any, flag_index: list[int], rank: int, pids: list[int], futex: SegmentFutex | None

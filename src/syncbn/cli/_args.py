@@ -1,8 +1,6 @@
-"""Flag values checked by ``argparse`` itself: a bad one is a usage error (exit 2) before a rank starts.
+"""``argparse`` ``type=`` functions: a bad flag value is a usage error (exit 2) before a rank starts.
 
-Each function here is an ``argparse`` ``type=``: it turns the text into the value or raises
-``argparse.ArgumentTypeError`` saying what the flag accepts and what it got; ``argparse`` prints
-``syncbn <command>: error: argument --flag: expected ... (got '...')``.
+Each raises ``ArgumentTypeError("expected ... (got '...')")``, which ``argparse`` prints after the flag.
 """
 
 from __future__ import annotations
@@ -92,10 +90,7 @@ def backend(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A ``type=`` for a file the command writes at its end: not a folder, in a writable folder.
-
-    Checked before any rank starts, so a long run never ends in a traceback. ``""``: no file.
-    """
+    """A ``type=`` for a file written at the end: not a folder, in a writable folder (``""``: none)."""
     folder = os.path.dirname(os.path.abspath(text))
     if text and os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"expected a file to write, not a folder (got {text!r})")

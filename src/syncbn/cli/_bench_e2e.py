@@ -1,7 +1,4 @@
-"""End-to-end training steps for ``syncbn bench`` and ``benchmarks/speed/e2e.py``: syncbn against plain BN.
-
-The models and how they are timed: docs/internals/cli.md.
-"""
+"""The end-to-end training steps of ``syncbn bench`` and ``benchmarks/`` (docs/internals/cli.md)."""
 
 from __future__ import annotations
 
@@ -109,11 +106,9 @@ def time_steps(
     device: torch.device | None = None,
     first_s: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """This rank's median DDP training-step time (ms) of ``model`` with each normalisation.
+    """This rank's median DDP step (ms) of ``model`` per normalisation (default syncbn, plain BN); collective.
 
-    Collective: every rank of the default group calls it. ``norms`` defaults to syncbn and
-    plain BN; ``compiled`` times ``torch.compile(DDP(model))``; ``first_s``, when given,
-    receives each variant's first step in seconds (with ``compiled``, its compile time).
+    ``compiled``: ``torch.compile(DDP(model))``; ``first_s`` receives each first step's seconds.
     """
     build, size, _ = MODELS[model]
     device = device or torch.device("cpu")

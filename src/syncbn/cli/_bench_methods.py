@@ -1,7 +1,10 @@
 """What ``syncbn bench`` times besides syncbn and ``torch.nn.SyncBatchNorm`` (docs/internals/cli.md).
 
-The naive algorithm, local BatchNorm with syncbn's two collectives in place, a loopback group
-and the forced-sync wrappers.
+The naive algorithm, a loopback group (syncbn alone) and the fused floor: what a fused-kernel syncbn
+could reach. The floor runs one native kernel of at least a fused kernel's passes over memory either
+side of each of a layer's two real collectives, in a minimal autograd function: its time is a compiled
+syncbn's cost on this machine, dispatch, Python, collectives and lockstep included. Its statistics are
+each rank's own (what is summed is not used): a benchmark aid, not a layer.
 """
 
 from __future__ import annotations
@@ -13,14 +16,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.nn.functional import all_reduce
 
-from ..engine._function import Params, SyncBatchNormFunction
-from ..groups import ProcessGroupSum
+from .. import groups
 from ..modules import SyncBatchNorm
-from ._bench_floor import collective_buffers
 
-__all__ = ["METHODS", "LocalWithCollectives", "LoopbackGroup", "NaiveSyncBatchNorm", "build"]
+__all__ = [
+    "METHODS",
+    "TAGS",
+    "FusedBound",
+    "FusedBoundBatchNorm2d",
+    "LoopbackGroup",
+    "NaiveSyncBatchNorm",
+    "build",
+    "collective_buffers",
+]
 
-METHODS = ("local", "2xAR", "2xAR-shm", "local+AR", "syncbn", "alone", "syncbn-pg", "naive", "torch")
+METHODS = ("local", "2xAR", "syncbn", "alone", "naive", "torch")
 
 
 class LoopbackGroup:
@@ -78,78 +88,19 @@ class NaiveSyncBatchNorm(nn.Module):
         return x * scale.view(shape) + shift.view(shape)
 
 
-class _CollectivesAround(torch.autograd.Function):
-    """Identity that all-reduces ``fwd`` in forward and ``bwd`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, y: Tensor, fwd: Tensor, bwd: Tensor) -> Tensor:  # type: ignore[override]
-        if dist.is_initialized():
-            dist.all_reduce(fwd)
-        ctx.bwd = bwd
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        if dist.is_initialized():
-            dist.all_reduce(ctx.bwd)
-        return grad, None, None
-
-
-class LocalWithCollectives(nn.Module):
-    """Local ``nn.BatchNorm`` plus syncbn's two all-reduces at the same points (the real floor)."""
-
-    def __init__(self, bn: nn.Module, channels: int, device: torch.device) -> None:
-        super().__init__()
-        self.bn = bn
-        self.fwd, self.bwd = collective_buffers(channels, device, torch.float64)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = _CollectivesAround.apply(self.bn(x), self.fwd, self.bwd)
-        return out
-
-
 def _local_bn(dim: int, channels: int) -> nn.Module:
     return {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d}.get(dim, nn.BatchNorm3d)(channels)
 
 
-class _ForcedSync(nn.Module):
-    """Run ``kind``'s synchronised autograd function directly, even on a group of one.
-
-    ``kind``: ``"syncbn"`` (the default group) or ``"torch"``.
-    """
-
-    def __init__(self, bn: nn.Module, kind: str) -> None:
-        super().__init__()
-        self.bn = bn
-        self.kind = kind
-
-    def forward(self, x: Tensor) -> Tensor:
-        bn: Any = self.bn
-        if self.kind != "torch":
-            params = Params(bn.running_mean, bn.running_var, bn.eps, bn.momentum, ProcessGroupSum())
-            return SyncBatchNormFunction.apply(x, bn.weight, bn.bias, params)  # type: ignore[no-any-return]
-        from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFn
-
-        return TorchSyncFn.apply(  # type: ignore[no-untyped-call, no-any-return]
-            x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum, dist.group.WORLD, 1
-        )
-
-
-def build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
+def build(method: str, x: Tensor) -> nn.Module | None:
     """The module timed as ``method`` on input like ``x``; ``None`` where the method cannot run."""
     channels = x.shape[1]
     if method == "local":
         mod: nn.Module = _local_bn(x.dim(), channels)
-    elif method == "local+AR":
-        mod = LocalWithCollectives(_local_bn(x.dim(), channels), channels, x.device)
     elif method == "syncbn":
         mod = SyncBatchNorm(channels)
     elif method == "alone":  # syncbn's whole synchronised path, no collective, no peer
         mod = SyncBatchNorm(channels, process_group=LoopbackGroup())
-    elif method == "syncbn-pg":
-        if x.is_cuda or not dist.is_initialized() or force_sync:
-            return None  # only CPU collectives have the shared-memory path to turn off
-        mod = SyncBatchNorm(channels, process_group=ProcessGroupSum(None, shared_memory=False))
     elif method == "naive":
         mod = NaiveSyncBatchNorm(channels)
     elif method == "torch":
@@ -158,6 +109,71 @@ def build(method: str, x: Tensor, force_sync: bool) -> nn.Module | None:
         mod = nn.SyncBatchNorm(channels)
     else:
         raise ValueError(method)
-    if force_sync and method in ("syncbn", "torch"):
-        mod = _ForcedSync(mod, method)
     return mod.to(device=x.device).train()
+
+
+#: The frame tags of a layer's forward and backward sums (one fixed layer identity).
+TAGS = (groups.Tag(7, groups.PHASE_FORWARD), groups.Tag(7, groups.PHASE_BACKWARD))
+
+
+class FusedBound(torch.autograd.Function):
+    """``batch_norm_update_stats``, sum, inference normalisation; backward reduction, sum, input gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor,
+        eps: float,
+        group: groups.ProcessGroupSum,
+        buffers: tuple[Tensor, Tensor],
+    ) -> Tensor:
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        group.all_reduce_sum(buffers[0], TAGS[0])
+        out = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+        ctx.save_for_backward(x, weight, mean, var, torch.rsqrt(var + eps))
+        ctx.eps, ctx.group, ctx.buffer = eps, group, buffers[1]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight, mean, var, invstd = ctx.saved_tensors
+        _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+            grad, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+        )
+        ctx.group.all_reduce_sum(ctx.buffer, TAGS[1])
+        grad_input, _, _ = torch.ops.aten.native_batch_norm_backward(
+            grad, x, weight, None, None, mean, invstd, True, ctx.eps, [True, False, False]
+        )
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def collective_buffers(
+    channels: int, device: Any = None, backward_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """The forward (``2C + 1`` float64) and backward (``2C``, float32 by default) buffers a layer sums."""
+    fwd = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+    return fwd, torch.zeros(2 * channels, dtype=backward_dtype, device=device)
+
+
+class FusedBoundBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` whose training forward is :class:`FusedBound` over ``group``.
+
+    Args:
+        num_features: channels.
+        group: the group the two sums go over (e.g. ``syncbn.groups.ProcessGroupSum()``).
+    """
+
+    def __init__(self, num_features: int, group: Any) -> None:
+        super().__init__(num_features)
+        self.group = group
+        self.sums: tuple[Tensor, Tensor] | None = None  # made on the input's device at the first call
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return super().forward(input)
+        if self.sums is None or self.sums[0].device != input.device:
+            self.sums = collective_buffers(self.num_features, input.device)
+        out: Tensor = FusedBound.apply(input, self.weight, self.bias, self.eps, self.group, self.sums)
+        return out

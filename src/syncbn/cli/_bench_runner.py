@@ -1,8 +1,4 @@
-"""Timing loop of ``syncbn bench``: interleaved methods, per-rank medians, the slowest rank.
-
-Shared with the ``benchmarks/`` scripts (:func:`time_interleaved`,
-:func:`bench_layers`, :func:`machine_info`).
-"""
+"""Timing loop of ``syncbn bench`` (shared with ``benchmarks/``): interleaved methods, the slowest rank."""
 
 from __future__ import annotations
 
@@ -17,11 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..groups import ProcessGroupSum
-from ._bench_floor import collective_buffers
-from ._bench_methods import METHODS, build
-from ._bench_report import ratios
-from ._bench_targets import load_average
+from ._bench_methods import METHODS, build, collective_buffers
+from ._bench_report import load_average, ratios
 from ._launch import gather
 
 try:  # per-thread resource usage: Linux
@@ -31,11 +24,13 @@ try:  # per-thread resource usage: Linux
 except ImportError:  # Windows
     _RUSAGE_THREAD = None
 
-__all__ = ["bench_layers", "machine_info", "time_interleaved", "training_step"]
+__all__ = ["bench_layers", "machine_info", "time_interleaved", "training_step", "two_sums"]
+
+Step = Callable[[], Any]
 
 
 def time_interleaved(
-    steps: dict[str, Callable[[], Any]],
+    steps: dict[str, Step],
     iters: int,
     warmup: int,
     *,
@@ -80,9 +75,7 @@ def _minor_faults() -> int | None:
     return None if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD).ru_minflt
 
 
-def _two_sums(
-    channels: int, device: torch.device, reduce: Callable[[Tensor], Any] | None
-) -> Callable[[], None]:
+def two_sums(channels: int, device: torch.device, reduce: Callable[[Tensor], Any] | None) -> Step:
     """One step of the two sums syncbn makes (``2C + 1`` and ``2C`` float64 values) through ``reduce``."""
     fwd, bwd = collective_buffers(channels, device, torch.float64)
 
@@ -95,31 +88,25 @@ def _two_sums(
 
 
 def _layer_steps(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, rank: int, force_sync: bool
-) -> dict[str, Callable[[], Any]]:
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, rank: int
+) -> tuple[dict[str, Step], Tensor, Tensor]:
+    """Each method's step on this rank's input of ``shape``; the input and upstream gradient."""
     gen = torch.Generator().manual_seed(1000 + rank)
     x_data = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     dy = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    channels = shape[1]
-    steps: dict[str, Callable[[], Any]] = {}
+    steps: dict[str, Step] = {}
     for method in METHODS:
         if method == "2xAR":
-            steps[method] = _two_sums(channels, device, dist.all_reduce if dist.is_initialized() else None)
-        elif method == "2xAR-shm":
-            if dist.is_initialized() and device.type == "cpu" and not force_sync:
-                steps[method] = _two_sums(channels, device, ProcessGroupSum(None).all_reduce_sum)
-        elif (mod := build(method, x_data, force_sync)) is not None:
+            steps[method] = two_sums(shape[1], device, dist.all_reduce if dist.is_initialized() else None)
+        elif (mod := build(method, x_data)) is not None:
             if dtype in (torch.float16, torch.bfloat16) and not x_data.is_cuda and method == "naive":
                 mod = mod.to(dtype)
             steps[method] = training_step(mod, x_data, dy)
-    return steps
+    return steps, x_data, dy
 
 
-def training_step(mod: nn.Module, x_data: Tensor, dy: Tensor) -> Callable[[], None]:
-    """One timed call: ``mod``'s training forward on a copy of ``x_data``, backward with ``dy``.
-
-    Gradients are cleared first, so every call allocates them as the first step does.
-    """
+def training_step(mod: nn.Module, x_data: Tensor, dy: Tensor) -> Step:
+    """``mod``'s training forward on a copy of ``x_data``, backward with ``dy``, gradients cleared first."""
     x = x_data.clone().requires_grad_(True)
 
     def step() -> None:
@@ -138,20 +125,21 @@ def bench_layers(
     warmup: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
-    force_sync: bool = False,
+    extra: Callable[[Tensor, Tensor], dict[str, Step]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time every method on every shape on this rank; every rank returns the slowest-rank medians.
+    """Time every method on every shape, on every rank of the default group (or alone, without one).
 
-    Must run on every rank of an initialised default group (or in a single process without
-    one). One record per shape: ``median_ms`` per method (the largest over ranks),
-    ``per_rank_median_ms``, ``ratios`` and ``faults_per_call`` (the worst rank's mean minor
-    page faults per call; empty where the platform does not count them per thread).
+    One record per shape, the same on every rank: ``median_ms`` per method (the slowest rank's),
+    ``per_rank_median_ms``, ``ratios`` and ``faults_per_call`` (the worst rank's mean minor page
+    faults per call; empty where the platform does not count them per thread). ``extra(x, dy)``
+    adds steps of its own (the developers' methods of ``benchmarks/speed/layers.py``).
     """
     device = device or torch.device("cpu")
     distributed, cuda = dist.is_initialized(), device.type == "cuda"
     records = []
     for shape in shapes:
-        steps = _layer_steps(shape, dtype, device, rank, force_sync)
+        steps, x_data, dy = _layer_steps(shape, dtype, device, rank)
+        steps |= extra(x_data, dy) if extra else {}
         timed = partial(time_interleaved, steps, iters, warmup, barrier=distributed, cuda=cuda)
         cpu: dict[str, list[float]] = {}  # thread CPU seconds and page faults per call
         faults: dict[str, list[int]] = {}

@@ -1,7 +1,6 @@
-"""Equivalence checks: syncbn on W ranks vs ``nn.BatchNorm`` on the global batch in float64.
+"""Equivalence checks, ``verify``'s and the test suite's: syncbn on W ranks vs float64 ``nn.BatchNorm``.
 
-Shared by ``python -m syncbn verify`` and the test suite; every rank of the group must run
-the same cases in the same order (each runs collectives). See docs/internals/cli.md.
+Every rank of the group runs the same cases in the same order (each runs collectives).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The offline audit of ``syncbn doctor``: what converting a model does to each of its BatchNorm layers.
 
-:func:`audit` puts the model in training mode (as a job does, so a ``norm_eval``-style ``train()``
-override acts), notes each normalisation layer, converts the model in place with
-:func:`syncbn.convert_sync_batchnorm` (the library's own mapping, not a copy of it) and compares
-each layer before and after. With an input shape it runs one training forward (no gradient) to
-see which layers run, how often, and on what shape. The collectives and bytes counted are the
-engine's: one ``all_reduce`` of the packed moments ``[n, n*mean, n*(var + mean^2)]`` (``2C + 1``
-float64 values) in forward, one of ``[sum dy, sum dy*xhat]`` (``2C`` values in the accumulation
-dtype) in backward, per call of a synchronised layer in training. See docs/doctor.md.
+The bytes counted are the engine's packing, per call of a synchronised layer in training: ``2C + 1``
+float64 values forward, ``2C`` in the accumulation dtype backward. How: docs/internals/cli.md.
 """
 
 from __future__ import annotations
@@ -151,7 +145,7 @@ def _probe(model: nn.Module, shape: list[int], layers: dict[str, nn.Module]) -> 
     return seen
 
 
-def _classify(old: type, new: nn.Module, training: bool) -> str:
+def _classify(new: nn.Module, training: bool) -> str:
     if not isinstance(new, (SyncBatchNorm, ActivatedBatchNormBase)):
         return FIXED if not isinstance(new, _BatchNorm) else UNCONVERTED
     if getattr(new, "freeze", False):
@@ -204,15 +198,8 @@ def _grouped_note(names: list[str], text: str) -> list[Finding]:
 def audit(model: nn.Module, input_shape: list[int] | None = None, process_group: Any = None) -> Audit:
     """Convert ``model`` in place (over ``process_group``) and report every normalisation layer.
 
-    Args:
-        model: the model as its factory built it.
-        input_shape: ``(N, C, ...)`` of one rank's batch: a training forward (no gradient) of a
-            random batch of that shape (of 2 samples) shows which layers run, how often, and on
-            what shape. ``None``: each layer is assumed to run once per step.
-        process_group: what the layers synchronise over (``None``: the default group).
-
-    Returns:
-        An :class:`Audit`; ``audit.model`` is the converted model.
+    With ``input_shape`` (one rank's batch), a training forward of 2 such samples finds which layers
+    run, how often and on what shape; without, each layer is taken to run once per step.
     """
     model.train()  # as a job does: a norm_eval-style train() override puts its layers in eval here
     before = [(name, type(m), m.training, _requires_no_grad(m)) for name, m in norm_layers(model)]
@@ -243,7 +230,7 @@ def audit(model: nn.Module, input_shape: list[int] | None = None, process_group:
             converts_to=type(new).__qualname__ if type(new) is not old else "",
             channels=channels(new),
             dtype=str(dtype).removeprefix("torch."),
-            state=_classify(old, new, training),
+            state=_classify(new, training),
         )
         if shapes is not None:
             calls = shapes.get(name, [])

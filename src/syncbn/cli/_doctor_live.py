@@ -1,11 +1,7 @@
 """``syncbn doctor --live``: the ranks checked against each other, under ``torchrun`` or on local ranks.
 
-Every rank builds the model from the factory (after ``init_process_group``, so a factory may read
-its rank) and puts it in training mode; one ``all_gather_object`` brings every rank's layers
-(name, class, channels, mode) and running statistics to every rank, which compare them with rank
-0's: the same verdict on every rank, so every rank exits with the same code. Only when the layers
-line up does a rank run the synchronised part: the conversion over the job's group, the forward of
-``--input-shape`` (real collectives), and a small sum over each group to learn its transport.
+One ``all_gather_object`` of every rank's layers and statistics: the same verdict, and exit code, on
+every rank; only models that line up reach a synchronised collective (docs/internals/cli.md).
 """
 
 from __future__ import annotations
@@ -178,17 +174,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         "outwaited": bound.outwaited,
     }
     sizes = sorted({len(ranks) for ranks, _ in listed.values()}) or [world]
-    batch = args.batch_size or (args.input_shape[0] if args.input_shape else None)
-    return build_report(
-        result,
-        model=args.model,
-        input_shape=args.input_shape,
-        batch=batch,
-        world=world,
-        chosen=sizes,
-        live=live,
-        extra=extra,
-    )
+    return build_report(result, args, world, sizes, live, extra)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ The report's keys are documented in docs/doctor.md; the text is made from the re
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -91,16 +92,15 @@ def group_rows(
 
 def build_report(
     audit: Audit,
-    *,
-    model: str,
-    input_shape: list[int] | None,
-    batch: int | None,
+    args: argparse.Namespace,
     world: int | None,
     chosen: list[int],
     live: dict[str, Any] | None = None,
     extra: list[Finding] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
-    """The report as the JSON document (keys in docs/doctor.md)."""
+    """The report as the JSON document (keys in docs/doctor.md); ``args``: the command's flags."""
+    input_shape = args.input_shape
+    batch = args.batch_size or (input_shape[0] if input_shape else None)
     rows, group_findings = group_rows(audit, batch, world, chosen)
     findings = [*audit.findings, *group_findings, *extra]
     layers = [dataclasses.asdict(layer) for layer in audit.layers]
@@ -109,7 +109,7 @@ def build_report(
     return {
         "syncbn_version": __version__,
         "torch_version": torch.__version__,
-        "model": model,
+        "model": args.model,
         "input_shape": input_shape,
         "batch_size": batch,
         "world_size": world,
@@ -131,6 +131,11 @@ def build_report(
     }
 
 
+def _cell(value: Any) -> str:
+    """A cell: ``-`` for nothing, a shape as ``AxBxC``, else the value."""
+    return "-" if value is None else "x".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def _kib(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
 
@@ -139,19 +144,11 @@ def render(report: dict[str, Any]) -> str:
     """The report in words: the layer table, the totals, the group sizes, the live checks, the findings."""
     lines = [f"syncbn {report['syncbn_version']} doctor: {report['model']} (torch {report['torch_version']})"]
     headers = ["layer", "class", "converts to", "C", "dtype", "input", "calls", "state", "fwd", "bwd"]
+    keys = ("name", "cls", "converts_to", "channels", "dtype", "input_shape", "calls", "state")
+    shown: dict[str, Any] = {"converts_to": lambda v: v or "(same)", "input_shape": _cell}
     rows = [
-        [
-            layer["name"],
-            layer["cls"],
-            layer["converts_to"] or "(same)",
-            str(layer["channels"]),
-            layer["dtype"],
-            "x".join(map(str, layer["input_shape"])) if layer["input_shape"] else "-",
-            str(layer["calls"]),
-            layer["state"],
-            _kib(layer["forward_bytes"]),
-            _kib(layer["backward_bytes"]),
-        ]
+        [shown.get(k, str)(layer[k]) for k in keys]
+        + [_kib(layer["forward_bytes"]), _kib(layer["backward_bytes"])]
         for layer in report["layers"]
     ]
     right = [False, False, False, True, False, False, True, False, True, True]
@@ -166,15 +163,9 @@ def render(report: dict[str, Any]) -> str:
     if report["group_sizes"]:
         lines.append("")
         headers = ["group_size", "groups", "per-group batch", "fewest values/channel", "at layer", ""]
+        columns = ("group_size", "groups", "group_batch", "fewest_values_per_channel", "at_layer")
         rows = [
-            [
-                str(r["group_size"]),
-                "-" if r["groups"] is None else str(r["groups"]),
-                str(r["group_batch"]),
-                "-" if r["fewest_values_per_channel"] is None else str(r["fewest_values_per_channel"]),
-                r["at_layer"] or "-",
-                "<- chosen" if r["chosen"] else "",
-            ]
+            [_cell(r[k]) for k in columns] + ["<- chosen" if r["chosen"] else ""]
             for r in report["group_sizes"]
         ]
         lines.append(format_table(headers, rows, [True, True, True, True, False, False]))

@@ -1,7 +1,4 @@
-"""Start W local ranks that meet through a file (no ports), or join the ones torchrun started.
-
-See docs/internals/cli.md.
-"""
+"""Start W local ranks that meet through a file (no ports), or join torchrun's (docs/internals/cli.md)."""
 
 from __future__ import annotations
 
@@ -58,10 +55,7 @@ def add_launch_arguments(
     world_size_help: str = "ranks to spawn, at least 1 (default 2; ignored under torchrun)",
     group_size_help: str | None = None,
 ) -> None:
-    """The flags of a command run on W ranks: ``--world-size``, ``--device``, ``--backend``.
-
-    ``world_size``: the default of ``--world-size``; with ``group_size_help``, ``--group-size`` too.
-    """
+    """``--world-size`` (default ``world_size``), ``--device``, ``--backend``, maybe ``--group-size``."""
     parser.add_argument("--world-size", type=_args.integer(1), default=world_size, help=world_size_help)
     if group_size_help is not None:
         parser.add_argument("--group-size", type=_args.group_size, metavar="K", help=group_size_help)
@@ -75,10 +69,7 @@ def add_launch_arguments(
 
 
 def launch_plan(command: str, args: argparse.Namespace) -> tuple[int, str] | str:
-    """``(world size, backend)`` of a command's run, or why it cannot run (its usage error).
-
-    A ``--group-size`` (where the command has one) must divide the world size.
-    """
+    """``(world size, backend)`` of a command's run, or why it cannot run (its usage error)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         return f"syncbn {command}: --device cuda, but torch.cuda.is_available() is False"
     world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
@@ -131,12 +122,10 @@ def _worker(
 def run_ranks(
     fn: Callable[..., Any], world_size: int, backend: str, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> Any:
-    """Run ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
+    """Run ``fn(rank, world_size, *args)`` on every rank; rank 0's result (under torchrun: this rank's).
 
-    Under torchrun this process is one rank and returns its own result (``world_size`` is
-    then the launcher's). Otherwise ``fn`` must be module-level, and ``args`` and rank 0's
-    result must pickle. ``timeout_s`` bounds each collective's wait for peers. Raises
-    ``torch.multiprocessing.ProcessRaisedException`` when a spawned rank raised.
+    ``fn`` must be module-level, ``args`` and the result must pickle; ``timeout_s`` bounds each
+    collective's wait. Raises ``torch.multiprocessing.ProcessRaisedException`` when a rank raised.
     """
     if launched_by_torchrun():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

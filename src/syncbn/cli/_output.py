@@ -23,10 +23,7 @@ def fail(message: str, code: int = 2, show: bool = True) -> int:
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] = ()) -> str:
-    """Rows of strings (as many cells as ``headers``) as an aligned table with a rule under the header.
-
-    ``right``: per column, whether to right-align it (numbers); left by default.
-    """
+    """Rows of strings as an aligned table, a rule under the header; ``right``: per column, right-align it."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     align = list(right) + [False] * (len(headers) - len(right))
 
@@ -39,11 +36,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
 
 
 class ProgressBar:
-    """A one-line progress bar of ``total`` steps after ``label`` on ``stream`` (stderr by default).
-
-    On a terminal the line is redrawn in place at most ten times a second; elsewhere (a pipe,
-    a log) a line is printed at every quarter. ``enabled=False`` draws nothing (non-zero ranks).
-    """
+    """A progress bar of ``total`` steps on ``stream`` (stderr): redrawn in place on a terminal (at most
+    10 times a second), a line per quarter elsewhere; ``enabled=False`` draws nothing (non-zero ranks)."""
 
     width = 24  # the bar's characters
 

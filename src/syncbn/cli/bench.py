@@ -1,8 +1,4 @@
-"""``python -m syncbn bench``: syncbn's per-layer and end-to-end cost on W ranks.
-
-What it times and how: docs/internals/cli.md. The ``benchmarks/`` scripts call the
-same code (:func:`bench_layers`, :func:`time_interleaved`).
-"""
+"""``python -m syncbn bench``: syncbn's per-layer and end-to-end cost on W ranks (docs/internals/cli.md)."""
 
 from __future__ import annotations
 
@@ -18,11 +14,9 @@ from ..groups import ProcessGroupSum
 from ..modules import SyncBatchNorm2d
 from . import _args
 from ._bench_e2e import MODELS, format_e2e, slowest, time_steps
-from ._bench_floor import FusedBoundBatchNorm2d
-from ._bench_methods import LoopbackGroup, NaiveSyncBatchNorm
-from ._bench_report import format_table
+from ._bench_methods import FusedBoundBatchNorm2d, LoopbackGroup, NaiveSyncBatchNorm
+from ._bench_report import allocator_note, format_table, format_targets, load_average, targets
 from ._bench_runner import bench_layers, machine_info
-from ._bench_targets import allocator_note, format_targets, load_average, targets
 from ._launch import DEFAULT_TIMEOUT_S, add_launch_arguments, default_backend, rank_device, run_ranks
 
 __all__ = ["DEFAULT_SHAPES", "LoopbackGroup", "NaiveSyncBatchNorm", "add_arguments", "parse_shapes", "run"]
@@ -72,11 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
     add_launch_arguments(parser, "where the layers run (default cpu)")
     parser.add_argument(
-        "--force-sync",
-        action="store_true",
-        help="with --world-size 1, run the synchronised code paths anyway (group of one)",
-    )
-    parser.add_argument(
         "--nets",
         type=parse_nets,
         default=["deep"],
@@ -116,8 +105,6 @@ def _steps(args: argparse.Namespace, rank: int, world_size: int, device: torch.d
     """The nets' eager steps (the fused floor in the same loop); with ``--compiled``, the compiled ones."""
     e2e: dict[str, Any] | None = None
     compiled: dict[str, Any] | None = None
-    if world_size == 1 or args.force_sync:
-        return e2e, compiled
     floor_group = ProcessGroupSum(None)  # the floor's two sums: syncbn's transport, a group of its own
     eager_norms: dict[str, Any] = {"syncbn": SyncBatchNorm2d, "plain": nn.BatchNorm2d}
     eager_norms["fused"] = lambda c: FusedBoundBatchNorm2d(c, floor_group)
@@ -143,31 +130,17 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     load_start = load_average()
     torch.set_num_threads(args.threads)
     device = rank_device(args.device)
+    dtype = getattr(torch, args.dtype)
     records = bench_layers(
-        rank,
-        args.shapes,
-        iters=args.iters,
-        warmup=args.warmup,
-        dtype=getattr(torch, args.dtype),
-        device=device,
-        force_sync=args.force_sync,
+        rank, args.shapes, iters=args.iters, warmup=args.warmup, dtype=dtype, device=device
     )
-    e2e, compiled = _steps(args, rank, world_size, device)
+    e2e, compiled = _steps(args, rank, world_size, device) if world_size > 1 else (None, None)
     if rank != 0:
         return
-    config = {
-        "world_size": world_size,
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "dtype": args.dtype,
-        "device": args.device,
-        "backend": args.backend,
-        "threads_per_rank": args.threads,
-        "force_sync": args.force_sync,
-        "compiled": args.compiled,
-        "nets": args.nets,
-        "statistic": "median over iterations per rank, then the slowest rank",
-    }
+    config = {key: getattr(args, key) for key in ("iters", "warmup", "dtype", "device", "backend")}
+    config |= {"world_size": world_size, "threads_per_rank": args.threads, "compiled": args.compiled}
+    config["nets"] = args.nets
+    config["statistic"] = "median over iterations per rank, then the slowest rank"
     print(
         f"syncbn bench: W={world_size} {args.backend} {args.device} {args.dtype}, "
         f"{args.threads} thread(s)/rank, {args.iters} iterations (+{args.warmup} warm-up); "
@@ -213,8 +186,7 @@ def run(args: argparse.Namespace) -> int:
         print("syncbn bench: --device cuda but CUDA is not available")
         return 2
     args.backend = args.backend or default_backend(args.device)
-    if args.world_size == 1 and not args.force_sync:
-        # No group: syncbn is plain batch norm; still a useful single-process timing.
+    if args.world_size == 1:  # no group: syncbn is plain batch norm (alone: its synchronised path)
         _rank_main(0, 1, args)
         return 0
     # Ranks compile side by side: give a slower one's compile time before a collective gives up.

@@ -1,9 +1,6 @@
-"""``python -m syncbn demo``: why synchronised batch norm matters, on real data.
+"""``python -m syncbn demo``: one conv net trained on digits three ways (:data:`RUNS`), the same start.
 
-Trains one small conv net on scikit-learn's digits three ways from the same initialisation
-and global batches: ``local`` (``nn.BatchNorm2d`` per rank under DDP), ``syncbn``
-(:class:`syncbn.SyncBatchNorm2d` under DDP) and ``global`` (one process, the whole batch:
-the ground truth). What it prints and writes: docs/getting-started.md.
+``global`` (one process, the whole batch) is the ground truth. Output: docs/getting-started.md.
 """
 
 from __future__ import annotations

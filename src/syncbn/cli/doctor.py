@@ -1,11 +1,8 @@
 """``python -m syncbn doctor MODULE:FACTORY``: audit a model's batch norm before a job.
 
-Builds the model (``FACTORY(**kwargs)``), puts it in training mode, converts it with
-:func:`syncbn.convert_sync_batchnorm` and reports, per normalisation layer, what it becomes and
-what it sends per training step, plus what a ``group_size`` gives per group. With ``--live``
-(under ``torchrun``, or on ``--world-size`` local ranks) it also checks the ranks against each
-other (:mod:`syncbn.cli._doctor_live`). Exit code 0: no problem; 1: problems, one line each,
-naming the layer and the fix; 2: a usage error. See docs/doctor.md.
+Per normalisation layer: what conversion makes of it, what it sends per step, what a ``group_size``
+gives; with ``--live``, the ranks against each other. Exit code 0: no problem; 1: problems, one
+line each, naming the layer and the fix; 2: a usage error. See docs/doctor.md.
 """
 
 from __future__ import annotations
@@ -112,12 +109,5 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(args.model, args.kwargs).to(args.device)
     except ModelSpecError as exc:
         return fail(f"syncbn doctor: {exc}")
-    report = build_report(
-        audit(model, args.input_shape),
-        model=args.model,
-        input_shape=args.input_shape,
-        batch=args.batch_size or (args.input_shape[0] if args.input_shape else None),
-        world=world,
-        chosen=[args.group_size] if isinstance(args.group_size, int) else [world] if world else [],
-    )
-    return finish(report, args.json)
+    chosen = [args.group_size] if isinstance(args.group_size, int) else [world] if world else []
+    return finish(build_report(audit(model, args.input_shape), args, world, chosen), args.json)

@@ -1,9 +1,6 @@
-"""``python -m syncbn verify``: run the equivalence checks on this machine and backend.
+"""``python -m syncbn verify``: the test suite's equivalence matrix (:mod:`._checks`) on this machine.
 
-Each rank runs the test suite's matrix (:mod:`syncbn.cli._checks`) against ``nn.BatchNorm``
-on the global batch in float64; exit code 0 when every case passes, 1 otherwise, 2 for a
-usage error. ``--group-size`` checks each group of :func:`syncbn.groups.subgroup` against its
-own batch. See docs/getting-started.md.
+Exit code 0 when every case passes, 1 otherwise, 2 for a usage error. See docs/getting-started.md.
 """
 
 from __future__ import annotations

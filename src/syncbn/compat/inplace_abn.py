@@ -1,7 +1,6 @@
 """The API of the ``inplace-abn`` package (InPlace-ABN, Rota Bulò et al., CVPR 2018) over syncbn.
 
-Code written against ``from inplace_abn import ABN, InPlaceABN, InPlaceABNSync``
-runs by changing only the import::
+Change only the import of code written against ``from inplace_abn import ABN, InPlaceABN, InPlaceABNSync``::
 
     from syncbn.compat.inplace_abn import ABN, InPlaceABN, InPlaceABNSync
 
@@ -11,11 +10,10 @@ Constructors, defaults, attributes, ``state_dict`` keys (version-1 checkpoints t
 .. math::
     y = \\phi\\Big(\\frac{x - \\mu}{\\sqrt{\\sigma^2 + \\epsilon}}\\,(|w| + \\epsilon) + b\\Big)
 
-over their input (returned, marked dirty), keeping only :math:`y` for backward; ``ABN`` is batch
-norm with the plain weight, then the activation (``relu`` allowed). ``InPlaceABNSync`` runs
-syncbn's exact synchronisation (one ``all_reduce`` of ``O(C)`` values, uneven and empty per-rank
-batches), on CPU and GPU, with no C++/CUDA build. The differences from the package are listed in
-the memory guide (Migrating from inplace-abn).
+over their input (returned, marked dirty), keeping only :math:`y` for backward; ``ABN`` is batch norm
+with the plain weight, then the activation (``relu`` allowed). ``InPlaceABNSync`` runs syncbn's exact
+synchronisation (one ``all_reduce`` of ``O(C)`` values, uneven and empty per-rank batches), on CPU and
+GPU, with no C++/CUDA build. The memory guide (Migrating from inplace-abn) lists the differences.
 """
 
 from __future__ import annotations
@@ -91,9 +89,8 @@ class ABN(ActivatedBatchNormBase):
 class InPlaceABN(ABN):
     """In-place activated batch norm, local to this process (as the package's ``InPlaceABN``).
 
-    Same arguments as :class:`ABN`, but the activation must be invertible
-    (``relu`` raises ``ValueError``) and the scale is ``|weight| + eps``. The
-    input is overwritten with the output and returned.
+    Same arguments as :class:`ABN`, but the activation must be invertible (``relu`` raises
+    ``ValueError``) and the scale is ``|weight| + eps``. The input is overwritten and returned.
 
     Shape:
         - Input: :math:`(N, C, *)`
@@ -113,8 +110,7 @@ class InPlaceABN(ABN):
 class InPlaceABNSync(ABN):
     """In-place activated batch norm synchronised over ``group`` (as the package's ``InPlaceABNSync``).
 
-    Same as :class:`InPlaceABN`, with training statistics over every rank of
-    ``group`` (without an initialised process group: the local layer).
+    :class:`InPlaceABN` with training statistics over every rank of ``group`` (local without a process group).
 
     Args:
         num_features: number of channels :math:`C`.
@@ -124,8 +120,7 @@ class InPlaceABNSync(ABN):
         track_running_stats: keep running statistics. Default: ``True``.
         activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"``. Default: ``"leaky_relu"``.
         activation_param: slope or alpha. Default: 0.01.
-        group: the ``torch.distributed`` group, or ``None`` for the default group (looked up
-            at call time).
+        group: the ``torch.distributed`` group, or ``None`` for the default group (looked up at call time).
 
     Shape:
         - Input: :math:`(N, C, *)`; per-rank batch sizes may differ (or be 0).

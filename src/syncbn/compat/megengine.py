@@ -2,9 +2,8 @@
 
     from syncbn.compat.megengine import SyncBatchNorm   # was: from megengine.module import SyncBatchNorm
 
-It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics (momentum
-convention, ``freeze``, ``group``, ``name``, eval without running statistics); the Migration guide
-maps each of them.
+It is :class:`syncbn.SyncBatchNorm` with MegEngine's constructor and semantics (momentum convention,
+``freeze``, ``group``, ``name``, eval without running statistics); the Migration guide maps each of them.
 """
 
 from __future__ import annotations
@@ -32,18 +31,15 @@ class SyncBatchNorm(_SyncBatchNorm):
     Args:
         num_features: number of channels :math:`C`.
         eps: added to the variance for numerical stability. Default: 1e-5.
-        momentum: fraction of the old running statistics kept at each training
-            step (MegEngine convention; the ``momentum`` attribute stores PyTorch's
-            ``1 - momentum``, so :func:`syncbn.revert_sync_batchnorm` gives an equivalent
-            ``nn.BatchNorm``). Default: 0.9.
+        momentum: fraction of the old running statistics kept at each training step (MegEngine
+            convention; the ``momentum`` attribute stores PyTorch's ``1 - momentum``, so
+            :func:`syncbn.revert_sync_batchnorm` gives an equivalent ``nn.BatchNorm``). Default: 0.9.
         affine: learnable per-channel scale and shift. Default: ``True``.
-        track_running_stats: keep running statistics; without them eval uses the
-            whole group's batch statistics (and communicates). Default: ``True``.
-        freeze: normalise with the running statistics, never update them nor
-            communicate, and do not train weight and bias (``requires_grad=False``
-            on them, so DDP expects no gradient). Default: ``False``.
-        group: ``torch.distributed`` group to synchronise over; ``None`` is the
-            default group. Also readable and settable as ``process_group``.
+        track_running_stats: keep running statistics; without them eval uses the whole group's batch
+            statistics (and communicates). Default: ``True``.
+        freeze: normalise with the running statistics, never update them nor communicate, and do not
+            train weight and bias (``requires_grad=False``, so DDP expects no gradient). Default: ``False``.
+        group: ``torch.distributed`` group (``None``: the default group); also ``process_group``.
         name: keyword-only; MegEngine's module name, a non-empty string or ``None``.
         device: keyword-only; device of the parameters and buffers.
         dtype: keyword-only; dtype of the parameters and buffers.

@@ -4,13 +4,12 @@ Change only the import line (``from sync_batchnorm import ...`` becomes)::
 
     from syncbn.compat.sync_batchnorm import SynchronizedBatchNorm2d, DataParallelWithCallback, convert_model
 
-The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d``, whose first five constructor
-arguments are that package's. They synchronise across the replicas of a plain ``nn.DataParallel``
-(no replication callback needed) and across ``torch.distributed`` processes;
-:class:`DataParallelWithCallback` and :func:`patch_replication_callback` still run the package's
-callbacks for other modules. Numerics follow ``nn.BatchNorm`` (``eps`` added to the variance, not a
-clamp; float64 sums of centred moments, where the original's cancel when ``|mean| >> std``).
-The Migration guide lists every difference.
+The layers are :class:`syncbn.SyncBatchNorm1d`/``2d``/``3d``, whose first five constructor arguments are
+that package's. They synchronise across the replicas of a plain ``nn.DataParallel`` (no replication
+callback needed) and across ``torch.distributed`` processes; :class:`DataParallelWithCallback` and
+:func:`patch_replication_callback` still run the package's callbacks for other modules. Numerics follow
+``nn.BatchNorm`` (``eps`` added to the variance, not a clamp; float64 sums of centred moments, where the
+original's cancel when ``|mean| >> std``). The Migration guide lists every difference.
 """
 
 from __future__ import annotations
@@ -87,19 +86,15 @@ _TO_SYNCHRONIZED: list[tuple[type[_BatchNorm], type[SyncBatchNorm]]] = [
 
 
 class CallbackContext:
-    """The object the copies of one submodule share during a replication callback.
-
-    Empty: ``__data_parallel_replicate__`` methods store what they need on it (copy 0, called
-    first, typically leaves something there for the others).
-    """
+    """What the copies of one submodule share during a replication callback: empty, for the
+    ``__data_parallel_replicate__`` methods to store what they need on (copy 0 is called first)."""
 
 
 def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
     """Call ``__data_parallel_replicate__(ctx, copy_id)`` on the replicas' submodules that define it.
 
-    The package's replication protocol: submodule ``j`` of every copy gets the
-    same :class:`CallbackContext`, and copy ``i`` is called with
-    ``copy_id = i``, copy 0 first. syncbn's own layers need no such method.
+    The package's replication protocol: submodule ``j`` of every copy gets the same
+    :class:`CallbackContext`, and copy ``i`` is called with ``copy_id = i``, copy 0 first.
 
     Args:
         replicas: the copies of one module made by one replication, in replica order.
@@ -122,8 +117,7 @@ def execute_replication_callbacks(replicas: Sequence[nn.Module]) -> None:
 class DataParallelWithCallback(nn.DataParallel):
     """``nn.DataParallel`` that runs the package's replication callbacks after each replication.
 
-    syncbn layers need no callback; other modules written for the package still
-    get theirs (:func:`execute_replication_callbacks`).
+    Modules written for the package get their callbacks (:func:`execute_replication_callbacks`).
 
     Args:
         module: the module to replicate.
@@ -145,9 +139,8 @@ class DataParallelWithCallback(nn.DataParallel):
 def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
     """Make an existing ``nn.DataParallel`` run the package's replication callbacks.
 
-    Its ``replicate`` is wrapped to run :func:`execute_replication_callbacks`,
-    as :class:`DataParallelWithCallback` does. A :class:`DataParallelWithCallback`,
-    or a module patched already, is left as it is (the callbacks run once).
+    Its ``replicate`` is wrapped as :class:`DataParallelWithCallback`'s is; one of those, or a module
+    patched already, is left as it is (the callbacks run once).
 
     Args:
         data_parallel: the ``nn.DataParallel`` (or subclass) to patch.
@@ -184,18 +177,15 @@ def patch_replication_callback(data_parallel: nn.DataParallel) -> None:
 def convert_model(module: nn.Module) -> nn.Module:
     """Swap a model's BatchNorm layers for ``SynchronizedBatchNorm*d`` layers.
 
-    ``nn.BatchNorm1d/2d/3d`` become :class:`SynchronizedBatchNorm1d`/``2d``/``3d`` and other
-    BatchNorm layers the generic :class:`syncbn.SyncBatchNorm`: this is
-    :func:`syncbn.convert_sync_batchnorm` with these classes (the same parameters, buffers, modes
-    and hooks). An ``nn.DataParallel`` root comes back as a :class:`DataParallelWithCallback` with
-    the same ``device_ids``, ``output_device`` and ``dim``.
+    :func:`syncbn.convert_sync_batchnorm` with :class:`SynchronizedBatchNorm1d`/``2d``/``3d`` for
+    ``nn.BatchNorm1d/2d/3d``. An ``nn.DataParallel`` root comes back as a
+    :class:`DataParallelWithCallback` with the same ``device_ids``, ``output_device`` and ``dim``.
 
     Args:
         module: the model, possibly wrapped in ``nn.DataParallel``.
 
     Returns:
-        The converted model (a new object when the root is a BatchNorm layer
-        or an ``nn.DataParallel``).
+        The converted model (a new object when the root is a BatchNorm layer or an ``nn.DataParallel``).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -221,8 +211,7 @@ def convert_model(module: nn.Module) -> nn.Module:
 def patch_sync_batchnorm() -> Iterator[None]:
     """Within the block, ``torch.nn.BatchNorm1d/2d/3d`` build ``SynchronizedBatchNorm1d/2d/3d``.
 
-    For models whose construction code cannot be edited; the ``torch.nn`` classes
-    are restored on exit, also on error.
+    For models whose construction code cannot be edited; ``torch.nn``'s classes return on exit, even on error.
 
     Example::
 
@@ -261,6 +250,5 @@ def set_sbn_eps_mode(mode: str) -> None:
         warnings.warn(
             "syncbn always adds eps to the variance, as nn.BatchNorm does; "
             "set_sbn_eps_mode('clamp') has no effect",
-            UserWarning,
             stacklevel=2,
         )

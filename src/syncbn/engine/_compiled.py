@@ -1,10 +1,6 @@
-"""The training layer as traced operations around the collective, for ``torch.compile``.
+"""The training layer as traced operations around the one opaque collective, for ``torch.compile``.
 
-While dynamo traces a training layer, it runs :func:`sync_batch_norm` (or
-:func:`traced_inplace_abn`) here: one ``autograd.Function`` for every family, whose forward and
-explicit backward are ordinary tensor operations that inductor fuses, with only the collectives
-opaque (``syncbn::all_reduce_sum``, :mod:`syncbn.engine._ops`). The algorithm is
-docs/how-it-works.md's; why the backward is explicit is in docs/internals/engine.md.
+One Function for every family; why its backward is explicit: docs/internals/engine.md.
 """
 
 from __future__ import annotations
@@ -18,21 +14,13 @@ from .. import _accumulating
 from ..families._protocol import THIS_CALL, Record
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
-
-
-def _layout(x: Tensor) -> tuple[list[int], list[int]]:
-    return [0, *range(2, x.dim())], [1, x.shape[1]] + [1] * (x.dim() - 2)
+from ._double_backward import _layout
 
 
 def traced_moments(
     x: Tensor, group: int, token: Tensor | None, stat: torch.dtype, statistics: Any = THIS_CALL
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone) as
-    ``statistics.pool`` gives them, traced.
-
-    Only a member holding fewer than two values asks the operator for the one-value check; alone,
-    a count of one raises while tracing.
-    """
+    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), pooled, traced."""
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     dims, _ = _layout(x)
@@ -90,12 +78,10 @@ def _traced_forward(
 
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
-    """Training batch norm of any family over a group, in traceable operations.
+    """Training batch norm of any family over a group, traceable; no running update.
 
-    Returns ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; a family with
-    constant statistics (eval) returns ``out`` alone. ``out`` is a new tensor (an in-place family's
-    caller writes it over ``x``). ``params`` in traced form (``group`` a handle, 0: none; ``layer``
-    a token). The running statistics are not updated here.
+    Returns ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable (constant statistics:
+    ``out`` alone).
     """
 
     @staticmethod
@@ -167,11 +153,8 @@ def traced_inplace_abn(
 ) -> Tensor:
     """The compiled form of :func:`syncbn.functional.inplace_abn_apply`; returns ``x``, overwritten.
 
-    With grad on, the Function returns a new tensor and an ``x.copy_`` that autograd records writes
-    it over ``x`` (no ``ctx.mark_dirty``: on torch 2.13, a compiled graph whose INPUT a Function
-    marks dirty passes the upstream gradient through unchanged as that input's gradient,
-    pytorch/pytorch#184113; functionalisation carries the copy back into a graph input). With grad
-    disabled (``torch.no_grad()``, inference) the traced forward writes over ``x`` directly.
+    With grad on, a recorded ``x.copy_`` writes the Function's new output over ``x`` (``mark_dirty`` on
+    a graph input passes the gradient through on torch 2.13, pytorch/pytorch#184113).
     """
     if torch.is_grad_enabled():
         result = _TracedSyncBatchNorm.apply(x, weight, bias, params)

@@ -1,7 +1,4 @@
-"""The engine's backward with ``create_graph=True``: itself differentiable (docs/internals/engine.md).
-
-The collective is handed in (``reduce(tensor, phase)``): this module does no communication itself.
-"""
+"""The engine's backward with ``create_graph=True``, itself differentiable; the collective handed in."""
 
 from __future__ import annotations
 
@@ -42,9 +39,8 @@ def _layout(x: Tensor) -> tuple[list[int], list[int]]:
 def _normalised(
     x: Tensor, stats: Any, summed: Tensor, pooled: bool = False
 ) -> tuple[Tensor, Tensor, float | Tensor]:
-    """``(xhat, invstd, n)``: the forward's values (``stats``) with the derivatives of ``summed``,
-    the group's differentiable ``[sum x, sum x^2]``; ``pooled``: ``stats`` also count constant sums
-    from elsewhere (a statistics hook's), so the variance's derivative centres on their mean."""
+    """``(xhat, invstd, n)``: the forward's values (``stats``) with the derivatives of ``summed``;
+    ``pooled``: ``stats`` count constant sums too (the variance's derivative centres on their mean)."""
     mean, var, eps, total = stats.mean, stats.var, stats.eps, stats.total
     stat = mean.dtype
     n: float | Tensor = total.to(torch.float64) if isinstance(total, Tensor) else float(total)
@@ -67,12 +63,8 @@ def joint_input_grads(
     total: Callable[[list[Tensor], str], Tensor],
     pooled: bool = False,
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Each member's ``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight``, ``dy``.
-
-    ``total(parts, phase)`` sums the members' tensors over the group, differentiably. The statistics
-    are rebuilt from the summed ``[sum x, sum x^2]``: the forward's values (``stats``, each a
-    :class:`syncbn.families._protocol.Record`) with the rebuild's derivatives.
-    """
+    """Each member's ``(grad_input, grad_weight, grad_bias)``, differentiable in ``x``, ``weight``, ``dy``;
+    ``total(parts, phase)`` sums the members' tensors, differentiably."""
     moments = []  # [sum x, sum x^2] per channel, float64, differentiable in x
     for x in xs:
         x64, dims = x.to(torch.float64), _layout(x)[0]
@@ -97,8 +89,7 @@ def joint_input_grads(
 
 
 def replica_total(parts: list[Tensor], phase: str) -> Tensor:
-    """The ``nn.DataParallel`` replicas' sum, all held by one thread: plain sums in replica order (on
-    the first's device), differentiable by autograd itself whatever the order of the gradient."""
+    """The DataParallel replicas' differentiable sum, in replica order on the first's device."""
     out = parts[0]
     for part in parts[1:]:
         out = out + part.to(out.device)

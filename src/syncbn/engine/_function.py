@@ -1,9 +1,4 @@
-"""The eager engine: what every family's synchronised training step shares.
-
-The moments and count rules, the framed sum and the Join policy, the family's forward and
-the running update, and the autograd Functions (eager and ``torch.func``) of every family. See
-docs/architecture.md for one step through them, docs/internals/engine.md for the details.
-"""
+"""The eager engine: every family's training step and autograd Functions (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ from ._rules import gradient_dtype, is_compiling, one_value_error, statistics_dt
 
 
 class Params(NamedTuple):
-    """A training call's arguments besides the tensors autograd tracks (direct arguments of
-    ``Function.apply``), built once at the entry; carried through the engine eager and traced alike."""
+    """A training call's arguments besides the tensors autograd tracks, eager and traced alike."""
 
     running_mean: Tensor | None  # updated in place (None: not tracked)
     running_var: Tensor | None  # updated in place, with the unbiased variance
@@ -60,8 +54,7 @@ def synchronized_moments(
     scratch: Tensor | None = None,
     statistics: Any = THIS_CALL,
 ) -> Record:
-    """Local moments, packed; ONE ``reduce`` (``None``: this member alone); ``statistics.pool``; the
-    statistics to normalise with. A global count of one raises ``one_value_error()`` first."""
+    """Local moments, packed, ONE ``reduce`` (``None``: alone), ``statistics.pool``: the statistics."""
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     host = _host_side(x)
@@ -110,12 +103,8 @@ def synchronized_forward(
     reduce: Callable[[Tensor], Tensor] | None,
     one_value_error: Callable[[], Exception],
 ) -> Record:
-    """The training forward with statistics summed by ``reduce``: the family's record for backward.
-
-    Shared by the process-group path and the DataParallel replicas; ``reduce`` is the transport
-    (``params.group`` is not read; ``None``: this member alone). A family in eval normalises with
-    the running statistics (constants: no collective, no update).
-    """
+    """The training forward with statistics summed by ``reduce`` (``None``: alone; ``params.group``
+    is not read): the family's record for backward. A family in eval uses the running statistics."""
     family, eps, running_mean = params.family, params.eps, params.running_mean
     stat_dtype = statistics_dtype(x, weight, running_mean)
     if not family.training:  # (checked by the family's layer: the running statistics exist)
@@ -137,7 +126,7 @@ def synchronized_forward(
 
 
 class _Pending:
-    """A forward's result, handed to ``setup_context`` (whose ``forward`` has no ``ctx``)."""
+    """A forward's result, for ``setup_context``."""
 
     __slots__ = ("result", "call")
 
@@ -147,7 +136,7 @@ class _Pending:
 
 
 def run_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> tuple[Record, int]:
-    """The training forward over ``params.group`` (``None``: no collective, no check), and the call number."""
+    """The training forward over ``params.group`` (``None``: no collective), and the call number."""
     group, layer = params.group, params.layer
     call, reduce = 0, None
     if group is not None:
@@ -161,8 +150,7 @@ def run_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: P
 
 
 def _save(ctx: Any, x: Tensor, weight: Any, bias: Any, record: Record, params: Params, call: int) -> None:
-    """What backward reads: the saved tensor (the input, or the output written over it), the weight
-    the map used, the layer's weight and bias; the record and the call's parameters."""
+    """What backward reads: the saved tensor (input, or output written over it), the weights, the record."""
     family = params.family
     if family.saves_output:
         ctx.mark_dirty(x)
@@ -208,9 +196,8 @@ def _backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, Tensor | No
 def _first_order_only(
     ctx: Any, grad_output: Tensor, saved: Tensor, weight: Any
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """A family without a double backward, backward with grad on: refused, except after a forward
-    under torch.func, whose ``grad``/``vjp`` build the backward's graph (``vjp``'s function after the
-    transform exited): each gradient computed without it, behind a node refusing a second one."""
+    """A family without a double backward, backward with grad on: refused, except under torch.func
+    (whose ``grad``/``vjp`` record the backward): the gradients behind a node refusing a second one."""
     message = ctx.family.double_backward_error
     if not (torch._C._are_functorch_transforms_active() or getattr(ctx, "transformed", False)):
         raise RuntimeError(message)
@@ -241,9 +228,8 @@ class _FirstOrderOnly(torch.autograd.Function):
 
 
 def _vmap(in_dims: Any, x: Tensor, weight: Any, bias: Any, params: Params, box: _Pending) -> Any:
-    """Under ``vmap``, a call with constant statistics (a family in eval) folds the vmapped dim into
-    the batch; the family's error otherwise. ``box`` is the caller's: a transform above ``vmap``
-    (``grad``) reads the forward's result from it."""
+    """Under ``vmap``: constant statistics (a family in eval) fold the vmapped dim into the batch;
+    else the family's error. ``box``: the caller's, which a transform above ``vmap`` reads."""
     family = params.family
     x_dim, weight_dim, bias_dim = in_dims[:3]
     if family.training or weight_dim is not None or bias_dim is not None or x_dim is None:
@@ -310,8 +296,8 @@ if _unwrap_if_dead is not None and _apply_entry is not None:
 
 
 def apply(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: Params) -> Tensor:
-    """The engine's autograd Function applied (every family's training call; the layers' input
-    already checked): the ``setup_context`` form under torch.func's transforms, else the C entry."""
+    """The engine's autograd Function applied (input already checked): under torch.func the
+    ``setup_context`` form, else the C entry."""
     if torch._C._are_functorch_transforms_active():  # torch.func.grad / vjp / vmap
         return TransformableSyncBatchNormFunction.apply(x, weight, bias, params, _Pending())
     if _apply_c is None or is_compiling():

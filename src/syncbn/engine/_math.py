@@ -1,9 +1,4 @@
-"""The engine's arithmetic, with no communication: local moments and the running update.
-
-Works on one process's tensors; :mod:`syncbn.groups` sums the packed tensors made here. The
-arithmetic the families share is :mod:`syncbn.families._arith`. The math is in
-docs/how-it-works.md, the routes and their reasons in docs/internals/engine.md.
-"""
+"""The engine's arithmetic, no communication: local moments, the running update (docs/internals/engine.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +7,6 @@ from torch import Tensor
 
 from ..families._arith import (  # noqa: F401 (the shared arithmetic, re-exported for the engine)
     _BLOCK_NUMEL,
-    _CHANNELS_LAST,
     _EMPTY,
     _LOW_PRECISION,
     _is_channels_last,
@@ -22,8 +16,6 @@ from ..families._arith import (  # noqa: F401 (the shared arithmetic, re-exporte
     broadcast_shape,
     cast,
     input_grad,
-    memory_format,
-    normalize,
 )
 from ..families._protocol import Record as Stats  # noqa: F401 (the record's statistics fields)
 from ._packing import _ONES, MomentBuffer, moment_buffer, pack_grad_sums, pack_moments, unpack_moments  # noqa: F401
@@ -42,11 +34,8 @@ def uses_native_statistics(x: Tensor) -> bool:
 
 
 def local_moments(x: Tensor, scratch: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Per-channel ``(mean, biased var)`` of a non-empty ``(N, C, *)`` batch, in :func:`accumulation_dtype`.
-
-    ``scratch``: an optional tensor like ``x`` that may be overwritten (the caller's output buffer),
-    into which the two-pass routes centre ``x``. The routes are in docs/internals/engine.md.
-    """
+    """Per-channel ``(mean, biased var)`` of a non-empty ``(N, C, *)`` batch, in :func:`accumulation_dtype`;
+    ``scratch``: a tensor like ``x`` the two-pass routes may centre ``x`` into."""
     dtype = x.dtype
     numel = x.numel()
     if dtype in _LOW_PRECISION:

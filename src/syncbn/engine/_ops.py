@@ -1,11 +1,6 @@
 """The collective as one ordered, effectful ``torch.library`` operator, for ``torch.compile``.
 
-``syncbn::all_reduce_sum(Tensor tensor, int group, Tensor? layer, int phase, Tensor? source,
-int flags) -> Tensor`` runs the eager framed sum (:func:`syncbn.engine._function._all_reduce`);
-the arithmetic around it is traced code (:mod:`syncbn.engine._compiled`). Registered with
-ordered side effects, its calls are never dropped, reordered or merged. The schema's arguments
-and the registration choices are in docs/internals/engine.md. :func:`all_reduce_sum` is the
-entry point for other layers' traced code.
+Schema and registration: docs/internals/engine.md; :func:`all_reduce_sum`: for other layers' traced code.
 """
 
 from __future__ import annotations
@@ -40,8 +35,7 @@ from . import _function, _rules
 
 CHECK_ONE_VALUE = 1  # flags bit: raise the one-value error when the summed count (element 0) is 1
 
-# handle -> a weak reference to its SumGroup (0: no group; handles are never reused), so a
-# group is released with its process group; a graph using a released one's handle is told so.
+# handle -> a weak reference to its SumGroup (0: no group; handles are never reused).
 _groups: dict[int, Callable[[], Any]] = {}
 _group_ids: dict[int, int] = {}  # id(SumGroup) -> handle, while the group lives
 _handles = itertools.count(1)
@@ -112,10 +106,8 @@ def layer_token(layer: Any) -> Tensor | None:
 
 @torch._dynamo.assume_constant_result
 def tracing_a_checkpointed_region() -> bool:
-    """Whether dynamo is tracing the body of ``torch.utils.checkpoint`` now (run while tracing only).
-
-    torch 2.13's AOTAutograd cannot recompute the collective there: the layer then breaks the graph.
-    """
+    """Whether dynamo is tracing the body of ``torch.utils.checkpoint`` now (where torch 2.13's AOTAutograd
+    cannot recompute the collective)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -221,11 +213,8 @@ _direct: dict[int, bool] = {}
 def _all_reduce_autograd(
     keyset: Any, tensor: Tensor, group: int, layer: Tensor | None, phase: int, source: Any, flags: int
 ) -> Tensor:
-    """The Autograd kernel: record the adjoint where a gradient flows, else the sum.
-
-    A plain device tensor (the keyset below autograd leads to a device kernel) calls
-    :func:`_all_reduce_impl` directly, saving a redispatch; anything else (fake, modes) redispatches.
-    """
+    """The Autograd kernel: the adjoint where a gradient flows, else the sum (a plain device tensor's
+    directly, saving a redispatch)."""
     if _grad_enabled() and (tensor.requires_grad or (source is not None and source.requires_grad)):
         return _Adjoint.apply(keyset, tensor, group, layer, phase, source, flags)
     raw = keyset.raw_repr()

@@ -1,6 +1,4 @@
-"""The packed moments ``[n, n*mean, n*(var + mean^2)]`` one collective sums, their unpacking, and
-this thread's reusable buffers. See docs/internals/engine.md.
-"""
+"""The packed moments one collective sums, their unpacking, the buffers (docs/internals/engine.md)."""
 
 from __future__ import annotations
 
@@ -18,9 +16,7 @@ _ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.fl
 class MomentBuffer:
     """One thread's reusable forward buffers for a channel count on a device, views made once.
 
-    ``packed`` (``(2C + 1,)`` float64) with views ``head``, ``sums`` (``(2, C)``), ``means``,
-    ``squares``; on the host ``words``, a float64 memoryview of it. ``stats``: float64 statistics
-    before rounding. ``scratch_mean``/``scratch_var``: the 16-bit native kernel's running buffers.
+    ``words``: a float64 memoryview of ``packed`` on the host; ``scratch_*``: the 16-bit native kernel's.
     """
 
     __slots__ = (
@@ -71,10 +67,9 @@ def pack_moments(
     device: torch.device,
     buffer: MomentBuffer | None = None,
 ) -> Tensor:
-    """Local moments as the additive float64 ``(2C + 1,)`` vector ``[n, n*mean, n*(var + mean^2)]``.
+    """Local moments as the float64 ``[n, n*mean, n*(var + mean^2)]`` (zeros without ``mean``).
 
-    ``mean`` and ``var`` are ``None`` when ``count`` is 0 (zeros). Written into ``buffer.packed``
-    when given, else a new tensor on ``device``.
+    Written into ``buffer.packed`` when given, else a new tensor on ``device``.
     """
     if count == 0:
         if buffer is not None:
@@ -110,12 +105,8 @@ def unpack_moments(
     dtype: torch.dtype = torch.float64,
     buffer: MomentBuffer | None = None,
 ) -> tuple[float | Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """``(count, (mean, var, unbiased))`` from the summed packed vector; statistics in ``dtype``.
-
-    ``count`` is a float when read on the host (``read_count``, default: a CPU ``packed``), else a
-    0-dim float64 tensor. A zero count gives zeros, a count of one an unbiased variance of zero.
-    ``buffer``: the :class:`MomentBuffer` whose ``packed`` this is, if any (its views are used).
-    """
+    """``(count, (mean, var, unbiased))`` from the summed packed vector, statistics in ``dtype``; ``count``
+    a float when read on the host (``read_count``, default: a CPU ``packed``), else a 0-dim tensor."""
     mine = buffer if buffer is not None and packed is buffer.packed else None
     sums = mine.sums if mine is not None else packed[1:].view(2, channels)  # [S, Q]
     count: float | Tensor

@@ -1,9 +1,4 @@
-"""The shared arithmetic of every family and the engine: dtypes, layouts, the native kernels'
-calls (normalisation, the backward sums), batch norm's input gradient and this thread's buffers.
-
-Torch only. The math is in docs/how-it-works.md, the routes and their reasons in
-docs/internals/engine.md.
-"""
+"""The shared arithmetic of every family and the engine, torch only (docs/internals/engine.md)."""
 
 from __future__ import annotations
 
@@ -36,11 +31,7 @@ def _per_thread(slot: str, make: Callable[..., _Buffer], *key: Any) -> _Buffer:
 
 
 class GradBuffer:
-    """One thread's reusable per-channel buffers of the host input gradient (one dtype and rank).
-
-    ``scale`` (``w * invstd``) with ``scale_view`` against the input; ``corrections`` (``(2, C)``)
-    with rows ``shift`` and ``slope``.
-    """
+    """One thread's reusable per-channel buffers of the host input gradient (one dtype and rank)."""
 
     __slots__ = ("scale", "scale_view", "corrections", "shift", "slope")
 
@@ -133,15 +124,14 @@ def input_grad(
     """Batch norm's input gradient from the global ``sums`` ``[[sum(g)], [sum(g * xhat)]]`` (``(2, C)``).
 
     One inference-mode batch norm of ``x`` (the correction terms as weight and bias), then
-    ``+= g * w * invstd``; 16-bit ``x`` in float32, rounded once. ``stats.total`` must be positive.
-    ``out`` (CPU, dense, not 16-bit; it may be ``x`` itself): written there instead of a new tensor.
+    ``+= g * w * invstd``. ``out`` (CPU, dense, not 16-bit; maybe ``x``): written there.
     """
     if x.dtype in _LOW_PRECISION:
         return _low_precision_input_grad(grad_output, x, weight, stats, sums)
     mean, var, eps, count = stats.mean, stats.var, stats.eps, stats.total
     zero = _ZERO.get(var.dtype) if x.is_cpu and isinstance(count, float) else None
     mine = zero is not None and var.is_cpu and sums.dtype is var.dtype is mean.dtype  # (see GradBuffer)
-    mine = mine and not torch.is_grad_enabled()
+    mine = mine and not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
     buffer = grad_buffer(x.shape[1], var.dtype, x.dim()) if mine else None
     scale = (var + eps if buffer is None else torch.add(var, eps, out=buffer.scale)).rsqrt_()  # invstd
     if weight is not None:
@@ -170,11 +160,8 @@ def _low_precision_input_grad(
     sums: Tensor,
     blocked: bool | None = None,
 ) -> Tensor:
-    """:func:`input_grad` for 16-bit ``x``: every step in float32, rounded once (the two terms nearly cancel).
-
-    ``blocked`` (default: on CPU) runs cache-sized blocks through two float32 buffers, else three
-    kernels over the whole batch; see docs/internals/engine.md.
-    """
+    """:func:`input_grad` for 16-bit ``x``: every step in float32, rounded once (the two terms nearly cancel);
+    ``blocked`` (default: on CPU): cache-sized blocks through two float32 buffers."""
     eps = stats.eps
     acc = torch.promote_types(stats.mean.dtype, torch.float32)
     mean, var = cast(stats.mean, acc), cast(stats.var, acc)

@@ -10,25 +10,14 @@ from torch import Tensor
 
 
 class Statistics(Protocol):
-    """Where a training call's statistics come from (``Params.statistics``).
+    """Where a training call's statistics come from (``Params.statistics``; docs/architecture.md).
 
-    Contract of :meth:`pool`:
-
-    * Input: ``packed``, the group-summed float64 vector ``[N, S, Q]`` of this call, shape
-      ``(2C + 1,)``: ``N`` the global count, ``S = sum x`` and ``Q = sum x^2`` per channel (the
-      engine's packing, syncbn.engine._packing). On the host it may be a reused buffer.
-    * Output: the ``[N', S', Q']`` to normalise with, same shape, dtype and device: ``packed``
-      itself (it may be modified in place) or a new tensor. The engine unpacks it into the mean,
-      the biased variance (what normalises), the unbiased one (the running update) and the count
-      ``N'``, which the backward divides by: the backward is batch norm's with ``N'`` in place of
-      this call's count, so sums added from elsewhere are constants of the step (CmBN: the earlier
-      micro-batches' sums, ``N' = N_t``). The eager one-value check reads ``N'``.
-    * Called exactly once per synchronised training forward, on every path (eager, ``torch.func``,
-      traced, DataParallel replicas), after the collective and before the unpacking; it must not
-      communicate. Under ``torch.compile`` it is traced: tensor operations
-      only, no host reads, no recompilation per call (keep Python state out of guards).
-    * Not called where no statistics are summed: eval, frozen layers, and the in-place family's
-      one-process native kernel (taken only with the default :data:`THIS_CALL`).
+    :meth:`pool` takes this call's group-summed float64 ``[N, S, Q]`` (``(2C + 1,)``, maybe a reused
+    buffer) and returns the ``[N', S', Q']`` to normalise with, alike (``packed`` itself or a new
+    tensor); backward divides by ``N'``, so sums added from elsewhere are constants of the step.
+    Called once per synchronised training forward on every path, after the collective; it must
+    not communicate, and traced it must not read the host. Not called in eval, when frozen, or by
+    the in-place family's one-process native kernel (taken only with :data:`THIS_CALL`).
     """
 
     def pool(self, packed: Tensor) -> Tensor: ...
@@ -50,11 +39,8 @@ THIS_CALL = ThisCall()
 
 
 class Record(NamedTuple):
-    """What a training forward leaves for its backward, every family and path (the one record).
-
-    The statistics fields come first (the moments the engine computed are a record without an
-    output); a family's forward fills in the rest.
-    """
+    """What a training forward leaves for its backward, every family and path: the engine's
+    statistics first (its moments are a record without an output), then the family's fields."""
 
     mean: Any  # what normalised (statistics dtype); eval: the running mean
     var: Any  # the biased variance; eval: the running one
@@ -73,15 +59,8 @@ class Record(NamedTuple):
 
 
 class Family(Protocol):
-    """A layer family: the phases of its training call, in torch's phase names, that the engine runs.
-
-    The engine (:mod:`syncbn.engine`) owns the moments, the collective, the statistics hook, the
-    running update and autograd, and runs these phases over whatever family it holds, eager,
-    ``torch.func``, double backward, traced and DataParallel alike. A family imports torch and
-    :mod:`syncbn.families._arith` only. ``saved`` is the tensor it saves for backward: the input,
-    or the output when :attr:`saves_output`; ``weight`` the weight its map used. Implementations:
-    batch norm (:mod:`.batchnorm`), renorm (:mod:`.renorm`), in-place activated BN (:mod:`.inplace_abn`).
-    """
+    """A layer family: the phases the engine runs (docs/architecture.md); ``saved``: the input, or the
+    output when :attr:`saves_output`; ``weight``: the weight its map used."""
 
     # Protocol questions: what differs between families, answered by each.
     training: bool  # False: normalise with the running statistics (constants: no collective, no update)

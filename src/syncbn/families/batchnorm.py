@@ -1,9 +1,4 @@
-"""Batch norm as a family: ``y = (x - mean) / sqrt(var + eps) * weight + bias``, its math only.
-
-The protocol's plainest answers (:class:`syncbn.families._protocol.Family`): it saves its input,
-its backward is differentiable, the statistics are the engine's. Renorm
-(:mod:`syncbn.families.renorm`) is this family with an effective affine map.
-"""
+"""Batch norm as a family: ``y = (x - mean) / sqrt(var + eps) * weight + bias``, its math only."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """In-place activated batch norm (InPlace-ABN, Rota Bulò et al., CVPR 2018) as a family: its math only.
 
-``y = act(xhat * (|w| + eps) + b)`` is written over the input; backward recovers ``z = act^-1(y)``
-and ``xhat`` from ``y`` alone. docs/memory.md gives the math and its conditioning,
-docs/internals/engine.md how the gradients are evaluated. 16-bit outputs are recovered in float32.
+The math: docs/memory.md; how the gradients are evaluated: docs/internals/engine.md.
 """
 
 from __future__ import annotations
@@ -37,11 +35,8 @@ VMAP = (
 
 
 def check_activation(activation: str, param: float, *, in_place: bool = True) -> None:
-    """Raise ``ValueError`` for an activation the (in-place) layer cannot use.
-
-    ``"relu"`` only when not ``in_place``; in place, ``param`` (slope or alpha) must be positive and
-    finite. The layers call it at construction and at every forward (the attributes may change).
-    """
+    """Raise ``ValueError`` for an activation the (in-place) layer cannot use (``relu`` only when not
+    ``in_place``; in place, a positive finite ``param``). Checked at every forward too."""
     if activation in ACTIVATIONS:
         if in_place and activation != "identity":
             try:
@@ -121,11 +116,8 @@ def activate_(x: Tensor, a: Tensor | None, c: Tensor | None, activation: str, pa
 def recover(
     y: Tensor, grad: Tensor, activation: str, param: float, traced: bool = False
 ) -> tuple[Tensor, Tensor, bool]:
-    """``(z, dz, scratch)``: the activation's input and its gradient, recovered from ``y`` (never written).
-
-    In the accumulation dtype; ``scratch``: whether ``z`` is a new tensor the caller may overwrite.
-    Every path's inverse: ``traced`` (and under ``torch.func``) in out-of-place operations only.
-    """
+    """``(z, dz, scratch)``: the activation's input and its gradient recovered from ``y``, in the
+    accumulation dtype (``scratch``: ``z`` is new); ``traced`` (and torch.func): out of place only."""
     acc = _arith.accumulation_dtype(y.dtype)
     p = float(param)
     widen = y.dtype != acc
@@ -161,16 +153,14 @@ def as_batch_norm(
 class InPlaceABN(NamedTuple):
     """One call of the in-place family: its activation and parameter, train or eval; scale ``|w| + eps``.
 
-    Its backward is batch norm's (:data:`~syncbn.families.batchnorm.BATCH_NORM`'s kernels) over the
-    recovered ``(z, dz)`` through :func:`as_batch_norm`; it supplies the map, the inverse and the sign.
+    Its backward is batch norm's kernels over the recovered ``(z, dz)``, mapped by :func:`as_batch_norm`.
     """
 
     activation: str
     param: float
     training: bool = True
 
-    # The protocol's questions (syncbn.families._protocol.Family): written over the input, whose
-    # output it saves; its backward recovers the input from the output, once.
+    # The protocol's questions: written over the input, it saves its output and recovers the input.
     saves_output: bool = True
     second_order: bool = False
     members: str = "member(s) of the group"
@@ -220,9 +210,8 @@ class InPlaceABN(NamedTuple):
     def grad_sums(
         self, y: Tensor, grad: Tensor, weight: Any, bias: Any, stats: Record, need_input: bool
     ) -> tuple[Any, Tensor, Tensor]:
-        """``(carry, sum(dz), sum(dz * xhat))``: batch norm's over the ``(z, dz)`` recovered from ``y``,
-        mapped (:func:`as_batch_norm`); ``carry`` feeds input_grad. After the one-kernel forward
-        (``stats.native``), ONE native training-mode backward, whose ``carry`` is the input gradient."""
+        """``(carry, sum(dz), sum(dz * xhat))``: batch norm's over the mapped, recovered ``(z, dz)``;
+        after the one-kernel forward, ONE native backward, whose ``carry`` is the input gradient."""
         z, dz, scratch = recover(y, grad, self.activation, self.param)
         mean, s, w = as_batch_norm(weight, bias, stats.invstd, stats.eps, z.dtype)
         if stats.native:
@@ -239,9 +228,8 @@ class InPlaceABN(NamedTuple):
     def input_grad(
         self, y: Tensor, grad: Tensor, weight: Any, bias: Any, stats: Record, carry: Any, reduced: Any
     ) -> Tensor:
-        """The input gradient in ``y``'s dtype from :meth:`grad_sums`' ``carry`` and the global ``reduced``:
-        batch norm's (:func:`syncbn.families._arith.input_grad`) over the mapped ``(z, dz)``, written
-        over ``z`` where it is scratch; eval (no ``reduced``): ``dz * s * invstd``."""
+        """The input gradient in ``y``'s dtype: batch norm's over the mapped ``(z, dz)`` (written over ``z``
+        where it is scratch); eval (no ``reduced``): ``dz * s * invstd``."""
         if stats.native:  # computed with the sums
             return _arith.cast(carry, y.dtype)
         z, dz, scratch, s, mapped = carry

@@ -1,9 +1,5 @@
-"""Batch Renormalization (Ioffe, 2017) as a family: its math only.
-
-``y = weight * ((x - mean_B) / s_B * r + d) + bias``, with ``r`` and ``d`` constants of the step
-from the running statistics before its update: batch norm with the effective affine map
-``(weight * r, bias + weight * d)``. Derivation in docs/internals/engine.md.
-"""
+"""Batch Renormalization (Ioffe, 2017) as a family: batch norm with the effective affine map
+``(weight * r, bias + weight * d)``, ``r`` and ``d`` constants of the step (docs/internals/engine.md)."""
 
 from __future__ import annotations
 
@@ -19,15 +15,11 @@ class Renorm(BatchNorm):
 
     __slots__ = ("r_max", "d_max", "running_mean", "running_var")
 
-    def __init__(
-        self, r_max: float, d_max: float, running_mean: Tensor | None, running_var: Tensor | None
-    ) -> None:
+    def __init__(self, r_max: float, d_max: float, running_mean: Tensor, running_var: Tensor) -> None:
         self.r_max, self.d_max, self.running_mean, self.running_var = r_max, d_max, running_mean, running_var
 
     def snapshot(self, copy: Callable[[Tensor], Tensor]) -> Renorm:
         """This object with ``copy`` of the running statistics (traced graphs update them in place)."""
-        if self.running_mean is None or self.running_var is None:
-            return self
         return Renorm(
             self.r_max, self.d_max, copy(self.running_mean.detach()), copy(self.running_var.detach())
         )
@@ -35,10 +27,8 @@ class Renorm(BatchNorm):
     def alone(self, *args: Any) -> Tensor | None:
         return None  # synchronised over the one member: the engine's statistics, then (r, d)
 
-    def correction(self, mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
-        """``(r, d)`` in ``mean``'s dtype, or ``None`` without running statistics (``r = 1, d = 0``)."""
-        if self.running_mean is None or self.running_var is None:
-            return None
+    def correction(self, mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """``(r, d)`` in ``mean``'s dtype."""
         dtype = mean.dtype
         running_mean = self.running_mean.detach().to(dtype)
         inv_s = (self.running_var.detach().to(dtype) + eps).rsqrt()
@@ -68,8 +58,6 @@ class Renorm(BatchNorm):
     def parameter_grads(
         self, sum_dy: Tensor, sum_dy_xhat: Tensor, weight: Any, correction: Any
     ) -> tuple[Any, Any]:
-        """``(dweight, dbias) = (r * sum(dy * xhat) + d * sum(dy), sum(dy))`` (none: batch norm's)."""
-        if correction is None:
-            return sum_dy_xhat, sum_dy
+        """``(dweight, dbias) = (r * sum(dy * xhat) + d * sum(dy), sum(dy))``."""
         r, d = correction
         return r.to(sum_dy.dtype) * sum_dy_xhat + d.to(sum_dy.dtype) * sum_dy, sum_dy

@@ -1,15 +1,11 @@
 """The communication seam: "sum these tensors across my group", framed.
 
-A :class:`SumGroup` sums a small vector elementwise over every member of a group, the result
-landing on every member. :class:`ProcessGroupSum` wraps a ``torch.distributed`` process group
-(any backend), or for CPU tensors of ranks on one machine the shared memory of
-:mod:`syncbn._shm`; :func:`resolve` returns ``None`` where plain batch norm is exact. Every
-collective is framed: a header of seven :data:`FIELDS` that every rank checks on every call,
-so ranks at different calls raise :class:`CollectiveError` (``mismatch=True``) together.
-
-The protocol, Join shadowing, the bounded waits and syncbn's own gloo wires, the hierarchical
-path and the parts of this package: docs/internals/groups.md (user side: docs/robustness.md).
-Import from ``syncbn.groups``, not from the parts.
+A :class:`SumGroup` sums a small vector over every member of a group; :class:`ProcessGroupSum`
+wraps a ``torch.distributed`` process group (or, for the CPU ranks of one machine, shared memory);
+:func:`resolve` returns ``None`` where plain batch norm is exact. Every collective is framed
+(:data:`FIELDS`), so ranks at different calls raise :class:`CollectiveError` (``mismatch=True``)
+together. How, and the parts: docs/internals/groups.md (user side: docs/robustness.md). Import
+from ``syncbn.groups``, not from the parts.
 """
 
 from __future__ import annotations

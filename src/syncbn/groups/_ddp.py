@@ -1,12 +1,5 @@
-"""What syncbn watches in the DDP wrappers of a process: a plain ``Join([ddp])``, DDP's own bound.
-
-A ``Join([ddp])`` without :class:`syncbn.JoinableSyncBatchNorm` is refused on every rank at once
-(:class:`PlainJoinError`). DDP's buffer broadcast, the first collective of a step, is bounded only
-by the process group's timeout: :func:`step_bound` states that finding as data (``syncbn doctor``
-reports it); a warning (:class:`UnboundedStepWarning`, once per process, at the user's line) comes
-only when the user chose a bound (``SYNCBN_TIMEOUT``, ``syncbn.set_timeout``) that the broadcast
-outwaits. See docs/internals/groups.md#join-shadowing.
-"""
+"""What syncbn watches in the DDP wrappers of a process: a plain ``Join([ddp])`` (refused), DDP's
+own bound (:func:`step_bound`). See docs/internals/groups.md#join-shadowing."""
 
 from __future__ import annotations
 
@@ -133,7 +126,7 @@ def step_bound(ddp: nn.Module) -> StepBound:
 
 
 class _Watched(JoinHook):
-    """DDP's join hook, forwarded; tells syncbn when its ``Join`` has run its post-hooks."""
+    """DDP's join hook, forwarded; ``done`` once its ``Join`` has run its post-hooks."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -150,10 +143,7 @@ class _Watched(JoinHook):
 
 
 class _JoinHookOf:
-    """``join_hook`` of one DDP model (an instance attribute): DDP's hook, handed over watched.
-
-    Holds the model weakly; a pickled or deep-copied model gets one of its own (``__reduce__``).
-    """
+    """``join_hook`` of one DDP model (an instance attribute, holding it weakly): DDP's hook, watched."""
 
     def __init__(self, ddp: nn.Module) -> None:
         self._ddp = weakref.ref(ddp)
@@ -179,7 +169,7 @@ def _join_live(ddp: nn.Module) -> bool:
 
 
 def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    """The registration hook: remember each ``DistributedDataParallel`` as it takes its module."""
+    """The module registration hook: remember each ``DistributedDataParallel`` as it takes its module."""
     if name == "module" and child is not None and isinstance(parent, nn.parallel.DistributedDataParallel):
         _wrappers[:] = [r for r in _wrappers if r() is not None and r() is not parent]
         _wrappers.append(weakref.ref(parent))
@@ -189,16 +179,13 @@ def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
             _step_hooks[parent] = parent.register_forward_pre_hook(_first_step)
 
 
-# What the user's ``ddp(x)`` calls before the hook: Module._wrapped_call_impl, then _call_impl, whose
-# inner() runs the forward pre-hooks. The warning names the user's line: _first_step (1), inner (2),
-# _call_impl (3), _wrapped_call_impl (4), the user's line (5).
+# The user's ``ddp(x)``, above _first_step, _call_impl's inner, _call_impl and _wrapped_call_impl.
 _USER_STACKLEVEL = 5
 
 
 def _first_step(ddp: nn.Module, args: Any) -> None:
-    """Forward pre-hook of a recorded DDP wrapper, at its first step: warn once per process, at the
-    user's line, when DDP's buffer broadcast outwaits a bound the user set (else quiet: the docs
-    and the doctor state it)."""
+    """Forward pre-hook of a recorded DDP wrapper, removed at its first step: warn once per process
+    when DDP's buffer broadcast outwaits a bound the user set."""
     global _warned
     handle = _step_hooks.pop(ddp, None)
     if handle is not None:
@@ -215,12 +202,12 @@ def _first_step(ddp: nn.Module, args: Any) -> None:
 
 @functools.cache  # once per process
 def install() -> None:
-    """Start recording DDP wrappers (syncbn does it when it is imported)."""
+    """Start recording DDP wrappers."""
     nn.modules.module.register_module_module_registration_hook(_record)
 
 
 def cover(model: nn.Module) -> None:
-    """Mark the join configuration of ``model``'s DDP wrapper (or ``model`` itself) as shadowed by syncbn."""
+    """Mark the join configuration of ``model``'s DDP wrapper (or of ``model``) as shadowed by syncbn."""
     for ref in _wrappers:
         ddp = ref()
         if ddp is not None and (ddp is model or ddp.__dict__.get("_modules", {}).get("module") is model):

@@ -1,8 +1,4 @@
-"""The errors of :mod:`syncbn.groups`: :class:`CollectiveError` and the words that name the group.
-
-:class:`Reporting`, a base of :class:`~syncbn.groups.ProcessGroupSum`, describes its group, holds
-the wait bound and builds the errors (a timeout, a failed transport, a header mismatch).
-"""
+""":class:`CollectiveError`, and :class:`Reporting`: a group's words, its wait bound and its errors."""
 
 from __future__ import annotations
 
@@ -77,8 +73,7 @@ class CollectiveError(RuntimeError):
         self.mismatch = mismatch
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled and copied with its message and fields, as built-in exceptions are (a worker's
-        error reaches its parent through pickle); the keyword-only ``__init__`` is not re-run."""
+        """Pickled and copied with its message and fields (the keyword-only ``__init__`` is not re-run)."""
         return (_restore, (type(self), self.args), self.__dict__)
 
     def _rephrased(self, message: str, **changes: Any) -> CollectiveError:
@@ -96,7 +91,6 @@ class CollectiveError(RuntimeError):
 
 
 def _restore(cls: type[CollectiveError], args: tuple[Any, ...]) -> CollectiveError:
-    """A :class:`CollectiveError` from its pickled message (its fields follow as state)."""
     new = cls.__new__(cls)
     new.args = args
     return new
@@ -124,8 +118,7 @@ class Reporting:
             self._size, self._rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self._shared: _shm.SharedMemorySum | None = None  # set at the first CPU collective
         self._pg_timeout_s: float | None = None  # read once: _bound_s is on the hot path
-        #: identity -> name of the layers seen by this process, for error messages.
-        self.names: dict[int, str] = {}
+        self.names: dict[int, str] = {}  # layer identity -> name, for the errors
 
     @property
     def process_group(self) -> Any:
@@ -154,7 +147,7 @@ class Reporting:
         return f"{which} of {self._size} ranks (global ranks {ranks}; this is group rank {self._rank}{via})"
 
     def _refused(self, message: str) -> CollectiveError:
-        """An error for a call refused before anything was sent (not a timeout)."""
+        """A call refused before anything was sent."""
         return CollectiveError(message, timed_out=False, waited=0.0, group_size=self._size)
 
     def _shm_error(self, exc: _shm.SharedMemoryError) -> CollectiveError:

@@ -1,7 +1,4 @@
-"""The frame format of :mod:`syncbn.groups`: constants, :class:`Tag`, the header's encoding and check.
-
-The protocol is described in docs/internals/groups.md.
-"""
+"""The frame format: constants, :class:`Tag`, the header's encoding and check (docs/internals/groups.md)."""
 
 from __future__ import annotations
 
@@ -106,8 +103,6 @@ def encode_header(fields: list[int], present: bool) -> list[float]:
 
 
 class Agreement(NamedTuple):
-    """The verdict on a summed header."""
-
     participants: int
     values: list[int | None]  # the agreed value of each field, None where ranks differ
     pairs: list[tuple[int, int] | None]  # in a group of two, both values where they differ

@@ -1,9 +1,5 @@
-"""The hierarchical path of :mod:`syncbn.groups`, for CPU groups that span several machines.
-
-Each machine's ranks sum through shared memory, the machines' leaders sum over the network with a
-status value, and each leader hands the total and its verdict back through shared memory, so a
-failure reaches every rank as a failure, never as a mismatch. See docs/internals/groups.md.
-"""
+"""The hierarchical path for CPU groups that span several machines: machine sums, the leaders'
+sum, the hand-back. See docs/internals/groups.md#hierarchical-reduction."""
 
 from __future__ import annotations
 
@@ -41,11 +37,8 @@ def choice(explicit: bool | None) -> bool:
 
 
 class Hierarchy:
-    """This rank's part of a hierarchical group: its machine group and, on a leader, the leaders'.
-
-    ``local`` is ``None`` for a rank alone on its machine, ``cross`` unless this rank leads its
-    machine; ``leader`` is a rank of the whole group, ``size`` its number of ranks (for the errors).
-    """
+    """This rank's machine group (``local``; ``None`` alone on its machine) and, on a leader, the
+    leaders' (``cross``); ``leader`` and ``size`` (for the errors) are of the whole group."""
 
     def __init__(self, local: Any, cross: Any, machines: int, leader: int, size: int) -> None:
         self.local = local
@@ -66,11 +59,8 @@ class Hierarchy:
         return buf
 
     def all_reduce_sum(self, tensor: Tensor, tag: Tag, host_wait: bool) -> Tensor:
-        """Sum ``tensor`` in place over the whole group: machine sum, leaders' sum, hand-back.
-
-        The last two carry one value more: the number of failed machine sums, then the leader's
-        verdict (``_OK``, ...). Every step keeps the caller's header.
-        """
+        """Sum ``tensor`` in place over the whole group; the last two steps carry one value more: the
+        number of failed machine sums, then the leader's verdict (``_OK``, ...)."""
         local, cross = self.local, self.cross
         n = tensor.numel()
         buf = self._buffer(tensor)
@@ -140,15 +130,9 @@ class Hierarchy:
 
 
 def connect(group: Any, wanted: bool, able: bool, exchange: Callable[[Tensor], Tensor]) -> Hierarchy | None:
-    """Agree on the hierarchical path and split ``group`` (a ``ProcessGroupSum``) by machine, collectively.
-
-    Every rank calls this at the same point (once the flat shared-memory path proved unusable):
-    one ``exchange`` (a summing all_reduce over the group) tells every rank every rank's choice
-    (``wanted``), ability (``able``) and machine. The parts are made as ``type(group)`` over
-    subgroups of syncbn's own. Returns ``None`` on every rank when not wanted, on one machine, or
-    one rank per machine; raises a ``mismatch`` :class:`CollectiveError` on every rank when the
-    ranks chose differently (nothing set up).
-    """
+    """Agree on the hierarchical path and split ``group`` (a ``ProcessGroupSum``) by machine, collectively
+    (one ``exchange`` of every rank's choice, ability and machine); ``None`` on every rank where not
+    taken, a ``mismatch`` :class:`CollectiveError` on every rank where the ranks chose differently."""
     rank, size, process_group = group.rank, group.size, group.process_group
     table = torch.zeros(size, 3, dtype=torch.float64)
     table[rank] = torch.tensor([float(wanted), float(able), _shm._host_key()], dtype=torch.float64)
@@ -192,12 +176,7 @@ def connect(group: Any, wanted: bool, able: bool, exchange: Callable[[Tensor], T
 
 
 def _subgroups(ranks: list[int], sets: list[list[int]], bound: float | None) -> dict[tuple[int, ...], Any]:
-    """torch's process groups of ``sets`` (group ranks; ``ranks`` maps them to global ranks).
-
-    The fallback where syncbn's own wires cannot be made. Over the whole job every rank makes
-    every subgroup in order; otherwise only each set's members make it (``use_local_synchronization``,
-    named after its ranks alone: one hierarchical group per set of ranks of a smaller group).
-    """
+    """torch's process groups of ``sets`` (``ranks``: their global ranks), where wires cannot be made."""
     extra: dict[str, Any] = {} if bound is None else {"timeout": timedelta(seconds=bound)}
     made: dict[tuple[int, ...], Any] = {}
     whole_job = len(ranks) == dist.get_world_size()

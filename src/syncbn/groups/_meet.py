@@ -1,9 +1,5 @@
-"""Every rank of the job meets within syncbn's bound, or every rank raises: :func:`meet`.
-
-The job-wide set-up calls (:func:`~syncbn.groups.subgroup`, :func:`new_group`) meet in the job's
-store with syncbn's bound instead of the process group's timeout. Only the store is touched:
-nothing a failed meeting leaves to clean up. The protocol: docs/internals/groups.md#subgroups.
-"""
+"""Every rank of the job meets in the job's store within syncbn's bound, or every rank raises:
+:func:`meet`. The protocol: docs/internals/groups.md#subgroups."""
 
 from __future__ import annotations
 
@@ -27,22 +23,10 @@ NO_GROUP = "No group was made; the process group is still usable."
 def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> list[str] | None:
     """Every rank's ``value``, in rank order, once every rank of the job has called with ``tag``.
 
-    Collective over the default group, bounded by syncbn's bound.
-
-    Args:
-        caller: the public call, for the error (``"syncbn.groups.subgroup(2)"``).
-        tag: the meeting's name, the same on every rank (never the value: ranks that ask for
-            different things must still meet, to raise alike).
-        value: this rank's contribution (a short string).
-        consequence: appended to the error (what was not made).
-
-    Returns:
-        The values, or ``None`` where the job's store cannot be reached through torch's internals
-        (the caller then falls back to a collective of ``torch.distributed``).
-
-    Raises:
-        CollectiveError: (``timed_out=True``) on every rank that called, when a rank did not
-            arrive within the bound: the ranks missing, the bound and its source, what to do.
+    ``caller`` names the public call in the error, ``consequence`` is appended to it; ``tag`` is the
+    same on every rank (never the value: ranks asking for different things must meet to raise alike).
+    ``None`` where torch's internals hide the store. Raises ``CollectiveError(timed_out=True)`` on
+    every rank that called when a rank did not arrive within the bound.
     """
     found = _own._store_for(None)
     if found is None:
@@ -89,11 +73,7 @@ def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> li
 
 
 def gather(caller: str, tag: str, value: Any) -> list[Any]:
-    """Every rank's JSON-able ``value``, in rank order: :func:`meet` (with :data:`NO_GROUP`).
-
-    Where the job's store is out of reach (torch's internals moved), ``all_gather_object``
-    instead, bounded by the group's timeout.
-    """
+    """Every rank's JSON-able ``value``, in rank order: :func:`meet`, else ``all_gather_object``."""
     met = meet(caller, tag, json.dumps(value), consequence=NO_GROUP)
     if met is not None:
         return [json.loads(text) for text in met]
@@ -114,10 +94,6 @@ def _present(store: Any, key: str) -> bool:
 
 
 def new_group(caller: str, ranks: list[int], timeout: timedelta | None) -> Any:
-    """``torch.distributed.new_group(ranks, timeout=timeout)`` once every rank has arrived (:func:`meet`).
-
-    A rank that does not arrive within syncbn's bound is named in a :class:`CollectiveError` on
-    every rank that called, before any group is made (torch's own leaves a bare "Wait timeout").
-    """
+    """``torch.distributed.new_group(ranks, timeout=timeout)`` once every rank has arrived (:func:`meet`)."""
     meet(caller, "new_group", consequence=NO_GROUP)
     return dist.new_group(ranks, timeout=timeout)

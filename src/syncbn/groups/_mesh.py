@@ -1,13 +1,5 @@
-"""A ``torch.distributed.device_mesh.DeviceMesh`` as the group a layer synchronises over.
-
-A 1-D mesh or submesh (``mesh["dp"]``) stands for its own process group. A multi-dimensional
-one (HSDP's ``mesh["dp_replicate", "dp_shard"]``) stands for all its ranks: one flattened group,
-made the first time a mesh object is resolved, safely (every rank of the job meets in the store
-within syncbn's bound and states its mesh's members; the members must form one partition of the
-job, checked alike on every rank; then every rank creates every group of that partition, in the
-same order) and cached for the life of the default group. Layers keep the mesh itself, resolved
-at call time like ``process_group=None``: a layer pickles and deep-copies as the mesh does.
-"""
+"""A ``DeviceMesh`` as the group a layer synchronises over: a 1-D mesh's own group, a
+multi-dimensional one's ranks flattened safely on every rank. See docs/internals/groups.md#devicemesh."""
 
 from __future__ import annotations
 
@@ -21,12 +13,9 @@ __all__ = ["is_mesh", "group_of", "mesh_argument"]
 
 # id(mesh) -> (a weak reference to it, the process group it stands for).
 _by_mesh: dict[int, tuple[weakref.ref[Any], Any]] = {}
-# partition (member tuples in order) -> (weak reference to the default group it was made under,
-# this rank's group of it).
+# partition -> (a weak reference to the default group it was made under, this rank's group of it).
 _made: dict[tuple[tuple[int, ...], ...], tuple[weakref.ref[Any], Any]] = {}
-
-# Classes whose instances were found to be DeviceMesh objects.
-_mesh_types: set[type] = set()
+_mesh_types: set[type] = set()  # classes whose instances were found to be DeviceMesh objects
 
 
 def is_mesh(value: Any) -> bool:
@@ -42,19 +31,9 @@ def is_mesh(value: Any) -> bool:
 
 
 def group_of(mesh: Any) -> Any:
-    """The process group ``mesh`` stands for: its own (1-D) or its ranks flattened (multi-dimensional).
-
-    The first call with a multi-dimensional mesh object is collective over every rank of the job
-    (each with its own mesh object from the same program line); later calls, and 1-D meshes, do
-    not communicate.
-
-    Raises:
-        ValueError: the ranks' meshes do not partition the job (a rank outside its own mesh, or
-            two ranks naming different members for the group they share); on every rank alike,
-            before any group is made.
-        syncbn.CollectiveError: (``timed_out=True``) a rank did not take part within syncbn's
-            bound; on every rank that did, naming the missing ranks, before any group is made.
-    """
+    """The process group ``mesh`` stands for; the first call with a multi-dimensional mesh object
+    is collective over every rank of the job, which raise alike (before any group is made) when
+    the meshes do not partition the job (``ValueError``) or a rank is missing (``CollectiveError``)."""
     hit = _by_mesh.get(id(mesh))
     if hit is not None and hit[0]() is mesh:
         return hit[1]
@@ -66,7 +45,7 @@ def group_of(mesh: Any) -> Any:
 
 
 def _flattened(mesh: Any) -> Any:
-    """The group of all ranks of a multi-dimensional ``mesh`` (collective: see :func:`group_of`)."""
+    """The group of all ranks of a multi-dimensional ``mesh`` (collective)."""
     mine = sorted(int(r) for r in mesh.mesh.flatten().tolist())
     names = mesh.mesh_dim_names
     caller = f"syncbn: synchronising over the DeviceMesh{mesh.mesh.tolist()}" + (
@@ -92,12 +71,7 @@ def _partition(everyone: list[list[int]], caller: str) -> list[list[int]]:
 
 
 def mesh_argument(device_mesh: Any, process_group: Any, group_size: Any, caller: str) -> Any:
-    """``device_mesh`` checked for use as a layer's ``process_group`` (not with either of the others).
-
-    Raises:
-        TypeError: ``device_mesh`` is not a ``DeviceMesh``.
-        ValueError: ``process_group`` or ``group_size`` is given too.
-    """
+    """``device_mesh`` checked for use as a layer's ``process_group`` (not with either of the others)."""
     if not is_mesh(device_mesh):
         raise TypeError(
             f"{caller}: expected device_mesh to be a torch.distributed.device_mesh.DeviceMesh "

@@ -1,10 +1,6 @@
-"""Process groups of syncbn's own ("wires"): made with syncbn's bound, destroyed in order.
-
-A wire is a bare ``dist.ProcessGroupGloo`` over a group's members, not registered with
-``torch.distributed``, whose timeout is syncbn's bound. Groups are held only here, with the
-tensors handed to them, and :func:`release` destroys them in order (works, group, then tensors).
-Why, and how the members meet: docs/internals/groups.md#bounded-waits-and-syncbns-own-wires.
-"""
+"""Process groups of syncbn's own ("wires": bare gloo groups whose timeout is syncbn's bound), held
+only here with the tensors handed to them, destroyed in order by :func:`release`. Why, and how the
+members meet: docs/internals/groups.md#bounded-waits-and-syncbns-own-wires."""
 
 from __future__ import annotations
 
@@ -34,10 +30,11 @@ _serial = itertools.count(1)
 _forever: list[Any] = []
 # Works given up on, with the tensor each holds, until they finish.
 _abandoned: list[tuple[Any, Tensor]] = []
+process_id = os.getpid()  # set again in a forked child: what was made before the fork is the parent's
 
 
 def _cpu_backend(process_group: Any) -> Any:
-    """The backend of ``process_group`` (``None``: the default group) for CPU tensors; raises if none."""
+    """The CPU backend of ``process_group`` (``None``: the default group); raises if none."""
     group: Any = dist.group.WORLD if process_group is None else process_group
     if isinstance(group, dist.ProcessGroupGloo):  # a wire of syncbn's own (:func:`make`)
         return group
@@ -84,11 +81,8 @@ def _store_for(parent: Any) -> tuple[Any, str] | None:
 
 
 def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
-    """A gloo wire over ``parent``'s members, ``timeout_s`` its timeout (a weak reference), or ``None``.
-
-    Collective over the parent's members. ``None`` where the parent has no gloo CPU backend (MPI,
-    NCCL only) or torch's internals differ; a ``RuntimeError`` when the members did not all meet.
-    """
+    """A weak reference to a gloo wire over ``parent``'s members (collective), or ``None`` where the
+    parent has no gloo CPU backend or torch's internals differ; raises when the members did not meet."""
     every = list(range(dist.get_world_size(parent)))
     made = None if _gloo_backend(parent) is None else make_sets(parent, [every], timeout_s)
     return None if made is None else made.get(tuple(every))
@@ -97,11 +91,8 @@ def make(parent: Any, timeout_s: float) -> weakref.ref[Any] | None:
 def make_sets(
     parent: Any, sets: list[list[int]], timeout_s: float
 ) -> dict[tuple[int, ...], weakref.ref[Any]] | None:
-    """Wires over several sets of ``parent``'s members (group ranks), those this rank belongs to.
-
-    As :func:`make`, with the same ``sets`` on every member; each set's members meet only each
-    other. Returns set (a tuple of group ranks) -> a weak reference to its wire, or ``None``.
-    """
+    """:func:`make` for the sets of ``parent``'s group ranks this rank belongs to (each set's members
+    meet only each other): set -> a weak reference to its wire, or ``None``."""
     found = _store_for(parent)
     if found is None:
         return None
@@ -127,12 +118,8 @@ _CONNECT_WAITS = 5
 
 
 def _connect(store: Any, rank: int, size: int, timeout_s: float) -> Any:
-    """A gloo group over ``store`` whose members all meet within ``timeout_s``, or an error.
-
-    A presence check in the store with the bound, then gloo's connection with ``timeout_s / 5``
-    (its initial-connect wait is five times that), the timeout raised to ``timeout_s`` after.
-    Where torch cannot change it (:data:`CARRIES_TIMEOUT`) the group is made with ``timeout_s``.
-    """
+    """A gloo group over ``store`` whose members all meet within ``timeout_s`` (presence in the store,
+    then gloo's connection with a fifth of it), or an error."""
     here = [f"here/{r}" for r in range(size)]
     store.set(here[rank], "1")
     store.wait(here, _delta(timeout_s))
@@ -147,8 +134,7 @@ def _connect(store: Any, rank: int, size: int, timeout_s: float) -> Any:
 
 
 def _delta(seconds: float) -> timedelta:
-    """``seconds`` as a ``timedelta`` of at least 1 ms: c10d and gloo take whole milliseconds and
-    read 0 ms as "no timeout", so a positive bound must never become 0 ms."""
+    """``seconds`` as a ``timedelta`` of at least 1 ms (c10d and gloo read 0 ms as "no timeout")."""
     return timedelta(seconds=max(seconds, _config.MIN_TIMEOUT_S))
 
 
@@ -232,7 +218,7 @@ def _wait_abandoned(limit_s: float) -> None:
 
 
 def release(key: int, limit_s: float) -> None:
-    """Destroy group ``key`` (:func:`adopt`) in order: its works (``limit_s`` at most), group, frames."""
+    """Destroy group ``key`` (:func:`adopt`) in order: its works (``limit_s`` at most), group, tensors."""
     entry = _kept.pop(key, None)
     if entry is None:
         return
@@ -260,8 +246,8 @@ def release_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    for entry in _kept.values():
-        entry[2] = -1  # the parent's: never destroyed (nor freed) here
+    global process_id
+    process_id = os.getpid()  # (the groups in _kept are the parent's: release never destroys them here)
     _forever.extend(_abandoned)
     _abandoned.clear()
 

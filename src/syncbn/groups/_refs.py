@@ -22,9 +22,8 @@ def group_ranks(process_group: Any) -> list[int]:
 class ProcessGroupRef:
     """A picklable stand-in for a process group, naming it by its global ranks.
 
-    Modules store one in place of an explicit process group when they are
-    pickled (``torch.save``); :func:`resolve` finds the live group with the same
-    ranks again when the loaded module first synchronizes.
+    Modules store one in place of an explicit process group when they are pickled (``torch.save``);
+    :func:`resolve` finds the live group with the same ranks again at the loaded module's first call.
 
     Args:
         ranks: the global ranks of the group's members, in group-rank order.
@@ -34,11 +33,7 @@ class ProcessGroupRef:
         self.ranks = list(ranks)
 
     def lookup(self) -> Any:
-        """The live process group with these ranks.
-
-        Raises:
-            RuntimeError: when no such group exists in this job.
-        """
+        """The live process group with these ranks; ``RuntimeError`` when no such group exists."""
         if self.ranks == list(range(dist.get_world_size())):
             return None
         for group, mapping in dist.distributed_c10d._world.pg_group_ranks.items():

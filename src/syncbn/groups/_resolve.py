@@ -17,25 +17,20 @@ def resolve(process_group: Any) -> SumGroup | None:
     """The group a training call synchronizes over, or ``None`` to run locally.
 
     Args:
-        process_group: a ``torch.distributed`` process group, a
-            :class:`ProcessGroupRef`, a ready :class:`SumGroup`, a ``DeviceMesh``
-            (its group; all its ranks when multi-dimensional, see :mod:`._mesh`), or
-            ``None`` for the default group.
+        process_group: a ``torch.distributed`` process group, a :class:`ProcessGroupRef`, a ready
+            :class:`SumGroup`, a ``DeviceMesh`` (its group; all its ranks when multi-dimensional),
+            or ``None`` for the default group.
 
     Returns:
-        ``None`` when ``torch.distributed`` is unavailable or not initialised,
-        or the group has a single member: plain batch norm is then exact.
-        Otherwise a :class:`SumGroup`: while a ``syncbn.JoinableSyncBatchNorm`` is active,
-        the default group's is its Join wrapper (every sum through the joinable).
+        ``None`` when ``torch.distributed`` is unavailable or not initialised, or the group has a
+        single member: plain batch norm is then exact. Otherwise a :class:`SumGroup` (under an
+        active ``syncbn.JoinableSyncBatchNorm``, the default group's is its Join wrapper).
 
     Raises:
-        ValueError: ``process_group`` was destroyed (``destroy_process_group(group)``; no longer
-            registered with ``torch.distributed``), on every rank that destroyed it, before any
-            state changes. Or it is ``torch.distributed.GroupMember.NON_GROUP_MEMBER``,
-            what ``new_group`` returns to the ranks it leaves out: this rank is not a member
-            (``torch.nn.SyncBatchNorm`` silently runs unsynchronised there; torch's collectives
-            warn and do nothing). Raised on that rank only, before any state changes; the
-            group's members are not affected.
+        ValueError: before any state changes, ``process_group`` was destroyed
+            (``destroy_process_group(group)``), on every rank that destroyed it; or it is
+            ``GroupMember.NON_GROUP_MEMBER`` (``new_group`` left this rank out, where
+            ``torch.nn.SyncBatchNorm`` silently runs unsynchronised), on that rank only.
     """
     # Concrete types first: a runtime Protocol check costs tens of microseconds.
     if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, ProcessGroupRef)):
@@ -99,11 +94,8 @@ def _not_a_member(process_group: int) -> ValueError:
 
 
 def forget_destroyed() -> None:
-    """Drop (and close) the cached groups of destroyed process groups.
-
-    :func:`resolve` runs it on meeting a new group, or once ``torch.distributed`` is no longer
-    initialised: after ``destroy_process_group()`` nothing of the old group survives in syncbn.
-    """
+    """Drop (and close) the cached groups of destroyed process groups (:func:`resolve`, on a new
+    group or once ``torch.distributed`` is no longer initialised)."""
     live = {id(g) for g in dist.distributed_c10d._world.pg_map} if is_initialized() else set()
     for key, (ref, group) in list(_resolved.items()):
         target = ref()
@@ -113,9 +105,7 @@ def forget_destroyed() -> None:
                 group.close()
 
 
-# Classes whose instances passed the SumGroup protocol check once.
-_sum_group_types: set[type] = set()
-
+_sum_group_types: set[type] = set()  # classes whose instances passed the SumGroup protocol check once
 # Live process group's id -> (a weak reference to it, its ProcessGroupSum or None for a group of one).
 _resolved: dict[int, tuple[weakref.ref[Any], ProcessGroupSum | None]] = {}
 

@@ -1,8 +1,4 @@
-"""Groups of ``k`` consecutive ranks, or of one machine's ranks: :func:`subgroup`.
-
-Made safely (every rank creates every group, in the same order) and cached per setting for the
-life of the default group. See docs/internals/groups.md.
-"""
+"""Groups of ``k`` consecutive ranks or of one machine: :func:`subgroup` (docs/internals/groups.md)."""
 
 from __future__ import annotations
 
@@ -25,11 +21,8 @@ _made: dict[tuple[str, ...], tuple[weakref.ref[Any], Any]] = {}
 
 
 def _exchange(size: Any, world: int) -> list[list[int]]:
-    """The member sets to create, in rank order, from every rank's request and machine (collective).
-
-    Raises on every rank alike when the ranks asked for different sizes, or for an invalid one,
-    or (:class:`~syncbn.groups.CollectiveError`) when a rank did not call within syncbn's bound.
-    """
+    """The member sets to create, in rank order, from every rank's request and machine (collective;
+    raises on every rank alike)."""
     everyone = _meet.gather(f"syncbn.groups.subgroup({size!r})", "subgroup", [repr(size), _shm._host_key()])
     asked = [request for request, _ in everyone]
     if len(set(asked)) > 1:
@@ -104,7 +97,8 @@ def cached(made: dict[Any, tuple[weakref.ref[Any], Any]], key: Any) -> Any:
     """The group ``made`` holds under ``key`` for the live default group, else ``None``."""
     default = dist.group.WORLD
     hit = made.get(key)
-    if hit is not None and hit[0]() is default and _alive(hit[1]):
+    live = dist.distributed_c10d._world.pg_map  # the registered groups: a destroyed one leaves it
+    if hit is not None and hit[0]() is default and (hit[1] is default or hit[1] in live):
         return hit[1]
     for stale in [k for k, (ref, _) in made.items() if ref() is not default]:
         del made[stale]
@@ -126,11 +120,7 @@ def make_sets(made: dict[Any, tuple[weakref.ref[Any], Any]], key: Any, sets: Seq
 
 
 def group_for(process_group: Any, group_size: int | str | None, caller: str) -> Any:
-    """``process_group``, or :func:`subgroup` of ``group_size`` when that is given (not both).
-
-    Raises:
-        ValueError: both are given (on every rank alike, before anything is made).
-    """
+    """``process_group``, or :func:`subgroup` of ``group_size`` (both given: ``ValueError``)."""
     if group_size is None:
         return process_group
     if process_group is not None:
@@ -139,8 +129,3 @@ def group_for(process_group: Any, group_size: int | str | None, caller: str) -> 
             f"(got process_group={process_group!r}, group_size={group_size!r})"
         )
     return subgroup(group_size)
-
-
-def _alive(group: Any) -> bool:
-    """Whether ``group`` is still a live process group of this job."""
-    return group is dist.group.WORLD or group in dist.distributed_c10d._world.pg_map

@@ -1,12 +1,7 @@
-"""``ProcessGroupSum``: the :class:`~syncbn.groups.SumGroup` over a ``torch.distributed`` process group.
-
-It chooses the transport per call (shared memory, the hierarchy, or the process group's frames),
-counts the calls (the header's sequence field) and guards its lifecycle (forks, destroyed groups).
-"""
+"""``ProcessGroupSum``: the transport per call, the call count and the lifecycle (forks, destroyed groups)."""
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Callable
 
@@ -14,46 +9,22 @@ import torch
 from torch import Tensor
 
 from .. import _config, _shm
-from . import _ddp, _hier
-from ._frame import (
-    ANONYMOUS,
-    FAST_DTYPES,
-    PAYLOAD,
-    PHASE_CHECK,
-    PHASE_SETUP,
-    ShadowResult,
-    Tag,
-    dtype_code,
-    header_fields,
-)
+from . import _ddp, _hier, _own
+from ._frame import ANONYMOUS, FAST_DTYPES, PAYLOAD, PHASE_CHECK, PHASE_SETUP, SEQUENCE, ShadowResult, Tag
 from ._transport import FramedTransport
-
-# Set in a child process by os.register_at_fork: groups made before the fork are the parent's.
-_pid = os.getpid()
-
-
-def _after_fork_in_child() -> None:
-    global _pid
-    _pid = os.getpid()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
 
 # While a syncbn.join.JoinableSyncBatchNorm is active: its wrapper of the default group (set_join).
 _join: Callable[[ProcessGroupSum], Any] | None = None
 
 
 def set_join(wrap: Callable[[ProcessGroupSum], Any] | None) -> None:
-    """Install (``None``: remove) the active Join's ``wrap(group)``, which :func:`joined` applies."""
+    """Install (``None``: remove) the active Join's ``wrap(group)``."""
     global _join
     _join = wrap
 
 
 def joined(group: Any) -> Any:
-    """``group`` as a training call uses it now: under an active Join, the Join's wrapper of the
-    default group (:func:`syncbn.groups.resolve` hands it out; the compile operator asks at run time)."""
+    """``group`` as a training call uses it now: under an active Join, the Join's wrapper of it."""
     if _join is None or type(group) is not ProcessGroupSum or group.process_group is not None:
         return group
     return _join(group)
@@ -71,9 +42,8 @@ class ProcessGroupSum(FramedTransport):
             shared memory and across machines over a leaders' subgroup; ``None`` follows
             ``SYNCBN_HIERARCHICAL`` (on by default). Every rank must choose alike (else every
             rank raises).
-        own_group: ``process_group`` is one syncbn made for this group alone (the ``Join``
-            group, the hierarchy's subgroups): its frames go over it directly, and it is
-            destroyed when this group closes.
+        own_group: ``process_group`` is one syncbn made for this group alone (the ``Join`` group,
+            the hierarchy's subgroups): its frames go over it directly.
 
     CPU frames travel over a gloo group of this group's own whose timeout is the wait bound, so
     a process can recover or exit within seconds of a :class:`CollectiveError`.
@@ -102,16 +72,14 @@ class ProcessGroupSum(FramedTransport):
         own_group: bool = False,
     ) -> None:
         super().__init__(process_group, own_group)
-        self._owner = _pid
+        self._owner = _own.process_id
         # The CPU transports (shared memory, the hierarchy), chosen collectively at the first CPU collective.
         self._shared_memory_choice = shared_memory
         self._shared_ready = False
         self._hierarchical_choice = hierarchical
         self._hier: _hier.Hierarchy | None = None
-        self._fields: dict[tuple[Tag, torch.dtype, int], list[int]] = {}  # see _framed
-        #: layer state -> its first-use ordinal identity (syncbn._checks.layer_identity).
+        # Layer state -> its first-use ordinal identity, and the ordinals handed out (syncbn._checks).
         self.layer_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        #: ordinals handed out so far (never reused, so the numbering follows the order of first calls).
         self.layer_ordinals = 0
         self.closed = False
 
@@ -157,8 +125,6 @@ class ProcessGroupSum(FramedTransport):
     def all_reduce_sum_bounded(self, tensor: Tensor, *, host_wait: bool, tag: Tag | None = None) -> Tensor:
         """:meth:`all_reduce_sum`, optionally bounding the wait (and checking the header) on the host.
 
-        The consistency checks use ``host_wait=True``: they read the result on the host anyway.
-
         Args:
             tensor: the values to sum; overwritten with the sum.
             host_wait: bound the wait on the host even for an accelerator tensor.
@@ -173,9 +139,8 @@ class ProcessGroupSum(FramedTransport):
     def shadow_sum(self, device: torch.device | str = "cpu") -> ShadowResult | None:
         """Take part in the other ranks' next framed call without contributing (DDP ``Join``).
 
-        Sends absent frames (flag 0, zero payload), so the participants' check and sum are
-        unchanged; the first summed frame tells this rank the call's tag, dtype and size, and so
-        how many frames follow. Always read on the host.
+        Sends absent frames (flag 0, zero payload): the participants' check and sum are unchanged
+        (docs/internals/groups.md, "Join shadowing"). Always read on the host.
 
         Args:
             device: the device the participants use (``cpu`` for gloo, the rank's GPU for NCCL).
@@ -234,12 +199,12 @@ class ProcessGroupSum(FramedTransport):
             self._release()  # destroys the group carrying the frames, in order (see _own)
 
     def _enter(self) -> None:
-        if self._owner != _pid:
+        if self._owner != _own.process_id:
             raise self._refused(
-                f"this process (pid {_pid}) was forked from pid {self._owner} after the SyncBatchNorm "
-                f"group over {self.describe()} was set up; a forked child cannot take part in its "
-                "parent's collectives (it would silently join them). Initialise a process group of "
-                "the child's own (or use the 'spawn' start method)."
+                f"this process (pid {_own.process_id}) was forked from pid {self._owner} after the "
+                f"SyncBatchNorm group over {self.describe()} was set up; a forked child cannot take part "
+                "in its parent's collectives (it would silently join them). Initialise a process group "
+                "of the child's own (or use the 'spawn' start method)."
             )
         if self.closed or self._live() is None:
             raise self._refused(
@@ -251,7 +216,7 @@ class ProcessGroupSum(FramedTransport):
             _ddp.check()  # Join([ddp]) without JoinableSyncBatchNorm: every rank, nothing sent
 
     def _connect_shared(self) -> _shm.SharedMemorySum | None:
-        """Set up the shared-memory path (collective: every rank's first CPU collective on this group)."""
+        """Choose the CPU transport (collective: every rank's first CPU collective on this group)."""
         calls = self._calls
 
         def exchange(t: Tensor) -> Tensor:
@@ -277,14 +242,8 @@ class ProcessGroupSum(FramedTransport):
         if tensor.is_cpu:  # (``device.type`` makes a device object: ~0.2 us a call)
             shared = self._shared if self._shared_ready else self._connect_shared()
             if shared is not None:
-                # The header fields of a (tag, dtype, size) are made once; only the sequence changes.
-                key = (tag, tensor.dtype, n)
-                fields = self._fields.get(key)
-                if fields is None:
-                    if len(self._fields) > 4096:
-                        self._fields.clear()
-                    fields = self._fields[key] = header_fields(tag, dtype_code(tensor.dtype), 0, n, 0)
-                fields[3] = self._calls & 0xFFFF
+                fields = self._prepared(tag, tensor.dtype, n)[0]
+                fields[SEQUENCE] = self._calls & 0xFFFF
                 # A contiguous tensor goes flat: the exchange's one-round path (~2 us cheaper).
                 flat = tensor if tensor.dim() == 1 or not tensor.is_contiguous() else tensor.view(-1)
                 try:
@@ -305,7 +264,7 @@ class ProcessGroupSum(FramedTransport):
             and not tensor.requires_grad
             and tensor.is_contiguous()
         ):
-            return self._one_cpu_frame(tensor, tag, dtype_code(tensor.dtype), n, host_wait)
+            return self._one_cpu_frame(tensor, tag, host_wait)
         return self._frames(tensor, tag, host_wait=host_wait, deferred=deferred)
 
     def __repr__(self) -> str:

@@ -1,9 +1,5 @@
-"""The process-group transport of :mod:`syncbn.groups`: frames of :data:`FRAME` float64 values.
-
-:class:`FramedTransport` is the part of :class:`~syncbn.groups.ProcessGroupSum` that builds a
-frame (header and payload, on a reusable CPU buffer or on the device), runs the bounded
-``all_reduce`` and checks the summed header, at once or deferred (accelerators).
-"""
+"""Frames over the process group (a base of ``ProcessGroupSum``): built, summed within the bound,
+their headers checked at once or deferred. See docs/internals/groups.md."""
 
 from __future__ import annotations
 
@@ -44,7 +40,7 @@ class _Pending(NamedTuple):
 
 
 class FramedTransport(Reporting):
-    """Framed ``all_reduce`` over the process group (a base of ``ProcessGroupSum``)."""
+    """Framed ``all_reduce`` over the process group."""
 
     def __init__(self, process_group: Any, own_group: bool) -> None:
         super().__init__(process_group)
@@ -53,8 +49,9 @@ class FramedTransport(Reporting):
         self._frame_bytes = bytearray()
         self._frame_words: Any = None  # a float64 memoryview of _frame_bytes
         self._payload_views: dict[Any, Tensor] = {}
-        # (tag, dtype code, size) -> (header fields, encoded header, the sum of every rank sending it)
-        self._headers: dict[tuple[Tag, int, int], tuple[list[int], array.array[float], list[float]]] = {}
+        self._headers: dict[
+            tuple[Tag, torch.dtype, int], tuple[list[int], array.array[float], list[float]]
+        ] = {}
         self._dirty = 0  # payload values of _frame_cpu that may be non-zero
         self._pending: list[_Pending] = []
         self._own_group = own_group
@@ -66,11 +63,7 @@ class FramedTransport(Reporting):
         self.last_participants = self._size
 
     def check_pending(self, *, wait: bool = True) -> None:
-        """Check the deferred headers now: every one (``wait``: for its copy to land), else those landed.
-
-        Raises:
-            CollectiveError: a deferred call's ranks disagreed.
-        """
+        """Check the deferred headers (``wait``: every one, else those landed); raises ``CollectiveError``."""
         pending, self._pending = self._pending, []
         for i, item in enumerate(pending):
             if item.event is not None and not wait and not item.event.query():
@@ -84,20 +77,25 @@ class FramedTransport(Reporting):
                 self._pending.extend(pending[i + 1 :])
                 raise
 
-    def _one_cpu_frame(self, tensor: Tensor, tag: Tag, code: int, n: int, host_wait: bool) -> Tensor:
-        """The common case, a CPU vector that fits one frame: header through a memoryview, no tensor op.
-
-        A call site's header (and the sum every rank sending it gives) is made once per
-        ``(tag, dtype, size)``; a call writes only its sequence number into them.
-        """
-        prepared = self._headers.get((tag, code, n))
+    def _prepared(
+        self, tag: Tag, dtype: torch.dtype, n: int
+    ) -> tuple[list[int], array.array[float], list[float]]:
+        """A call site's header fields, their encoding and every rank's sum of it, made once per
+        ``(tag, dtype, size)``: a call writes only its sequence number into them."""
+        key = (tag, dtype, n)
+        prepared = self._headers.get(key)
         if prepared is None:
             if len(self._headers) > 4096:  # call sites are few; never let odd callers grow it
                 self._headers.clear()
-            mine = header_fields(tag, code, 0, n, 0)
+            mine = header_fields(tag, dtype_code(dtype), 0, n, 0)
             head = array.array("d", encode_header(mine, True))
-            prepared = self._headers[(tag, code, n)] = (mine, head, [v * self._size for v in head])
-        mine, head, agreed = prepared
+            prepared = self._headers[key] = (mine, head, [v * self._size for v in head])
+        return prepared
+
+    def _one_cpu_frame(self, tensor: Tensor, tag: Tag, host_wait: bool) -> Tensor:
+        """The common case, a CPU vector that fits one frame: header through a memoryview, no tensor op."""
+        n = tensor.numel()
+        mine, head, agreed = self._prepared(tag, tensor.dtype, n)
         sequence = self._calls & 0xFFFF
         mine[SEQUENCE] = sequence
         head[1 + 2 * SEQUENCE], head[2 + 2 * SEQUENCE] = float(sequence), float(sequence * sequence)
@@ -121,7 +119,7 @@ class FramedTransport(Reporting):
         return tensor
 
     def _cpu_frame(self) -> tuple[Tensor, Any]:
-        """The reusable CPU frame and a float64 memoryview of the same memory."""
+        """The reusable CPU frame and a float64 memoryview of it."""
         if self._frame_cpu is None:
             self._frame_bytes = bytearray(FRAME * 8)
             self._frame_cpu = torch.frombuffer(self._frame_bytes, dtype=torch.float64)
@@ -222,12 +220,8 @@ class FramedTransport(Reporting):
         return tensor
 
     def _cpu_wire(self) -> Any:
-        """The group that carries this group's CPU frames, or ``None``: the process group itself.
-
-        syncbn's own wire once :meth:`_make_wire` made it after set-up (the set-up exchanges use
-        the process group, whose connections exist); an ``own_group`` is its own wire. Carries a
-        changed bound over to the wire, or warns where torch cannot.
-        """
+        """The group carrying the CPU frames (``None``: the process group, during set-up), the
+        current bound carried over to it (or warned about where torch cannot)."""
         if not self._wire_ready:
             if not self._own_group:
                 return None  # set-up: over the process group
@@ -247,10 +241,7 @@ class FramedTransport(Reporting):
         return wire
 
     def _make_wire(self) -> None:
-        """Make syncbn's own wire for the CPU frames (collective: right after set-up, every member).
-
-        An ``own_group`` needs none: :meth:`_cpu_wire` takes the group itself at its first frame.
-        """
+        """Make the wire for the CPU frames (collective, right after set-up; an ``own_group`` is its own)."""
         if self._wire_ready or self._own_group:
             return
         bound = self._bound_s()

@@ -1,8 +1,7 @@
 """Support code for other libraries' layers; each submodule imports its library and is imported lazily.
 
 :mod:`~syncbn.integrations.timm` (timm's ``BatchNormAct2d``), :mod:`~syncbn.integrations.mmengine`
-(names in mmengine's ``MODELS``), :mod:`~syncbn.integrations.lightning` (also :mod:`syncbn.lightning`).
-"""
+(names in mmengine's ``MODELS``), :mod:`~syncbn.integrations.lightning` (also :mod:`syncbn.lightning`)."""
 
 from __future__ import annotations
 

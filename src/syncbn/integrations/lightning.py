@@ -96,16 +96,14 @@ class SyncBatchNorm(LayerSync):  # type: ignore[misc]
 class AccumulatedStatistics(Callback):  # type: ignore[misc]
     """Lightning callback: one running-statistics update per optimizer step under gradient accumulation.
 
-    For ``Trainer(accumulate_grad_batches=k)``: a :class:`syncbn.accumulation` block opens at the
-    first micro-batch of each step and commits in ``on_before_optimizer_step``, so the running
-    statistics take one exact update over all micro-batches of all ranks instead of ``k``. A step
-    Lightning skips leaves its micro-batches to the next update; the block is committed at the end
-    of each training epoch, and discarded when training raises.
+    For ``Trainer(accumulate_grad_batches=k)``: a :class:`syncbn.accumulation` block opens at a
+    step's first micro-batch and commits in ``on_before_optimizer_step``: one exact update over all
+    ranks' micro-batches instead of ``k``. A step Lightning skips leaves its micro-batches to the next
+    update; the block also commits at each training epoch's end, and is discarded when training raises.
 
     Args:
-        normalize: the blocks' ``normalize`` (:class:`syncbn.accumulation`):
-            ``"micro-batch"`` (default) or ``"cumulative"`` (CmBN: micro-batch ``t``
-            normalised with the pooled statistics of micro-batches ``1..t`` of all ranks).
+        normalize: the blocks' ``normalize`` (:class:`syncbn.accumulation`): ``"micro-batch"`` (default) or
+            ``"cumulative"`` (CmBN: micro-batch ``t`` normalised with all ranks' micro-batches ``1..t``).
 
     Example::
 

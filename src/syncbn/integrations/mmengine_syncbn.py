@@ -1,7 +1,6 @@
-"""Importing this module makes OpenMMLab configs' ``"SyncBN"`` build :class:`syncbn.SyncBatchNorm`.
-
-It registers syncbn's names (:mod:`syncbn.integrations.mmengine`) and calls
-:func:`syncbn.integrations.mmengine.replace_syncbn`. For configs that should not be edited otherwise::
+"""Importing this module registers syncbn's names and makes OpenMMLab configs' ``"SyncBN"`` build
+:class:`syncbn.SyncBatchNorm` (:func:`syncbn.integrations.mmengine.replace_syncbn`), for configs that
+should not be edited otherwise::
 
     custom_imports = dict(imports=["syncbn.integrations.mmengine_syncbn"], allow_failed_imports=False)
 """

@@ -24,20 +24,17 @@ __all__ = ["SyncBatchNormAct2d", "BatchNormAct2d", "SyncBatchNormAct"]
 class SyncBatchNormAct2d(SyncBatchNorm2d, BatchNormAct2d):  # type: ignore[misc]
     """timm's ``BatchNormAct2d`` with syncbn's synchronised batch norm.
 
-    Batch norm over every rank's batch, then the layer's ``drop`` and ``act`` modules. It is both a
-    :class:`syncbn.SyncBatchNorm2d` and a timm ``BatchNormAct2d``, so timm's utilities
-    (``freeze_batch_norm_2d``, ...) recognise it. :func:`syncbn.convert_sync_batchnorm` makes it
-    from a ``BatchNormAct2d`` (keeping every attribute), and :func:`syncbn.revert_sync_batchnorm`
-    turns it back into that very class.
+    Batch norm over every rank's batch, then the layer's ``drop`` and ``act`` modules (with ``mask=``,
+    see :meth:`syncbn.SyncBatchNorm.forward`, after the masked batch norm: padded positions hold
+    ``act(drop(0))``, 0 for ReLU, SiLU, GELU, hard-swish). Both a :class:`syncbn.SyncBatchNorm2d` and a
+    timm ``BatchNormAct2d``, so timm's utilities (``freeze_batch_norm_2d``, ...) recognise it;
+    :func:`syncbn.convert_sync_batchnorm` makes it from a ``BatchNormAct2d`` (keeping every attribute)
+    and :func:`syncbn.revert_sync_batchnorm` turns it back into that very class.
 
     Args:
         *args: as ``timm.layers.BatchNormAct2d``.
         process_group: ``torch.distributed`` group; ``None`` is the default group.
         **kwargs: as ``timm.layers.BatchNormAct2d``.
-
-    With ``mask=`` (see :meth:`syncbn.SyncBatchNorm.forward`), ``drop`` and
-    ``act`` apply after the masked batch norm, so padded positions hold
-    ``act(drop(0))`` (0 for ReLU, SiLU, GELU, hard-swish).
 
     Shape:
         - Input: :math:`(N, C, H, W)`

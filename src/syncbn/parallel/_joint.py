@@ -1,8 +1,5 @@
-"""The synchronised forward of one replica, and the joint backward of all of them.
-
-The replicas' outputs become the outputs of ONE autograd node, :class:`_JointBatchNorm`, so
-backward never waits for another thread. See docs/internals/transports.md.
-"""
+"""The synchronised forward of one replica, and the joint backward of all of them, ONE autograd node
+(backward never waits for another thread). See docs/internals/transports.md."""
 
 from __future__ import annotations
 
@@ -37,11 +34,8 @@ class Replication(Protocol):
 def replica_batch_norm(
     layer: Any, x: Tensor, call: Any, replication: Replication, rank: int, family: Any
 ) -> Tensor:
-    """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings.
-
-    ``call`` is the layer's bookkeeping of this call (``syncbn._layer.TrainingCall``), ``family``
-    the call's family object (the layer's ``_replica_family``). The in-place family overwrites ``x``.
-    """
+    """Training-mode forward of replica ``rank`` of ``layer``, synchronised with its siblings (``call``:
+    the layer's ``TrainingCall``; the in-place family overwrites ``x``)."""
     rendezvous = replication.rendezvous()
     running_mean, momentum = call.running_mean, call.momentum
     weight, bias, eps = layer.weight, layer.bias, float(layer.eps)
@@ -88,12 +82,8 @@ def replica_batch_norm(
 
 
 def _join(items: list[_Item]) -> list[Tensor]:
-    """Make the replicas' outputs the outputs of ONE autograd node (runs once, in one thread).
-
-    A replica that ran without grad (``torch.no_grad()``, or nothing requiring grad) keeps its plain
-    output, a constant as ``nn.BatchNorm``'s would be: its rows count in the statistics, its upstream
-    gradient is zero.
-    """
+    """Make the replicas' outputs the outputs of ONE autograd node (once, in one thread); a replica
+    without grad keeps its plain output, a constant (its rows count, its gradient is zero)."""
     active = [k for k, item in enumerate(items) if item[6]]
     joined = [item[3] for item in items]
     if not active:
@@ -109,9 +99,7 @@ def _join(items: list[_Item]) -> list[Tensor]:
 class _JointBatchNorm(torch.autograd.Function):
     """Identity on the precomputed outputs in forward; joint backward of all replicas.
 
-    Inputs: the replicas ``active`` (those that need grad): every such replica's ``x``, then every
-    ``weight``, then every ``bias``. Outputs: their outputs (a family that saves its output: their
-    ``x``, marked dirty). The other replicas' upstream gradient is zero.
+    Inputs: every ``active`` replica's ``x`` (those that need grad), then ``weight``, then ``bias``.
     """
 
     @staticmethod

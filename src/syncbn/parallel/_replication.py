@@ -1,9 +1,4 @@
-"""Which replicas of a layer belong together: one *replication* per ``replicate`` call.
-
-:func:`syncbn.parallel.replicate` declares the call (:func:`replicate_call`); otherwise the
-replicas of a layer are a run of back-to-back enrolments in one thread, open until a forward, a
-dead or finished replica or another layer's enrolment. See docs/internals/transports.md.
-"""
+"""Which replicas of a layer belong together (one per ``replicate`` call; docs/internals/transports.md)."""
 
 from __future__ import annotations
 
@@ -80,8 +75,7 @@ class _Replication:
         self._rendezvous: Rendezvous | None = None
         self._abandoned: str | None = None  # why a member will never come again
         self._lock = threading.Lock()
-        # Made while autograd runs a backward on this thread: a reentrant checkpoint recomputing a
-        # forward around the DataParallel model (its replicas run in threads that cannot tell).
+        # Made in a backward: a reentrant checkpoint recomputing (its replica threads cannot tell).
         self.recomputing = _rules.in_backward()
 
     @property
@@ -90,9 +84,8 @@ class _Replication:
         return self.declared if self.declared is not None else len(self._members)
 
     def being_made(self) -> bool:
-        """Whether every member is alive and still being made: torch's ``replicate`` gives a replica
-        its parameters (``None`` ones included) only after making every replica, so a member with
-        any is from a finished call (kept alive, e.g., by a stored exception)."""
+        """Whether every member is alive and still being made (torch's ``replicate`` gives the replicas
+        their parameters only after making them all)."""
         members = [ref() for ref in self._members]
         return all(m is not None and not m._parameters for m in members)
 
