@@ -24,8 +24,9 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-import syncbn  # noqa: E402
-from syncbn import parallel  # noqa: E402
+# syncbn (and with it torch) is imported by the fixtures below, not here: under xdist the
+# controlling process loads this file too, runs no test, and would spend about 5 s of CPU on the
+# import before it starts the workers.
 
 # The files that take longest (seconds of test time in a quiet `-n 2` run of 923 tests on 2 cores,
 # db2c5d2), started first: with `--dist loadfile` each xdist worker takes the next whole file in
@@ -81,6 +82,8 @@ def _fresh_syncbn_settings() -> Iterator[None]:
     trace for the next one; forked ranks inherit the settings of the test that launched them.
     """
     yield
+    import syncbn
+
     syncbn.set_timeout("default")
     syncbn.set_debug(None)
 
@@ -101,6 +104,8 @@ def _fresh_compile_caches() -> None:
 @pytest.fixture
 def short_replica_timeout() -> Iterator[float]:
     """DataParallel replicas wait 1 s for each other (the default is minutes): a missing one fails fast."""
+    from syncbn import parallel
+
     old = parallel.set_replica_timeout(1.0)
     yield 1.0
     parallel.set_replica_timeout(old)

@@ -26,11 +26,20 @@ from _helpers.dist_harness import launch_once
 from syncbn import groups
 from syncbn.groups import _mesh
 
-try:  # the Lightning plugin, imported here so that the forked ranks inherit it
-    torchvision_shim.install()
-    import syncbn.lightning as syncbn_lightning
-except ImportError:  # pragma: no cover - depends on what is installed
-    syncbn_lightning = None  # type: ignore[assignment]
+
+def _lightning() -> Any:
+    """``syncbn.lightning``, or None where Lightning is not installed.
+
+    Imported by the launch (:func:`_results`) before it forks, so the ranks inherit it; not at
+    collection, where every xdist worker would pay about 3 s of CPU for it.
+    """
+    try:
+        torchvision_shim.install()
+        import syncbn.lightning
+    except ImportError:  # pragma: no cover - depends on what is installed
+        return None
+    return syncbn.lightning
+
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -83,6 +92,7 @@ def _run_cases(rank: int, world_size: int) -> dict[str, Any]:
     out["dp_type"] = type(model[0]).__name__
     out["dp"] = _step(model, x, g)
     out["dp_members"] = groups.group_ranks(_mesh.group_of(model[0].process_group))
+    syncbn_lightning = _lightning()
     if syncbn_lightning is not None:  # Lightning's LayerSync plugin, given the mesh
         plugin = syncbn_lightning.SyncBatchNorm(device_mesh=mesh["dp"])
         out["dp_plugin"] = _step(plugin.apply(_model()), x, g)
@@ -140,6 +150,7 @@ def _run_cases(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _results() -> list[dict[str, Any]]:
+    _lightning()  # imported before the ranks fork (they inherit it)
     return launch_once(_run_cases, 4, timeout=200)
 
 
@@ -176,7 +187,7 @@ def _worst(got: list[dict[str, torch.Tensor]], shards: list[int], ref: dict[str,
 
 @pytest.mark.parametrize("key", ["dp", "dp_layer", "dp_plugin"])
 def test_a_2x2_mesh_synchronises_over_dp_exactly_and_tp_peers_are_bit_identical(key: str) -> None:
-    if key == "dp_plugin" and syncbn_lightning is None:
+    if key == "dp_plugin" and _lightning() is None:
         pytest.skip("Lightning is not installed")
     results = _results()
     xs, gs = zip(*(_shard(1, i) for i in range(2)))

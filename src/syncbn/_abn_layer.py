@@ -13,6 +13,7 @@ from . import _fx, groups, parallel
 from ._errors import ChannelCountError
 from ._layer import LayerMixin, TrainingCall
 from .engine import _rules
+from .engine._rules import is_compiling, warn_while_tracing
 from .families.inplace_abn import InPlaceABN, check_activation, check_writable
 from .functional import check_eps, inplace_abn_apply
 
@@ -24,8 +25,6 @@ except ImportError:  # torch without ordered effectful custom operators: compile
 
 __all__ = ["ActivatedBatchNormBase"]
 
-_is_compiling = _rules.is_compiling
-_warn_while_tracing = _rules.warn_while_tracing
 
 # Tensors an in-place layer wrote over (not recomputing): id -> (weak reference, version after the write).
 _written: dict[int, tuple[weakref.ref[Tensor], int]] = {}
@@ -70,7 +69,6 @@ class ActivatedBatchNormBase(LayerMixin):
     bias: Tensor | None
     running_mean: Tensor | None
     running_var: Tensor | None
-    num_batches_tracked: Tensor | None
     _in_place = True
     _group_attr: str | None = None
     _local = False  # never synchronise (the package's InPlaceABN)
@@ -126,7 +124,7 @@ class ActivatedBatchNormBase(LayerMixin):
         self._check_activation()
         if self.training:
             check_eps(self.eps)
-        if _is_compiling():  # traced, unless dynamo must run this layer or region eagerly
+        if is_compiling():  # traced, unless dynamo must run this layer or region eagerly
             if _ops is None or (
                 not self._local
                 and self.training
@@ -134,7 +132,7 @@ class ActivatedBatchNormBase(LayerMixin):
                 and _ops.tracing_a_checkpointed_region()  # (AOTAutograd cannot recompute the collective)
             ):
                 where = f"on torch {torch.__version__}" if _ops is None else "inside torch.utils.checkpoint"
-                _warn_while_tracing(
+                warn_while_tracing(
                     f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile {where}: "
                     "dynamo breaks the graph here and runs the layer eagerly"
                 )
@@ -172,7 +170,7 @@ class ActivatedBatchNormBase(LayerMixin):
         if self.__dict__.get("_syncbn_replica") is not None:  # (replicas run eagerly)
             return _eager_forward(self, x)
         if self.training and x._base is not None:  # a view: autograd refuses the traced Function's outputs
-            _warn_while_tracing(
+            warn_while_tracing(
                 f"syncbn: {type(self).__name__}({self.num_features}) under torch.compile on an input "
                 "that is a view of another tensor: dynamo breaks the graph here and runs the layer "
                 "eagerly (pass a tensor that is not a view, e.g. the output of the operation before "

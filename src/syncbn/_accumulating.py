@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
 
 __all__ = ["Moments", "observe", "listening"]
 
 # As syncbn.engine._rules.is_compiling (above this layer-0 module); torch 2.2 has no torch.compiler's.
-_is_compiling: Callable[[], bool] = (
-    getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
-)
+_is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 # id(running_mean) -> the merged moments of the block that listens on it.
 _listeners: dict[int, Moments] = {}

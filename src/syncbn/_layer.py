@@ -132,10 +132,8 @@ def like(cls: type[Any], layer: Any, **kwargs: Any) -> Any:
 
 
 def dims_doc(base: str, rank: str, shape: str, output: str, example: str, plain: str) -> str:
-    """The docstring of the class of ``base`` for one input rank, which is a ``plain`` (``nn.BatchNorm*d``).
-
-    ``example``: the constructor and the call, on two lines.
-    """
+    """The docstring of ``base``'s class for one input rank (an ``nn.BatchNorm*d``: ``plain``); ``example``:
+    its constructor and call, on two lines."""
     text = (
         f":class:`{base}` {rank}.\n\nSame arguments and math as :class:`{base}`; checks the input rank\nlike "
         f"``{plain}``, and is an ``{plain}``: ``isinstance(layer,\n{plain})`` is true, so code that finds "

@@ -1,8 +1,5 @@
-"""Functional form of synchronized batch normalization.
-
-:func:`sync_batch_norm` is to :class:`syncbn.SyncBatchNorm` what
-``torch.nn.functional.batch_norm`` is to ``nn.BatchNorm2d``.
-"""
+"""Functional form of synchronized batch normalization: :func:`sync_batch_norm` is to
+:class:`syncbn.SyncBatchNorm` what ``torch.nn.functional.batch_norm`` is to ``nn.BatchNorm2d``."""
 
 from __future__ import annotations
 
@@ -229,8 +226,8 @@ def sync_batch_norm(
 
 
 def check_per_channel(channels: int | None, tensors: dict[str, Tensor | None]) -> None:
-    """Raise :class:`ChannelCountError` for a tensor of ``tensors`` (name -> tensor or ``None``)
-    without one element per channel; all of them before any is read or written."""
+    """Raise :class:`ChannelCountError` for a tensor (name -> tensor or ``None``) without one element
+    per channel, before any is read or written."""
     for name, tensor in tensors.items():
         if tensor is not None and tensor.numel() != channels:
             raise ChannelCountError(

@@ -37,7 +37,7 @@ def set_converter(function: Callable[[torch.nn.Module, Any], torch.nn.Module]) -
     _converter = function
 
 
-_is_compiling = _rules.is_compiling
+_is_compiling = _rules.is_compiling  # (benchmarks/compile/compile_step.py replaces it)
 _warn_while_tracing = _rules.warn_while_tracing
 
 
@@ -221,17 +221,15 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
 
     def _replica_family(self, replication: Any, rank: int, input: Tensor) -> Any:
         """Replica ``rank``'s family; replica 0 has the user's layer keep what a recomputation reads."""
-        family = self._family_call(replication.recomputing)
         if replication.recomputing:  # (the forward's statistics, on the input's device)
-            return family.snapshot(lambda t: t.to(input.device))
+            return self._family_call(True).snapshot(lambda t: t.to(input.device))
         if rank == 0:
             replication.master._family_call(False, True)
-        return family
+        return self._family_call()
 
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
-        # Enrol the replica, so that the replicas of this layer synchronise with each other.
         replica: SyncBatchNorm = super()._replicate_for_data_parallel()
-        parallel.attach_replica(self, replica)
+        parallel.attach_replica(self, replica)  # the replicas of this layer synchronise with each other
         return replica
 
     def reset_parameters(self) -> None:

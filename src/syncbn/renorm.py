@@ -1,8 +1,7 @@
-"""Synchronised Batch Renormalization: :class:`SyncBatchRenorm` and its 1d/2d/3d classes.
+"""Synchronised Batch Renormalization: :class:`SyncBatchRenorm` (1d/2d/3d too), :func:`convert_to_renorm`.
 
-:class:`~syncbn.SyncBatchNorm` layers of the ``renorm`` family (:mod:`syncbn.families.renorm`):
-the same engine and paths, with Ioffe's ``r`` and ``d`` correcting the batch statistics;
-:func:`convert_to_renorm` converts a model.
+:class:`~syncbn.SyncBatchNorm` layers of the ``renorm`` family (:mod:`syncbn.families.renorm`): Ioffe's
+``r`` and ``d`` correct the batch statistics, on the same engine and paths.
 """
 
 from __future__ import annotations

@@ -92,8 +92,7 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         if family.saves_output:  # written over a copy, which traced_inplace_abn writes over x (see there)
             x = x.clone()
         r = _traced_forward(x, weight, bias, params)
-        # Only tensors are saved (no None: checkpointed regions under compile refuse it); ctx.present
-        # says which of the optional ones are, the family's correction follows when it has one.
+        # Tensors only (checkpointed regions refuse None): ctx.present marks the optional ones saved.
         ctx.eps, ctx.family, ctx.group = params.eps, family, params.group
         optional = (r.total, r.weight, r.bias, params.layer)
         ctx.present = [t is not None for t in optional]
@@ -151,11 +150,9 @@ def sync_batch_norm(
 def traced_inplace_abn(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """The compiled form of :func:`syncbn.functional.inplace_abn_apply`; returns ``x``, overwritten.
-
-    With grad on, a recorded ``x.copy_`` writes the Function's new output over ``x`` (``mark_dirty`` on
-    a graph input passes the gradient through on torch 2.13, pytorch/pytorch#184113).
-    """
+    """The compiled form of :func:`syncbn.functional.inplace_abn_apply`; returns ``x``, overwritten: with
+    grad on, by a recorded ``x.copy_`` of the Function's new output (``mark_dirty`` on a graph input
+    passes the gradient through on torch 2.13, pytorch/pytorch#184113)."""
     if torch.is_grad_enabled():
         result = _TracedSyncBatchNorm.apply(x, weight, bias, params)
         x.copy_(result if isinstance(result, Tensor) else result[0])

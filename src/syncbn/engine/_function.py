@@ -38,10 +38,8 @@ def update_running(moments: Record, params: Params) -> None:
     """The update of ``params``' running statistics with ``moments`` (none for an empty global batch)."""
     if moments.global_count > 0:  # (syncbn.accumulation sees every update here)
         running_mean, momentum = params.running_mean, params.momentum
-        replicas = getattr(params.group, "replicas", False)
-        _accumulating.observe(
-            running_mean, moments.total, moments.mean, moments.var, momentum, local=replicas
-        )
+        local = getattr(params.group, "replicas", False)  # (DataParallel replicas' moments)
+        _accumulating.observe(running_mean, moments.total, moments.mean, moments.var, momentum, local=local)
         _math.update_running(running_mean, params.running_var, moments.mean, moments.unbiased, momentum)
 
 

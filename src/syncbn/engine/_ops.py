@@ -43,8 +43,6 @@ _handles = itertools.count(1)
 calls = 0
 backward_calls = 0
 
-_is_compiling = _rules.is_compiling
-
 
 @_rules.constant_while_tracing
 def group_handle(process_group: Any) -> int:
@@ -122,8 +120,7 @@ def tracing_a_checkpointed_region() -> bool:
     return False
 
 
-# Registered directly, not through custom_op, whose Python layers cost several times the framing
-# they wrap (docs/internals/engine.md).
+# Registered directly, not through custom_op, whose Python layers cost more (docs/internals/engine.md).
 _lib = torch.library.Library("syncbn", "FRAGMENT")
 _lib.define(
     "all_reduce_sum(Tensor tensor, int group, Tensor? layer, int phase, Tensor? source, int flags) -> Tensor",
@@ -274,7 +271,7 @@ def all_reduce_sum(
     """
     code = _function._PHASE_CODES.get(phase, PHASE_OTHER)
     flags = CHECK_ONE_VALUE if one_value_check else 0
-    if _is_compiling():
+    if _rules.is_compiling():
         handle = group_handle(group)
         if not handle:
             return tensor.clone()

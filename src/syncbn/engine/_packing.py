@@ -14,25 +14,8 @@ _ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.fl
 
 
 class MomentBuffer:
-    """One thread's reusable forward buffers for a channel count on a device, views made once.
-
-    ``words``: a float64 memoryview of ``packed`` on the host; ``scratch_*``: the 16-bit native kernel's.
-    """
-
-    __slots__ = (
-        "packed",
-        "head",
-        "sums",
-        "means",
-        "squares",
-        "words",
-        "stats",
-        "stat_means",
-        "stat_vars",
-        "scratch_mean",
-        "scratch_var",
-        "_memory",
-    )
+    """One thread's reusable forward buffers for a channel count on a device, views made once (``words``:
+    a float64 memoryview of ``packed`` on the host; ``scratch_*``: the 16-bit native kernel's)."""
 
     def __init__(self, channels: int, device: torch.device) -> None:
         size = 2 * channels + 1

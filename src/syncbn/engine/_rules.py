@@ -49,10 +49,8 @@ def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | No
 def affine_for_statistics(
     running_mean: Tensor | None, weight: Tensor | None, bias: Tensor | None
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``weight`` and ``bias`` in the running statistics' dtype where it is the wider (FSDP2's
-    ``param_dtype=torch.bfloat16`` beside float32 buffers): torch's kernels take a 16-bit input with
-    float32 parameters, not 16-bit parameters with float32 statistics, and the statistics stay float32.
-    The cast is differentiable: the gradients come back in the parameters' dtype."""
+    """``weight`` and ``bias`` in the running statistics' dtype where it is the wider (FSDP2's bfloat16
+    parameters beside float32 buffers: torch's kernels take the reverse), differentiably."""
     if running_mean is None or weight is None or weight.dtype == running_mean.dtype:
         return weight, bias
     if torch.promote_types(weight.dtype, running_mean.dtype) != running_mean.dtype:

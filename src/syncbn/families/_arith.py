@@ -33,8 +33,6 @@ def _per_thread(slot: str, make: Callable[..., _Buffer], *key: Any) -> _Buffer:
 class GradBuffer:
     """One thread's reusable per-channel buffers of the host input gradient (one dtype and rank)."""
 
-    __slots__ = ("scale", "scale_view", "corrections", "shift", "slope")
-
     def __init__(self, channels: int, dtype: torch.dtype, ndim: int) -> None:
         with torch.inference_mode(False):  # usable in place inside and outside inference mode
             self.scale = torch.empty(channels, dtype=dtype)

@@ -16,8 +16,7 @@ from ..engine._function import Params, apply, synchronized_forward
 from ..engine._rules import gradient_dtype
 from ..engine._rules import one_value_error as engine_one_value_error
 
-# What a replica hands the joint node: (x, weight, bias, y, the engine's record, family, needs_grad,
-# pooled: normalised with statistics pooled by a hook (CmBN), see joint_input_grads).
+# What a replica hands the joint node: (x, weight, bias, y, record, family, needs_grad, pooled by CmBN).
 _Item = tuple[Tensor, Any, Any, Tensor, Any, Any, bool, bool]
 
 
@@ -114,9 +113,8 @@ class _JointBatchNorm(torch.autograd.Function):
         ys = [items[k][3] for k in active]
         if family.saves_output:
             ctx.mark_dirty(*ys)
-        # the xs, the forward's weights, the biases (a family's correction: the layers' weights too,
-        # which the double backward differentiates through); then the constant xs of the replicas
-        # without grad (their rows count in the double backward's statistics)
+        # the xs, the forward's weights, the biases (with a correction: the layers' weights too, for the
+        # double backward); then the constant xs of the replicas without grad (their rows count)
         own = tensors[size : 2 * size] if any(ctx.records[k].correction is not None for k in active) else ()
         ctx.n_own = len(own)
         idle = [item[0].detach() for k, item in enumerate(items) if k not in active]
