@@ -44,13 +44,11 @@ _warn_while_tracing = _rules.warn_while_tracing
 class SyncBatchNorm(LayerMixin, _BatchNorm):
     """Batch normalization whose training statistics span every rank of a process group.
 
-    A drop-in for ``torch.nn.SyncBatchNorm`` that also runs on CPU (any
-    ``torch.distributed`` backend: gloo, NCCL, MPI) and is exactly
-    ``nn.BatchNorm`` without an initialised process group or in a group of one.
+    A drop-in for ``torch.nn.SyncBatchNorm`` that also runs on CPU (any ``torch.distributed`` backend: gloo,
+    NCCL, MPI) and is exactly ``nn.BatchNorm`` without an initialised process group or in a group of one.
 
-    In training, mean and variance are computed per channel over the
-    concatenation of every rank's batch (uneven and empty per-rank batches
-    included):
+    In training, mean and variance are computed per channel over the concatenation of every rank's batch
+    (uneven and empty per-rank batches included):
 
     .. math::
         y = \\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}} * \\gamma + \\beta
@@ -65,8 +63,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
         eps: value added to the variance for numerical stability. Default: 1e-5.
-        momentum: running-statistics update factor, or ``None`` for a cumulative
-            moving average. Default: 0.1.
+        momentum: running-statistics update factor, or ``None`` for a cumulative moving average. Default: 0.1.
         affine: learnable per-channel :math:`\\gamma` and :math:`\\beta`. Default: ``True``.
         track_running_stats: keep running mean and variance for eval. Default: ``True``.
         process_group: ``torch.distributed`` group whose ranks share statistics, or a
@@ -138,9 +135,8 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
 
         Args:
             input: :math:`(N, C, *)` tensor.
-            mask: optional boolean :math:`(N, *)` tensor, ``True`` at valid positions:
-                statistics are those of every rank's valid positions together;
-                padded positions get output 0 and gradient 0. See
+            mask: optional boolean :math:`(N, *)` tensor, ``True`` at valid positions: statistics are those of
+                every rank's valid positions together; padded positions get output 0 and gradient 0. See
                 :func:`syncbn.functional.sync_batch_norm`.
 
         Returns:

@@ -61,12 +61,11 @@ def run_case(
 ) -> dict[str, float]:
     """Run ``case`` on this rank; return the largest error per key against the reference.
 
-    The shard is ``case.sizes[group_rank]`` (``group_rank`` defaults to ``rank``); syncbn runs
-    on ``device`` over ``group``, the reference in float64 on the CPU. Keys: ``output``,
-    ``grad_input``, ``grad_weight``, ``grad_bias``, ``running_mean``, ``running_var`` (those
-    that apply), ``nan`` (1.0 when an output or gradient was not finite) and
-    ``num_batches_tracked`` (the counter's difference). Raises ``AssertionError`` when the
-    output has the wrong dtype, shape or memory format, or there is no input gradient.
+    The shard is ``case.sizes[group_rank]`` (``group_rank`` defaults to ``rank``); syncbn runs on ``device``
+    over ``group``, the reference in float64 on the CPU. Keys: ``output``, ``grad_input``, ``grad_weight``,
+    ``grad_bias``, ``running_mean``, ``running_var`` (those that apply), ``nan`` (1.0 when an output or
+    gradient was not finite) and ``num_batches_tracked`` (the counter's difference). Raises ``AssertionError``
+    when the output has the wrong dtype, shape or memory format, or there is no input gradient.
     """
     device = torch.device(device)
     group_rank = rank if group_rank is None else group_rank
