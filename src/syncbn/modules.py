@@ -53,12 +53,11 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
     .. math::
         y = \\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}} * \\gamma + \\beta
 
-    One ``all_reduce`` of :math:`O(C)` float64 values each way, whatever the
-    world size, and no device-to-host synchronisation on GPU. The running
-    variance is updated with the unbiased global variance; the gradients of
-    :math:`\\gamma` and :math:`\\beta` stay local (DDP sums them). Eval never
-    communicates: it uses the running statistics or, with
-    ``track_running_stats=False``, the local batch's (as ``torch.nn.SyncBatchNorm``).
+    One ``all_reduce`` of :math:`O(C)` float64 values each way, whatever the world size, and no device-to-host
+    synchronisation on GPU. The running variance is updated with the unbiased global variance; the gradients
+    of :math:`\\gamma` and :math:`\\beta` stay local (DDP sums them). Eval never communicates: it uses the
+    running statistics or, with ``track_running_stats=False``, the local batch's (as
+    ``torch.nn.SyncBatchNorm``).
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
@@ -73,12 +72,11 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         dtype: dtype of the parameters and buffers.
         bias: with ``affine=True``, learn :math:`\\beta` too (``False``: scale only,
             as ``nn.BatchNorm``'s ``bias=False`` in torch 2.13). Default: ``True``.
-        freeze: normalise with the running statistics in training too, never
-            update them, give :math:`\\gamma` and :math:`\\beta` no gradient and
-            never communicate (the input still gets its gradient). ``freeze=True``
-            here also sets ``requires_grad=False`` on them (torch's way of freezing:
-            DDP then expects no gradient for them); setting ``freeze`` later
-            leaves ``requires_grad`` to you. Default: ``False``.
+        freeze: normalise with the running statistics in training too, never update them, give :math:`\\gamma`
+            and :math:`\\beta` no gradient and never communicate (the input still gets its gradient).
+            ``freeze=True`` here also sets ``requires_grad=False`` on them (torch's way of freezing: DDP then
+            expects no gradient for them); setting ``freeze`` later leaves ``requires_grad`` to you. Default:
+            ``False``.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions.
