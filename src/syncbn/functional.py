@@ -59,8 +59,7 @@ def check_mask(input: Tensor, mask: Any) -> None:
 
     Args:
         input: the ``(N, C, *)`` tensor to normalise.
-        mask: a boolean tensor of shape ``(N, *)`` (``input``'s shape without dimension 1)
-            on ``input``'s device.
+        mask: a boolean tensor of shape ``(N, *)`` (``input``'s shape without dimension 1) on its device.
 
     Raises:
         TypeError: ``mask`` is not a boolean tensor.

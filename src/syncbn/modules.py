@@ -75,8 +75,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         freeze: normalise with the running statistics in training too, never update them, give :math:`\\gamma`
             and :math:`\\beta` no gradient and never communicate (the input still gets its gradient).
             ``freeze=True`` here also sets ``requires_grad=False`` on them (torch's way of freezing: DDP then
-            expects no gradient for them); setting ``freeze`` later leaves ``requires_grad`` to you. Default:
-            ``False``.
+            expects no gradient for them); a later change of ``freeze`` leaves it. Default: ``False``.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions.

@@ -60,8 +60,7 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
             out or failed is unusable: pass a new one.
 
     Returns:
-        The number of buffers synchronised (0 when there is nothing to do: no process group, or a
-        group of one).
+        The number of buffers synchronised (0 without a process group, or in a group of one).
 
     Raises:
         ValueError: ``src`` is not a rank of the group.

@@ -69,8 +69,7 @@ def subgroup(size: int | str) -> Any:
             different sizes (named per rank); on every rank alike, before any group is made.
         TypeError: ``size`` is neither an int nor ``"node"`` (on every rank alike).
         syncbn.CollectiveError: (``timed_out=True``) a rank did not call it within syncbn's bound
-            (``SYNCBN_TIMEOUT``); on every rank that called, naming the missing ranks, before any
-            group is made.
+            (``SYNCBN_TIMEOUT``); on every rank that called, naming the missing ranks; no group is made.
 
     Example::
 
