@@ -158,9 +158,8 @@ def sync_batch_norm(
             Calls without one skip the handshake (debug mode still checks them).
         mask: optional boolean tensor of valid positions, shape ``(N, *)`` (``input``'s shape without
             dimension 1; ``(N, L)`` for padded sequences ``(N, C, L)``). Statistics (and the running update)
-            are those of ``nn.BatchNorm`` on the valid positions of all ranks' batches concatenated. Padded
-            positions of the output are 0, in training and eval, with zero gradient. A rank without a valid
-            position takes part with an empty batch.
+            are ``nn.BatchNorm``'s over the valid positions of all ranks' batches. Padded positions
+            output 0 with zero gradient (training and eval); a rank without one joins with an empty batch.
 
     Shape:
         - Input: :math:`(N, C, *)`

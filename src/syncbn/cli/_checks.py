@@ -144,10 +144,8 @@ def run_case(
             for key in ("running_mean", "running_var"):
                 note(key, (getattr(ours, key).double().cpu() - getattr(ref, key)).abs().max().item())
             assert ours.num_batches_tracked is not None and ref.num_batches_tracked is not None
-            note(
-                "num_batches_tracked",
-                float(abs(int(ours.num_batches_tracked) - int(ref.num_batches_tracked))),
-            )
+            tracked = int(ours.num_batches_tracked) - int(ref.num_batches_tracked)
+            note("num_batches_tracked", float(abs(tracked)))
     return errors
 
 

@@ -49,8 +49,7 @@ class StepBound:
     """What bounds the first collective of a DDP step, against syncbn's bound (:func:`step_bound`).
 
     Attributes:
-        bound: syncbn's bound on its own waits, in seconds (:func:`syncbn.get_timeout`); ``None``
-            for none of its own.
+        bound: syncbn's bound on its own waits in seconds, ``None`` for none (:func:`syncbn.get_timeout`).
         bound_source: who chose it: ``"set_timeout"``, ``"SYNCBN_TIMEOUT"`` or ``"default"``.
         group_timeout: the process group's own timeout, in seconds: what bounds DDP's collectives.
         broadcast_buffers: whether DDP broadcasts the module buffers at each forward (DDP's
