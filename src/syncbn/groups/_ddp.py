@@ -183,8 +183,7 @@ _USER_STACKLEVEL = 5
 
 
 def _first_step(ddp: nn.Module, args: Any) -> None:
-    """Forward pre-hook of a recorded DDP wrapper, removed at its first step: warn once per process
-    when DDP's buffer broadcast outwaits a bound the user set."""
+    """DDP's pre-hook, gone after its first step: warn once if its broadcast outwaits the user's bound."""
     global _warned
     handle = _step_hooks.pop(ddp, None)
     if handle is not None:

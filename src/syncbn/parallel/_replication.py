@@ -83,8 +83,7 @@ class _Replication:
         return self.declared if self.declared is not None else len(self._members)
 
     def being_made(self) -> bool:
-        """Whether every member is alive and still being made (torch's ``replicate`` gives the replicas
-        their parameters only after making them all)."""
+        """Whether every member is alive and parameterless (torch's ``replicate`` adds them last)."""
         members = [ref() for ref in self._members]
         return all(m is not None and not m._parameters for m in members)
 
