@@ -152,10 +152,8 @@ def _vote(group: groups.ProcessGroupSum, vote: Tensor) -> Tensor:
 
 
 def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> list[_Seen] | None:
-    """One vote of the group's ranks at the block's end: the layers' update, or ``None`` (discard).
-
-    Any discard: every rank discards; unequal counts: the moments of the first rank that saw the most.
-    """
+    """One vote of the group's ranks at the block's end: the layers' update, or ``None`` (discard). Any
+    discard: every rank discards; unequal counts: the moments of the first rank that saw the most."""
     device = seen[0].mean.device
     vote = torch.zeros(1 + group.size, dtype=torch.float64, device=device)
     vote[0] = 0.0 if commit else 1.0
@@ -186,10 +184,8 @@ def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> li
 def _decide(
     opened: list[_Layer], seen: list[_Seen], commit: bool, error: BaseException | None
 ) -> list[_Seen | None]:
-    """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`).
-
-    One vote per group; local layers and replicas' follow this rank; a discard anywhere puts back all.
-    """
+    """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`). One vote per
+    group; local layers and replicas' follow this rank; a discard anywhere puts back all."""
     # No vote when the process is going down, or after a failed collective (a timeout, a dead peer),
     # which left the group unusable on every rank.
     if error is not None and (

@@ -105,11 +105,9 @@ TAGS = (groups.Tag(7, groups.PHASE_FORWARD), groups.Tag(7, groups.PHASE_BACKWARD
 
 
 class FusedBound(torch.autograd.Function):
-    """``batch_norm_update_stats``, sum, inference normalisation; backward reduction, sum, input gradient.
-
-    The floor: at least a fused kernel's passes over memory around each of a layer's two real
-    collectives. The statistics are each rank's own (what is summed is unused): a benchmark aid.
-    """
+    """``batch_norm_update_stats``, sum, inference normalisation; backward reduction, sum, input gradient. The
+    floor: at least a fused kernel's passes over memory around each of a layer's two real collectives. The
+    statistics are each rank's own (what is summed is unused): a benchmark aid."""
 
     @staticmethod
     def forward(  # type: ignore[override]

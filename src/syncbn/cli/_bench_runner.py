@@ -40,10 +40,8 @@ def time_interleaved(
     faults: dict[str, list[int]] | None = None,
 ) -> dict[str, list[float]]:
     """Time each callable ``warmup + iters`` times, interleaved (after an untimed barrier with ``barrier``).
-
-    Wall seconds of the timed calls; ``cpu_times`` receives the thread's CPU seconds per call (no
-    waiting counted), ``faults`` its minor page faults per call where the platform counts them (Linux).
-    """
+    Wall seconds of the timed calls; ``cpu_times`` receives the thread's CPU seconds per call (no waiting
+    counted), ``faults`` its minor page faults per call where the platform counts them (Linux)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for it in range(warmup + iters):
         for name, step in steps.items():

@@ -79,9 +79,7 @@ def _traced_forward(
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm of any family over a group, traceable; no running update.
-
-    ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; constant statistics: ``out``.
-    """
+    ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; constant statistics: ``out``."""
 
     @staticmethod
     def forward(
