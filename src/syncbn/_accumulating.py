@@ -84,10 +84,8 @@ def observe(
     unbiased: bool = False,
     local: bool = False,
 ) -> None:
-    """Tell a listening block about a batch's global moments, where the engine updates ``running_mean``.
-
-    A ``momentum`` of exactly 0 (a recomputation) is ignored; ``local``: DataParallel replicas' moments.
-    """
+    """Tell a listening block about a batch's global moments, where the engine updates ``running_mean``. A
+    ``momentum`` of exactly 0 (a recomputation) is ignored; ``local``: DataParallel replicas' moments."""
     if not _listeners or running_mean is None or (isinstance(momentum, float) and momentum == 0.0):
         return
     moments = listening(running_mean)

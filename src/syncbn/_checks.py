@@ -134,8 +134,7 @@ def _holder(child: nn.Module) -> tuple[nn.Module, str] | None:
 
 
 def qualified_name(module: nn.Module) -> str | None:
-    """``module``'s dotted path (``'layer2.0.bn1'``) from the outermost recorded model (a DDP or
-    DataParallel wrapper excluded), or ``None``."""
+    """``module``'s path (``'layer2.0.bn1'``) in its outermost recorded model (no wrapper), or ``None``."""
     parts: list[str] = []
     current = module
     seen = {id(module)}

@@ -109,9 +109,8 @@ def set_timeout(seconds: float | None | str = "default") -> None:
             included); ``"default"`` to drop the override and use ``SYNCBN_TIMEOUT`` or the default.
 
     Raises:
-        ValueError: a negative or NaN number, a number above ``1e9``, or a string that is not a
-            number, here; the same for ``SYNCBN_TIMEOUT`` at the first training call (or
-            :func:`get_timeout`).
+        ValueError: a negative or NaN number, a number above ``1e9``, or a string that is not a number, here;
+            the same for ``SYNCBN_TIMEOUT`` at the first training call (or :func:`get_timeout`).
         TypeError: neither a real number, a string nor ``None``.
 
     Example::
@@ -169,8 +168,7 @@ def timeout_delta() -> timedelta | None:
 def set_debug(enabled: bool | None) -> None:
     """Turn the per-call cross-rank consistency checks on or off in this process.
 
-    Overrides ``SYNCBN_DEBUG``. Every rank of a group must use the same setting (the checks are
-    collectives).
+    Overrides ``SYNCBN_DEBUG``. Every rank of a group must use the same setting (the checks are collectives).
 
     Args:
         enabled: ``True`` or ``False``; ``None`` drops the override.
@@ -213,11 +211,10 @@ def debug_enabled() -> bool:
 def set_shared_memory(enabled: bool | None) -> None:
     """Allow or forbid the same-machine shared-memory path for CPU collectives.
 
-    By default, when every rank of a group runs on one machine (x86-64 Linux), CPU collectives go
-    through a shared-memory segment instead of the process group's transport: about 40 us instead
-    of 1-2 ms for gloo. Set it on every rank before a group's first training call; the ranks agree
-    when the group is first used (any rank saying no means the process group for all), and the
-    choice then holds for that group.
+    By default, when every rank of a group runs on one machine (x86-64 Linux), CPU collectives go through a
+    shared-memory segment instead of the process group's transport: about 40 us instead of 1-2 ms for gloo.
+    Set it on every rank before a group's first training call; the ranks agree when the group is first used
+    (any rank saying no means the process group for all), and the choice then holds for that group.
 
     Args:
         enabled: ``True``/``False`` to override, ``None`` to follow ``SYNCBN_SHM`` again:

@@ -18,9 +18,8 @@ __all__ = ["LOCAL", "LocalSum", "ReplicaSyncError", "Rendezvous", "ThreadSumGrou
 class ReplicaSyncError(RuntimeError):
     """Raised when the replicas of a synchronized layer fail to meet.
 
-    Typically one replica never reached the layer (a data-dependent branch, or an exception in
-    that replica's thread) and the others gave up after the timeout; or the replicas called the
-    layer in different ways.
+    Typically one replica never reached the layer (a data-dependent branch, or an exception in that replica's
+    thread) and the others gave up after the timeout; or the replicas called the layer in different ways.
     """
 
 

@@ -152,10 +152,8 @@ def _vote(group: groups.ProcessGroupSum, vote: Tensor) -> Tensor:
 
 
 def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> list[_Seen] | None:
-    """One vote of the group's ranks at the block's end: the layers' update, or ``None`` (discard).
-
-    Any discard: every rank discards; unequal counts: the moments of the first rank that saw the most.
-    """
+    """One vote of the group's ranks at the block's end: the layers' update, or ``None`` (discard). Any
+    discard: every rank discards; unequal counts: the moments of the first rank that saw the most."""
     device = seen[0].mean.device
     vote = torch.zeros(1 + group.size, dtype=torch.float64, device=device)
     vote[0] = 0.0 if commit else 1.0
@@ -186,10 +184,8 @@ def _agree(group: groups.ProcessGroupSum, seen: list[_Seen], commit: bool) -> li
 def _decide(
     opened: list[_Layer], seen: list[_Seen], commit: bool, error: BaseException | None
 ) -> list[_Seen | None]:
-    """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`).
-
-    One vote per group; local layers and replicas' follow this rank; a discard anywhere puts back all.
-    """
+    """Each layer's update (``None``: put back) as the ranks of its group agree (:func:`_agree`). One vote per
+    group; local layers and replicas' follow this rank; a discard anywhere puts back all."""
     # No vote when the process is going down, or after a failed collective (a timeout, a dead peer),
     # which left the group unusable on every rank.
     if error is not None and (
@@ -230,45 +226,36 @@ def _decide(
 class accumulation:  # noqa: N801 - used like torch.no_grad
     """One exact running-statistics update for all micro-batches of a gradient-accumulation step.
 
-    Use it around the ``k`` forward/backward passes of one optimizer step
-    (how each micro-batch is normalised: ``normalize``). When the block ends,
-    each layer's ``running_mean`` and ``running_var`` take **one** momentum
-    update with the mean and unbiased variance of all micro-batches of all ranks
-    together, and ``num_batches_tracked`` goes up by one: exactly what one
-    training forward over the concatenated ``k x W`` micro-batches would leave
-    (``momentum=None`` included).
+    Use it around the ``k`` forward/backward passes of one optimizer step (how each micro-batch is normalised:
+    ``normalize``). When the block ends, each layer's ``running_mean`` and ``running_var`` take **one**
+    momentum update with the mean and unbiased variance of all micro-batches of all ranks together, and
+    ``num_batches_tracked`` goes up by one: exactly what one training forward over the concatenated ``k x W``
+    micro-batches would leave (``momentum=None`` included).
 
-    No collective is added per call: the block merges the global moments the
-    layers already sum (in float64, Chan's formulas). Closing it is one small
-    collective over the layers' group (a vote of ``1 + W`` values, bounded by
-    :func:`syncbn.set_timeout`): if any rank leaves the block with an exception
-    or calls :meth:`discard`, every rank puts the running statistics and
-    ``num_batches_tracked`` back as they were; a rank that saw fewer values
-    than another (it joined early under ``Join``) takes the moments of one that
-    saw them all. So the ranks' statistics stay identical, and every rank of
-    the group must close its block. Inside an active ``Join`` there is no vote
-    (a joined rank cannot answer): open the block around the ``Join``. Covers
-    syncbn's layers and plain ``nn.BatchNorm*`` (local, seen by a forward
-    pre-hook); ``torch.nn.SyncBatchNorm`` is refused (convert the model first).
+    No collective is added per call: the block merges the global moments the layers already sum (in float64,
+    Chan's formulas). Closing it is one small collective over the layers' group (a vote of ``1 + W`` values,
+    bounded by :func:`syncbn.set_timeout`): if any rank leaves the block with an exception or calls
+    :meth:`discard`, every rank puts the running statistics and ``num_batches_tracked`` back as they were; a
+    rank that saw fewer values than another (it joined early under ``Join``) takes the moments of one that saw
+    them all. So the ranks' statistics stay identical, and every rank of the group must close its block.
+    Inside an active ``Join`` there is no vote (a joined rank cannot answer): open the block around the
+    ``Join``. Covers syncbn's layers and plain ``nn.BatchNorm*`` (local, seen by a forward pre-hook);
+    ``torch.nn.SyncBatchNorm`` is refused (convert the model first).
 
     Raises:
-        CollectiveError: at :meth:`commit` (or the end of the ``with``), the
-            vote failed (a rank did not close its block within the bound); the
-            statistics were put back on this rank.
+        CollectiveError: at :meth:`commit` (or the end of the ``with``), the vote failed (a rank did not close
+            its block within the bound); the statistics were put back on this rank.
 
     Args:
         model: the module whose batch-norm layers accumulate (DDP wrappers and
             the like too: every submodule is searched).
-        normalize: ``"micro-batch"`` (default): each micro-batch is normalised
-            with its own statistics (synchronised as always). ``"cumulative"``
-            (CmBN, docs/cmbn.md): micro-batch ``t`` with the count, mean and biased
-            variance of micro-batches ``1..t`` of all ranks together, the earlier
-            ones constants in backward (the gradient is
-            batch norm's with the pooled count); the first micro-batch is plain
-            synchronised batch norm. Same collectives, one running update at the
-            end. Needs syncbn's layers (``SyncBatchNorm``, ``SyncBatchRenorm``, the
-            in-place layers; others raise ``TypeError``); those without running
-            statistics normalise each micro-batch alone.
+        normalize: ``"micro-batch"`` (default): each micro-batch is normalised with its own statistics
+            (synchronised as always). ``"cumulative"`` (CmBN, docs/cmbn.md): micro-batch ``t`` with the count,
+            mean and biased variance of micro-batches ``1..t`` of all ranks together, the earlier ones
+            constants in backward (the gradient is batch norm's with the pooled count); the first micro-batch
+            is plain synchronised batch norm. Same collectives, one running update at the end. Needs syncbn's
+            layers (``SyncBatchNorm``, ``SyncBatchRenorm``, the in-place layers; others raise ``TypeError``);
+            those without running statistics normalise each micro-batch alone.
 
     Example::
 
@@ -280,8 +267,7 @@ class accumulation:  # noqa: N801 - used like torch.no_grad
         >>> int(model[1].num_batches_tracked)              # one update per optimizer step
         1
 
-    A training loop's hooks can also drive it by hand: :meth:`begin`, then
-    :meth:`commit` or :meth:`discard`.
+    A training loop's hooks can also drive it by hand: :meth:`begin`, then :meth:`commit` or :meth:`discard`.
     """
 
     def __init__(self, model: nn.Module, normalize: str = "micro-batch") -> None:

@@ -23,12 +23,10 @@ class InPlaceSyncBatchNorm(ActivatedBatchNormBase):
         y = \\phi\\Big(\\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}}
             \\,(|\\gamma| + \\epsilon) + \\beta\\Big)
 
-    written over the input and returned; backward keeps only :math:`y` (and
-    per-channel vectors) and recovers the normalised input by inverting
-    :math:`\\phi` and the affine map: about half the activation memory of
-    ``SyncBatchNorm`` plus an activation. Statistics span the ``process_group``
-    as :class:`syncbn.SyncBatchNorm`'s; ``nn.DataParallel`` replicas
-    synchronise with each other.
+    written over the input and returned; backward keeps only :math:`y` (and per-channel vectors) and recovers
+    the normalised input by inverting :math:`\\phi` and the affine map: about half the activation memory of
+    ``SyncBatchNorm`` plus an activation. Statistics span the ``process_group`` as
+    :class:`syncbn.SyncBatchNorm`'s; ``nn.DataParallel`` replicas synchronise with each other.
 
     The scale is :math:`|\\gamma| + \\epsilon` (as InPlace-ABN), so the inversion
     always exists. :func:`syncbn.fuse_batchnorm_activation` converts a trained

@@ -59,8 +59,7 @@ def check_mask(input: Tensor, mask: Any) -> None:
 
     Args:
         input: the ``(N, C, *)`` tensor to normalise.
-        mask: a boolean tensor of shape ``(N, *)`` (``input``'s shape without dimension 1)
-            on ``input``'s device.
+        mask: a boolean tensor of shape ``(N, *)`` (``input``'s shape without dimension 1) on its device.
 
     Raises:
         TypeError: ``mask`` is not a boolean tensor.
@@ -83,10 +82,9 @@ def check_mask(input: Tensor, mask: Any) -> None:
 def apply_masked(norm: Callable[[Tensor], Tensor], input: Tensor, mask: Tensor) -> Tensor:
     """Apply a batch norm ``norm`` to the valid positions of ``input`` only.
 
-    The valid positions (``mask`` true) are gathered into a batch of shape
-    ``(M, C, 1, ..., 1)`` (``input``'s number of dimensions, so input checks
-    still pass), ``norm`` normalises (and, if it does, synchronises) it, and the
-    output is scattered back: 0 at padded positions, which get no gradient.
+    The valid positions (``mask`` true) are gathered into a batch of shape ``(M, C, 1, ..., 1)`` (``input``'s
+    number of dimensions, so input checks still pass), ``norm`` normalises (and, if it does, synchronises) it,
+    and the output is scattered back: 0 at padded positions, which get no gradient.
 
     Args:
         norm: a function from a batch of positions to its normalisation, e.g. a
@@ -132,17 +130,15 @@ def sync_batch_norm(
 ) -> Tensor:
     """Batch normalization whose training statistics span a process group.
 
-    In training, the per-channel mean and variance are those of the
-    concatenation of every rank's ``input`` along dimension 0 (uneven and empty
-    per-rank batches included):
+    In training, the per-channel mean and variance are those of the concatenation of every rank's ``input``
+    along dimension 0 (uneven and empty per-rank batches included):
 
     .. math::
         y = \\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}} \\cdot w + b
 
-    The running statistics are updated with the global mean and unbiased
-    variance: ``running = (1 - momentum) * running + momentum * batch``. Outside
-    training, or without a process group of more than one member, this is
-    exactly ``torch.nn.functional.batch_norm``. Gradients of ``weight`` and
+    The running statistics are updated with the global mean and unbiased variance:
+    ``running = (1 - momentum) * running + momentum * batch``. Outside training, or without a process group of
+    more than one member, this is exactly ``torch.nn.functional.batch_norm``. Gradients of ``weight`` and
     ``bias`` are this rank's share (DDP sums them over ranks).
 
     Args:
@@ -160,13 +156,10 @@ def sync_batch_norm(
         layer: the module this call belongs to (``SyncBatchNorm`` passes itself):
             errors name it, and it carries the once-per-layer handshake state.
             Calls without one skip the handshake (debug mode still checks them).
-        mask: optional boolean tensor of valid positions, shape ``(N, *)``
-            (``input``'s shape without dimension 1; ``(N, L)`` for padded
-            sequences ``(N, C, L)``). Statistics (and the running update) are
-            those of ``nn.BatchNorm`` on the valid positions of all ranks'
-            batches concatenated. Padded positions of the output are 0, in
-            training and eval, with zero gradient. A rank without a valid
-            position takes part with an empty batch.
+        mask: optional boolean tensor of valid positions, shape ``(N, *)`` (``input``'s shape without
+            dimension 1; ``(N, L)`` for padded sequences ``(N, C, L)``). Statistics (and the running update)
+            are ``nn.BatchNorm``'s over the valid positions of all ranks' batches. Padded positions
+            output 0 with zero gradient (training and eval); a rank without one joins with an empty batch.
 
     Shape:
         - Input: :math:`(N, C, *)`
@@ -179,13 +172,11 @@ def sync_batch_norm(
     Raises:
         TypeError: non-floating-point input, a mask that is not boolean, or (in
             training, with running statistics) a ``momentum`` that is not a number.
-        ValueError: input of fewer than 2 dimensions, a channel count that does
-            not match the given statistics or parameters, a mask of the wrong
-            shape or device, only one of ``running_mean`` and ``running_var``
-            given or an ``eps`` that is not positive in training (as
-            ``F.batch_norm``), or (in training, on every rank alike) only one
-            value per channel over the whole group. A channel count that does not match
-            is also a ``RuntimeError``, the type ``F.batch_norm`` raises for it.
+        ValueError: input of fewer than 2 dimensions, a channel count that does not match the given statistics
+            or parameters, a mask of the wrong shape or device, only one of ``running_mean`` and
+            ``running_var`` given or an ``eps`` that is not positive in training (as ``F.batch_norm``), or (in
+            training, on every rank alike) only one value per channel over the whole group. A channel count
+            that does not match is also a ``RuntimeError``, the type ``F.batch_norm`` raises for it.
 
     Example::
 

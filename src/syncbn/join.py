@@ -25,13 +25,11 @@ _HEADER = 4
 class JoinableSyncBatchNorm(Joinable):
     """Makes the SyncBatchNorm layers of ``model`` joinable, for uneven inputs.
 
-    Pass it to ``torch.distributed.algorithms.Join`` first, before the DDP model: a rank that has
-    run out of batches then contributes an empty batch to every SyncBatchNorm collective of the
-    ranks still training, and nothing hangs. Create it on every rank at the same point (it creates
-    a process group with syncbn's bound as its timeout); the layers must synchronise over the
-    default group. Without it, ``Join([ddp])`` over SyncBatchNorm layers raises
-    :class:`syncbn.groups.PlainJoinError` on every rank at the first SyncBatchNorm collective
-    inside the ``Join``.
+    Pass it to ``torch.distributed.algorithms.Join`` first, before the DDP model: a rank that has run out of
+    batches then contributes an empty batch to every SyncBatchNorm collective of the ranks still training, and
+    nothing hangs. Create it on every rank at the same point (it creates a process group with syncbn's bound
+    as its timeout); the layers must synchronise over the default group. Without it, ``Join([ddp])`` alone
+    raises :class:`syncbn.groups.PlainJoinError` on every rank at its first SyncBatchNorm collective.
 
     Args:
         model: the model, bare or wrapped in ``DistributedDataParallel``.

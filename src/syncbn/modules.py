@@ -44,29 +44,25 @@ _warn_while_tracing = _rules.warn_while_tracing
 class SyncBatchNorm(LayerMixin, _BatchNorm):
     """Batch normalization whose training statistics span every rank of a process group.
 
-    A drop-in for ``torch.nn.SyncBatchNorm`` that also runs on CPU (any
-    ``torch.distributed`` backend: gloo, NCCL, MPI) and is exactly
-    ``nn.BatchNorm`` without an initialised process group or in a group of one.
+    A drop-in for ``torch.nn.SyncBatchNorm`` that also runs on CPU (any ``torch.distributed`` backend: gloo,
+    NCCL, MPI) and is exactly ``nn.BatchNorm`` without an initialised process group or in a group of one.
 
-    In training, mean and variance are computed per channel over the
-    concatenation of every rank's batch (uneven and empty per-rank batches
-    included):
+    In training, mean and variance are computed per channel over the concatenation of every rank's batch
+    (uneven and empty per-rank batches included):
 
     .. math::
         y = \\frac{x - \\mathrm{E}[x]}{\\sqrt{\\mathrm{Var}[x] + \\epsilon}} * \\gamma + \\beta
 
-    One ``all_reduce`` of :math:`O(C)` float64 values each way, whatever the
-    world size, and no device-to-host synchronisation on GPU. The running
-    variance is updated with the unbiased global variance; the gradients of
-    :math:`\\gamma` and :math:`\\beta` stay local (DDP sums them). Eval never
-    communicates: it uses the running statistics or, with
-    ``track_running_stats=False``, the local batch's (as ``torch.nn.SyncBatchNorm``).
+    One ``all_reduce`` of :math:`O(C)` float64 values each way, whatever the world size, and no device-to-host
+    synchronisation on GPU. The running variance is updated with the unbiased global variance; the gradients
+    of :math:`\\gamma` and :math:`\\beta` stay local (DDP sums them). Eval never communicates: it uses the
+    running statistics or, with ``track_running_stats=False``, the local batch's (as
+    ``torch.nn.SyncBatchNorm``).
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
         eps: value added to the variance for numerical stability. Default: 1e-5.
-        momentum: running-statistics update factor, or ``None`` for a cumulative
-            moving average. Default: 0.1.
+        momentum: running-statistics update factor, or ``None`` for a cumulative moving average. Default: 0.1.
         affine: learnable per-channel :math:`\\gamma` and :math:`\\beta`. Default: ``True``.
         track_running_stats: keep running mean and variance for eval. Default: ``True``.
         process_group: ``torch.distributed`` group whose ranks share statistics, or a
@@ -76,12 +72,10 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
         dtype: dtype of the parameters and buffers.
         bias: with ``affine=True``, learn :math:`\\beta` too (``False``: scale only,
             as ``nn.BatchNorm``'s ``bias=False`` in torch 2.13). Default: ``True``.
-        freeze: normalise with the running statistics in training too, never
-            update them, give :math:`\\gamma` and :math:`\\beta` no gradient and
-            never communicate (the input still gets its gradient). ``freeze=True``
-            here also sets ``requires_grad=False`` on them (torch's way of freezing:
-            DDP then expects no gradient for them); setting ``freeze`` later
-            leaves ``requires_grad`` to you. Default: ``False``.
+        freeze: normalise with the running statistics in training too, never update them, give :math:`\\gamma`
+            and :math:`\\beta` no gradient and never communicate (the input still gets its gradient).
+            ``freeze=True`` here also sets ``requires_grad=False`` on them (torch's way of freezing: DDP then
+            expects no gradient for them); a later change of ``freeze`` leaves it. Default: ``False``.
 
     Shape:
         - Input: :math:`(N, C, *)`, at least 2 dimensions.
@@ -138,9 +132,8 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
 
         Args:
             input: :math:`(N, C, *)` tensor.
-            mask: optional boolean :math:`(N, *)` tensor, ``True`` at valid positions:
-                statistics are those of every rank's valid positions together;
-                padded positions get output 0 and gradient 0. See
+            mask: optional boolean :math:`(N, *)` tensor, ``True`` at valid positions: statistics are those of
+                every rank's valid positions together; padded positions get output 0 and gradient 0. See
                 :func:`syncbn.functional.sync_batch_norm`.
 
         Returns:

@@ -45,14 +45,13 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
 
     Every normalisation layer of ``model`` with running statistics (``syncbn.SyncBatchNorm*``,
     ``syncbn.InPlaceSyncBatchNorm*``, the ``syncbn.compat.inplace_abn`` layers, ``nn.BatchNorm*d``,
-    ``nn.InstanceNorm*d`` with ``track_running_stats=True``) takes ``running_mean``,
-    ``running_var`` and ``num_batches_tracked`` from rank ``src``, for instance after a
-    :class:`~syncbn.CollectiveError`. The values travel as one framed float64 sum (exact for
-    float16/bfloat16/float32 values and counts below ``2**53``) whose header carries a checksum of
-    the layers' names and the buffers' shapes, so models that differ between ranks (even with equal
-    total sizes) give a ``CollectiveError`` (``mismatch``) on every rank, naming both sizes, and no
-    buffer changes. A collective: call it on every rank. Parameters are not touched (DDP
-    broadcasts them at construction).
+    ``nn.InstanceNorm*d`` with ``track_running_stats=True``) takes ``running_mean``, ``running_var`` and
+    ``num_batches_tracked`` from rank ``src``, for instance after a :class:`~syncbn.CollectiveError`. The
+    values travel as one framed float64 sum (exact for float16/bfloat16/float32 values and counts below
+    ``2**53``) whose header carries a checksum of the layers' names and the buffers' shapes, so models that
+    differ between ranks (even with equal total sizes) give a ``CollectiveError`` (``mismatch``) on every
+    rank, naming both sizes, and no buffer changes. A collective: call it on every rank. Parameters are not
+    touched (DDP broadcasts them at construction).
 
     Args:
         model: the model (``DistributedDataParallel``/``DataParallel`` wrappers are looked through).
@@ -61,8 +60,7 @@ def sync_buffers(model: nn.Module, src: int = 0, process_group: Any = None) -> i
             out or failed is unusable: pass a new one.
 
     Returns:
-        The number of buffers synchronised (0 when there is nothing to do: no process group, or a
-        group of one).
+        The number of buffers synchronised (0 without a process group, or in a group of one).
 
     Raises:
         ValueError: ``src`` is not a rank of the group.

@@ -66,28 +66,23 @@ class SyncBatchRenorm(SyncBatchNorm):
     .. math::
         y = \\gamma \\Big(\\frac{x - \\mu_B}{\\sqrt{\\sigma_B^2 + \\epsilon}}\\, r + d\\Big) + \\beta
 
-    :math:`r` and :math:`d` are constants in backward. The running statistics
-    update as ``nn.BatchNorm``'s (``momentum=None`` cumulative); eval is
-    ``nn.BatchNorm`` with them. With ``r_max=1``, ``d_max=0`` (or
-    ``track_running_stats=False``: :math:`r = 1, d = 0`) this is exactly
-    :class:`~syncbn.SyncBatchNorm`. One collective each way; without a process
-    group the same math runs locally.
+    :math:`r` and :math:`d` are constants in backward. The running statistics update as ``nn.BatchNorm``'s
+    (``momentum=None`` cumulative); eval is ``nn.BatchNorm`` with them. With ``r_max=1``, ``d_max=0`` (or
+    ``track_running_stats=False``: :math:`r = 1, d = 0`) this is exactly :class:`~syncbn.SyncBatchNorm`. One
+    collective each way; without a process group the same math runs locally.
 
-    ``r_max`` and ``d_max`` are plain attributes: change them between steps for
-    the paper's warm-up (start at 1 and 0, relax towards e.g. 3 and 5), alike on
-    every rank (checked at the first training call, and on every call in debug
-    mode). Any real number is taken (a NumPy scalar too); a tensor is refused
-    (``ValueError``: pass ``float(value)``). In debug mode, NaN/Inf or negative
-    running statistics (which :math:`r, d` read) raise ``ValueError``. Under
-    activation checkpointing the recomputation takes :math:`r, d` from the
-    running statistics the layer's last forward saw (exact for a layer called
-    once per checkpointed step).
+    ``r_max`` and ``d_max`` are plain attributes: change them between steps for the paper's warm-up (start at
+    1 and 0, relax towards e.g. 3 and 5), alike on every rank (checked at the first training call, and on
+    every call in debug mode). Any real number is taken (a NumPy scalar too); a tensor is refused
+    (``ValueError``: pass ``float(value)``). In debug mode, NaN/Inf or negative running statistics (which
+    :math:`r, d` read) raise ``ValueError``. Under activation checkpointing the recomputation takes
+    :math:`r, d` from the running statistics the layer's last forward saw (exact for a layer called once per
+    checkpointed step).
 
     Args:
         num_features: number of channels :math:`C` of an input :math:`(N, C, *)`.
         eps: value added to the variances. Default: 1e-5.
-        momentum: running-statistics update factor, or ``None`` for a cumulative
-            moving average. Default: 0.1.
+        momentum: running-statistics update factor, or ``None`` for a cumulative moving average. Default: 0.1.
         affine: learnable :math:`\\gamma` and :math:`\\beta`. Default: ``True``.
         track_running_stats: keep running statistics (without them, batch norm). Default: ``True``.
         process_group: ``torch.distributed`` group whose ranks share statistics;
@@ -202,10 +197,9 @@ def convert_to_renorm(
     """Turn every BatchNorm layer of ``module`` into a synchronised renorm layer.
 
     ``nn.BatchNorm1d/2d/3d`` (and :class:`~syncbn.SyncBatchNorm` layers) become
-    :class:`SyncBatchRenorm1d`/``2d``/``3d``, torch's ``nn.SyncBatchNorm`` the
-    generic :class:`SyncBatchRenorm`: :func:`syncbn.convert_sync_batchnorm` (whose
-    rules apply), then each plain syncbn layer switches to its renorm twin with
-    ``r_max`` and ``d_max`` set. Renorm layers keep theirs.
+    :class:`SyncBatchRenorm1d`/``2d``/``3d``, torch's ``nn.SyncBatchNorm`` the generic
+    :class:`SyncBatchRenorm`: :func:`syncbn.convert_sync_batchnorm` (whose rules apply), then each plain
+    syncbn layer switches to its renorm twin with ``r_max`` and ``d_max`` set. Renorm layers keep theirs.
     :func:`syncbn.revert_sync_batchnorm` undoes it (to plain ``nn.BatchNorm*d``).
 
     Args:

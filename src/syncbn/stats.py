@@ -86,16 +86,15 @@ def sync_running_stats(model: nn.Module, process_group: Any = None) -> nn.Module
         \\sigma^2 = \\underbrace{\\frac{\\sum_r w_r \\sigma_r^2}{\\sum_r w_r}}_{\\text{within ranks}}
           + \\underbrace{\\frac{\\sum_r w_r (\\mu_r - \\mu)^2}{\\sum_r w_r}}_{\\text{between ranks}}
 
-    (the law of total variance), applied to the stored ``running_var``. BatchNorm stores the
-    *unbiased* variance and counts batches, not samples, so for :math:`n` values per channel on each
-    rank the result differs from the unbiased variance of all ranks' values by less than :math:`1/n`
-    of the variance (derived in docs/statistics.md; for the statistics of the data themselves, use
-    :func:`recompute_running_stats`). A rank that has seen no batch carries no weight; where no rank
-    has seen one, or a layer keeps no ``num_batches_tracked``, the ranks weigh equally.
-    (``timm.utils.distribute_bn`` averages the variances alone, dropping the between-rank part.)
-    All layers travel in one float64 ``all_reduce``. Each ``num_batches_tracked`` becomes the mean
-    over ranks, rounded. Every rank of the group must call this; outside ``torch.distributed``, or
-    in a group of one, the model is returned unchanged.
+    (the law of total variance), applied to the stored ``running_var``. BatchNorm stores the *unbiased*
+    variance and counts batches, not samples, so for :math:`n` values per channel on each rank the result
+    differs from the unbiased variance of all ranks' values by less than :math:`1/n` of the variance (derived
+    in docs/statistics.md; for the statistics of the data themselves, use :func:`recompute_running_stats`). A
+    rank that has seen no batch carries no weight; where no rank has seen one, or a layer keeps no
+    ``num_batches_tracked``, the ranks weigh equally. (``timm.utils.distribute_bn`` averages the variances
+    alone, dropping the between-rank part.) All layers travel in one float64 ``all_reduce``. Each
+    ``num_batches_tracked`` becomes the mean over ranks, rounded. Every rank of the group must call this;
+    outside ``torch.distributed``, or in a group of one, the model is returned unchanged.
 
     Args:
         model: the model (or a single layer): every ``_BatchNorm`` layer with running statistics takes
@@ -187,16 +186,15 @@ def recompute_running_stats(
 ) -> nn.Module:
     """Set every BatchNorm layer's running statistics to the exact statistics of the given data.
 
-    Runs ``model`` in training mode, without gradients, over ``batches`` on every rank, and sets
-    each BatchNorm layer's ``running_mean`` and ``running_var`` to the mean and unbiased variance of
-    everything that reached it over all batches of all ranks (merged exactly in float64): the
-    population statistics, not an average of per-batch ones. Masked calls count their valid
-    positions only. The in-place activated layers take part too; one handed a tensor of a batch (or
-    a view of it) works on a copy, so the batches are never written over.
-    syncbn layers normalise over all ranks' batches, so every rank must then pass the same number of
-    batches. Modes and ``num_batches_tracked`` are restored afterwards (on an error, the running
-    statistics too). Layers no value reached, and frozen syncbn layers, keep their statistics (a
-    layer a single value reached keeps its variance). See docs/statistics.md.
+    Runs ``model`` in training mode, without gradients, over ``batches`` on every rank, and sets each
+    BatchNorm layer's ``running_mean`` and ``running_var`` to the mean and unbiased variance of everything
+    that reached it over all batches of all ranks (merged exactly in float64): the population statistics, not
+    an average of per-batch ones. Masked calls count their valid positions only. The in-place activated layers
+    take part too; one handed a tensor of a batch (or a view of it) works on a copy, so the batches are never
+    written over. syncbn layers normalise over all ranks' batches, so every rank must then pass the same
+    number of batches. Modes and ``num_batches_tracked`` are restored afterwards (on an error, the running
+    statistics too). Layers no value reached, and frozen syncbn layers, keep their statistics (a layer a
+    single value reached keeps its variance). See docs/statistics.md.
 
     Args:
         model: the model; pass the module itself rather than a DDP wrapper.

@@ -35,8 +35,7 @@ def supported() -> bool:
 
 
 def _host_key() -> float:
-    """A 48-bit key (exact in float64) of the host name, boot id and PID namespace (two containers of
-    one host are two machines)."""
+    """A 48-bit key (exact in float64) of host name, boot id and PID namespace (a container: a machine)."""
     boot = pid_ns = ""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
@@ -161,8 +160,7 @@ _CREDENTIALS = struct.Struct("3i")  # pid, uid, gid
 
 
 class _Server:
-    """Hands ``fd`` to each same-user peer that connects to the abstract socket ``name``; ``OSError``
-    when the socket cannot be made."""
+    """Hands ``fd`` to each same-user peer connecting to the abstract socket ``name`` (else ``OSError``)."""
 
     def __init__(self, name: str, fd: int) -> None:
         self._fd = fd

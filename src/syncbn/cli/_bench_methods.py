@@ -1,10 +1,5 @@
-"""What ``syncbn bench`` times besides syncbn and ``torch.nn.SyncBatchNorm`` (docs/internals/cli.md).
-
-The naive algorithm, a loopback group (syncbn alone) and the fused floor: what a fused-kernel syncbn
-could reach. The floor runs one native kernel of at least a fused kernel's passes over memory either
-side of each of a layer's two real collectives, in a minimal autograd function: its time is a compiled
-syncbn's cost on this machine, dispatch, Python, collectives and lockstep included. Its statistics are
-each rank's own (what is summed is not used): a benchmark aid, not a layer.
+"""What ``syncbn bench`` times besides syncbn and ``torch.nn.SyncBatchNorm`` (docs/internals/cli.md):
+the naive algorithm, a loopback group (syncbn alone) and the fused floor (a fused-kernel syncbn's best).
 """
 
 from __future__ import annotations
@@ -34,11 +29,8 @@ METHODS = ("local", "2xAR", "syncbn", "alone", "naive", "torch")
 
 
 class LoopbackGroup:
-    """A two-member :class:`~syncbn.groups.SumGroup` whose sum is the identity.
-
-    Runs syncbn's whole synchronised code path in one process; the statistics are the local
-    batch's, so the result equals ``nn.BatchNorm``'s.
-    """
+    """A two-member :class:`~syncbn.groups.SumGroup` whose sum is the identity: syncbn's whole
+    synchronised path in one process, with the local batch's statistics (``nn.BatchNorm``'s result)."""
 
     size = 2
     rank = 0
@@ -48,12 +40,8 @@ class LoopbackGroup:
 
 
 class NaiveSyncBatchNorm(nn.Module):
-    """The common naive synchronised batch norm, for comparison only.
-
-    Per-channel mean and mean of squares in the input dtype, averaged over ranks by an
-    autograd-aware ``all_reduce`` (ranks weighted equally: right for equal batches only),
-    ``var = E[x^2] - E[x]^2``, and normalisation by broadcasting arithmetic.
-    """
+    """The common naive synchronised batch norm, for comparison only: ``E[x]``, ``E[x^2]`` in the input
+    dtype averaged over ranks (equal weights: right for equal batches only), ``var = E[x^2] - E[x]^2``."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1) -> None:
         super().__init__()
@@ -117,7 +105,9 @@ TAGS = (groups.Tag(7, groups.PHASE_FORWARD), groups.Tag(7, groups.PHASE_BACKWARD
 
 
 class FusedBound(torch.autograd.Function):
-    """``batch_norm_update_stats``, sum, inference normalisation; backward reduction, sum, input gradient."""
+    """``batch_norm_update_stats``, sum, inference normalisation; backward reduction, sum, input gradient. The
+    floor: at least a fused kernel's passes over memory around each of a layer's two real collectives. The
+    statistics are each rank's own (what is summed is unused): a benchmark aid."""
 
     @staticmethod
     def forward(  # type: ignore[override]

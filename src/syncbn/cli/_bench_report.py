@@ -124,11 +124,7 @@ MANY_FAULTS = 64
 
 
 def allocator_note(records: list[dict[str, Any]]) -> str | None:
-    """A note naming the worst shape when layer calls page-faulted memory in again, else ``None``.
-
-    A synchronised layer pays for such faults twice: its own, and the wait for a peer's
-    (``benchmarks/speed/skew.py``).
-    """
+    """A note naming the worst shape when layer calls page-faulted memory in again, else ``None``."""
     counts = [
         (max(faults.get("local", 0.0), faults.get("syncbn", 0.0)), _name(record["shape"]))
         for record in records
@@ -153,10 +149,7 @@ def targets(
 ) -> list[dict[str, Any]]:
     """One row per target from ``bench_layers``' records and the steps' slowest-rank medians (ms).
 
-    ``e2e``: per net (``deep``, ``wide``, ``resnet``), the eager step per variant (``syncbn``,
-    ``plain``, ``fused``: the fused floor, ``torch``); ``compiled``: per net (``deep``, ``wide``),
-    the compiled step per variant. Rows have ``key``, ``quantity``, ``measured``, ``target``,
-    ``met`` (both ``None`` when not measured), ``detail`` and ``needs``.
+    ``e2e`` and ``compiled``: per net, the step per variant (``fused``: the fused floor).
     """
     compiled, e2e = compiled or {}, e2e or {}
     deep = e2e.get("deep")

@@ -39,13 +39,9 @@ def time_interleaved(
     cpu_times: dict[str, list[float]] | None = None,
     faults: dict[str, list[int]] | None = None,
 ) -> dict[str, list[float]]:
-    """Time each callable ``warmup + iters`` times, interleaved; wall seconds of the timed ones.
-
-    With ``barrier``, every call starts after an untimed ``dist.barrier()``. ``cpu_times``,
-    when given, receives the thread's CPU seconds per call (not inflated by waiting for peers
-    or the scheduler); ``faults``, where the platform counts them per thread (Linux), its minor
-    page faults per call (memory the allocator had given back to the kernel).
-    """
+    """Time each callable ``warmup + iters`` times, interleaved (after an untimed barrier with ``barrier``).
+    Wall seconds of the timed calls; ``cpu_times`` receives the thread's CPU seconds per call (no waiting
+    counted), ``faults`` its minor page faults per call where the platform counts them (Linux)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for it in range(warmup + iters):
         for name, step in steps.items():
@@ -71,7 +67,6 @@ def time_interleaved(
 
 
 def _minor_faults() -> int | None:
-    """This thread's minor page faults so far (``None`` where the platform does not count them)."""
     return None if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD).ru_minflt
 
 
@@ -129,10 +124,8 @@ def bench_layers(
 ) -> list[dict[str, Any]]:
     """Time every method on every shape, on every rank of the default group (or alone, without one).
 
-    One record per shape, the same on every rank: ``median_ms`` per method (the slowest rank's),
-    ``per_rank_median_ms``, ``ratios`` and ``faults_per_call`` (the worst rank's mean minor page
-    faults per call; empty where the platform does not count them per thread). ``extra(x, dy)``
-    adds steps of its own (the developers' methods of ``benchmarks/speed/layers.py``).
+    One record per shape, the same on every rank, of the slowest (worst) rank's medians, ratios and
+    page faults per call; ``extra(x, dy)`` adds steps (``benchmarks/speed/layers.py``'s methods).
     """
     device = device or torch.device("cpu")
     distributed, cuda = dist.is_initialized(), device.type == "cuda"

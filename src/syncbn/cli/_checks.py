@@ -61,12 +61,11 @@ def run_case(
 ) -> dict[str, float]:
     """Run ``case`` on this rank; return the largest error per key against the reference.
 
-    The shard is ``case.sizes[group_rank]`` (``group_rank`` defaults to ``rank``); syncbn runs
-    on ``device`` over ``group``, the reference in float64 on the CPU. Keys: ``output``,
-    ``grad_input``, ``grad_weight``, ``grad_bias``, ``running_mean``, ``running_var`` (those
-    that apply), ``nan`` (1.0 when an output or gradient was not finite) and
-    ``num_batches_tracked`` (the counter's difference). Raises ``AssertionError`` when the
-    output has the wrong dtype, shape or memory format, or there is no input gradient.
+    The shard is ``case.sizes[group_rank]`` (``group_rank`` defaults to ``rank``); syncbn runs on ``device``
+    over ``group``, the reference in float64 on the CPU. Keys: ``output``, ``grad_input``, ``grad_weight``,
+    ``grad_bias``, ``running_mean``, ``running_var`` (those that apply), ``nan`` (1.0 when an output or
+    gradient was not finite) and ``num_batches_tracked`` (the counter's difference). Raises ``AssertionError``
+    when the output has the wrong dtype, shape or memory format, or there is no input gradient.
     """
     device = torch.device(device)
     group_rank = rank if group_rank is None else group_rank
@@ -145,10 +144,8 @@ def run_case(
             for key in ("running_mean", "running_var"):
                 note(key, (getattr(ours, key).double().cpu() - getattr(ref, key)).abs().max().item())
             assert ours.num_batches_tracked is not None and ref.num_batches_tracked is not None
-            note(
-                "num_batches_tracked",
-                float(abs(int(ours.num_batches_tracked) - int(ref.num_batches_tracked))),
-            )
+            tracked = int(ours.num_batches_tracked) - int(ref.num_batches_tracked)
+            note("num_batches_tracked", float(abs(tracked)))
     return errors
 
 

@@ -58,10 +58,8 @@ def group_rows(
     audit: Audit, batch: int | None, world: int | None, chosen: list[int]
 ) -> tuple[list[dict[str, Any]], list[Finding]]:
     """Per group size: the per-group batch and the fewest values per channel any synchronised layer sees.
-
-    ``chosen``: the group sizes the job uses (several with ``--group-size node`` over unequal
-    machines); a chosen size where a layer sees fewer than 2 values per channel is a problem.
-    """
+    ``chosen``: the group sizes the job uses (several with ``--group-size node`` over unequal machines); a
+    chosen size where a layer sees fewer than 2 values per channel is a problem."""
     if batch is None:
         return [], []
     sizes = [k for k in range(1, world + 1) if world % k == 0] if world else [1, 2, 4, 8]

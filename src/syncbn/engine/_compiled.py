@@ -79,10 +79,7 @@ def _traced_forward(
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm of any family over a group, traceable; no running update.
-
-    Returns ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable (constant statistics:
-    ``out`` alone).
-    """
+    ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; constant statistics: ``out``."""
 
     @staticmethod
     def forward(

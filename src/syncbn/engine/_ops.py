@@ -104,8 +104,7 @@ def layer_token(layer: Any) -> Tensor | None:
 
 @_rules.constant_while_tracing
 def tracing_a_checkpointed_region() -> bool:
-    """Whether dynamo is tracing the body of ``torch.utils.checkpoint`` now (where torch 2.13's AOTAutograd
-    cannot recompute the collective)."""
+    """Whether dynamo traces a ``torch.utils.checkpoint`` body (torch 2.13 can't recompute the collective)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 

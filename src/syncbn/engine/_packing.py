@@ -50,10 +50,8 @@ def pack_moments(
     device: torch.device,
     buffer: MomentBuffer | None = None,
 ) -> Tensor:
-    """Local moments as the float64 ``[n, n*mean, n*(var + mean^2)]`` (zeros without ``mean``).
-
-    Written into ``buffer.packed`` when given, else a new tensor on ``device``.
-    """
+    """Local moments as the float64 ``[n, n*mean, n*(var + mean^2)]`` (zeros without ``mean``). Written into
+    ``buffer.packed`` when given, else a new tensor on ``device``."""
     if count == 0:
         if buffer is not None:
             return buffer.packed.zero_()

@@ -68,8 +68,7 @@ def gradient_dtype(weight: Tensor | None, bias: Tensor | None, mean: Tensor) -> 
 def one_value_error(
     x: Tensor, size: int, members: str, layer: Any = None, who: str = "this rank's"
 ) -> ValueError:
-    """The error of a training call whose global count is one (``size`` ``members``, e.g. "ranks of the
-    group"), every family's and path's words."""
+    """The error of a training call whose global count is one over ``size`` ``members``, in every path."""
     where = "" if layer is None else f"layer {_checks.layer_name(layer)}; "
     return ValueError(
         "Expected more than 1 value per channel when training, got 1 value per channel "

@@ -156,10 +156,9 @@ def _low_precision_input_grad(
     weight: Tensor | None,
     stats: Any,
     sums: Tensor,
-    blocked: bool | None = None,
 ) -> Tensor:
     """:func:`input_grad` for 16-bit ``x``: every step in float32, rounded once (the two terms nearly cancel);
-    ``blocked`` (default: on CPU): cache-sized blocks through two float32 buffers."""
+    on CPU in cache-sized blocks through two float32 buffers."""
     eps = stats.eps
     acc = torch.promote_types(stats.mean.dtype, torch.float32)
     mean, var = cast(stats.mean, acc), cast(stats.var, acc)
@@ -168,9 +167,7 @@ def _low_precision_input_grad(
     shift, slope = torch.mul(cast(sums, acc), scale * (-1.0 / stats.total)).unbind(0)
     shape = broadcast_shape(x)
     grad_input = torch.empty_like(x)
-    if blocked is None:
-        blocked = x.device.type == "cpu"
-    if not blocked:
+    if x.device.type != "cpu":
         buf = torch.sub(x, mean.view(shape))  # promoted to float32
         torch.addcmul(shift.view(shape), buf, (slope * invstd).view(shape), out=buf)
         return torch.addcmul(buf, grad_output, scale.view(shape), out=grad_input)

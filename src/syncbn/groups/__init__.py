@@ -1,11 +1,10 @@
 """The communication seam: "sum these tensors across my group", framed.
 
-A :class:`SumGroup` sums a small vector over every member of a group; :class:`ProcessGroupSum`
-wraps a ``torch.distributed`` process group (or, for the CPU ranks of one machine, shared memory);
-:func:`resolve` returns ``None`` where plain batch norm is exact. Every collective is framed
-(:data:`FIELDS`), so ranks at different calls raise :class:`CollectiveError` (``mismatch=True``)
-together. How, and the parts: docs/internals/groups.md (user side: docs/robustness.md). Import
-from ``syncbn.groups``, not from the parts.
+A :class:`SumGroup` sums a small vector over every member of a group; :class:`ProcessGroupSum` wraps a
+``torch.distributed`` process group (or, for the CPU ranks of one machine, shared memory); :func:`resolve`
+returns ``None`` where plain batch norm is exact. Every collective is framed (:data:`FIELDS`), so ranks at
+different calls raise :class:`CollectiveError` (``mismatch=True``) together. How, and the parts:
+docs/internals/groups.md (user side: docs/robustness.md). Import from ``syncbn.groups``, not from the parts.
 """
 
 from __future__ import annotations

@@ -49,8 +49,7 @@ class StepBound:
     """What bounds the first collective of a DDP step, against syncbn's bound (:func:`step_bound`).
 
     Attributes:
-        bound: syncbn's bound on its own waits, in seconds (:func:`syncbn.get_timeout`); ``None``
-            for none of its own.
+        bound: syncbn's bound on its own waits in seconds, ``None`` for none (:func:`syncbn.get_timeout`).
         bound_source: who chose it: ``"set_timeout"``, ``"SYNCBN_TIMEOUT"`` or ``"default"``.
         group_timeout: the process group's own timeout, in seconds: what bounds DDP's collectives.
         broadcast_buffers: whether DDP broadcasts the module buffers at each forward (DDP's
@@ -184,8 +183,7 @@ _USER_STACKLEVEL = 5
 
 
 def _first_step(ddp: nn.Module, args: Any) -> None:
-    """Forward pre-hook of a recorded DDP wrapper, removed at its first step: warn once per process
-    when DDP's buffer broadcast outwaits a bound the user set."""
+    """DDP's pre-hook, gone after its first step: warn once if its broadcast outwaits the user's bound."""
     global _warned
     handle = _step_hooks.pop(ddp, None)
     if handle is not None:

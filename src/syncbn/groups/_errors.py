@@ -29,9 +29,8 @@ _AFTER_FAILURE = (
 class CollectiveError(RuntimeError):
     """A SyncBatchNorm collective timed out, failed, or the ranks made different calls.
 
-    Every argument but ``message`` is kept as the attribute of the same name; pickling and
-    ``copy`` keep the message and every attribute (an error raised in a worker process reaches
-    its parent whole).
+    Every argument but ``message`` is kept as the attribute of the same name; pickling and ``copy`` keep the
+    message and every attribute (an error raised in a worker process reaches its parent whole).
 
     Args:
         message: the full explanation (layer, group, time waited, likely causes).

@@ -45,11 +45,10 @@ def _exchange(size: Any, world: int) -> list[list[int]]:
 def subgroup(size: int | str) -> Any:
     """This rank's process group of ``size`` consecutive ranks, or of this machine's ranks.
 
-    Every rank of the job must call it: the first time it is collective (the ranks compare their
-    ``size`` in one exchange in the job's store, bounded by syncbn's bound, then each creates every
-    group in the same order, so none hangs on a group another never makes). The result is cached
-    per ``size`` for the life of the default group (later calls do not communicate) and destroyed
-    with it.
+    Every rank of the job must call it: the first time it is collective (the ranks compare their ``size`` in
+    one exchange in the job's store, bounded by syncbn's bound, then each creates every group in the same
+    order, so none hangs on a group another never makes). The result is cached per ``size`` for the life of
+    the default group (later calls do not communicate) and destroyed with it.
 
     Use the result as ``process_group=`` of any syncbn layer (or of ``torch.distributed`` calls);
     :func:`syncbn.convert_sync_batchnorm` takes ``group_size=`` as the one-line form. A group whose
@@ -66,13 +65,11 @@ def subgroup(size: int | str) -> Any:
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError: ``size`` does not divide the world size (the message names both), or the
-            ranks asked for different sizes (named per rank); on every rank alike, before any
-            group is made.
+        ValueError: ``size`` does not divide the world size (the message names both), or the ranks asked for
+            different sizes (named per rank); on every rank alike, before any group is made.
         TypeError: ``size`` is neither an int nor ``"node"`` (on every rank alike).
         syncbn.CollectiveError: (``timed_out=True``) a rank did not call it within syncbn's bound
-            (``SYNCBN_TIMEOUT``); on every rank that called, naming the missing ranks, before any
-            group is made.
+            (``SYNCBN_TIMEOUT``); on every rank that called, naming the missing ranks; no group is made.
 
     Example::
 

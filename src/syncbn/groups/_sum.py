@@ -38,10 +38,9 @@ class ProcessGroupSum(FramedTransport):
         shared_memory: ``False`` keeps CPU collectives on the process group's transport even
             where every rank is on one machine; ``None`` follows :func:`syncbn.set_shared_memory`
             / ``SYNCBN_SHM`` (on by default). The ranks agree at the first CPU collective.
-        hierarchical: for a group spanning several machines, sum within each machine through
-            shared memory and across machines over a leaders' subgroup; ``None`` follows
-            ``SYNCBN_HIERARCHICAL`` (on by default). Every rank must choose alike (else every
-            rank raises).
+        hierarchical: for a group spanning several machines, sum within each machine through shared memory and
+            across machines over a leaders' subgroup; ``None`` follows ``SYNCBN_HIERARCHICAL`` (on by
+            default). Every rank must choose alike (else every rank raises).
         own_group: ``process_group`` is one syncbn made for this group alone (the ``Join`` group,
             the hierarchy's subgroups): its frames go over it directly.
 
@@ -105,9 +104,8 @@ class ProcessGroupSum(FramedTransport):
             tensor: the values to sum (any shape; float64, float32, float16 or bfloat16);
                 overwritten with the sum.
             tag: the call's identity (:class:`Tag`); ``None``: anonymous.
-            deferred: check the summed header at the next call instead of now (no
-                device-to-host synchronisation); ``None``: deferred for accelerator tensors
-                outside debug mode.
+            deferred: check the summed header at the next call instead of now (no device-to-host
+                synchronisation); ``None``: deferred for accelerator tensors outside debug mode.
 
         Returns:
             ``tensor``, now holding the sum.

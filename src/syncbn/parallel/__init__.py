@@ -9,9 +9,8 @@ layer makes the others raise :class:`ReplicaSyncError` after :func:`get_replica_
 A single replica is exactly ``nn.BatchNorm``; eval mode and ``freeze=True`` never synchronise;
 the layer's ``process_group`` is not used inside replicas.
 
-:func:`data_parallel` takes the same code path on CPU threads (:func:`replicate`,
-:func:`parallel_apply`, then concatenation), so tests and examples need no GPU.
-See docs/how-it-works.md and docs/internals/transports.md.
+:func:`data_parallel` takes the same code path on CPU threads (:func:`replicate`, :func:`parallel_apply`, then
+concatenation), so tests and examples need no GPU. See docs/how-it-works.md and docs/internals/transports.md.
 """
 
 from .._threads import ReplicaSyncError

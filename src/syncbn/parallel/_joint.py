@@ -96,10 +96,8 @@ def _join(items: list[_Item]) -> list[Tensor]:
 
 
 class _JointBatchNorm(torch.autograd.Function):
-    """Identity on the precomputed outputs in forward; joint backward of all replicas.
-
-    Inputs: every ``active`` replica's ``x`` (those that need grad), then ``weight``, then ``bias``.
-    """
+    """Identity on the precomputed outputs in forward; joint backward of all replicas. Inputs: every
+    ``active`` replica's ``x`` (those that need grad), then ``weight``, then ``bias``."""
 
     @staticmethod
     def forward(

@@ -38,9 +38,8 @@ def get_replica_timeout() -> float:
 def set_replica_timeout(seconds: float) -> float:
     """Set how long a replica waits for the others at a synchronized layer.
 
-    Applies to replications made from now on (each ``nn.DataParallel`` forward makes a new one).
-    When the wait runs out, the waiting replicas raise :class:`~syncbn.parallel.ReplicaSyncError`
-    naming the layer.
+    Applies to replications made from now on (each ``nn.DataParallel`` forward makes a new one). When the wait
+    runs out, the waiting replicas raise :class:`~syncbn.parallel.ReplicaSyncError` naming the layer.
 
     Args:
         seconds: a positive number of seconds, at most ``1e9`` (about 31 years). Default: 120.
@@ -84,8 +83,7 @@ class _Replication:
         return self.declared if self.declared is not None else len(self._members)
 
     def being_made(self) -> bool:
-        """Whether every member is alive and still being made (torch's ``replicate`` gives the replicas
-        their parameters only after making them all)."""
+        """Whether every member is alive and parameterless (torch's ``replicate`` adds them last)."""
         members = [ref() for ref in self._members]
         return all(m is not None and not m._parameters for m in members)
 
@@ -196,9 +194,8 @@ def replicate_call(network: nn.Module, j: int, num_replicas: int) -> Iterator[No
 def attach_replica(master: nn.Module, replica: nn.Module) -> None:
     """Enrol ``replica`` (a fresh replica of ``master``) in its replication.
 
-    Called by :meth:`syncbn.SyncBatchNorm._replicate_for_data_parallel`; users do not call it.
-    The replicas of ``master`` made by one ``replicate`` call share one rendezvous, replica ``j``
-    being member ``j``.
+    Called by :meth:`syncbn.SyncBatchNorm._replicate_for_data_parallel`; users do not call it. The replicas of
+    ``master`` made by one ``replicate`` call share one rendezvous, replica ``j`` being member ``j``.
 
     Args:
         master: the layer being replicated (the one the user holds).
