@@ -35,7 +35,7 @@ def supported() -> bool:
 
 
 def _host_key() -> float:
-    """A 48-bit key (exact in float64) of host name, boot id and PID namespace (a container: a machine)."""
+    """A 48-bit key (exact in float64) of host name, boot id and PID namespace: each container a machine."""
     boot = pid_ns = ""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()

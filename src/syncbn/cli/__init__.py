@@ -1,7 +1,5 @@
-"""Command line: ``python -m syncbn <command>`` (also the ``syncbn`` console script).
-
-Each command lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``.
-"""
+"""Command line: ``python -m syncbn <command>`` (also the ``syncbn`` console script). Each command lives in
+its own module with ``add_arguments(parser)`` and ``run(args) -> int``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""``argparse`` ``type=`` functions: a bad flag value is a usage error (exit 2) before a rank starts.
-
-Each raises ``ArgumentTypeError("expected ... (got '...')")``, which ``argparse`` prints after the flag.
-"""
+"""``argparse`` ``type=`` functions: a bad flag value is a usage error (exit 2) before a rank starts. Each
+raises ``ArgumentTypeError("expected ... (got '...')")``, which ``argparse`` prints after the flag."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Equivalence checks, ``verify``'s and the test suite's: syncbn on W ranks vs float64 ``nn.BatchNorm``.
-
-Every rank of the group runs the same cases in the same order (each runs collectives).
-"""
+"""Equivalence checks, ``verify``'s and the test suite's: syncbn on W ranks vs float64 ``nn.BatchNorm``. Every
+rank of the group runs the same cases in the same order (each runs collectives)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The offline audit of ``syncbn doctor``: what converting a model does to each of its BatchNorm layers.
-
-The bytes counted are the engine's packing, per call of a synchronised layer in training: ``2C + 1``
-float64 values forward, ``2C`` in the accumulation dtype backward. How: docs/internals/cli.md.
-"""
+"""The offline audit of ``syncbn doctor``: what converting a model does to each of its BatchNorm layers. The
+bytes counted are the engine's packing, per call of a synchronised layer in training: ``2C + 1`` float64
+values forward, ``2C`` in the accumulation dtype backward. How: docs/internals/cli.md."""
 
 from __future__ import annotations
 

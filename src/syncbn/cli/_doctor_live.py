@@ -1,8 +1,6 @@
-"""``syncbn doctor --live``: the ranks checked against each other, under ``torchrun`` or on local ranks.
-
-One ``all_gather_object`` of every rank's layers and statistics: the same verdict, and exit code, on
-every rank; only models that line up reach a synchronised collective (docs/internals/cli.md).
-"""
+"""``syncbn doctor --live``: the ranks checked against each other, under ``torchrun`` or on local ranks. One
+``all_gather_object`` of every rank's layers and statistics: the same verdict, and exit code, on every rank;
+only models that line up reach a synchronised collective (docs/internals/cli.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""``syncbn doctor``'s model loading, its report (the JSON document) and the report in words.
-
-The report's keys are documented in docs/doctor.md; the text is made from the report alone.
-"""
+"""``syncbn doctor``'s model loading, its report (the JSON document) and the report in words. The report's
+keys are documented in docs/doctor.md; the text is made from the report alone."""
 
 from __future__ import annotations
 

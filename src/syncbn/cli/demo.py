@@ -1,7 +1,5 @@
 """``python -m syncbn demo``: one conv net trained on digits three ways (:data:`RUNS`), the same start.
-
-``global`` (one process, the whole batch) is the ground truth. Output: docs/getting-started.md.
-"""
+``global`` (one process, the whole batch) is the ground truth. Output: docs/getting-started.md."""
 
 from __future__ import annotations
 

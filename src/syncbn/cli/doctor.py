@@ -1,9 +1,7 @@
-"""``python -m syncbn doctor MODULE:FACTORY``: audit a model's batch norm before a job.
-
-Per normalisation layer: what conversion makes of it, what it sends per step, what a ``group_size``
-gives; with ``--live``, the ranks against each other. Exit code 0: no problem; 1: problems, one
-line each, naming the layer and the fix; 2: a usage error. See docs/doctor.md.
-"""
+"""``python -m syncbn doctor MODULE:FACTORY``: audit a model's batch norm before a job. Per normalisation
+layer: what conversion makes of it, what it sends per step, what a ``group_size`` gives; with ``--live``, the
+ranks against each other. Exit code 0: no problem; 1: problems, one line each, naming the layer and the fix;
+2: a usage error. See docs/doctor.md."""
 
 from __future__ import annotations
 

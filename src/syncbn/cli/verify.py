@@ -1,7 +1,5 @@
-"""``python -m syncbn verify``: the test suite's equivalence matrix (:mod:`._checks`) on this machine.
-
-Exit code 0 when every case passes, 1 otherwise, 2 for a usage error. See docs/getting-started.md.
-"""
+"""``python -m syncbn verify``: the test suite's equivalence matrix (:mod:`._checks`) on this machine. Exit
+code 0 when every case passes, 1 otherwise, 2 for a usage error. See docs/getting-started.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The training layer as traced operations around the one opaque collective, for ``torch.compile``.
-
-One Function for every family; why its backward is explicit: docs/internals/engine.md.
-"""
+"""The training layer as traced operations around the one opaque collective, for ``torch.compile``. One
+Function for every family; why its backward is explicit: docs/internals/engine.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The collective as one ordered, effectful ``torch.library`` operator, for ``torch.compile``.
-
-Schema and registration: docs/internals/engine.md; :func:`all_reduce_sum`: for other layers' traced code.
-"""
+"""The collective as one ordered, effectful ``torch.library`` operator, for ``torch.compile``. Schema and
+registration: docs/internals/engine.md; :func:`all_reduce_sum`: for other layers' traced code."""
 
 from __future__ import annotations
 

@@ -11,13 +11,11 @@ from torch import Tensor
 
 class Statistics(Protocol):
     """Where a training call's statistics come from (``Params.statistics``; docs/architecture.md).
-
-    :meth:`pool` takes this call's group-summed float64 ``[N, S, Q]`` (``(2C + 1,)``, maybe a reused
-    buffer) and returns the ``[N', S', Q']`` to normalise with (``packed`` itself or a new tensor);
-    backward divides by ``N'``. Called once per synchronised training forward, after the collective,
-    on every path: it must not communicate, nor read the host when traced. Not called in eval, when
-    frozen, or by the in-place family's one-process native kernel (taken only with :data:`THIS_CALL`).
-    """
+    :meth:`pool` takes this call's group-summed float64 ``[N, S, Q]`` (``(2C + 1,)``, maybe a reused buffer)
+    and returns the ``[N', S', Q']`` to normalise with (``packed`` itself or a new tensor); backward divides
+    by ``N'``. Called once per synchronised training forward, after the collective, on every path: it must not
+    communicate, nor read the host when traced. Not called in eval, when frozen, or by the in-place family's
+    one-process native kernel (taken only with :data:`THIS_CALL`)."""
 
     def pool(self, packed: Tensor) -> Tensor: ...
 

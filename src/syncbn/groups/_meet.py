@@ -21,13 +21,11 @@ NO_GROUP = "No group was made; the process group is still usable."
 
 
 def meet(caller: str, tag: str, value: str = "", *, consequence: str = "") -> list[str] | None:
-    """Every rank's ``value``, in rank order, once every rank of the job has called with ``tag``.
-
-    ``caller`` names the public call in the error, ``consequence`` is appended to it; ``tag`` is the
-    same on every rank (never the value: ranks asking for different things must meet to raise alike).
-    ``None`` where torch's internals hide the store. Raises ``CollectiveError(timed_out=True)`` on
-    every rank that called when a rank did not arrive within the bound.
-    """
+    """Every rank's ``value``, in rank order, once every rank of the job has called with ``tag``. ``caller``
+    names the public call in the error, ``consequence`` is appended to it; ``tag`` is the same on every rank
+    (never the value: ranks asking for different things must meet to raise alike). ``None`` where torch's
+    internals hide the store. Raises ``CollectiveError(timed_out=True)`` on every rank that called when a rank
+    did not arrive within the bound."""
     found = _own._store_for(None)
     if found is None:
         return None
