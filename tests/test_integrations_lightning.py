@@ -6,12 +6,21 @@ run in the processes of the ``ddp`` Trainer's launch, after its fit (tests/_help
 one launch, read by four tests. The accumulation reference: a plain ``nn.BatchNorm2d`` run once per
 optimizer step on the first layer's inputs of that step's micro-batches of both ranks, and for CmBN
 after each micro-batch the count and mean of the step's inputs of both ranks so far.
+
+Each launch's main process is a fork of this one, made after the ``lightning`` fixture imported
+Lightning (about 6 s of CPU a process): it becomes the script (``sys.argv`` and ``__main__``) and
+calls its ``main``. The ranks it starts are what a user's launch starts: ``ddp`` runs the script
+again in a fresh interpreter for rank 1, ``ddp_spawn`` spawns two fresh interpreters.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import sys
+import time
+import traceback
 from typing import Any
 
 import pytest
@@ -20,7 +29,7 @@ from torch import nn
 
 import syncbn
 from _helpers import torchvision_shim
-from _helpers.integration_models import SubclassBN, make_net, max_error, reference_state, run_script
+from _helpers.integration_models import SubclassBN, make_net, max_error, reference_state
 
 # Lightning is imported by the test that runs it in this process (the `lightning` fixture), not at
 # collection: every xdist worker collects every file, and the import costs about 2 s of CPU.
@@ -84,21 +93,71 @@ def test_plugin_is_a_layersync_that_converts_and_reverts_like_the_converter(ligh
 
 
 _launched: dict[str, str] = {}
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def _launch(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The output folder of ``run_lightning.py STRATEGY``, launched once per module."""
-    if strategy not in _launched:
-        out = str(tmp_path_factory.mktemp(f"lightning_{strategy}"))
-        run_script("run_lightning.py", strategy, out, timeout=480)
-        _launched[strategy] = out
-    return _launched[strategy]
+def _become_the_script(strategy: str, out: str) -> None:
+    """In the forked child: act as ``python run_lightning.py STRATEGY OUT`` would, then run it."""
+    import _helpers.run_lightning as script
+
+    # Lightning's ddp launcher starts rank 1 as `python -m <__main__'s module> <argv[1:]>`.
+    sys.modules["__main__"] = script
+    sys.argv = [script.__file__, strategy, out]
+    src = os.path.join(os.path.dirname(TESTS), "src")
+    os.environ["PYTHONPATH"] = os.pathsep.join([src, TESTS, os.environ.get("PYTHONPATH", "")])
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    script.main(strategy, out)
+
+
+def _launch(strategy: str, tmp_path_factory: pytest.TempPathFactory, timeout: float = 480.0) -> str:
+    """The output folder of ``run_lightning.py STRATEGY``, launched once per module from a fork of
+    this process (in a session of its own: whatever it starts is killed with it)."""
+    if strategy in _launched:
+        return _launched[strategy]
+    out = str(tmp_path_factory.mktemp(f"lightning_{strategy}"))
+    log = os.path.join(out, "launch.log")
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 1
+        try:
+            os.setsid()
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)
+            _become_the_script(strategy, out)
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported through the log
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    status = None
+    while status is None and time.monotonic() < deadline:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        status = code if done else None
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # anything left behind (or everything, past the deadline)
+    except ProcessLookupError:
+        pass
+    if status is None:
+        os.waitpid(pid, 0)
+    with open(log) as f:
+        text = f.read()
+    assert status == 0, (
+        f"run_lightning.py {strategy}: {'no end' if status is None else status}\n{text[-6000:]}"
+    )
+    _launched[strategy] = out
+    return out
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_trainer_on_two_cpu_processes_trains_with_syncbn_and_equals_the_full_batch(
-    strategy: str, tmp_path_factory: pytest.TempPathFactory
+    strategy: str, tmp_path_factory: pytest.TempPathFactory, lightning: Any
 ) -> None:
     tmp_path = _launch(strategy, tmp_path_factory)
     ref = reference_state()
@@ -113,7 +172,7 @@ def test_trainer_on_two_cpu_processes_trains_with_syncbn_and_equals_the_full_bat
 
 @pytest.mark.timeout(600)
 def test_fabric_recipe_on_two_cpu_processes_equals_the_full_batch(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, lightning: Any
 ) -> None:
     tmp_path = _launch("ddp", tmp_path_factory)  # the Fabric recipe ran after the Trainer's fit
     ref = reference_state()
@@ -129,7 +188,7 @@ def _accumulation(tmp_path_factory: pytest.TempPathFactory, normalize: str) -> l
 
 
 @pytest.mark.timeout(600)
-def test_lightning_callback(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_lightning_callback(tmp_path_factory: pytest.TempPathFactory, lightning: Any) -> None:
     for result in _accumulation(tmp_path_factory, "micro-batch"):
         assert len(result["errors"]) == 2 and result["batches"] == 2, result
         assert result["group"] == [0, 1]  # SyncBatchNorm(group_size=2): subgroup(2) of 2 ranks
@@ -137,7 +196,9 @@ def test_lightning_callback(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_lightning_callback_takes_the_option(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_lightning_callback_takes_the_option(
+    tmp_path_factory: pytest.TempPathFactory, lightning: Any
+) -> None:
     # A real Trainer, 2 CPU processes, accumulate_grad_batches=3: after each micro-batch the first
     # layer's carry holds the count and mean of the step's inputs of both ranks so far; after each
     # step its running statistics hold one nn.BatchNorm2d update over them.
