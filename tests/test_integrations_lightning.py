@@ -7,20 +7,18 @@ one launch, read by four tests. The accumulation reference: a plain ``nn.BatchNo
 optimizer step on the first layer's inputs of that step's micro-batches of both ranks, and for CmBN
 after each micro-batch the count and mean of the step's inputs of both ranks so far.
 
-Each launch's main process is a fork of this one, made after the ``lightning`` fixture imported
-Lightning (about 6 s of CPU a process): it becomes the script (``sys.argv`` and ``__main__``) and
-calls its ``main``. The ranks it starts are what a user's launch starts: ``ddp`` runs the script
-again in a fresh interpreter for rank 1, ``ddp_spawn`` spawns two fresh interpreters.
+Each launch's main process is a fork of this one (tests/_helpers/forked.py), made after the
+``lightning`` fixture imported Lightning (about 6 s of CPU a process): it becomes the script
+(``sys.argv`` and ``__main__``) and calls its ``main``. The ranks it starts are what a user's
+launch starts: ``ddp`` runs the script again in a fresh interpreter for rank 1, ``ddp_spawn``
+spawns two fresh interpreters.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import sys
-import time
-import traceback
 from typing import Any
 
 import pytest
@@ -29,6 +27,7 @@ from torch import nn
 
 import syncbn
 from _helpers import torchvision_shim
+from _helpers.forked import run_forked
 from _helpers.integration_models import SubclassBN, make_net, max_error, reference_state
 
 # Lightning is imported by the test that runs it in this process (the `lightning` fixture), not at
@@ -110,48 +109,13 @@ def _become_the_script(strategy: str, out: str) -> None:
     script.main(strategy, out)
 
 
-def _launch(strategy: str, tmp_path_factory: pytest.TempPathFactory, timeout: float = 480.0) -> str:
-    """The output folder of ``run_lightning.py STRATEGY``, launched once per module from a fork of
-    this process (in a session of its own: whatever it starts is killed with it)."""
-    if strategy in _launched:
-        return _launched[strategy]
-    out = str(tmp_path_factory.mktemp(f"lightning_{strategy}"))
-    log = os.path.join(out, "launch.log")
-    pid = os.fork()
-    if pid == 0:  # the child
-        code = 1
-        try:
-            os.setsid()
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            sys.stdout = sys.stderr = open(fd, "w", buffering=1, closefd=False)
-            _become_the_script(strategy, out)
-            code = 0
-        except BaseException:  # noqa: BLE001 - reported through the log
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    status = None
-    while status is None and time.monotonic() < deadline:
-        done, code = os.waitpid(pid, os.WNOHANG)
-        status = code if done else None
-        time.sleep(0.05)
-    try:
-        os.killpg(pid, signal.SIGKILL)  # anything left behind (or everything, past the deadline)
-    except ProcessLookupError:
-        pass
-    if status is None:
-        os.waitpid(pid, 0)
-    with open(log) as f:
-        text = f.read()
-    assert status == 0, (
-        f"run_lightning.py {strategy}: {'no end' if status is None else status}\n{text[-6000:]}"
-    )
-    _launched[strategy] = out
-    return out
+def _launch(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The output folder of ``run_lightning.py STRATEGY``, launched once per module from a fork."""
+    if strategy not in _launched:
+        out = str(tmp_path_factory.mktemp(f"lightning_{strategy}"))
+        run_forked(_become_the_script, strategy, out, log=os.path.join(out, "launch.log"), timeout=480)
+        _launched[strategy] = out
+    return _launched[strategy]
 
 
 @pytest.mark.timeout(600)
