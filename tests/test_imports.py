@@ -24,7 +24,6 @@ LAYERS: dict[str, int] = {
     "syncbn.engine._double_backward": 0,
     "syncbn._shm": 0,
     "syncbn._threads": 0,
-    "syncbn._names": 0,
     "syncbn._accumulating": 0,  # the running-statistics hook of syncbn.accumulation
     "syncbn._cmbn": 2,  # the CmBN statistics hook (torch and the family protocol)
     "syncbn._fx": 0,  # how layers appear in torch.fx graphs (torch only)
