@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers.dist_harness import launch
 from _helpers.load import Load
@@ -544,6 +545,10 @@ _SEGMENT_MAPPING = re.compile(r"(/dev/shm/|/memfd:)syncbn-[0-9]+-[0-9a-f]{12}\b"
 def _cycles(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     import gc
 
+    # What the rank inherited from the test process (torch, sympy: about a million objects) is
+    # left out of the collections below, which look for the garbage of the cycles (seconds each
+    # on a loaded machine otherwise): everything made from here on is collected as before.
+    gc.freeze()
     bn = syncbn.SyncBatchNorm1d(4)
     fds, maps, kept = [], [], []
     # Every rank has finished joining the harness's group before any rank destroys it (a rank
