@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import _accumulating
-from ..families._protocol import THIS_CALL, Record
+from ..families._protocol import THIS_CALL
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
 from ._double_backward import _layout
@@ -18,13 +18,15 @@ from ._double_backward import _layout
 def traced_moments(
     x: Tensor, group: int, token: Tensor | None, stat: torch.dtype, statistics: Any = THIS_CALL
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), pooled, traced."""
+    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), pooled, traced.
+    (Conversions to the dtype a tensor has already are skipped: each is an operation dynamo traces.)"""
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
-    dims, _ = _layout(x)
     if count > 0:
-        var_l, mean_l = torch.var_mean(x.to(_math.accumulation_dtype(x.dtype)), dims, correction=0)
-        mean64, var64 = mean_l.to(torch.float64), var_l.to(torch.float64)
+        acc = _math.accumulation_dtype(x.dtype)
+        var64, mean64 = torch.var_mean(x if x.dtype == acc else x.to(acc), _layout(x)[0], correction=0)
+        if acc != torch.float64:
+            mean64, var64 = mean64.to(torch.float64), var64.to(torch.float64)
         head = torch.ones(1, dtype=torch.float64, device=x.device)
         packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
     else:
@@ -33,14 +35,17 @@ def traced_moments(
         raise _function._expected_more_than_one(x, _function.LOCAL, None)
     flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
     summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags) if group else packed
-    summed = statistics.pool(summed)
+    if statistics is not THIS_CALL:
+        summed = statistics.pool(summed)
     total = summed[0]
     n = total.clamp(min=1.0)
     sums = summed[1:].view(2, channels) / n
     mean64 = sums[0]
     var64 = (sums[1] - mean64 * mean64).clamp(min=0.0)
-    unbiased = (var64 * (total / (total - 1.0).clamp(min=1.0))).to(stat)
-    return total, mean64.to(stat), var64.to(stat), unbiased
+    unbiased = var64 * (total / (total - 1.0).clamp(min=1.0))
+    if stat == torch.float64:
+        return total, mean64, var64, unbiased
+    return total, mean64.to(stat), var64.to(stat), unbiased.to(stat)
 
 
 def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tensor, total: Tensor) -> None:
@@ -51,53 +56,55 @@ def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tens
     weight_t = (total > 0).to(mean.dtype) * params.momentum
     for running, batch in ((running_mean, mean), (running_var, unbiased)):
         if running is not None:
-            running.lerp_(batch.to(running.dtype), weight_t.to(running.dtype))
+            dtype = running.dtype
+            weight = weight_t if weight_t.dtype == dtype else weight_t.to(dtype)
+            running.lerp_(batch if batch.dtype == dtype else batch.to(dtype), weight)
 
 
-def _traced_forward(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
-) -> Record:
-    """The forward of :class:`_TracedSyncBatchNorm`, traced operations only (no autograd state)."""
-    eps, group, token, family = params.eps, params.group, params.layer, params.family
-    running_mean, running_var = params.running_mean, params.running_var
+def _traced_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params) -> Any:
+    """The forward of :class:`_TracedSyncBatchNorm`, traced operations only (no autograd state): ``(out,
+    mean, var, unbiased, total, invstd, weight, bias, correction)``, ``total`` ``None`` in eval."""
+    eps, family, running_mean = params.eps, params.family, params.running_mean
     stat = _rules.statistics_dtype(x, weight, running_mean)
     total = unbiased = None
     if family.training:
-        total, mean, var, unbiased = traced_moments(x, group, token, stat, params.statistics)
+        total, mean, var, unbiased = traced_moments(x, params.group, params.layer, stat, params.statistics)
     else:  # constant statistics: the running ones (the layer has them)
-        assert running_mean is not None and running_var is not None
-        mean, var = running_mean.to(stat), running_var.to(stat)
+        assert running_mean is not None and params.running_var is not None
+        mean, var = running_mean.to(stat), params.running_var.to(stat)
     invstd = torch.rsqrt(var + eps)
     out, weight, bias, correction = family.traced_forward(x, weight, bias, mean, var, invstd, eps)
-    count = x.numel() // x.shape[1] if x.shape[1] else 0
-    return Record(
-        mean, var, eps, total, count, unbiased, 0.0, out, weight, correction, invstd, family.training, bias
-    )
+    return out, mean, var, unbiased, total, invstd, weight, bias, correction
 
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
     """Training batch norm of any family over a group, traceable; no running update.
-    ``(out, mean, unbiased_var, count, var)``, only ``out`` differentiable; constant statistics: ``out``."""
+    ``(out, mean, unbiased_var, count)``, and ``var`` for a family that saves its output (the in-place
+    one), only ``out`` differentiable; constant statistics: ``out``."""
 
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
     ) -> Any:  # type: ignore[override]
-        family = params.family
+        family, token = params.family, params.layer
         if family.saves_output:  # written over a copy, which traced_inplace_abn writes over x (see there)
             x = x.clone()
-        r = _traced_forward(x, weight, bias, params)
+        out, mean, var, unbiased, total, invstd, weight, bias, correction = _traced_forward(
+            x, weight, bias, params
+        )
         # Tensors only (checkpointed regions refuse None): ctx.present marks the optional ones saved.
         ctx.eps, ctx.family, ctx.group = params.eps, family, params.group
-        optional = (r.total, r.weight, r.bias, params.layer)
-        ctx.present = [t is not None for t in optional]
-        extra = [t for t in (*optional, *(r.correction or ())) if t is not None]
-        ctx.save_for_backward(r.out if family.saves_output else x, r.mean, r.invstd, *extra)
-        ctx.param_dtype = _rules.gradient_dtype(r.weight, r.bias, r.mean)
-        if r.total is None:  # constant statistics
-            return r.out
-        ctx.mark_non_differentiable(r.mean, r.unbiased, r.total, r.var)
-        return r.out, r.mean, r.unbiased, r.total, r.var
+        ctx.present = (total is not None, weight is not None, bias is not None, token is not None)
+        extra = [t for t in (total, weight, bias, token, *(correction or ())) if t is not None]
+        ctx.save_for_backward(out if family.saves_output else x, mean, invstd, *extra)
+        ctx.param_dtype = _rules.gradient_dtype(weight, bias, mean)
+        if total is None:  # constant statistics
+            return out
+        if family.saves_output:
+            ctx.mark_non_differentiable(mean, unbiased, total, var)
+            return out, mean, unbiased, total, var
+        ctx.mark_non_differentiable(mean, unbiased, total)
+        return out, mean, unbiased, total
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -115,18 +122,23 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         grad_input = None
         if need_input:
             if total is None:  # constant statistics
-                grad_input = (g * scale).to(saved.dtype)
+                grad_input = g * scale
             else:
                 summed = torch.stack([sum_dy, sum_dy_xhat])
                 if ctx.group:
                     summed = _ops._all_reduce_op(summed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
-                n = total.clamp(min=1.0).to(g.dtype)
+                n = total.clamp(min=1.0)
+                n = n if n.dtype == g.dtype else n.to(g.dtype)
                 mean_dy = (summed[0] / n).view(shape)
                 mean_dy_xhat = (summed[1] / n).view(shape)
-                grad_input = (scale * (g - mean_dy - xhat * mean_dy_xhat)).to(saved.dtype)
+                grad_input = scale * (g - mean_dy - xhat * mean_dy_xhat)
+            grad_input = grad_input if grad_input.dtype == saved.dtype else grad_input.to(saved.dtype)
         sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight, correction)
-        grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
-        grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
+        dtype = ctx.param_dtype
+        grad_weight = (
+            (sum_dy_xhat if sum_dy_xhat.dtype == dtype else sum_dy_xhat.to(dtype)) if need_weight else None
+        )
+        grad_bias = (sum_dy if sum_dy.dtype == dtype else sum_dy.to(dtype)) if need_bias else None
         return grad_input, grad_weight, grad_bias, None
 
 
@@ -135,8 +147,11 @@ def sync_batch_norm(
 ) -> Tensor:
     """Training-mode synchronised batch norm of any family, traced, with the running update."""
     # (a renorm's (r, d) from the statistics before the update below)
-    params = params._replace(family=params.family.snapshot(_ops.snapshot))
-    out, mean, unbiased, total, _ = _TracedSyncBatchNorm.apply(x, weight, bias, params)
+    family = params.family
+    snapshot = family.snapshot(_ops.snapshot)
+    if snapshot is not family:
+        params = params._replace(family=snapshot)
+    out, mean, unbiased, total = _TracedSyncBatchNorm.apply(x, weight, bias, params)
     _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
     traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)
     return out
@@ -153,8 +168,8 @@ def traced_inplace_abn(
         x.copy_(result if isinstance(result, Tensor) else result[0])
         result = x if isinstance(result, Tensor) else (x, *result[1:])
     else:  # the same operations, no autograd state
-        r = _traced_forward(x, weight, bias, params)
-        result = x if r.total is None else (x, r.mean, r.unbiased, r.total, r.var)
+        _, mean, var, unbiased, total, *_ = _traced_forward(x, weight, bias, params)
+        result = x if total is None else (x, mean, unbiased, total, var)
     if not params.family.training:  # eval: the output alone
         return result
     out, mean, unbiased, total, var = result

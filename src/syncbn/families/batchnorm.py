@@ -23,6 +23,11 @@ def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, stat), torch.float32)
 
 
+def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``; traced, no conversion where it has it (each is an operation dynamo traces)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class BatchNorm:
     """One training call of batch norm (stateless: :data:`BATCH_NORM` is the one instance)."""
 
@@ -106,18 +111,18 @@ class BatchNorm:
             weight, bias = self.affine(weight, bias, *correction)
         shape, comp = broadcast_shape(x), _compute_dtype(x, mean.dtype)
         scale = invstd if weight is None else invstd * weight
-        y = (x.to(comp) - mean.to(comp).view(shape)) * scale.to(comp).view(shape)
+        y = (_to(x, comp) - _to(mean, comp).view(shape)) * _to(scale, comp).view(shape)
         if bias is not None:
-            y = y + bias.to(comp).view(shape)
-        return y.to(x.dtype), weight, bias, correction
+            y = y + _to(bias, comp).view(shape)
+        return _to(y, x.dtype), weight, bias, correction
 
     def traced_grad_terms(
         self, x: Tensor, grad: Tensor, weight: Any, bias: Any, mean: Tensor, invstd: Tensor, eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         shape, comp = broadcast_shape(x), _compute_dtype(x, mean.dtype)
-        xhat = (x.to(comp) - mean.to(comp).view(shape)) * invstd.to(comp).view(shape)
-        scale = (invstd if weight is None else invstd * weight).to(comp).view(shape)
-        return grad.to(comp), xhat, scale
+        xhat = (_to(x, comp) - _to(mean, comp).view(shape)) * _to(invstd, comp).view(shape)
+        scale = _to(invstd if weight is None else invstd * weight, comp).view(shape)
+        return _to(grad, comp), xhat, scale
 
     def vmap_error(self, batched_input: bool, batched_parameters: bool) -> str:
         return VMAP
