@@ -154,6 +154,8 @@ def test_only_a_bound_the_user_set_and_ddp_outwaits_warns_at_the_users_line() ->
     line = next(
         i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1) if t.endswith("# USER LINE")
     )
+    import torch._dynamo  # noqa: F401  (DistributedDataParallel() imports it: once here, not in each rank)
+
     for result in launch(_cases, 2, timeout=120):
         assert result["default"] == (0, True), result  # outwaited, as by default, yet quiet
         assert result["above"] == (0,) and result["none"] == (0,) and result["no_broadcast"] == (0,), result
