@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers.dist_harness import launch
 from _helpers.processes import run_in_session
@@ -154,8 +155,6 @@ def test_only_a_bound_the_user_set_and_ddp_outwaits_warns_at_the_users_line() ->
     line = next(
         i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1) if t.endswith("# USER LINE")
     )
-    import torch._dynamo  # noqa: F401  (DistributedDataParallel() imports it: once here, not in each rank)
-
     for result in launch(_cases, 2, timeout=120):
         assert result["default"] == (0, True), result  # outwaited, as by default, yet quiet
         assert result["above"] == (0,) and result["none"] == (0,) and result["no_broadcast"] == (0,), result
