@@ -7,6 +7,9 @@ recipe (``gradient_accumulation_steps=3``) with ``normalize="micro-batch"`` and 
 each commit a plain ``nn.BatchNorm2d`` has run once on the first layer's inputs of the window's
 micro-batches of both ranks; for CmBN after each micro-batch the carry holds the count and mean of
 the window's inputs of both ranks so far.
+
+Each launcher (accelerate's ``notebook_launcher``, which forks the ranks) runs in a fork of this
+process, accelerate already imported (tests/_helpers/forked.py), not in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import pytest
 import torch
 
 import syncbn
-from _helpers.integration_models import make_data, make_net, max_error, reference_state, run_script
+from _helpers.forked import run_forked
+from _helpers.integration_models import make_data, make_net, max_error, reference_state
 
 pytest.importorskip("accelerate")
 
@@ -34,6 +38,18 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
+def _script_main(script: str, out: str) -> None:
+    """In the forked child: ``python tests/_helpers/SCRIPT.py OUT PORT``, without a new interpreter."""
+    import importlib
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    importlib.import_module(f"_helpers.{script}").main(out, _free_port())
+
+
+def _run(script: str, out: str) -> None:
+    run_forked(_script_main, script, out, log=os.path.join(out, f"{script}.log"), timeout=480)
+
+
 _launched: list[str] = []
 
 
@@ -41,7 +57,7 @@ def _launch(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The output folder of ``run_accelerate.py``, launched once per module."""
     if not _launched:
         out = str(tmp_path_factory.mktemp("accelerate"))
-        run_script("run_accelerate.py", out, _free_port(), timeout=480)
+        _run("run_accelerate", out)
         _launched.append(out)
     return _launched[0]
 
@@ -137,7 +153,7 @@ def _identical(a: Any, b: Any) -> bool:
 
 @pytest.mark.timeout(600)
 def test_accelerate_recipe_with_a_device_mesh_on_four_cpu_processes(tmp_path: os.PathLike[str]) -> None:
-    run_script("run_accelerate_mesh.py", str(tmp_path), _free_port(), timeout=480)
+    _run("run_accelerate_mesh", str(tmp_path))
     results = [torch.load(os.path.join(tmp_path, f"accelerate_mesh_rank{r}.pt")) for r in range(4)]
     for result in results:
         # accelerate 1.15 refuses its ParallelismConfig on CPU; the recipe builds the mesh itself.

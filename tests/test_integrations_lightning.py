@@ -6,12 +6,19 @@ run in the processes of the ``ddp`` Trainer's launch, after its fit (tests/_help
 one launch, read by four tests. The accumulation reference: a plain ``nn.BatchNorm2d`` run once per
 optimizer step on the first layer's inputs of that step's micro-batches of both ranks, and for CmBN
 after each micro-batch the count and mean of the step's inputs of both ranks so far.
+
+Each launch's main process is a fork of this one (tests/_helpers/forked.py), made after the
+``lightning`` fixture imported Lightning (about 6 s of CPU a process): it becomes the script
+(``sys.argv`` and ``__main__``) and calls its ``main``. The ranks it starts are what a user's
+launch starts: ``ddp`` runs the script again in a fresh interpreter for rank 1, ``ddp_spawn``
+spawns two fresh interpreters.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -20,7 +27,8 @@ from torch import nn
 
 import syncbn
 from _helpers import torchvision_shim
-from _helpers.integration_models import SubclassBN, make_net, max_error, reference_state, run_script
+from _helpers.forked import run_forked
+from _helpers.integration_models import SubclassBN, make_net, max_error, reference_state
 
 # Lightning is imported by the test that runs it in this process (the `lightning` fixture), not at
 # collection: every xdist worker collects every file, and the import costs about 2 s of CPU.
@@ -84,13 +92,28 @@ def test_plugin_is_a_layersync_that_converts_and_reverts_like_the_converter(ligh
 
 
 _launched: dict[str, str] = {}
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _become_the_script(strategy: str, out: str) -> None:
+    """In the forked child: act as ``python run_lightning.py STRATEGY OUT`` would, then run it."""
+    import _helpers.run_lightning as script
+
+    # Lightning's ddp launcher starts rank 1 as `python -m <__main__'s module> <argv[1:]>`.
+    sys.modules["__main__"] = script
+    sys.argv = [script.__file__, strategy, out]
+    src = os.path.join(os.path.dirname(TESTS), "src")
+    os.environ["PYTHONPATH"] = os.pathsep.join([src, TESTS, os.environ.get("PYTHONPATH", "")])
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    script.main(strategy, out)
 
 
 def _launch(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The output folder of ``run_lightning.py STRATEGY``, launched once per module."""
+    """The output folder of ``run_lightning.py STRATEGY``, launched once per module from a fork."""
     if strategy not in _launched:
         out = str(tmp_path_factory.mktemp(f"lightning_{strategy}"))
-        run_script("run_lightning.py", strategy, out, timeout=480)
+        run_forked(_become_the_script, strategy, out, log=os.path.join(out, "launch.log"), timeout=480)
         _launched[strategy] = out
     return _launched[strategy]
 
@@ -98,7 +121,7 @@ def _launch(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_trainer_on_two_cpu_processes_trains_with_syncbn_and_equals_the_full_batch(
-    strategy: str, tmp_path_factory: pytest.TempPathFactory
+    strategy: str, tmp_path_factory: pytest.TempPathFactory, lightning: Any
 ) -> None:
     tmp_path = _launch(strategy, tmp_path_factory)
     ref = reference_state()
@@ -113,7 +136,7 @@ def test_trainer_on_two_cpu_processes_trains_with_syncbn_and_equals_the_full_bat
 
 @pytest.mark.timeout(600)
 def test_fabric_recipe_on_two_cpu_processes_equals_the_full_batch(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, lightning: Any
 ) -> None:
     tmp_path = _launch("ddp", tmp_path_factory)  # the Fabric recipe ran after the Trainer's fit
     ref = reference_state()
@@ -129,7 +152,7 @@ def _accumulation(tmp_path_factory: pytest.TempPathFactory, normalize: str) -> l
 
 
 @pytest.mark.timeout(600)
-def test_lightning_callback(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_lightning_callback(tmp_path_factory: pytest.TempPathFactory, lightning: Any) -> None:
     for result in _accumulation(tmp_path_factory, "micro-batch"):
         assert len(result["errors"]) == 2 and result["batches"] == 2, result
         assert result["group"] == [0, 1]  # SyncBatchNorm(group_size=2): subgroup(2) of 2 ranks
@@ -137,7 +160,9 @@ def test_lightning_callback(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_lightning_callback_takes_the_option(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_lightning_callback_takes_the_option(
+    tmp_path_factory: pytest.TempPathFactory, lightning: Any
+) -> None:
     # A real Trainer, 2 CPU processes, accumulate_grad_batches=3: after each micro-batch the first
     # layer's carry holds the count and mean of the step's inputs of both ranks so far; after each
     # step its running statistics hold one nn.BatchNorm2d update over them.

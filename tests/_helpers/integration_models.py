@@ -61,31 +61,6 @@ def shard(rank: int, step: int) -> slice:
     return slice(start, start + PER_RANK)
 
 
-def run_script(script: str, *args: str, timeout: float = 300.0) -> None:
-    """Run ``tests/_helpers/<script>`` in a fresh interpreter (it starts its own processes), bounded."""
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    env = dict(os.environ)
-    src = os.path.join(os.path.dirname(tests), "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, tests, env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(here, script), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{script} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-
-
 def max_error(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     """Largest absolute difference over the floating-point entries of two state dicts with equal keys."""
     assert list(state) == list(ref)

@@ -1,6 +1,7 @@
 """Train with Hugging Face accelerate on 2 CPU processes (its notebook launcher, forked).
 
-Launched by tests/test_integrations_accelerate.py: ``python run_accelerate.py OUT_DIR PORT``.
+``python run_accelerate.py OUT_DIR PORT``, or ``main(OUT_DIR, PORT)``, which
+tests/test_integrations_accelerate.py calls in a fork of its own process (accelerate imported).
 The recipe: ``convert_sync_batchnorm`` before ``accelerator.prepare``. The same two processes then
 run the ``syncbn.accumulation`` recipe with a fresh ``Accelerator(gradient_accumulation_steps=3)``
 (tests/_helpers/run_accelerate_accumulation.py): one launch for both.
@@ -63,5 +64,10 @@ def train(out: str) -> None:
     run_accelerate_accumulation.train(out)
 
 
+def main(out: str, port: str) -> None:
+    """accelerate's notebook launcher: 2 forked processes run :func:`train`, on ``port``."""
+    notebook_launcher(train, args=(out,), num_processes=2, use_port=port)
+
+
 if __name__ == "__main__":
-    notebook_launcher(train, args=(sys.argv[1],), num_processes=2, use_port=sys.argv[2])
+    main(sys.argv[1], sys.argv[2])

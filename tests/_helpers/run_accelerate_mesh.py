@@ -1,6 +1,7 @@
 """The accelerate recipe with a ``DeviceMesh`` on 4 CPU processes (accelerate's notebook launcher, forked).
 
-Launched by tests/test_integrations_accelerate.py: ``python run_accelerate_mesh.py OUT_DIR PORT``.
+``python run_accelerate_mesh.py OUT_DIR PORT``, or ``main(OUT_DIR, PORT)``, which
+tests/test_integrations_accelerate.py calls in a fork of its own process (accelerate imported).
 Each rank saves what it saw; the test compares it with ``nn.BatchNorm`` on the global batches.
 
 - accelerate 1.15 refuses a ``ParallelismConfig`` on CPU (``DistributedType.MULTI_CPU``): its error
@@ -117,5 +118,10 @@ def train(out: str) -> None:
     torch.save(result, os.path.join(out, f"accelerate_mesh_rank{accelerator.process_index}.pt"))
 
 
+def main(out: str, port: str) -> None:
+    """accelerate's notebook launcher: 4 forked processes run :func:`train`, on ``port``."""
+    notebook_launcher(train, args=(out,), num_processes=4, use_port=port)
+
+
 if __name__ == "__main__":
-    notebook_launcher(train, args=(sys.argv[1],), num_processes=4, use_port=sys.argv[2])
+    main(sys.argv[1], sys.argv[2])

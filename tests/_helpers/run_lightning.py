@@ -1,6 +1,9 @@
 """Train with a real Lightning Trainer on 2 CPU processes and syncbn's LayerSync plugin.
 
-Launched by tests/test_integrations_lightning.py: ``python run_lightning.py STRATEGY OUT_DIR``.
+``python run_lightning.py STRATEGY OUT_DIR``, or ``main(STRATEGY, OUT_DIR)`` in a process that
+becomes the script: tests/test_integrations_lightning.py forks its own process (Lightning already
+imported) and calls :func:`main` there, the Trainer's main process; ``ddp`` then starts the other
+rank as a fresh interpreter running this script, ``ddp_spawn`` spawns both of its ranks fresh.
 Each rank writes what it saw to OUT_DIR (layer types in training and after fit, final state).
 With ``ddp`` the same two processes then run the Fabric recipe (tests/_helpers/run_fabric.py) and
 the accumulation callback's two Trainers (tests/_helpers/run_lightning_accumulation.py): one launch
@@ -56,8 +59,8 @@ class Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def main() -> None:
-    strategy, out = sys.argv[1], sys.argv[2]
+def main(strategy: str, out: str) -> None:
+    """Fit with ``strategy``; in the main process, return once every rank it started has exited."""
     module = Module(out)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -79,7 +82,12 @@ def main() -> None:
     if strategy == "ddp":  # each process runs on: Fabric finds the processes the Trainer started
         run_fabric.train(out)
         run_lightning_accumulation.train(out)
+    # ddp: the other rank, started by the launcher in this process (none in that rank), has written
+    # its files once it exits.
+    for proc in trainer.strategy.launcher.procs if strategy == "ddp" else []:
+        if proc.wait() != 0:
+            raise RuntimeError(f"rank process {proc.pid} exited with {proc.returncode}")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], sys.argv[2])
