@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 from _helpers.processes import run_in_session
 
 pytest.importorskip("sklearn")

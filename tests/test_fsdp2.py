@@ -36,6 +36,7 @@ import torch.distributed.fsdp as fsdp
 import torch.nn.functional as F
 from torch import nn
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers.abn_reference import reference
 from _helpers.dist_harness import launch_once

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers.forked import run_forked
 from _helpers.integration_models import make_data, make_net, max_error, reference_state

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers import torchvision_shim as _torchvision_shim
 from _helpers.dist_harness import launch
@@ -185,7 +186,9 @@ def _runner_on_ranks(rank: int, world_size: int, work_dir: str) -> dict[str, flo
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     sizes = [4, 4]  # each rank's batch: one iteration per step, the same batch every step
-    data = torch.utils.data.TensorDataset(*_data(rank, sizes))
+    # Three copies: the 3 iterations are one pass, with no restart of the loader (mmengine sleeps 2 s
+    # at each restart).
+    data = torch.utils.data.TensorDataset(*(t.repeat(3, 1, 1, 1) for t in _data(rank, sizes)))
     loader = torch.utils.data.DataLoader(data, batch_size=sizes[rank], shuffle=False)
     model = _Net("ExactSyncBN")
     ref = copy.deepcopy(_Net("BN"))
@@ -217,5 +220,10 @@ def _runner_on_ranks(rank: int, world_size: int, work_dir: str) -> dict[str, flo
 
 
 def test_mmengine_runner_with_pytorch_launcher_on_two_cpu_ranks(tmp_path: os.PathLike[str]) -> None:
+    # What each rank's Runner imports (its visualizer, its environment report): once, here.
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+    import torchvision  # noqa: F401
+
     for errors in launch(_runner_on_ranks, 2, str(tmp_path), timeout=180):
         assert max(errors.values()) < 1e-10, errors

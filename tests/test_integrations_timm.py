@@ -126,58 +126,42 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-3))
 
 
-PER_RANK, WORLD = 4, 2
-
-
-def _reference(name: str) -> dict[str, Any]:
-    """``name`` trained 2 steps in one process on each global batch, the loss divided by the world
-    size as DDP averages the ranks' gradients: its initial copy, each step's batch, outputs and
-    parameter gradients, and its trained state. Made once, in the test process, before the launch:
-    the ranks inherit it through fork instead of each computing it again."""
-    torch.manual_seed(0)
-    ref = timm.create_model(name, pretrained=False, num_classes=3).double()
-    initial = copy.deepcopy(ref)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(1)
-    steps = []
-    for _ in range(2):
-        x = torch.randn(PER_RANK * WORLD, 3, 32, 32, generator=g, dtype=torch.float64) + 1.0
-        up = torch.randn(PER_RANK * WORLD, 3, generator=g, dtype=torch.float64)
-        ref_opt.zero_grad()
-        ref_out = ref(x)
-        ((ref_out * up).sum() / WORLD).backward()  # DDP averages the ranks' gradients
-        grads = [q.grad.clone() for q in ref.parameters()]  # type: ignore[union-attr]
-        steps.append({"x": x, "up": up, "out": ref_out.detach(), "grads": grads})
-        ref_opt.step()
-    return {"initial": initial, "steps": steps, "state": ref.state_dict()}
-
-
-def _ddp_models(rank: int, world_size: int, references: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _ddp_models(rank: int, world_size: int) -> dict[str, Any]:
     """Each timm model under DDP on a shard of the global batch vs one process on all of it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     results: dict[str, Any] = {}
+    per_rank = 4
     for name in MODELS:
-        reference = references[name]
-        model = reference["initial"]  # this process's copy (fork): the reference's initial weights
+        torch.manual_seed(0)
+        ref = timm.create_model(name, pretrained=False, num_classes=3).double()
+        model = copy.deepcopy(ref)
         types = [type(m) for m in model.modules()]
         ddp = DDP(syncbn.convert_sync_batchnorm(model))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1)
         errors: dict[str, float] = {}
-        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        for step, ref in enumerate(reference["steps"]):
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        for step in range(2):
+            x = torch.randn(per_rank * world_size, 3, 32, 32, generator=g, dtype=torch.float64) + 1.0
+            up = torch.randn(per_rank * world_size, 3, generator=g, dtype=torch.float64)
             opt.zero_grad()
-            out = ddp(ref["x"][rows])
-            (out * ref["up"][rows]).sum().backward()
-            errors[f"out{step}"] = _rel(out, ref["out"][rows])
+            ref_opt.zero_grad()
+            out = ddp(x[rows])
+            (out * up[rows]).sum().backward()
+            ref_out = ref(x)
+            ((ref_out * up).sum() / world_size).backward()  # DDP averages the ranks' gradients
+            errors[f"out{step}"] = _rel(out, ref_out[rows])
             # relative to the largest gradient (some are 0 up to rounding: a bias followed by a norm)
-            scale = max(float(q.abs().max()) for q in ref["grads"])
+            scale = max(float(q.grad.abs().max()) for q in ref.parameters())
             errors[f"grad{step}"] = max(
-                float((p.grad - q).abs().max()) / scale
-                for p, q in zip(model.parameters(), ref["grads"], strict=True)
+                float((p.grad - q.grad).abs().max()) / scale
+                for p, q in zip(model.parameters(), ref.parameters())
             )
             opt.step()
-        ref_state = reference["state"]
+            ref_opt.step()
+        ref_state = ref.state_dict()
         errors["state"] = max(
             _rel(v, ref_state[k]) for k, v in model.state_dict().items() if v.is_floating_point()
         )
@@ -195,8 +179,7 @@ def _ddp_models(rank: int, world_size: int, references: dict[str, dict[str, Any]
 
 @pytest.mark.timeout(600)
 def test_timm_models_under_ddp_equal_the_full_batch_reference() -> None:
-    references = {name: _reference(name) for name in MODELS}
-    results = launch(_ddp_models, WORLD, references, timeout=480)
+    results = launch(_ddp_models, 2, timeout=480)
     for rank_result in results:
         for name, result in rank_result.items():
             assert result["same_types"], name

@@ -31,6 +31,7 @@ import pytest
 import torch
 from torch import nn
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers import netns
 from _helpers.load import Load

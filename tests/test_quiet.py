@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers.dist_harness import launch
 from _helpers.processes import run_in_session

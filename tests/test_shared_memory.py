@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers.dist_harness import launch
 from _helpers.equivalence import run_standard_cases, standard_cases, tolerance

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 import syncbn
 from _helpers import netns as _netns
 from _helpers.dist_harness import COLLECTIVE_TIMEOUT_S, launch
@@ -243,13 +244,21 @@ def test_node_groups_on_two_simulated_hosts() -> None:
         assert out["error"] < TOL and out["inplace"] < TOL, (rank, out)
 
 
-def _absent(rank: int, world: int) -> dict[str, Any]:
+def _late(gave_up: Any, others: int) -> None:
+    """Return once ``others`` ranks have given up on this one (at most 60 s): well past their bound."""
+    deadline = time.monotonic() + 60.0
+    while int(gave_up.add("gave up", 0)) < others and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _absent(rank: int, world: int, signal: str) -> dict[str, Any]:
     syncbn.set_timeout(1.5)
+    gave_up = dist.FileStore(signal, world)  # not the job's store: the ranks' own signal
     out: dict[str, Any] = {}
     model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
     calls = {
         0: lambda: syncbn.convert_sync_batchnorm(model, group_size=1),
-        1: lambda: (time.sleep(6.0), groups.subgroup(1)),  # well past the others' bound
+        1: lambda: (_late(gave_up, world - 1), groups.subgroup(1)),  # only once the others gave up
         2: lambda: groups.subgroup(1),
     }
     try:
@@ -259,6 +268,8 @@ def _absent(rank: int, world: int) -> dict[str, Any]:
         out["first"] = str(exc)
         out["waited"] = exc.waited
         out["timed out"] = exc.timed_out
+    if rank != 1:
+        gave_up.add("gave up", 1)
     out["unconverted"] = type(model[1]) is nn.BatchNorm1d
     out["groups after"] = len(dist.distributed_c10d._world.pg_map)
     dist.barrier()  # the default group is still usable; now every rank asks, on time
@@ -270,7 +281,8 @@ def _absent(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_rank_that_does_not_call_subgroup_is_named_within_the_bound() -> None:
-    results = launch(_absent, 3, timeout=90)
+    with tempfile.TemporaryDirectory(prefix="syncbn-subgroups-") as tmp:
+        results = launch(_absent, 3, os.path.join(tmp, "signal"), timeout=90)
     for rank in (0, 2):
         text = results[rank]["first"]
         assert text.startswith("syncbn.groups.subgroup(1) is collective over every rank of the job"), text

@@ -16,6 +16,7 @@ zygote times every exit.
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import os
@@ -102,8 +103,13 @@ def _job(name: str, world_size: int, tmp: str, args: list[Any], frozen: int | No
 
 
 def _serve() -> None:
-    """The zygote: imports torch and syncbn once, then forks the ranks of each job it is sent."""
+    """The zygote: imports torch and syncbn (and what the ranks import) once, then forks each job's ranks."""
+    import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
+
     torch.set_num_threads(1)
+    # The ranks' collections (and their interpreters' exits) skip what the zygote imported, as a
+    # fork server's should: the objects the ranks make themselves are collected as before.
+    gc.freeze()
     for line in sys.stdin:
         _job(**json.loads(line))
         print("done", flush=True)

@@ -180,7 +180,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
                 f"{torch.__version__} has no ordered effectful custom operators, so the synchronised "
                 "layer runs eagerly and dynamo breaks the graph at every syncbn layer"
             )
-        call = self._training_call()
+        call = self._training_call(_rules.in_backward())  # (no replica, not compiling: checked above)
         group = groups.resolve(self._group())
         family = self._family_call(call.recomputing, True)
         weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)

@@ -73,6 +73,7 @@ def synchronized_moments(
     return Record(mean, var, eps, total, count, unbiased, global_count)
 
 
+_OUT = Record._fields.index("out")
 _PHASE_CODES = {"forward": PHASE_FORWARD, "backward": PHASE_BACKWARD}
 
 
@@ -113,10 +114,10 @@ def synchronized_forward(
         native = family.native_forward(x, weight, bias, params, stat_dtype)
         if native is not None:
             return native  # type: ignore[no-any-return]
-    # On CPU the output buffer is the two-pass moments' scratch space (the native kernel needs none).
+    # On CPU the output (16-bit: not): one native_batch_norm call (torch.batch_norm's 3), two-pass scratch.
     out = None
-    if not family.saves_output and _host_side(x) and not _math.uses_native_statistics(x):
-        out = torch.empty_like(x)
+    if not family.saves_output and _host_side(x) and x.dtype not in _math._LOW_PRECISION:
+        out = torch.empty_like(x) if x.is_contiguous() or not _math.uses_native_statistics(x) else None
     moments = synchronized_moments(x, stat_dtype, reduce, one_value_error, eps, out, params.statistics)
     record = family.forward(x, weight, bias, moments, out)
     update_running(moments, params)
@@ -153,7 +154,8 @@ def _save(ctx: Any, x: Tensor, weight: Any, bias: Any, record: Record, params: P
     if family.saves_output:
         ctx.mark_dirty(x)
     ctx.save_for_backward(x, record.weight, weight, bias)  # (x: the output, where written over it)
-    ctx.record, ctx.family = record._replace(out=None), family  # (the output on ctx: a reference cycle)
+    ctx.record = tuple.__new__(Record, (*record[:_OUT], None, *record[_OUT + 1 :]))  # no output (a cycle)
+    ctx.family = family
     ctx.param_dtype = gradient_dtype(weight, bias, x)  # (read only where a parameter needs a gradient)
     ctx.params, ctx.call = params, call
 

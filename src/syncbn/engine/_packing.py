@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..families._arith import _LOW_PRECISION, _per_thread
+from ..families._arith import _LOW_PRECISION, _constant, _per_thread
 
 # Read-only one-element tensors for the head of the packed vector (each saves a call per layer).
 _ONES = {dtype: torch.ones(1, dtype=dtype) for dtype in (torch.float32, torch.float64)}
@@ -30,6 +30,7 @@ class MomentBuffer:
             self.stats = torch.empty(2, channels, dtype=torch.float64, device=device)
             self.scratch_mean = torch.zeros(channels, dtype=torch.float32, device=device)
             self.scratch_var = torch.ones(channels, dtype=torch.float32, device=device)
+            self.widened = torch.empty(channels, dtype=torch.float64, device=device)  # the mean, float64
         self.head = self.packed[0]
         self.sums = self.packed[1:].view(2, channels)
         self.means, self.squares = self.sums.unbind(0)
@@ -65,16 +66,16 @@ def pack_moments(
         packed[channels + 1 :].addcmul_(packed[1 : channels + 1], mean)
         return packed
     # Widening copies into the buffer's rows, one call: a cat that widens costs 3-4 as much on CPU.
-    means, squares = buffer.means, buffer.squares
-    torch._foreach_copy_([means, squares], [mean, var])  # widened exactly to float64
-    buffer.sums.mul_(count)  # [n*mean, n*var]
+    means, squares, widened = buffer.means, buffer.squares, buffer.widened
+    torch._foreach_copy_([means, squares, widened], [mean, var, mean])  # widened exactly to float64
+    buffer.sums.mul_(float(count))  # [n*mean, n*var] (a float: an int scalar is cast, a call more)
     words = buffer.words
     if words is not None:
         words[0] = float(count)
     else:
         buffer.head.fill_(count)
     # n*var + (n*mean)*mean, the float32 mean widened exactly: S and Q describe the same mean.
-    squares.addcmul_(means, mean)
+    squares.addcmul_(means, widened)
     return buffer.packed
 
 
@@ -100,7 +101,7 @@ def unpack_moments(
             mean, var = mine.stat_means, mine.stat_vars
             var.addcmul_(mean, mean, value=-1.0).clamp_(min=0.0)
             mean, var = mine.stats.to(dtype).unbind(0)
-            return count, (mean, var, var * unbias)
+            return count, (mean, var, var * _constant(unbias, dtype))  # type: ignore[arg-type]
         stats = torch.mul(sums, 1.0 / max(count, 1.0))  # [mean, Q/N], a new tensor
     else:
         count = mine.head.clone() if mine is not None else packed[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, TypeVar
 
@@ -89,6 +90,13 @@ def normalize(
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _constant(value: float, dtype: torch.dtype) -> Tensor:
+    """A read-only 0-dim ``value`` in ``dtype`` (a Python float is cast to a tensor on every call)."""
+    with torch.inference_mode(False):
+        return torch.tensor(value, dtype=dtype)
+
+
 # Read-only constants, each saving a call per layer.
 _EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (*_LOW_PRECISION, torch.float32, torch.float64)}
 _ZERO = {dtype: torch.zeros((), dtype=dtype) for dtype in (torch.float32, torch.float64)}
@@ -103,10 +111,14 @@ def backward_sums(
         if layout is not None and not grad_output.is_contiguous(memory_format=layout):
             # The CPU kernel sums 16-bit ``g`` in 16 bits when the formats differ (bfloat16 on torch 2.13).
             grad_output = grad_output.contiguous(memory_format=layout)
-    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+    _, sum_dy_xhat, sum_dy = _native_batch_norm_backward(
         grad_output, x, weight, mean, var, None, None, False, eps, [False, True, True]
     )
     return sum_dy, sum_dy_xhat
+
+
+_native_backward = torch.ops.aten.native_batch_norm_backward  # its C entry (Python __call__s skipped, ~2 us):
+_native_batch_norm_backward: Any = getattr(_native_backward.default, "_op", _native_backward)
 
 
 def memory_format(x: Tensor) -> torch.memory_format | None:
@@ -131,7 +143,9 @@ def input_grad(
     mine = zero is not None and var.is_cpu and sums.dtype is var.dtype is mean.dtype  # (see GradBuffer)
     mine = mine and not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
     buffer = grad_buffer(x.shape[1], var.dtype, x.dim()) if mine else None
-    scale = (var + eps if buffer is None else torch.add(var, eps, out=buffer.scale)).rsqrt_()  # invstd
+    scale = (
+        var + eps if buffer is None else torch.add(var, _constant(eps, var.dtype), out=buffer.scale)
+    ).rsqrt_()
     if weight is not None:
         scale.mul_(weight)
     if zero is not None:  # 0 + sums * scale * (-1/N) in one call (``count`` a float here)
@@ -139,8 +153,9 @@ def input_grad(
         corrections = cast(torch.addcmul(zero, sums, scale, value=-1.0 / count, out=into), mean.dtype)  # type: ignore[arg-type]
     else:
         corrections = cast(torch.mul(sums, scale * (-1.0 / count)), mean.dtype)
-    if buffer is not None:  # its views, made once
+    if buffer is not None:  # its views, made once; one native_batch_norm call, not torch.batch_norm's three
         shift, slope, view = buffer.shift, buffer.slope, buffer.scale_view
+        out = torch.empty_like(x) if out is None and x.is_contiguous() else out
     else:  # per channel: -w*invstd*sum_dy/N, -w*invstd*sum_dy_xhat/N
         (shift, slope), view = corrections.unbind(0), scale.view(broadcast_shape(x))
     if out is None:

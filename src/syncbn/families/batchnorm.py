@@ -91,7 +91,7 @@ class BatchNorm:
         """From the group-summed ``reduced`` (``(2, C)``); zeros for an empty local batch."""
         if record.local_count == 0:
             return torch.zeros_like(x)
-        if reduced.device != x.device:  # nn.DataParallel: summed on the first replica's device
+        if not (x.is_cpu and reduced.is_cpu) and reduced.device != x.device:  # DataParallel: on replica 0's
             reduced = reduced.to(x.device)
         return input_grad(grad, x, weight, record, reduced)
 

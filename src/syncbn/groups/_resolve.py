@@ -32,11 +32,13 @@ def resolve(process_group: Any) -> SumGroup | None:
             ``GroupMember.NON_GROUP_MEMBER`` (``new_group`` left this rank out, where
             ``torch.nn.SyncBatchNorm`` silently runs unsynchronised), on that rank only.
     """
-    # Concrete types first: a runtime Protocol check costs tens of microseconds.
+    # Concrete types first: a runtime Protocol check costs tens of microseconds, dist.ProcessGroup's a few.
+    if type(process_group) in _sum_group_types:  # a ready SumGroup of a type seen before
+        return process_group if process_group.size > 1 else None  # type: ignore[no-any-return]
     if process_group is not None and not isinstance(process_group, (dist.ProcessGroup, ProcessGroupRef)):
         if _mesh.is_mesh(process_group):
             return resolve(_mesh.group_of(process_group)) if is_initialized() else None
-        if type(process_group) in _sum_group_types or isinstance(process_group, SumGroup):
+        if isinstance(process_group, SumGroup):
             _sum_group_types.add(type(process_group))
             return process_group if process_group.size > 1 else None
     if not (dist.is_available() and dist.is_initialized()):
