@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-import _helpers.preload  # noqa: F401  (what the forked ranks import: imported once, here)
 from _helpers.doctor_models import MODELS, Capture, doctor, problem_lines
 
 
