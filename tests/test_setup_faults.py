@@ -208,6 +208,19 @@ def test_a_peer_killed_while_the_other_waits_in_set_up_is_found_within_the_bound
 WIRE_BOUND = 2.0
 
 
+def _wait_gone(pid: int) -> None:
+    """Until process ``pid`` is dead (gone, or a zombie not yet reaped), at most 30 s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+
+
 def _lost_while_the_wire_connects(rank: int, world_size: int) -> dict[str, Any]:
     """Rank 0 dies the moment its gloo address is in the store, before rank 1 connects to it."""
     syncbn.set_timeout(WIRE_BOUND)
@@ -216,9 +229,12 @@ def _lost_while_the_wire_connects(rank: int, world_size: int) -> dict[str, Any]:
     made = dist.ProcessGroupGloo.__init__
 
     def late_or_dying(self: Any, store: Any, *args: Any) -> None:
-        if rank == 1:
-            time.sleep(0.1)  # rank 0's address is published (and rank 0 gone) before this one's
+        if rank == 1:  # connects once rank 0's address is published and rank 0 is gone (a fixed
+            # sleep here lost the race to rank 0's watcher at a load of 20: rank 0 then connected)
+            _wait_gone(int(store.get("victim").decode()))
         else:
+            store.set("victim", str(os.getpid()))
+
             # Gloo publishes this rank's address under "<device>/<rank>" ("0/0"), then connects.
             def watch() -> None:
                 store.wait(["0/0"], timedelta(seconds=30))
