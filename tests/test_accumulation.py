@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import _helpers.compiling  # noqa: F401  (the compiler's modules, inherited by the forked ranks)
 import syncbn
 from _helpers.dist_harness import launch
 from _helpers.marks import HAS_COMPILED_OPS, needs_compiled_ops

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+import _helpers.compiling  # noqa: F401  (the compiler's modules, inherited by the forked ranks)
 import syncbn
 from _helpers.abn_reference import max_error, reference
 from _helpers.dist_harness import launch_once

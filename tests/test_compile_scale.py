@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import _helpers.compiling  # noqa: F401  (the compiler's modules, inherited by the forked ranks)
 import syncbn
 import syncbn.modules
 from _helpers.dist_harness import launch_once

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.algorithms import Join
 
+import _helpers.compiling  # noqa: F401  (the compiler's modules, inherited by the forked ranks)
 import syncbn
 from _helpers.abn_reference import max_error
 from _helpers.dist_harness import launch_once

@@ -202,7 +202,7 @@ class SyncBatchNorm(LayerMixin, _BatchNorm):
             torch._dynamo.graph_break()
         call = self._training_call(False, traced=bool(handle))  # over a group: momentum=None a tensor
         weight, bias = _rules.affine_for_statistics(call.running_mean, self.weight, self.bias)
-        family = self._family_call()
+        family = self._family_call().snapshot(_ops.snapshot)  # (what the traced running update changes)
         if not handle and family is BATCH_NORM and not call.pooled:
             return call.batch_norm(input, weight, bias, self.eps)
         params = call.params(self.eps, handle, _ops.layer_token(self) if handle else None, family)

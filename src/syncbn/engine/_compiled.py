@@ -18,8 +18,7 @@ from ._double_backward import _layout
 def traced_moments(
     x: Tensor, group: int, token: Tensor | None, stat: torch.dtype, statistics: Any = THIS_CALL
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), pooled, traced.
-    (Conversions to the dtype a tensor has already are skipped: each is an operation dynamo traces.)"""
+    """``(count, mean, biased var, unbiased var)`` over the group (``group`` 0: alone), pooled, traced."""
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     if count > 0:
@@ -35,17 +34,16 @@ def traced_moments(
         raise _function._expected_more_than_one(x, _function.LOCAL, None)
     flags = _ops.CHECK_ONE_VALUE if count < 2 else 0
     summed = _ops._all_reduce_op(packed, group, token, PHASE_FORWARD, x, flags) if group else packed
-    if statistics is not THIS_CALL:
-        summed = statistics.pool(summed)
+    summed = summed if statistics is THIS_CALL else statistics.pool(summed)
     total = summed[0]
     n = total.clamp(min=1.0)
     sums = summed[1:].view(2, channels) / n
     mean64 = sums[0]
     var64 = (sums[1] - mean64 * mean64).clamp(min=0.0)
     unbiased = var64 * (total / (total - 1.0).clamp(min=1.0))
-    if stat == torch.float64:
-        return total, mean64, var64, unbiased
-    return total, mean64.to(stat), var64.to(stat), unbiased.to(stat)
+    if stat != torch.float64:
+        unbiased, mean64, var64 = unbiased.to(stat), mean64.to(stat), var64.to(stat)
+    return total, mean64, var64, unbiased
 
 
 def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tensor, total: Tensor) -> None:
@@ -55,15 +53,15 @@ def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tens
         return
     weight_t = (total > 0).to(mean.dtype) * params.momentum
     for running, batch in ((running_mean, mean), (running_var, unbiased)):
-        if running is not None:
+        if running is not None:  # (no conversion where the dtypes agree: one more traced operation)
             dtype = running.dtype
             weight = weight_t if weight_t.dtype == dtype else weight_t.to(dtype)
             running.lerp_(batch if batch.dtype == dtype else batch.to(dtype), weight)
 
 
 def _traced_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params) -> Any:
-    """The forward of :class:`_TracedSyncBatchNorm`, traced operations only (no autograd state): ``(out,
-    mean, var, unbiased, total, invstd, weight, bias, correction)``, ``total`` ``None`` in eval."""
+    """:class:`_TracedSyncBatchNorm`'s forward, traced operations only: ``(out, mean, var, unbiased, total,
+    invstd, weight, bias, correction)`` (``total`` ``None``: constant statistics)."""
     eps, family, running_mean = params.eps, params.family, params.running_mean
     stat = _rules.statistics_dtype(x, weight, running_mean)
     total = unbiased = None
@@ -78,9 +76,9 @@ def _traced_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, param
 
 
 class _TracedSyncBatchNorm(torch.autograd.Function):
-    """Training batch norm of any family over a group, traceable; no running update.
-    ``(out, mean, unbiased_var, count)``, and ``var`` for a family that saves its output (the in-place
-    one), only ``out`` differentiable; constant statistics: ``out``."""
+    """Training batch norm of any family over a group, traceable; no running update. ``(out, mean,
+    unbiased_var, count)``, ``var`` too where :attr:`saves_output`, only ``out`` differentiable; constant
+    statistics: ``out``."""
 
     @staticmethod
     def forward(
@@ -89,22 +87,18 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
         family, token = params.family, params.layer
         if family.saves_output:  # written over a copy, which traced_inplace_abn writes over x (see there)
             x = x.clone()
-        out, mean, var, unbiased, total, invstd, weight, bias, correction = _traced_forward(
-            x, weight, bias, params
-        )
+        out, mean, var, unbiased, total, invstd, weight, bias, corr = _traced_forward(x, weight, bias, params)
         # Tensors only (checkpointed regions refuse None): ctx.present marks the optional ones saved.
         ctx.eps, ctx.family, ctx.group = params.eps, family, params.group
         ctx.present = (total is not None, weight is not None, bias is not None, token is not None)
-        extra = [t for t in (total, weight, bias, token, *(correction or ())) if t is not None]
+        extra = [t for t in (total, weight, bias, token, *(corr or ())) if t is not None]
         ctx.save_for_backward(out if family.saves_output else x, mean, invstd, *extra)
         ctx.param_dtype = _rules.gradient_dtype(weight, bias, mean)
         if total is None:  # constant statistics
             return out
-        if family.saves_output:
-            ctx.mark_non_differentiable(mean, unbiased, total, var)
-            return out, mean, unbiased, total, var
-        ctx.mark_non_differentiable(mean, unbiased, total)
-        return out, mean, unbiased, total
+        outs = (out, mean, unbiased, total, var) if family.saves_output else (out, mean, unbiased, total)
+        ctx.mark_non_differentiable(*outs[1:])
+        return outs
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -127,30 +121,23 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
                 summed = torch.stack([sum_dy, sum_dy_xhat])
                 if ctx.group:
                     summed = _ops._all_reduce_op(summed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
-                n = total.clamp(min=1.0)
-                n = n if n.dtype == g.dtype else n.to(g.dtype)
+                n = total.clamp(min=1.0) if total.dtype == g.dtype else total.clamp(min=1.0).to(g.dtype)
                 mean_dy = (summed[0] / n).view(shape)
                 mean_dy_xhat = (summed[1] / n).view(shape)
                 grad_input = scale * (g - mean_dy - xhat * mean_dy_xhat)
             grad_input = grad_input if grad_input.dtype == saved.dtype else grad_input.to(saved.dtype)
         sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight, correction)
-        dtype = ctx.param_dtype
-        grad_weight = (
-            (sum_dy_xhat if sum_dy_xhat.dtype == dtype else sum_dy_xhat.to(dtype)) if need_weight else None
-        )
-        grad_bias = (sum_dy if sum_dy.dtype == dtype else sum_dy.to(dtype)) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None
+        dtype = ctx.param_dtype  # (no conversion where they have it: each is an operation dynamo traces)
+        grad_weight = sum_dy_xhat if sum_dy_xhat.dtype == dtype else sum_dy_xhat.to(dtype)
+        grad_bias = sum_dy if sum_dy.dtype == dtype else sum_dy.to(dtype)
+        return grad_input, grad_weight if need_weight else None, grad_bias if need_bias else None, None
 
 
 def sync_batch_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params
 ) -> Tensor:
-    """Training-mode synchronised batch norm of any family, traced, with the running update."""
-    # (a renorm's (r, d) from the statistics before the update below)
-    family = params.family
-    snapshot = family.snapshot(_ops.snapshot)
-    if snapshot is not family:
-        params = params._replace(family=snapshot)
+    """Training-mode synchronised batch norm of any family, traced, with the running update; ``params.family``
+    is its ``snapshot`` (a renorm's ``(r, d)`` from the statistics before the update)."""
     out, mean, unbiased, total = _TracedSyncBatchNorm.apply(x, weight, bias, params)
     _accumulating.observe(params.running_mean, total, mean, unbiased, params.momentum, unbiased=True)
     traced_update_running(params, mean, unbiased, total)  # (syncbn.accumulation observed it above)

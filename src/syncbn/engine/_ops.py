@@ -96,8 +96,7 @@ def _live_group(handle: int) -> Any:
 def layer_token(layer: Any) -> Tensor | None:
     """The token a compiled graph carries for ``layer`` (or ``None``): an attribute read, safe traced."""
     state = None if layer is None else layer.__dict__.get("_syncbn_state")
-    token: Tensor | None = None if state is None else state.token
-    return token
+    return None if state is None else state.token  # type: ignore[no-any-return]
 
 
 @_rules.constant_while_tracing
@@ -140,9 +139,7 @@ def _all_reduce_impl(
     if owner is None and layer is not None:
         _warn_unbound()
     summed = _framed_sum(groups.joined(_live_group(group)), tensor, owner, phase, source, flags)
-    if summed.data_ptr() == tensor.data_ptr():
-        summed = summed.clone()
-    return summed
+    return summed.clone() if summed.data_ptr() == tensor.data_ptr() else summed
 
 
 @functools.cache  # warned once

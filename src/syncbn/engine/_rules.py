@@ -39,11 +39,9 @@ def in_backward() -> bool:
 
 def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
     """The statistics dtype: the parameters' or buffers' when there are any, else after the input."""
-    if weight is not None:
-        return weight.dtype
-    if running_mean is not None:
-        return running_mean.dtype
-    return _math.accumulation_dtype(x.dtype)
+    if weight is not None or running_mean is None:
+        return weight.dtype if weight is not None else _math.accumulation_dtype(x.dtype)
+    return running_mean.dtype
 
 
 def affine_for_statistics(
@@ -60,9 +58,7 @@ def affine_for_statistics(
 
 def gradient_dtype(weight: Tensor | None, bias: Tensor | None, mean: Tensor) -> torch.dtype:
     """The dtype of the weight and bias gradients: the parameters', else the statistics' (``mean``)."""
-    if weight is not None:
-        return weight.dtype
-    return bias.dtype if bias is not None else mean.dtype
+    return weight.dtype if weight is not None else bias.dtype if bias is not None else mean.dtype
 
 
 def one_value_error(

@@ -23,8 +23,7 @@ def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, stat), torch.float32)
 
 
-def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` in ``dtype``; traced, no conversion where it has it (each is an operation dynamo traces)."""
+def _to(t: Tensor, dtype: torch.dtype) -> Tensor:  # traced: no conversion (an operation) where it has it
     return t if t.dtype == dtype else t.to(dtype)
 
 
