@@ -28,37 +28,30 @@ import pytest  # noqa: E402
 # controlling process loads this file too, runs no test, and would spend about 5 s of CPU on the
 # import before it starts the workers.
 
-# The files that take longest (seconds of test time in a quiet `-n 2` run of 923 tests on 2 cores,
-# db2c5d2), started first: with `--dist loadfile` each xdist worker takes the next whole file in
+# The files that take longest (seconds of test time in a quiet `-n 2` run of 925 tests on 2 cores,
+# stop 47), started first: with `--dist loadfile` each xdist worker takes the next whole file in
 # collection order, and a long file taken last leaves the other worker idle until it ends. The
 # other files follow in their usual order. A guide, not a contract: a file missing here still runs.
 HEAVY_FILES = {
-    "test_compile_scale.py": 78,
-    "test_bench.py": 78,
-    "test_cli.py": 53,
-    "test_integrations_lightning.py": 49,
-    "test_compile.py": 47,
-    "test_faults.py": 38,
-    "test_setup_faults.py": 35,
-    "test_accumulation.py": 34,
-    "test_quiet.py": 31,
-    "test_family_matrix.py": 29,
-    "test_integrations_accelerate.py": 24,
-    "test_multihost.py": 17,
-    "test_shared_memory.py": 17,
-    "test_compile_shapes.py": 16,
-    "test_compile_kernels.py": 16,
-    "test_compile_graph_input.py": 15,
-    "test_teardown.py": 15,
-    "test_integrations_timm.py": 14,
-    "test_subgroups.py": 14,
+    "test_compile_scale.py": 52,
+    "test_bench.py": 34,
+    "test_cli.py": 33,
+    "test_compile.py": 32,
+    "test_integrations_lightning.py": 30,
+    "test_faults.py": 29,
+    "test_accumulation.py": 29,
+    "test_setup_faults.py": 28,
+    "test_family_matrix.py": 22,
+    "test_integrations_timm.py": 21,
+    "test_compile_graph_input.py": 20,
+    "test_quiet.py": 17,
+    "test_compile_shapes.py": 17,
+    "test_shared_memory.py": 16,
+    "test_multihost.py": 14,
     "test_robustness.py": 14,
-    "test_doctor_live.py": 14,
-    "test_group_lifetime.py": 13,
-    "test_renorm.py": 12,
-    "test_dead_peer.py": 12,
-    "test_cmbn_ranks.py": 11,
-    "test_fsdp2.py": 11,
+    "test_doctor_live.py": 12,
+    "test_dead_peer.py": 11,
+    "test_teardown.py": 10,
 }
 
 
