@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import _accumulating
+from ..families._arith import as_dtype
 from ..families._protocol import THIS_CALL
 from ..groups import PHASE_BACKWARD, PHASE_FORWARD
 from . import _function, _math, _ops, _rules
@@ -23,7 +24,7 @@ def traced_moments(
     count = x.numel() // channels if channels else 0
     if count > 0:
         acc = _math.accumulation_dtype(x.dtype)
-        var64, mean64 = torch.var_mean(x if x.dtype == acc else x.to(acc), _layout(x)[0], correction=0)
+        var64, mean64 = torch.var_mean(as_dtype(x, acc), _layout(x)[0], correction=0)
         if acc != torch.float64:
             mean64, var64 = mean64.to(torch.float64), var64.to(torch.float64)
         head = torch.ones(1, dtype=torch.float64, device=x.device)
@@ -53,10 +54,8 @@ def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tens
         return
     weight_t = (total > 0).to(mean.dtype) * params.momentum
     for running, batch in ((running_mean, mean), (running_var, unbiased)):
-        if running is not None:  # (no conversion where the dtypes agree: one more traced operation)
-            dtype = running.dtype
-            weight = weight_t if weight_t.dtype == dtype else weight_t.to(dtype)
-            running.lerp_(batch if batch.dtype == dtype else batch.to(dtype), weight)
+        if running is not None:
+            running.lerp_(as_dtype(batch, running.dtype), as_dtype(weight_t, running.dtype))
 
 
 def _traced_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, params: _function.Params) -> Any:
@@ -121,15 +120,13 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
                 summed = torch.stack([sum_dy, sum_dy_xhat])
                 if ctx.group:
                     summed = _ops._all_reduce_op(summed, ctx.group, token, PHASE_BACKWARD, grad_output, 0)
-                n = total.clamp(min=1.0) if total.dtype == g.dtype else total.clamp(min=1.0).to(g.dtype)
+                n = as_dtype(total.clamp(min=1.0), g.dtype)
                 mean_dy = (summed[0] / n).view(shape)
                 mean_dy_xhat = (summed[1] / n).view(shape)
                 grad_input = scale * (g - mean_dy - xhat * mean_dy_xhat)
-            grad_input = grad_input if grad_input.dtype == saved.dtype else grad_input.to(saved.dtype)
+            grad_input = as_dtype(grad_input, saved.dtype)
         sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight, correction)
-        dtype = ctx.param_dtype  # (no conversion where they have it: each is an operation dynamo traces)
-        grad_weight = sum_dy_xhat if sum_dy_xhat.dtype == dtype else sum_dy_xhat.to(dtype)
-        grad_bias = sum_dy if sum_dy.dtype == dtype else sum_dy.to(dtype)
+        grad_weight, grad_bias = as_dtype(sum_dy_xhat, ctx.param_dtype), as_dtype(sum_dy, ctx.param_dtype)
         return grad_input, grad_weight if need_weight else None, grad_bias if need_bias else None, None
 
 

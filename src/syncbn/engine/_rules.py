@@ -39,9 +39,11 @@ def in_backward() -> bool:
 
 def statistics_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
     """The statistics dtype: the parameters' or buffers' when there are any, else after the input."""
-    if weight is not None or running_mean is None:
-        return weight.dtype if weight is not None else _math.accumulation_dtype(x.dtype)
-    return running_mean.dtype
+    if weight is not None:
+        return weight.dtype
+    if running_mean is not None:
+        return running_mean.dtype
+    return _math.accumulation_dtype(x.dtype)
 
 
 def affine_for_statistics(

@@ -90,6 +90,11 @@ def normalize(
     return out
 
 
+def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``, unconverted where it has it (traced, a ``to`` is an operation dynamo records)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 @functools.lru_cache(maxsize=256)
 def _constant(value: float, dtype: torch.dtype) -> Tensor:
     """A read-only 0-dim ``value`` in ``dtype`` (a Python float is cast to a tensor on every call)."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._arith import backward_sums, broadcast_shape, input_grad, normalize
+from ._arith import as_dtype, backward_sums, broadcast_shape, input_grad, normalize
 from ._protocol import Record
 
 VMAP = (
@@ -21,10 +21,6 @@ VMAP = (
 def _compute_dtype(x: Tensor, stat: torch.dtype) -> torch.dtype:
     """The dtype traced elementwise work runs in: the statistics' or the input's, whichever is wider."""
     return torch.promote_types(torch.promote_types(x.dtype, stat), torch.float32)
-
-
-def _to(t: Tensor, dtype: torch.dtype) -> Tensor:  # traced: no conversion (an operation) where it has it
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 class BatchNorm:
@@ -110,18 +106,18 @@ class BatchNorm:
             weight, bias = self.affine(weight, bias, *correction)
         shape, comp = broadcast_shape(x), _compute_dtype(x, mean.dtype)
         scale = invstd if weight is None else invstd * weight
-        y = (_to(x, comp) - _to(mean, comp).view(shape)) * _to(scale, comp).view(shape)
+        y = (as_dtype(x, comp) - as_dtype(mean, comp).view(shape)) * as_dtype(scale, comp).view(shape)
         if bias is not None:
-            y = y + _to(bias, comp).view(shape)
-        return _to(y, x.dtype), weight, bias, correction
+            y = y + as_dtype(bias, comp).view(shape)
+        return as_dtype(y, x.dtype), weight, bias, correction
 
     def traced_grad_terms(
         self, x: Tensor, grad: Tensor, weight: Any, bias: Any, mean: Tensor, invstd: Tensor, eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         shape, comp = broadcast_shape(x), _compute_dtype(x, mean.dtype)
-        xhat = (_to(x, comp) - _to(mean, comp).view(shape)) * _to(invstd, comp).view(shape)
-        scale = _to(invstd if weight is None else invstd * weight, comp).view(shape)
-        return _to(grad, comp), xhat, scale
+        xhat = (as_dtype(x, comp) - as_dtype(mean, comp).view(shape)) * as_dtype(invstd, comp).view(shape)
+        scale = as_dtype(invstd if weight is None else invstd * weight, comp).view(shape)
+        return as_dtype(grad, comp), xhat, scale
 
     def vmap_error(self, batched_input: bool, batched_parameters: bool) -> str:
         return VMAP
