@@ -84,8 +84,8 @@ def _train_side_by_side(
             for m in (eager, compiled):
                 m.eval()
             xe = X[:2]
-            # static, as a graph with no size symbol compiles its unused backward lazily (never
-            # here); a dynamic one compiles it eagerly: three kernels for nothing. Still an eval graph.
+            # A static eval batch: its backward (never run) is then compiled lazily, i.e. not at all;
+            # a dynamic one compiles it eagerly. The eval graph and its numerics stay compared here.
             torch._dynamo.mark_static(xe, 0)
             worst = max(worst, _err(eager(xe), compiled(xe)))
             for m in (eager, compiled):
@@ -162,8 +162,8 @@ def _distributed(rank: int, world_size: int) -> dict[str, Any]:
         if name == "DDP(compile(m))":
             comp = nn.parallel.DistributedDataParallel(torch.compile(comp_m))
         else:
-            # dynamo tracing DDP and its hooks, the compiled operator under AOTAutograd; inductor's
-            # kernels on the DDP path are DDP(compile(m))'s (and the fullgraph case's), not redone here
+            # dynamo over DDP and its hooks, the operator under AOTAutograd; inductor's kernels on
+            # the DDP path stay covered by DDP(compile(m)) above (and the mlp fullgraph case)
             comp = torch.compile(nn.parallel.DistributedDataParallel(comp_m), backend="aot_eager")
         out[name] = _train_side_by_side(
             eager_ddp, comp, (eager_m, comp_m), rank, conv_steps, ((3, 8, 8), (8, 6, 6))
