@@ -165,6 +165,24 @@ def test_only_a_bound_the_user_set_and_ddp_outwaits_warns_at_the_users_line() ->
         assert result["once"] == 0
 
 
+def test_the_first_step_hook_is_traced_without_a_graph_break_and_leaves_at_an_eager_step() -> None:
+    # compile(DDP(m)) traces the pre-hook syncbn puts on each DDP model. Popping its handle while
+    # traced broke the graph (dynamo cannot hold a hook handle) and dynamo then ran the whole DDP
+    # frame eagerly; traced, the hook now does nothing, and the first eager step removes it.
+    import torch._dynamo
+
+    from syncbn.groups import _ddp
+
+    torch._dynamo.reset()
+    model = nn.Linear(2, 2)
+    _ddp._step_hooks[model] = model.register_forward_pre_hook(_ddp._first_step)
+    x = torch.randn(3, 2)
+    torch.compile(model, backend="eager", fullgraph=True)(x)  # a graph break raises here
+    assert model in _ddp._step_hooks and len(model._forward_pre_hooks) == 1
+    model(x)
+    assert model not in _ddp._step_hooks and len(model._forward_pre_hooks) == 0
+
+
 class _OwnForward(nn.BatchNorm2d):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return super().forward(input) * 2

@@ -185,13 +185,16 @@ _USER_STACKLEVEL = 5
 def _first_step(ddp: nn.Module, args: Any) -> None:
     """DDP's pre-hook, gone after its first step: warn once if its broadcast outwaits the user's bound."""
     global _warned
+    if torch.compiler.is_compiling():
+        # Traced (compile(DDP(m))): nothing here, not even the removal (dynamo cannot hold a hook
+        # handle, and a graph break in DDP's pre-hook sent the whole DDP frame back to eager); an
+        # eager step removes it. No process-group read either: the doctor states the finding.
+        return
     handle = _step_hooks.pop(ddp, None)
     if handle is not None:
         handle.remove()
     if _warned or _config.timeout_source() == "default" or not getattr(ddp, "broadcast_buffers", False):
         return  # the common case: quiet
-    if torch.compiler.is_compiling():
-        return  # traced (compile(DDP(m))): no process-group read; the doctor states the finding
     finding = step_bound(ddp)
     if finding.user_bound_outwaited:
         _warned = True
