@@ -24,9 +24,8 @@ def traced_moments(
     count = x.numel() // channels if channels else 0
     if count > 0:
         acc = _math.accumulation_dtype(x.dtype)
-        var64, mean64 = torch.var_mean(as_dtype(x, acc), _layout(x)[0], correction=0)
-        if acc != torch.float64:
-            mean64, var64 = mean64.to(torch.float64), var64.to(torch.float64)
+        var_l, mean_l = torch.var_mean(as_dtype(x, acc), _layout(x)[0], correction=0)
+        mean64, var64 = as_dtype(mean_l, torch.float64), as_dtype(var_l, torch.float64)
         head = torch.ones(1, dtype=torch.float64, device=x.device)
         packed = torch.cat([head, mean64, var64 + mean64 * mean64]) * count
     else:
@@ -42,9 +41,7 @@ def traced_moments(
     mean64 = sums[0]
     var64 = (sums[1] - mean64 * mean64).clamp(min=0.0)
     unbiased = var64 * (total / (total - 1.0).clamp(min=1.0))
-    if stat != torch.float64:
-        unbiased, mean64, var64 = unbiased.to(stat), mean64.to(stat), var64.to(stat)
-    return total, mean64, var64, unbiased
+    return total, as_dtype(mean64, stat), as_dtype(var64, stat), as_dtype(unbiased, stat)
 
 
 def traced_update_running(params: _function.Params, mean: Tensor, unbiased: Tensor, total: Tensor) -> None:
@@ -126,8 +123,9 @@ class _TracedSyncBatchNorm(torch.autograd.Function):
                 grad_input = scale * (g - mean_dy - xhat * mean_dy_xhat)
             grad_input = as_dtype(grad_input, saved.dtype)
         sum_dy_xhat, sum_dy = family.parameter_grads(sum_dy, sum_dy_xhat, weight, correction)
-        grad_weight, grad_bias = as_dtype(sum_dy_xhat, ctx.param_dtype), as_dtype(sum_dy, ctx.param_dtype)
-        return grad_input, grad_weight if need_weight else None, grad_bias if need_bias else None, None
+        grad_weight = as_dtype(sum_dy_xhat, ctx.param_dtype) if need_weight else None
+        grad_bias = as_dtype(sum_dy, ctx.param_dtype) if need_bias else None
+        return grad_input, grad_weight, grad_bias, None
 
 
 def sync_batch_norm(

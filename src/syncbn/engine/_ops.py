@@ -96,7 +96,8 @@ def _live_group(handle: int) -> Any:
 def layer_token(layer: Any) -> Tensor | None:
     """The token a compiled graph carries for ``layer`` (or ``None``): an attribute read, safe traced."""
     state = None if layer is None else layer.__dict__.get("_syncbn_state")
-    return None if state is None else state.token  # type: ignore[no-any-return]
+    token: Tensor | None = None if state is None else state.token
+    return token
 
 
 @_rules.constant_while_tracing

@@ -60,7 +60,9 @@ def affine_for_statistics(
 
 def gradient_dtype(weight: Tensor | None, bias: Tensor | None, mean: Tensor) -> torch.dtype:
     """The dtype of the weight and bias gradients: the parameters', else the statistics' (``mean``)."""
-    return weight.dtype if weight is not None else bias.dtype if bias is not None else mean.dtype
+    if weight is not None:
+        return weight.dtype
+    return bias.dtype if bias is not None else mean.dtype
 
 
 def one_value_error(
